@@ -1,0 +1,20 @@
+#pragma once
+// Tasks of the IR: one operator application each (an aten op, or a prim op that builds
+// lists and tuples), with the module it was called in and its source location.
+#include <string>
+#include <vector>
+
+#include "ir/value.h"
+
+namespace rannc::ir {
+
+struct Task {
+  TaskId id = kNoId;
+  std::string op;  // qualified operator name, "aten::linear"
+  std::vector<ValueId> inputs;
+  std::vector<ValueId> outputs;
+  std::string scope;   // module path that called it, "encoder.layers.3.self_attn"
+  std::string source;  // file:line of the Python code that called it
+};
+
+}  // namespace rannc::ir

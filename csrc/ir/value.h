@@ -1,0 +1,80 @@
+#pragma once
+// Values of the IR: tensors and the other IValues (ints, lists, constants) that flow
+// between tasks. Plain data; no torch here.
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace rannc::ir {
+
+using ValueId = int32_t;
+using TaskId = int32_t;
+inline constexpr int32_t kNoId = -1;
+
+enum class DType : uint8_t {
+  Undefined, Float32, Float64, Float16, BFloat16, Int64, Int32, Int16, Int8, UInt8, Bool,
+  Complex64, Complex128,
+};
+
+std::string_view dtypeName(DType dtype);
+// Bytes per element (0 for Undefined).
+int64_t dtypeSize(DType dtype);
+
+enum class ValueKind : uint8_t {
+  Tensor, Int, Float, Bool, String, None, Device, IntList, FloatList, BoolList, TensorList,
+  Tuple, Other,
+};
+
+std::string_view valueKindName(ValueKind kind);
+
+// Where a value comes from.
+enum class ValueRole : uint8_t {
+  Input,         // a tensor argument of the model (after flattening args and kwargs)
+  Param,         // a parameter of the module
+  Buffer,        // a buffer of the module (batch-norm statistics, say)
+  Constant,      // a constant baked into the trace
+  Intermediate,  // produced by a task
+};
+
+std::string_view valueRoleName(ValueRole role);
+
+struct Value {
+  ValueId id = kNoId;
+  std::string name;
+  ValueKind kind = ValueKind::Tensor;
+  ValueRole role = ValueRole::Intermediate;
+  DType dtype = DType::Undefined;
+  std::vector<int64_t> shape;  // at the traced batch size; empty for scalars and non-tensors
+
+  // [Note: batch values] A tensor carries the batch dimension when one of its dimensions
+  // is batch_multiple * (batch size): found by propagation from the batch inputs and
+  // confirmed by running the graph at a second batch size. Such a tensor can be cut into
+  // row intervals of the batch; every other value is the same for every micro-batch.
+  int32_t batch_dim = -1;
+  int64_t batch_multiple = 0;
+  // Depends on a batch input at all (sizes, batch-reduced scalars such as the loss too).
+  bool batch_dependent = false;
+  // A scalar output that reduces over the batch: the loss the backward starts from.
+  bool is_loss = false;
+  bool requires_grad = false;
+
+  // The printed form of a constant (part of the content hash).
+  std::string constant;
+
+  TaskId producer = kNoId;
+  std::vector<TaskId> consumers;
+
+  bool isBatch() const { return batch_dim >= 0; }
+  bool isTensor() const { return kind == ValueKind::Tensor; }
+  bool isConstant() const { return role == ValueRole::Constant; }
+  bool isModelState() const { return role == ValueRole::Param || role == ValueRole::Buffer; }
+  int64_t numel() const;
+  // Bytes of the tensor at the traced shape (0 for non-tensors).
+  int64_t bytes() const;
+};
+
+// A short printed form: `name: Float32[8,?16,4]` where ? marks the batch dimension.
+std::string describe(const Value& value);
+
+}  // namespace rannc::ir
