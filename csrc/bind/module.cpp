@@ -1,0 +1,167 @@
+// The only pybind11 code: exposes the IR, the traced model and the library's exceptions
+// to python/rannc. Torch's own pybind11 is used so torch._C.Graph and tensors pass through.
+#include <torch/extension.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
+
+#include "common/error.h"
+#include "common/log.h"
+#include "frontend/convert.h"
+#include "frontend/interpreter.h"
+#include "ir/serialize.h"
+#include "ir/subgraph.h"
+
+namespace py = pybind11;
+using namespace rannc;
+
+namespace {
+
+std::vector<c10::IValue> toIValues(const std::vector<at::Tensor>& tensors) {
+  return {tensors.begin(), tensors.end()};
+}
+
+py::list toPython(const std::vector<c10::IValue>& values) {
+  py::list out;
+  for (const auto& v : values) out.append(torch::jit::toPyObject(v));
+  return out;
+}
+
+ir::ValueRole roleFromName(const std::string& name) {
+  if (name == "input") return ir::ValueRole::Input;
+  if (name == "param") return ir::ValueRole::Param;
+  if (name == "buffer") return ir::ValueRole::Buffer;
+  throw Error("unknown graph input role '" + name + "' (expected input, param or buffer)");
+}
+
+py::dict valueToDict(const ir::Value& v) {
+  py::dict d;
+  d["id"] = v.id;
+  d["name"] = v.name;
+  d["kind"] = std::string(ir::valueKindName(v.kind));
+  d["role"] = std::string(ir::valueRoleName(v.role));
+  d["dtype"] = std::string(ir::dtypeName(v.dtype));
+  d["shape"] = v.shape;
+  d["batch_dim"] = v.batch_dim;
+  d["batch_multiple"] = v.batch_multiple;
+  d["batch_dependent"] = v.batch_dependent;
+  d["is_loss"] = v.is_loss;
+  d["requires_grad"] = v.requires_grad;
+  d["constant"] = v.constant;
+  d["producer"] = v.producer;
+  d["consumers"] = v.consumers;
+  return d;
+}
+
+py::dict taskToDict(const ir::Task& t) {
+  py::dict d;
+  d["id"] = t.id;
+  d["op"] = t.op;
+  d["inputs"] = t.inputs;
+  d["outputs"] = t.outputs;
+  d["scope"] = t.scope;
+  d["source"] = t.source;
+  return d;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "rannc core: IR, TorchScript frontend, subgraph execution";
+
+  auto error = py::register_exception<Error>(m, "Error", PyExc_RuntimeError);
+  py::register_exception<InvalidGraphError>(m, "InvalidGraphError", error);
+  py::register_exception<TraceError>(m, "TraceError", error);
+  py::register_exception<SerializationError>(m, "SerializationError", error);
+  py::register_exception<InfeasiblePlanError>(m, "InfeasiblePlanError", error);
+  py::register_exception<InternalError>(m, "InternalError", error);
+
+  m.def("set_log_level", &setLogLevel, py::arg("level"));
+
+  py::class_<ir::Subgraph>(m, "Piece", "A convex piece of a graph: tasks and boundary values.")
+      .def_readonly("tasks", &ir::Subgraph::tasks)
+      .def_readonly("inputs", &ir::Subgraph::inputs)
+      .def_readonly("outputs", &ir::Subgraph::outputs)
+      .def("__repr__", [](const ir::Subgraph& p) {
+        return "<Piece " + std::to_string(p.tasks.size()) + " tasks, " +
+               std::to_string(p.inputs.size()) + " inputs, " + std::to_string(p.outputs.size()) +
+               " outputs>";
+      });
+
+  py::class_<ir::Graph>(m, "IrGraph", "The IR of a traced model (plain data, no torch).")
+      .def("summary", &ir::Graph::summary)
+      .def("content_hash", &ir::Graph::contentHash, py::arg("include_names") = true)
+      .def_property_readonly("num_tasks", &ir::Graph::numTasks)
+      .def_property_readonly("num_values", &ir::Graph::numValues)
+      .def_property_readonly("batch_size", &ir::Graph::batchSize)
+      .def_property_readonly("inputs", &ir::Graph::inputs)
+      .def_property_readonly("outputs", &ir::Graph::outputs)
+      .def("value", [](const ir::Graph& g, ir::ValueId id) { return valueToDict(g.value(id)); })
+      .def("task", [](const ir::Graph& g, ir::TaskId id) { return taskToDict(g.task(id)); })
+      .def("values", [](const ir::Graph& g) {
+        py::list out;
+        for (const auto& v : g.values()) out.append(valueToDict(v));
+        return out;
+      })
+      .def("tasks", [](const ir::Graph& g) {
+        py::list out;
+        for (const auto& t : g.tasks()) out.append(taskToDict(t));
+        return out;
+      })
+      .def("topological_order", &ir::Graph::topologicalOrder)
+      .def("is_convex", [](const ir::Graph& g, const std::vector<ir::TaskId>& tasks) {
+        return ir::isConvex(g, tasks);
+      })
+      .def("extract", [](const ir::Graph& g, const std::vector<ir::TaskId>& tasks) {
+        return ir::extractSubgraph(g, tasks);
+      })
+      .def("split", &ir::splitTopological, py::arg("k"))
+      .def("save", [](const ir::Graph& g, const std::string& path) { ir::saveGraph(g, path); });
+
+  m.def("load_ir", &ir::loadGraph, py::arg("path"));
+
+  py::class_<frontend::TracedModel, std::shared_ptr<frontend::TracedModel>>(
+      m, "TracedModel", "The IR together with the TorchScript graph that executes it.")
+      .def_property_readonly(
+          "ir", [](const frontend::TracedModel& t) -> const ir::Graph& { return t.graph; },
+          py::return_value_policy::reference_internal)
+      .def_property_readonly("jit_graph",
+                             [](const frontend::TracedModel& t) { return t.jit_graph; })
+      .def("describe_task", &frontend::TracedModel::describeTask)
+      .def("run",
+           [](const frontend::TracedModel& t, const std::vector<at::Tensor>& inputs) {
+             std::vector<c10::IValue> outs;
+             {
+               py::gil_scoped_release release;
+               outs = frontend::runGraph(t, toIValues(inputs));
+             }
+             return toPython(outs);
+           })
+      .def("run_chained",
+           [](const frontend::TracedModel& t, const std::vector<ir::Subgraph>& pieces,
+              const std::vector<at::Tensor>& inputs) {
+             std::vector<c10::IValue> outs;
+             {
+               py::gil_scoped_release release;
+               outs = frontend::runChained(t, pieces, toIValues(inputs));
+             }
+             return toPython(outs);
+           });
+
+  m.def(
+      "build_traced_model",
+      [](std::shared_ptr<torch::jit::Graph> graph1, std::vector<at::Tensor> inputs1, int64_t batch1,
+         std::shared_ptr<torch::jit::Graph> graph2, std::vector<at::Tensor> inputs2, int64_t batch2,
+         const std::vector<std::string>& names, const std::vector<std::string>& roles,
+         std::unordered_map<std::string, std::string> module_classes) {
+        if (names.size() != roles.size()) throw Error("names and roles differ in length");
+        std::vector<frontend::GraphInput> described;
+        for (size_t i = 0; i < names.size(); ++i) {
+          described.push_back({names[i], roleFromName(roles[i])});
+        }
+        frontend::TraceExample first{std::move(graph1), std::move(inputs1), batch1};
+        frontend::TraceExample second{std::move(graph2), std::move(inputs2), batch2};
+        return frontend::buildTracedModel(first, second, described, std::move(module_classes));
+      },
+      py::arg("graph1"), py::arg("inputs1"), py::arg("batch1"), py::arg("graph2"),
+      py::arg("inputs2"), py::arg("batch2"), py::arg("names"), py::arg("roles"),
+      py::arg("module_classes"));
+}

@@ -1,0 +1,36 @@
+#pragma once
+// TorchScript graph -> IR. The graph comes from torch.jit.trace of a function whose
+// inputs are the flattened tensors of (parameters, buffers, args, kwargs), traced once at
+// the example batch size B1 and once at B2 (python/rannc/_trace.py). Conversion checks
+// that both traces are the same program, runs the graph at both sizes to record every
+// value's dtype and shape, and finds the values that carry the batch dimension.
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "frontend/traced_model.h"
+
+namespace rannc::frontend {
+
+struct GraphInput {
+  std::string name;
+  ir::ValueRole role;  // Input, Param or Buffer
+};
+
+struct TraceExample {
+  std::shared_ptr<torch::jit::Graph> graph;  // the trace at this batch size
+  std::vector<at::Tensor> inputs;            // in graph input order; buffers are copies
+  int64_t batch_size = 0;
+};
+
+// Builds the traced model from two traces at different batch sizes.
+// Throws TraceError when the traces differ (control flow on input data, the batch size
+// baked into a shape), naming the op and the module; runs the graph without gradients
+// and leaves the given input tensors' contents as the graph leaves them (buffers are
+// updated in place by batch norm: pass copies).
+std::shared_ptr<TracedModel> buildTracedModel(
+    const TraceExample& first, const TraceExample& second, const std::vector<GraphInput>& inputs,
+    std::unordered_map<std::string, std::string> module_classes);
+
+}  // namespace rannc::frontend

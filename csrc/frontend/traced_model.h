@@ -1,0 +1,32 @@
+#pragma once
+// A traced model: our IR graph side by side with the TorchScript graph it came from.
+// The IR is what the partitioner reasons about; the TorchScript nodes are what the
+// interpreter executes (each IR task keeps its node and its resolved operator).
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include <ATen/core/ivalue.h>
+#include <torch/csrc/jit/ir/ir.h>
+#include <torch/csrc/jit/runtime/operator.h>
+
+#include "ir/graph.h"
+
+namespace rannc::frontend {
+
+struct TracedModel {
+  ir::Graph graph;
+  std::shared_ptr<torch::jit::Graph> jit_graph;
+  std::vector<torch::jit::Node*> task_nodes;      // task id -> TorchScript node
+  // task id -> resolved operator (mutable: calling an Operation is not const)
+  mutable std::vector<torch::jit::Operation> operations;
+  std::vector<c10::IValue> constants;             // value id -> value (constants only)
+  // Module path -> class name, to name modules in messages ("encoder.layers.3 (Block)").
+  std::unordered_map<std::string, std::string> module_classes;
+
+  // "op aten::view in module 'encoder.layers.3' (Block) at model.py:42"
+  std::string describeTask(ir::TaskId task) const;
+};
+
+}  // namespace rannc::frontend

@@ -1,0 +1,19 @@
+"""rannc: automatic hybrid (pipeline + data) parallelism for ordinary PyTorch models."""
+import torch  # noqa: F401  (loads libtorch before the extension)
+
+from ._C import (  # noqa: F401
+    Error,
+    InfeasiblePlanError,
+    InternalError,
+    InvalidGraphError,
+    SerializationError,
+    TraceError,
+    set_log_level,
+)
+from .graph import SplitGraph, TracedGraph, load_ir, trace  # noqa: F401
+
+__all__ = [
+    "trace", "load_ir", "TracedGraph", "SplitGraph", "set_log_level",
+    "Error", "TraceError", "InvalidGraphError", "SerializationError", "InfeasiblePlanError",
+    "InternalError",
+]

@@ -1,0 +1,199 @@
+"""Tracing: an nn.Module and example arguments -> rannc's IR (through TorchScript).
+
+Why a function trace rather than `torch.jit.trace(module)`: we want parameters and buffers
+as named graph inputs. The module is traced through a function whose inputs are the
+flattened tensors (parameters, buffers, then the tensors of args and kwargs); inside it the
+module's parameters are swapped for those inputs.
+
+The model is traced twice, at the example batch size B and at another size B2 with other
+values. Both traces must be the same program (else the model has control flow on tensor
+data, or bakes B into a shape); running the graph at both sizes tells which values carry
+the batch dimension. Tracing leaves the model untouched: buffers are copied and the RNG
+state is restored.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch.nn.utils.stateless import _reparametrize_module
+
+from . import _C
+
+TraceError = _C.TraceError
+
+# Non-tensor arguments that are baked into the trace as constants.
+_CONSTANT_TYPES = (int, float, bool, str, type(None), torch.dtype, torch.device)
+
+
+@dataclass
+class FlatArgs:
+    """Arguments flattened into tensor leaves plus what is needed to rebuild them."""
+    tensors: list[torch.Tensor]
+    tensor_slots: list[int]  # position of each tensor among all leaves
+    leaves: list[Any]        # every leaf; tensors too (replaced on rebuild)
+    paths: list[str]         # "args[0]", "kwargs['mask']" for every leaf
+    spec: Any
+
+    def rebuild(self, tensors):
+        leaves = list(self.leaves)
+        for slot, t in zip(self.tensor_slots, tensors):
+            leaves[slot] = t
+        return pytree.tree_unflatten(leaves, self.spec)
+
+
+def flatten_args(args: tuple, kwargs: dict) -> FlatArgs:
+    """Flattens (args, kwargs); rejects leaves that are neither tensors nor constants."""
+    with_paths, spec = pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))
+    leaves, paths, tensors, slots = [], [], [], []
+    for i, (path, leaf) in enumerate(with_paths):
+        name = _path_name(path)
+        if isinstance(leaf, torch.Tensor):
+            tensors.append(leaf)
+            slots.append(i)
+        elif not isinstance(leaf, _CONSTANT_TYPES):
+            raise TraceError(
+                f"argument {name} has type {type(leaf).__qualname__}, which cannot be traced: "
+                "pass tensors, tuples, lists or dicts of tensors, or constants "
+                "(int, float, bool, str, None, torch.dtype, torch.device)")
+        leaves.append(leaf)
+        paths.append(name)
+    return FlatArgs(tensors, slots, leaves, paths, spec)
+
+
+def _path_name(path) -> str:
+    # path[0] selects args (0) or kwargs (1); the rest is inside them.
+    root = "args" if path[0].idx == 0 else "kwargs"
+    return root + pytree.keystr(path[1:])
+
+
+@dataclass
+class ModelState:
+    """The module's parameters and buffers, in graph input order, deduplicated (tied
+    weights appear once under their first name)."""
+    param_names: list[str]
+    buffer_names: list[str]
+
+    @staticmethod
+    def of(model: torch.nn.Module) -> "ModelState":
+        return ModelState([n for n, _ in model.named_parameters()],
+                          [n for n, _ in model.named_buffers()])
+
+    def tensors(self, model: torch.nn.Module, copy_buffers: bool = False) -> list[torch.Tensor]:
+        params = dict(model.named_parameters())
+        buffers = dict(model.named_buffers())
+        if list(params) != self.param_names or list(buffers) != self.buffer_names:
+            raise TraceError("the module's parameters or buffers changed since it was traced; "
+                             "trace it again")
+        bufs = [b.clone() if copy_buffers else b for b in buffers.values()]
+        return list(params.values()) + bufs
+
+    @property
+    def names(self) -> list[str]:
+        return self.param_names + self.buffer_names
+
+
+@dataclass
+class Trace:
+    traced: Any            # _C.TracedModel
+    state: ModelState
+    inputs: FlatArgs       # the example inputs
+    out_spec: Any          # pytree spec of the model's output
+    out_leaves: list[Any]  # output leaves; non-tensors are returned as traced
+    out_tensor_slots: list[int]
+    batch_size: int
+
+
+def _second_batch(flat: FlatArgs, batch: int) -> tuple[list[torch.Tensor], int]:
+    """Inputs at another batch size and with other values, to expose programs that depend
+    on either: batch rows are cycled to the new size; values are mirrored."""
+    batch2 = batch - 1 if batch > 2 else batch + 1
+    rows = torch.arange(batch2) % batch
+    out = []
+    for t in flat.tensors:
+        if t.dim() >= 1 and t.shape[0] == batch:
+            t = t.detach()[rows.to(t.device)]
+            if t.is_floating_point() or t.is_complex():
+                t = -t
+            elif t.dtype == torch.bool:
+                t = ~t
+            elif t.numel() > 0:
+                t = t.min() + t.max() - t
+        out.append(t)
+    return out, batch2
+
+
+def _trace_once(model, state: ModelState, flat: FlatArgs, tensors, tracer_notes: list):
+    n_state = len(state.names)
+    out_info = {}
+
+    def fn(*inputs):
+        with _reparametrize_module(model, dict(zip(state.names, inputs[:n_state])),
+                                   tie_weights=True):
+            args, kwargs = flat.rebuild(inputs[n_state:])
+            out = model(*args, **kwargs)
+        leaves, spec = pytree.tree_flatten(out)
+        out_info["spec"], out_info["leaves"] = spec, leaves
+        return tuple(x for x in leaves if isinstance(x, torch.Tensor))
+
+    example = tuple(state.tensors(model, copy_buffers=True)) + tuple(tensors)
+    old_map = torch.jit._trace._trace_module_map
+    torch.jit._trace._trace_module_map = {m: name for name, m in model.named_modules()}
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", torch.jit.TracerWarning)
+            warnings.filterwarnings("ignore", message=".*torch.jit.trace. is deprecated")
+            traced = torch.jit.trace(fn, example, check_trace=False, strict=False)
+    finally:
+        torch.jit._trace._trace_module_map = old_map
+    for w in caught:
+        if issubclass(w.category, torch.jit.TracerWarning):
+            tracer_notes.append(f"{w.filename}:{w.lineno}: {str(w.message).split('.')[0]}")
+    graph = traced.graph
+    torch._C._jit_pass_inline(graph)
+    torch._C._jit_pass_lower_all_tuples(graph)
+    return graph, example, out_info
+
+
+def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> Trace:
+    if not isinstance(model, torch.nn.Module):
+        raise TraceError(f"expected an nn.Module, got {type(model).__qualname__}")
+    if not isinstance(args, tuple):
+        args = (args,)
+    flat = flatten_args(args, kwargs or {})
+    batched = [t for t in flat.tensors if t.dim() >= 1]
+    if not batched:
+        raise TraceError("no tensor argument has a batch dimension (dimension 0)")
+    batch = batched[0].shape[0]
+    state = ModelState.of(model)
+    notes: list[str] = []
+    tensors2, batch2 = _second_batch(flat, batch)
+    with torch.random.fork_rng(devices=[]):
+        g1, ex1, out1 = _trace_once(model, state, flat, flat.tensors, notes)
+        try:
+            g2, ex2, out2 = _trace_once(model, state, flat, tensors2, notes)
+        except Exception as e:  # the model itself fails at another batch size
+            raise TraceError(
+                f"the model fails when run at batch size {batch2} instead of {batch}, so it cannot "
+                f"be split into micro-batches: {type(e).__name__}: {e}") from e
+        if out1["spec"] != out2["spec"]:
+            raise TraceError("the structure of the model's output differs between batch sizes "
+                             f"{batch} and {batch2}: {out1['spec']} vs {out2['spec']}")
+        names = state.names + [f"input:{flat.paths[s]}" for s in flat.tensor_slots]
+        roles = (["param"] * len(state.param_names) + ["buffer"] * len(state.buffer_names)
+                 + ["input"] * len(flat.tensors))
+        classes = {name: type(m).__qualname__ for name, m in model.named_modules()}
+        try:
+            traced = _C.build_traced_model(g1, list(ex1), batch, g2, list(ex2), batch2,
+                                           names, roles, classes)
+        except TraceError as e:
+            hints = [n for n in notes if "boolean" in n or "Python number" in n or "integer" in n]
+            if hints:
+                raise TraceError(f"{e}\nThe tracer warned at: " + "; ".join(dict.fromkeys(hints))) from None
+            raise
+    leaves = out1["leaves"]
+    slots = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+    return Trace(traced, state, flat, out1["spec"], leaves, slots, batch)

@@ -1,0 +1,100 @@
+"""The traced graph as users see it: `rannc.trace(model, args, kwargs)`.
+
+`g(*args, **kwargs)` runs the whole IR with autograd and returns what the model returns,
+at any batch size; `g.split(k)` cuts the IR into k convex pieces and returns a callable
+that runs them one after another, each seeing only the values that cross its boundary.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from . import _C, _trace
+
+
+class TracedGraph:
+    """A model traced into rannc's IR, runnable like the model itself."""
+
+    def __init__(self, model: torch.nn.Module, args: tuple, kwargs: dict | None = None):
+        self._model = model
+        self._trace = _trace.trace(model, args, kwargs)
+
+    # ---- inspection -----------------------------------------------------------------
+    @property
+    def ir(self) -> _C.IrGraph:
+        """The IR (values, tasks, inputs, outputs) as plain data."""
+        return self._trace.traced.ir
+
+    @property
+    def batch_size(self) -> int:
+        """The batch size of the example arguments."""
+        return self._trace.batch_size
+
+    def summary(self) -> str:
+        """Tasks, values, parameters, batch values and outputs of the IR."""
+        return self.ir.summary()
+
+    def save_ir(self, path: str) -> None:
+        """Writes the IR to a versioned file (read back with rannc.load_ir)."""
+        self.ir.save(path)
+
+    # ---- execution ------------------------------------------------------------------
+    def _flat_inputs(self, args, kwargs) -> list[torch.Tensor]:
+        flat = _trace.flatten_args(args, kwargs)
+        example = self._trace.inputs
+        if flat.spec != example.spec:
+            raise _C.TraceError(f"the arguments' structure {flat.spec} differs from the traced "
+                                f"one {example.spec}")
+        for i, (now, then) in enumerate(zip(flat.leaves, example.leaves)):
+            if not isinstance(then, torch.Tensor) and now != then:
+                raise _C.TraceError(f"argument {example.paths[i]} was {then!r} when traced and is "
+                                    f"{now!r} now; constants are baked into the trace")
+        return self._trace.state.tensors(self._model) + flat.tensors
+
+    def _rebuild_output(self, tensors: list) -> Any:
+        leaves = list(self._trace.out_leaves)
+        for slot, t in zip(self._trace.out_tensor_slots, tensors):
+            leaves[slot] = t
+        return pytree.tree_unflatten(leaves, self._trace.out_spec)
+
+    def __call__(self, *args, **kwargs) -> Any:
+        return self._rebuild_output(self._trace.traced.run(self._flat_inputs(args, kwargs)))
+
+    def split(self, k: int) -> "SplitGraph":
+        """Cuts the IR into k convex pieces, contiguous in topological order."""
+        return SplitGraph(self, self.ir.split(k))
+
+
+class SplitGraph:
+    """Pieces of a traced graph, run one after another."""
+
+    def __init__(self, graph: TracedGraph, pieces: list):
+        self._graph = graph
+        self.pieces = pieces
+
+    def __len__(self) -> int:
+        return len(self.pieces)
+
+    def __call__(self, *args, **kwargs) -> Any:
+        g = self._graph
+        outs = g._trace.traced.run_chained(self.pieces, g._flat_inputs(args, kwargs))
+        return g._rebuild_output(outs)
+
+
+def trace(model: torch.nn.Module, args: Any, kwargs: dict | None = None) -> TracedGraph:
+    """Traces `model(*args, **kwargs)` into rannc's IR.
+
+    `args` is a tuple of positional arguments (a single tensor is taken as one argument);
+    arguments may be tensors, tuples, lists and dicts of tensors, or constants. The batch
+    dimension is dimension 0 of the tensor arguments whose size matches the first one's.
+    Raises rannc.TraceError when the model cannot be traced faithfully.
+    """
+    return TracedGraph(model, args if isinstance(args, tuple) else (args,), kwargs)
+
+
+def load_ir(path: str) -> _C.IrGraph:
+    """Reads an IR file written by TracedGraph.save_ir; raises rannc.SerializationError
+    when the file is corrupt, truncated or of another version."""
+    return _C.load_ir(path)
