@@ -177,7 +177,14 @@ void checkSameProgram(const TraceExample& a, const TraceExample& b,
       c10::IValue cy = *torch::jit::toIValue(y->output());
       if (!sameConstant(cx, cy)) {
         // Name the op that consumes the constant: that is where the user wrote it.
-        const Node* user = x->output()->uses().empty() ? x : x->output()->uses()[0].user;
+        const Node* user = x;
+        const JitValue* through = x->output();
+        while (!through->uses().empty()) {
+          user = through->uses()[0].user;
+          const auto kind = user->kind();
+          if (kind != c10::prim::ListConstruct && kind != c10::prim::TupleConstruct) break;
+          through = user->output();
+        }
         std::ostringstream os;
         if (looksLikeBatchSize(cx, cy, a.batch_size, b.batch_size)) {
           os << "the batch size is baked into a shape: " << describeNodeIn(user, classes)
@@ -210,17 +217,84 @@ void checkSameProgram(const TraceExample& a, const TraceExample& b,
   }
 }
 
+// The operator a node runs. The prim ops that build and take apart lists and tuples
+// have no registered operator (TorchScript's interpreter runs them as instructions, with
+// helpers it does not export), so they are written here.
+torch::jit::Operation resolveOperation(Node* node,
+                                       const std::unordered_map<std::string, std::string>& classes) {
+  using torch::jit::Stack;
+  const size_t nin = node->inputs().size(), nout = node->outputs().size();
+  auto popN = [](Stack& stack, size_t n) {
+    std::vector<c10::IValue> items(std::make_move_iterator(stack.end() - n),
+                                   std::make_move_iterator(stack.end()));
+    stack.erase(stack.end() - n, stack.end());
+    return items;
+  };
+  switch (node->kind()) {
+    case c10::prim::ListConstruct: {
+      c10::TypePtr elem = node->output()->type()->containedType(0);
+      return torch::jit::Operation([elem, nin, popN](Stack& stack) {
+        c10::impl::GenericList list(elem);
+        for (auto& v : popN(stack, nin)) list.push_back(std::move(v));
+        stack.emplace_back(std::move(list));
+      });
+    }
+    case c10::prim::ListUnpack:
+      return torch::jit::Operation([nout](Stack& stack) {
+        c10::IValue list = std::move(stack.back());
+        stack.pop_back();
+        auto items = list.toListRef();
+        RANNC_CHECK(items.size() == nout, "list of " << items.size() << " unpacked into " << nout);
+        stack.insert(stack.end(), items.begin(), items.end());
+      });
+    case c10::prim::TupleConstruct:
+      return torch::jit::Operation([nin, popN](Stack& stack) {
+        stack.emplace_back(c10::ivalue::Tuple::create(popN(stack, nin)));
+      });
+    case c10::prim::TupleUnpack:
+      return torch::jit::Operation([](Stack& stack) {
+        c10::IValue tuple = std::move(stack.back());
+        stack.pop_back();
+        const auto& items = tuple.toTupleRef().elements();
+        stack.insert(stack.end(), items.begin(), items.end());
+      });
+    case c10::prim::DictConstruct: {
+      c10::TypePtr type = node->output()->type();
+      return torch::jit::Operation([type, nin, popN](Stack& stack) {
+        c10::impl::GenericDict dict(type->containedType(0), type->containedType(1));
+        auto items = popN(stack, nin);
+        for (size_t i = 0; i + 1 < items.size(); i += 2) dict.insert(items[i], items[i + 1]);
+        stack.emplace_back(std::move(dict));
+      });
+    }
+  default:
+      break;
+  }
+  if (!node->maybeOperator()) {
+    throw TraceError("rannc cannot run " + describeNodeIn(node, classes) +
+                     ": no operator is registered for it");
+  }
+  return node->getOperation();
+}
+
 struct Observed {
   std::vector<std::vector<int64_t>> shapes;
   std::vector<at::ScalarType> dtypes;
+  std::vector<std::string> scalars;  // printed ints, floats, bools and lists of them
   std::vector<char> seen;
 };
+
+bool isScalarLike(const c10::IValue& v) {
+  return v.isInt() || v.isDouble() || v.isBool() || v.isIntList() || v.isDoubleList() ||
+         v.isBoolList();
+}
 
 Observed observe(const TracedModel& model, const std::vector<at::Tensor>& inputs) {
   Observed o;
   const int n = model.graph.numValues();
   o.shapes.resize(n);
   o.dtypes.resize(n, at::ScalarType::Undefined);
+  o.scalars.resize(n);
   o.seen.resize(n, 0);
   std::vector<c10::IValue> ins(inputs.begin(), inputs.end());
   torch::NoGradGuard no_grad;
@@ -230,9 +304,59 @@ Observed observe(const TracedModel& model, const std::vector<at::Tensor>& inputs
       const at::Tensor& t = v.toTensor();
       o.shapes[id] = t.sizes().vec();
       o.dtypes[id] = t.scalar_type();
+    } else if (isScalarLike(v)) {
+      std::ostringstream os;
+      os << v;
+      o.scalars[id] = os.str();
     }
   });
   return o;
+}
+
+// [Note: batch values] A tensor is a batch value when exactly one dimension scales with
+// the batch size by a whole factor between the runs at both sizes. A value depends on the
+// batch when a batch input reaches it, except through the sizes of non-batch dimensions:
+// a non-tensor (a size, a shape list) depends on the batch only if it differs between the
+// two runs, so a causal mask built from the sequence length is the same for every
+// micro-batch.
+void findBatchValues(ir::Graph& ir, const Observed& at1, const Observed& at2, int64_t b1,
+                     int64_t b2) {
+  std::vector<char> dep(ir.numValues(), 0);
+  for (ir::ValueId id : ir.inputs()) dep[id] = ir.value(id).role == ir::ValueRole::Input;
+  for (ir::TaskId t : ir.topologicalOrder()) {
+    bool any = false;
+    for (ir::ValueId in : ir.task(t).inputs) any = any || dep[in];
+    for (ir::ValueId out : ir.task(t).outputs) {
+      const bool tensor = ir.value(out).isTensor();
+      dep[out] = any && (tensor || !at1.seen[out] || at1.scalars[out].empty() ||
+                         at1.scalars[out] != at2.scalars[out]);
+    }
+  }
+  for (ir::ValueId id = 0; id < ir.numValues(); ++id) {
+    ir::Value& v = ir.mutableValue(id);
+    if (!at1.seen[id]) continue;
+    v.dtype = toDType(at1.dtypes[id]);
+    v.shape = at1.shapes[id];
+    v.batch_dependent = dep[id];
+    if (!v.isTensor() || !at2.seen[id]) continue;
+    const auto &s1 = at1.shapes[id], &s2 = at2.shapes[id];
+    if (s1.size() != s2.size()) continue;
+    int changed = -1, nchanged = 0;
+    for (size_t d = 0; d < s1.size(); ++d) {
+      if (s1[d] != s2[d]) changed = static_cast<int>(d), ++nchanged;
+    }
+    if (nchanged == 1 && s1[changed] % b1 == 0 && s1[changed] / b1 * b2 == s2[changed]) {
+      v.batch_dim = changed;
+      v.batch_multiple = s1[changed] / b1;
+      v.batch_dependent = true;
+    } else if (nchanged > 0) {
+      v.batch_dependent = true;
+      if (logEnabled(LogLevel::Debug)) {
+        logDebug("value " + ir::describe(v) +
+                 " changes shape with the batch size but no dimension scales with it");
+      }
+    }
+  }
 }
 
 }  // namespace
@@ -301,15 +425,11 @@ std::shared_ptr<TracedModel> buildTracedModel(
     for (const JitValue* v : node->outputs()) {
       outs.push_back(addValue(v, ir::ValueRole::Intermediate, ""));
     }
-    const auto* op = node->maybeOperator();
-    if (!op) {
-      throw TraceError("no operator is registered for " + describeNodeIn(node, model->module_classes) +
-                       " (schema " + std::string(node->kind().toQualString()) + ")");
-    }
+    torch::jit::Operation operation = resolveOperation(node, model->module_classes);
     ir.addTask(node->kind().toQualString(), std::move(ins), std::move(outs), modulePath(node),
                sourceLocation(node));
     model->task_nodes.push_back(node);
-    model->operations.push_back(node->getOperation());
+    model->operations.push_back(std::move(operation));
   }
   model->constants.resize(ir.numValues());
   std::vector<ir::ValueId> outs;
@@ -320,40 +440,7 @@ std::shared_ptr<TracedModel> buildTracedModel(
   // Shapes and dtypes as the graph really computes them, at both batch sizes.
   Observed at1 = observe(*model, first.inputs);
   Observed at2 = observe(*model, second.inputs);
-  const int64_t b1 = first.batch_size, b2 = second.batch_size;
-  std::vector<char> from_batch(ir.numValues(), 0);
-  for (ir::ValueId id : ir.inputs()) {
-    ir::Value& v = ir.mutableValue(id);
-    if (v.role == ir::ValueRole::Input) from_batch[id] = 1;
-  }
-  for (ir::TaskId t : ir.topologicalOrder()) {
-    bool dep = false;
-    for (ir::ValueId in : ir.task(t).inputs) dep = dep || from_batch[in];
-    for (ir::ValueId out : ir.task(t).outputs) from_batch[out] = dep;
-  }
-  for (ir::ValueId id = 0; id < ir.numValues(); ++id) {
-    ir::Value& v = ir.mutableValue(id);
-    if (!at1.seen[id]) continue;
-    v.dtype = toDType(at1.dtypes[id]);
-    v.shape = at1.shapes[id];
-    v.batch_dependent = from_batch[id];
-    if (!v.isTensor() || !from_batch[id]) continue;
-    const auto &s1 = at1.shapes[id], &s2 = at2.shapes[id];
-    if (s1.size() != s2.size()) continue;
-    int changed = -1, nchanged = 0;
-    for (size_t d = 0; d < s1.size(); ++d) {
-      if (s1[d] != s2[d]) changed = static_cast<int>(d), ++nchanged;
-    }
-    // [Note: batch values] exactly one dimension scales with the batch, by a whole factor.
-    if (nchanged == 1 && s1[changed] % b1 == 0 && s1[changed] / b1 * b2 == s2[changed]) {
-      v.batch_dim = changed;
-      v.batch_multiple = s1[changed] / b1;
-    } else if (nchanged > 0) {
-      if (logEnabled(LogLevel::Debug)) {
-        logDebug("value " + ir::describe(v) + " depends on the batch size but no dimension scales with it");
-      }
-    }
-  }
+  findBatchValues(ir, at1, at2, first.batch_size, second.batch_size);
   // Gradients flow from parameters (and inputs that require grad) through float tensors.
   for (size_t i = 0; i < ir.inputs().size(); ++i) {
     ir.mutableValue(ir.inputs()[i]).requires_grad = first.inputs.at(i).requires_grad();

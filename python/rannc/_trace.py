@@ -13,6 +13,8 @@ state is restored.
 """
 from __future__ import annotations
 
+import os
+import traceback
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -158,6 +160,17 @@ def _trace_once(model, state: ModelState, flat: FlatArgs, tensors, tracer_notes:
     return graph, example, out_info
 
 
+def _user_frame(error: BaseException) -> str:
+    """file:line of the innermost frame of the error outside torch and rannc."""
+    frames = traceback.extract_tb(error.__traceback__)
+    torch_dir = os.path.dirname(torch.__file__)
+    ours = os.path.dirname(__file__)
+    for frame in reversed(frames):
+        if not frame.filename.startswith((torch_dir, ours)):
+            return f"{frame.filename}:{frame.lineno}"
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
+
+
 def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> Trace:
     if not isinstance(model, torch.nn.Module):
         raise TraceError(f"expected an nn.Module, got {type(model).__qualname__}")
@@ -178,7 +191,8 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> Tr
         except Exception as e:  # the model itself fails at another batch size
             raise TraceError(
                 f"the model fails when run at batch size {batch2} instead of {batch}, so it cannot "
-                f"be split into micro-batches: {type(e).__name__}: {e}") from e
+                f"be split into micro-batches: {type(e).__name__}: {e} (at {_user_frame(e)}); "
+                "is the batch size written into a shape?") from e
         if out1["spec"] != out2["spec"]:
             raise TraceError("the structure of the model's output differs between batch sizes "
                              f"{batch} and {batch2}: {out1['spec']} vs {out2['spec']}")

@@ -1,0 +1,9 @@
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+# the package from this checkout (the build copies rannc/_C there), not an older install
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..', '..', 'python'))
+torch.set_num_threads(1)

@@ -1,0 +1,235 @@
+"""The traced IR runs exactly like the model: outputs and gradients of every parameter
+and input, at the traced batch size and another, whole and cut into convex pieces."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+import rannc
+import zoo
+
+EXACT = dict(rtol=0, atol=0)  # the interpreter runs the same aten ops as eager PyTorch
+
+
+def _with_grad_inputs(args, kwargs):
+    """Copies of the arguments whose float tensors require grad."""
+    def prep(x):
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            return x.detach().clone().requires_grad_(True)
+        return x
+    return pytree.tree_map(prep, (args, kwargs))
+
+
+def run(fn, model, args, kwargs, seed=123):
+    """Runs fn (the model or its traced graph), backpropagates a weighted sum of all float
+    outputs, and returns outputs, parameter grads, input grads and buffers."""
+    model.zero_grad(set_to_none=True)
+    args, kwargs = _with_grad_inputs(args, kwargs)
+    torch.manual_seed(seed)
+    out = fn(*args, **kwargs)
+    leaves = [t for t in pytree.tree_leaves(out)
+              if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
+    gen = torch.Generator().manual_seed(7)
+    total = sum((t * torch.randn(t.shape, generator=gen)).sum() for t in leaves)
+    total.backward()
+    in_grads = [t.grad for t in pytree.tree_leaves((args, kwargs))
+                if isinstance(t, torch.Tensor) and t.requires_grad]
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+    return pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out), \
+        grads, in_grads, buffers
+
+
+def assert_same(a, b):
+    out_a, grads_a, in_a, buf_a = a
+    out_b, grads_b, in_b, buf_b = b
+    assert pytree.tree_structure(out_a) == pytree.tree_structure(out_b)
+    torch.testing.assert_close(out_a, out_b, **EXACT)
+    assert grads_a.keys() == grads_b.keys()
+    for name in grads_a:
+        assert grads_a[name] is not None, f"no gradient for {name}"
+        torch.testing.assert_close(grads_a[name], grads_b[name], **EXACT, msg=name)
+    assert len(in_a) == len(in_b)  # integer inputs (token ids) have no gradient
+    for x, y in zip(in_a, in_b):
+        torch.testing.assert_close(x, y, **EXACT)
+    torch.testing.assert_close(buf_a, buf_b, **EXACT)
+
+
+@pytest.fixture(params=zoo.NAMES)
+def zoo_entry(request):
+    model, args, kwargs = zoo.make(request.param, batch=4)
+    return request.param, model, args, kwargs
+
+
+@pytest.mark.parametrize("batch", [4, 3, 6])
+def test_graph_equals_model_at_any_batch_size(zoo_entry, batch):
+    name, model, args, kwargs = zoo_entry
+    reference = copy.deepcopy(model)
+    g = rannc.trace(model, args, kwargs)
+    _, args_b, kwargs_b = zoo.make(name, batch=batch, seed=1)
+    assert_same(run(g, model, args_b, kwargs_b), run(reference, reference, args_b, kwargs_b))
+    # twice: buffers (batch-norm statistics) keep evolving the same way
+    assert_same(run(g, model, args_b, kwargs_b, seed=5),
+                run(reference, reference, args_b, kwargs_b, seed=5))
+
+
+@pytest.mark.parametrize("k", [2, 3, 4])
+def test_split_graph_equals_model(zoo_entry, k):
+    name, model, args, kwargs = zoo_entry
+    reference = copy.deepcopy(model)
+    g = rannc.trace(model, args, kwargs)
+    split = g.split(k)
+    assert len(split) == k
+    covered = sorted(t for p in split.pieces for t in p.tasks)
+    assert covered == list(range(g.ir.num_tasks))
+    for p in split.pieces:
+        assert g.ir.is_convex(p.tasks)
+    for batch in (4, 5):
+        _, args_b, kwargs_b = zoo.make(name, batch=batch, seed=2)
+        assert_same(run(split, model, args_b, kwargs_b),
+                    run(reference, reference, args_b, kwargs_b))
+
+
+def test_tracing_leaves_model_and_rng_untouched():
+    model, args, kwargs = zoo.make("resnet")
+    before = copy.deepcopy(model.state_dict())
+    torch.manual_seed(99)
+    state = torch.get_rng_state()
+    rannc.trace(model, args, kwargs)
+    assert torch.equal(torch.get_rng_state(), state)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_ir_knows_batch_values_parameters_and_loss():
+    model, args, kwargs = zoo.make("gpt", batch=4)
+    g = rannc.trace(model, args, kwargs)
+    ir = g.ir
+    inputs = [ir.value(v) for v in ir.inputs]
+    params = [v for v in inputs if v["role"] == "param"]
+    # tied embedding: one parameter, under its first name
+    assert [p["name"] for p in params].count("tok.weight") == 1
+    assert "lm_head.weight" not in [p["name"] for p in params]
+    ids = [v for v in inputs if v["role"] == "input"]
+    assert [v["batch_dim"] for v in ids] == [0, 0]
+    (loss,) = [ir.value(v) for v in ir.outputs]
+    assert loss["is_loss"] and loss["shape"] == [] and loss["batch_dependent"]
+    # the flattened logits (batch*seq, vocab) scale with the batch by a factor of seq
+    flat = [v for v in ir.values() if v["batch_dim"] == 0 and v["batch_multiple"] == 8
+            and v["kind"] == "Tensor"]
+    assert flat, "expected values whose dimension 0 is 8 * batch"
+    # the causal mask does not depend on the batch
+    masks = [v for v in ir.values() if v["dtype"] == "Bool" and v["shape"] == [8, 8]]
+    assert masks and all(not m["batch_dependent"] for m in masks)
+    summary = g.summary()
+    assert "tasks" in summary and "batch values" in summary and "parameters" in summary
+    assert f"batch size 4" in summary
+
+
+def test_scopes_name_modules():
+    model, args, kwargs = zoo.make("gpt")
+    g = rannc.trace(model, args, kwargs)
+    scopes = {t["scope"] for t in g.ir.tasks()}
+    assert "blocks.1.attn" in scopes
+    assert any(t["source"].endswith(".py:" + t["source"].rsplit(":", 1)[-1]) for t in g.ir.tasks())
+
+
+def test_ir_file_round_trip_and_corruption(tmp_path):
+    model, args, kwargs = zoo.make("transformer")
+    g = rannc.trace(model, args, kwargs)
+    path = tmp_path / "model.ir"
+    g.save_ir(str(path))
+    back = rannc.load_ir(str(path))
+    assert back.content_hash() == g.ir.content_hash()
+    assert back.num_tasks == g.ir.num_tasks
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(rannc.SerializationError, match="corrupt"):
+        rannc.load_ir(str(path))
+
+
+def test_hash_is_stable_across_traces_and_changes_with_the_model():
+    m1, args, kwargs = zoo.make("mlp")
+    m2, _, _ = zoo.make("mlp")
+    h1 = rannc.trace(m1, args, kwargs).ir.content_hash()
+    assert h1 == rannc.trace(m2, args, kwargs).ir.content_hash()
+    m3 = zoo.MLP(hidden=48)
+    assert h1 != rannc.trace(m3, args, kwargs).ir.content_hash()
+
+
+# ---- bad input ------------------------------------------------------------------------
+
+class Gate(nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:  # control flow on tensor data
+            return x * 2
+        return x - 1
+
+
+class DataDependent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate = Gate()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(self.gate(x))
+
+
+class BakedHead(nn.Module):
+    def forward(self, x):
+        n = int(x.shape[0])  # a Python int: the trace records the batch size as a constant
+        return x + torch.zeros(n, x.shape[1])
+
+
+class Baked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.head = BakedHead()
+
+    def forward(self, x):
+        return self.head(self.lin(x))
+
+
+class FixedView(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x).view(4, 2, 2)  # 4 is the batch size, written by hand
+
+
+def test_control_flow_on_tensor_data_is_an_error_naming_the_module():
+    x = torch.ones(4, 4)
+    with pytest.raises(rannc.TraceError, match=r"depends on the input values.*'gate' \(Gate\)"):
+        rannc.trace(DataDependent(), (x,))
+
+
+def test_batch_size_baked_into_a_shape_is_an_error_naming_the_op():
+    with pytest.raises(rannc.TraceError,
+                       match=r"batch size is baked into a shape: op aten::zeros in module 'head' \(BakedHead\)"):
+        rannc.trace(Baked(), (torch.randn(4, 4),))
+
+
+def test_model_that_fails_at_another_batch_size_says_where():
+    with pytest.raises(rannc.TraceError, match=r"fails when run at batch size 3.*test_frontend.py"):
+        rannc.trace(FixedView(), (torch.randn(4, 4),))
+
+
+def test_untraceable_argument_is_named():
+    model = zoo.MultiIO()
+    x = torch.randn(4, 8)
+    with pytest.raises(rannc.TraceError, match=r"argument kwargs\['pair'\]\[1\] has type object"):
+        rannc.trace(model, (x, x), {"pair": (torch.randn(4), object())})
+
+
+def test_changed_constant_argument_is_an_error():
+    model, args, kwargs = zoo.make("multi_io")
+    g = rannc.trace(model, args, kwargs)
+    with pytest.raises(rannc.TraceError, match=r"kwargs\['scale'\] was 0.5 when traced"):
+        g(*args, **{**kwargs, "scale": 2.0})

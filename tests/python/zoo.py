@@ -1,0 +1,155 @@
+"""The model zoo the tests run over: each entry builds a model and example arguments.
+
+Every model computes something a user would train: an MLP, a residual CNN with batch
+norm, nn.TransformerEncoder, a GPT-style decoder (tied embeddings, causal mask, loss
+inside), and a model with several inputs, kwargs and a dict output.
+"""
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class MLP(nn.Module):
+    def __init__(self, d_in=16, hidden=32, d_out=4, dropout=0.1):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(d_in, hidden), nn.GELU(), nn.Dropout(dropout),
+                                 nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, d_out))
+
+    def forward(self, x, y):
+        return F.mse_loss(self.net(x), y)
+
+
+class ResidualBlock(nn.Module):
+    def __init__(self, channels):
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+
+    def forward(self, x):
+        h = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(x + self.bn2(self.conv2(h)))
+
+
+class ResNet(nn.Module):
+    def __init__(self, channels=8, blocks=2, classes=5):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, channels, 3, padding=1), nn.BatchNorm2d(channels),
+                                  nn.ReLU())
+        self.blocks = nn.Sequential(*[ResidualBlock(channels) for _ in range(blocks)])
+        self.head = nn.Linear(channels, classes)
+
+    def forward(self, images, labels):
+        h = self.blocks(self.stem(images))
+        logits = self.head(F.adaptive_avg_pool2d(h, 1).flatten(1))
+        return F.cross_entropy(logits, labels)
+
+
+class Encoder(nn.Module):
+    def __init__(self, d_model=16, heads=2, layers=2, classes=3):
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(d_model, heads, 2 * d_model, dropout=0.1,
+                                           batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(d_model, classes)
+
+    def forward(self, x):
+        return self.head(self.encoder(x).mean(dim=1))
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.heads)
+        mask = torch.tril(torch.ones(t, t, dtype=torch.bool, device=x.device))
+        att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+        y = (att @ v).transpose(1, 2).contiguous().view(b, t, d)
+        return self.proj(y)
+
+
+class GPTBlock(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attn = CausalSelfAttention(d, heads)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d),
+                                 nn.Dropout(0.1))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab=50, d=16, heads=2, layers=2, max_len=16):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(max_len, d)
+        self.blocks = nn.ModuleList([GPTBlock(d, heads) for _ in range(layers)])
+        self.ln = nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        self.lm_head.weight = self.tok.weight  # tied input/output embedding
+
+    def forward(self, ids, targets):
+        t = ids.size(1)
+        pos = torch.arange(t, device=ids.device)
+        x = self.tok(ids) + self.pos(pos)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln(x))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+class MultiIO(nn.Module):
+    """Several inputs, kwargs (a tensor, a tuple and a constant) and a dict output."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.a = nn.Linear(d, d)
+        self.b = nn.Linear(d, d)
+        self.gate = nn.Parameter(torch.ones(d))
+
+    def forward(self, x, y, *, mask=None, pair=(None, None), scale=1.0):
+        h = torch.tanh(self.a(x)) * self.gate + self.b(y) * scale
+        if mask is not None:
+            h = h * mask
+        first, second = pair
+        h = h + first.unsqueeze(1) - second
+        return {"hidden": h, "score": h.pow(2).mean(), "aux": (x.sum(dim=1), y * 2)}
+
+
+def make(name, batch=4, seed=0):
+    """Returns (model, args, kwargs) for a zoo entry at the given batch size."""
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    if name == "mlp":
+        return MLP(), (torch.randn(batch, 16, generator=g), torch.randn(batch, 4, generator=g)), {}
+    if name == "resnet":
+        return ResNet(), (torch.randn(batch, 3, 8, 8, generator=g),
+                          torch.randint(0, 5, (batch,), generator=g)), {}
+    if name == "transformer":
+        return Encoder(), (torch.randn(batch, 6, 16, generator=g),), {}
+    if name == "gpt":
+        return GPT(), (torch.randint(0, 50, (batch, 8), generator=g),
+                       torch.randint(0, 50, (batch, 8), generator=g)), {}
+    if name == "multi_io":
+        x, y = torch.randn(batch, 8, generator=g), torch.randn(batch, 8, generator=g)
+        kwargs = {"mask": (torch.rand(batch, 8, generator=g) > 0.2).float(),
+                  "pair": (torch.randn(batch, generator=g), torch.randn(8, generator=g)),
+                  "scale": 0.5}
+        return MultiIO(), (x, y), kwargs
+    raise KeyError(name)
+
+
+NAMES = ["mlp", "resnet", "transformer", "gpt", "multi_io"]
