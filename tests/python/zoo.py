@@ -4,11 +4,11 @@ Every model computes something a user would train: an MLP, a residual CNN with b
 norm, nn.TransformerEncoder, a GPT-style decoder (tied embeddings, causal mask, loss
 inside), and a model with several inputs, kwargs and a dict output.
 """
-import math
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from models import GPT  # examples/models.py: the tests run the example model itself
 
 
 class MLP(nn.Module):
@@ -58,57 +58,6 @@ class Encoder(nn.Module):
 
     def forward(self, x):
         return self.head(self.encoder(x).mean(dim=1))
-
-
-class CausalSelfAttention(nn.Module):
-    def __init__(self, d, heads):
-        super().__init__()
-        self.heads = heads
-        self.qkv = nn.Linear(d, 3 * d)
-        self.proj = nn.Linear(d, d)
-
-    def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = self.qkv(x).split(d, dim=2)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        att = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.heads)
-        mask = torch.tril(torch.ones(t, t, dtype=torch.bool, device=x.device))
-        att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
-        y = (att @ v).transpose(1, 2).contiguous().view(b, t, d)
-        return self.proj(y)
-
-
-class GPTBlock(nn.Module):
-    def __init__(self, d, heads):
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.attn = CausalSelfAttention(d, heads)
-        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d),
-                                 nn.Dropout(0.1))
-
-    def forward(self, x):
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
-
-
-class GPT(nn.Module):
-    def __init__(self, vocab=50, d=16, heads=2, layers=2, max_len=16):
-        super().__init__()
-        self.tok = nn.Embedding(vocab, d)
-        self.pos = nn.Embedding(max_len, d)
-        self.blocks = nn.ModuleList([GPTBlock(d, heads) for _ in range(layers)])
-        self.ln = nn.LayerNorm(d)
-        self.lm_head = nn.Linear(d, vocab, bias=False)
-        self.lm_head.weight = self.tok.weight  # tied input/output embedding
-
-    def forward(self, ids, targets):
-        t = ids.size(1)
-        pos = torch.arange(t, device=ids.device)
-        x = self.tok(ids) + self.pos(pos)
-        for block in self.blocks:
-            x = block(x)
-        logits = self.lm_head(self.ln(x))
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
 
 
 class MultiIO(nn.Module):

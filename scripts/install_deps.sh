@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Installs what rannc needs on a fresh Debian 12 machine (as root, or with sudo):
+# compilers, CMake, Ninja, ccache, OpenMPI, spdlog, GoogleTest, then torch 2.13.0 (CPU) and
+# pytest. Skips what is already there, so it is cheap to run again.
+set -euo pipefail
+
+SUDO=""
+[ "$(id -u)" -eq 0 ] || SUDO="sudo"
+PYTHON="${PYTHON:-python3}"
+
+need_apt=()
+for pkg in build-essential cmake ninja-build ccache libopenmpi-dev openmpi-bin libspdlog-dev \
+           libgtest-dev git; do
+  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || need_apt+=("$pkg")
+done
+if [ ${#need_apt[@]} -gt 0 ]; then
+  echo "[install_deps] apt: ${need_apt[*]}"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
+fi
+
+# Python headers for the extension (pyenv/python.org builds ship them; Debian's python3 does not).
+if ! "$PYTHON" -c "import sysconfig, os, sys; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h')))"; then
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq python3-dev >/dev/null
+fi
+
+if ! "$PYTHON" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null; then
+  echo "[install_deps] pip: torch==2.13.0"
+  "$PYTHON" -m pip install -q torch==2.13.0
+fi
+"$PYTHON" -c "import pytest" 2>/dev/null || "$PYTHON" -m pip install -q pytest
+"$PYTHON" -c "import numpy" 2>/dev/null || "$PYTHON" -m pip install -q numpy
