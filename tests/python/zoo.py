@@ -61,7 +61,8 @@ class Encoder(nn.Module):
 
 
 class MultiIO(nn.Module):
-    """Several inputs, kwargs (a tensor, a tuple and a constant) and a dict output."""
+    """Several inputs, kwargs (a tensor, a tuple, a dict of lists, a constant) and a dict
+    output holding a tuple."""
 
     def __init__(self, d=8):
         super().__init__()
@@ -69,12 +70,14 @@ class MultiIO(nn.Module):
         self.b = nn.Linear(d, d)
         self.gate = nn.Parameter(torch.ones(d))
 
-    def forward(self, x, y, *, mask=None, pair=(None, None), scale=1.0):
+    def forward(self, x, y, *, mask=None, pair=(None, None), extra=None, scale=1.0):
         h = torch.tanh(self.a(x)) * self.gate + self.b(y) * scale
         if mask is not None:
             h = h * mask
         first, second = pair
         h = h + first.unsqueeze(1) - second
+        for bias in extra["biases"]:
+            h = h + bias
         return {"hidden": h, "score": h.pow(2).mean(), "aux": (x.sum(dim=1), y * 2)}
 
 
@@ -96,6 +99,7 @@ def make(name, batch=4, seed=0):
         x, y = torch.randn(batch, 8, generator=g), torch.randn(batch, 8, generator=g)
         kwargs = {"mask": (torch.rand(batch, 8, generator=g) > 0.2).float(),
                   "pair": (torch.randn(batch, generator=g), torch.randn(8, generator=g)),
+                  "extra": {"biases": [torch.randn(8, generator=g), torch.randn(batch, 1, generator=g)]},
                   "scale": 0.5}
         return MultiIO(), (x, y), kwargs
     raise KeyError(name)
