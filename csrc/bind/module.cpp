@@ -3,6 +3,8 @@
 #include <torch/extension.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 
+#include "comm/communicator.h"
+#include "comm/world.h"
 #include "common/error.h"
 #include "common/log.h"
 #include "frontend/convert.h"
@@ -73,6 +75,64 @@ PYBIND11_MODULE(_C, m) {
   py::register_exception<SerializationError>(m, "SerializationError", error);
   py::register_exception<InfeasiblePlanError>(m, "InfeasiblePlanError", error);
   py::register_exception<InternalError>(m, "InternalError", error);
+  auto comm_error = py::register_exception<CommError>(m, "CommError", error);
+  py::register_exception<TimeoutError>(m, "CommTimeoutError", comm_error);
+
+  // ---- the MPI world and the data plane ----------------------------------------------
+  m.def("get_rank", [] { return comm::World::get().rank(); });
+  m.def("get_world_size", [] { return comm::World::get().size(); });
+  m.def("get_local_rank", [] { return comm::World::get().localRank(); });
+  m.def("get_local_size", [] { return comm::World::get().localSize(); });
+  m.def("get_node", [] { return comm::World::get().node(); });
+  m.def("get_num_nodes", [] { return comm::World::get().numNodes(); });
+  m.def("get_hostname", [] { return comm::World::get().hostname(); });
+  m.def(
+      "barrier",
+      [](std::optional<double> timeout_s) {
+        auto& w = comm::World::get();
+        py::gil_scoped_release release;
+        w.barrier(timeout_s ? std::chrono::milliseconds(static_cast<int64_t>(*timeout_s * 1000))
+                            : w.defaultTimeout());
+      },
+      py::arg("timeout_s") = py::none());
+  m.def("report_failure", [](const std::string& msg) { comm::World::get().reportFailure(msg); });
+  m.def("check_peers", [] { comm::World::get().checkPeers(); });
+  m.def("set_comm_timeout", [](double s) {
+    comm::World::get().setDefaultTimeout(std::chrono::milliseconds(static_cast<int64_t>(s * 1000)));
+  });
+
+  py::enum_<comm::ReduceOp>(m, "ReduceOp")
+      .value("SUM", comm::ReduceOp::Sum)
+      .value("MAX", comm::ReduceOp::Max)
+      .value("MIN", comm::ReduceOp::Min);
+
+  py::class_<comm::Work, comm::WorkPtr>(m, "Work", "An operation in flight.")
+      .def(
+          "wait",
+          [](comm::Work& w, std::optional<double> timeout_s) {
+            py::gil_scoped_release release;
+            if (timeout_s) {
+              w.wait(std::chrono::milliseconds(static_cast<int64_t>(*timeout_s * 1000)));
+            } else {
+              w.wait();
+            }
+          },
+          py::arg("timeout_s") = py::none())
+      .def("is_completed", &comm::Work::isCompleted);
+
+  py::class_<comm::Communicator, std::shared_ptr<comm::Communicator>>(
+      m, "Communicator", "Moves tensors between ranks (MPI for CPU tensors).")
+      .def_static("world_cpu", &comm::worldCpuCommunicator)
+      .def_property_readonly("rank", &comm::Communicator::rank)
+      .def_property_readonly("size", &comm::Communicator::size)
+      .def("world_rank", &comm::Communicator::worldRank)
+      .def("send", &comm::Communicator::send, py::arg("tensor"), py::arg("peer"), py::arg("tag") = 0)
+      .def("recv", &comm::Communicator::recv, py::arg("tensor"), py::arg("peer"), py::arg("tag") = 0)
+      .def("all_reduce", &comm::Communicator::allReduce, py::arg("tensor"),
+           py::arg("op") = comm::ReduceOp::Sum)
+      .def("broadcast", &comm::Communicator::broadcast, py::arg("tensor"), py::arg("root"))
+      .def("all_gather", &comm::Communicator::allGather, py::arg("input"), py::arg("output"))
+      .def("subgroup", &comm::Communicator::subgroup, py::arg("ranks"));
 
   m.def("set_log_level", &setLogLevel, py::arg("level"));
 

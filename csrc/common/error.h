@@ -44,6 +44,19 @@ class InfeasiblePlanError : public Error {
   int64_t bytes_needed_;
 };
 
+// A communication failed, or a peer rank reported a failure; names this rank, the peer
+// and the operation.
+class CommError : public Error {
+ public:
+  using Error::Error;
+};
+
+// A blocking wait ran past its deadline (another rank is stuck or gone).
+class TimeoutError : public CommError {
+ public:
+  using CommError::CommError;
+};
+
 // A broken internal invariant: a bug in rannc, reported with file and line.
 class InternalError : public Error {
  public:

@@ -2,12 +2,18 @@
 import torch  # noqa: F401  (loads libtorch before the extension)
 
 from ._C import (  # noqa: F401
+    CommError,
+    CommTimeoutError,
     Error,
     InfeasiblePlanError,
     InternalError,
     InvalidGraphError,
     SerializationError,
     TraceError,
+    barrier,
+    get_local_rank,
+    get_rank,
+    get_world_size,
     set_log_level,
 )
 from .graph import SplitGraph, TracedGraph, load_ir, trace  # noqa: F401
@@ -15,5 +21,6 @@ from .graph import SplitGraph, TracedGraph, load_ir, trace  # noqa: F401
 __all__ = [
     "trace", "load_ir", "TracedGraph", "SplitGraph", "set_log_level",
     "Error", "TraceError", "InvalidGraphError", "SerializationError", "InfeasiblePlanError",
-    "InternalError",
+    "InternalError", "CommError", "CommTimeoutError",
+    "get_rank", "get_world_size", "get_local_rank", "barrier",
 ]

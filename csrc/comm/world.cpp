@@ -1,0 +1,155 @@
+#include "comm/world.h"
+
+#include <unistd.h>
+
+#include <cstdlib>
+#include <map>
+#include <sstream>
+#include <thread>
+
+#include "common/error.h"
+#include "common/log.h"
+
+namespace rannc::comm {
+namespace {
+
+constexpr int kFailureTag = 7001;
+
+void check(int rc, const char* what) {
+  if (rc != MPI_SUCCESS) {
+    char msg[MPI_MAX_ERROR_STRING];
+    int len = 0;
+    MPI_Error_string(rc, msg, &len);
+    throw CommError(std::string(what) + " failed: " + std::string(msg, len));
+  }
+}
+
+}  // namespace
+
+World& World::get() {
+  static World world;
+  return world;
+}
+
+World::World() {
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  if (!initialized) {
+    int provided = 0;
+    check(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided), "MPI_Init_thread");
+    owns_mpi_ = true;
+  }
+  // Errors come back as codes (and become exceptions) instead of aborting the job.
+  MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+  check(MPI_Comm_dup(MPI_COMM_WORLD, &data_comm_), "MPI_Comm_dup");
+  check(MPI_Comm_dup(MPI_COMM_WORLD, &control_comm_), "MPI_Comm_dup");
+  MPI_Comm_set_errhandler(data_comm_, MPI_ERRORS_RETURN);
+  MPI_Comm_set_errhandler(control_comm_, MPI_ERRORS_RETURN);
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
+  MPI_Comm_size(MPI_COMM_WORLD, &size_);
+
+  char name[MPI_MAX_PROCESSOR_NAME];
+  int len = 0;
+  MPI_Get_processor_name(name, &len);
+  hostname_.assign(name, len);
+
+  // Hosts by name: gather every rank's hostname, number hosts by their first rank.
+  std::vector<char> all(static_cast<size_t>(size_) * MPI_MAX_PROCESSOR_NAME, 0);
+  std::vector<char> mine(MPI_MAX_PROCESSOR_NAME, 0);
+  std::copy(hostname_.begin(), hostname_.end(), mine.begin());
+  check(MPI_Allgather(mine.data(), MPI_MAX_PROCESSOR_NAME, MPI_CHAR, all.data(),
+                      MPI_MAX_PROCESSOR_NAME, MPI_CHAR, control_comm_),
+        "MPI_Allgather(hostnames)");
+  std::map<std::string, int> node_ids;
+  node_of_rank_.resize(size_);
+  for (int r = 0; r < size_; ++r) {
+    std::string h(&all[static_cast<size_t>(r) * MPI_MAX_PROCESSOR_NAME]);
+    auto it = node_ids.emplace(h, static_cast<int>(node_ids.size())).first;
+    node_of_rank_[r] = it->second;
+  }
+  num_nodes_ = static_cast<int>(node_ids.size());
+  node_ = node_of_rank_[rank_];
+  local_rank_ = 0;
+  local_size_ = 0;
+  for (int r = 0; r < size_; ++r) {
+    if (node_of_rank_[r] != node_) continue;
+    if (r < rank_) ++local_rank_;
+    ++local_size_;
+  }
+  if (const char* t = std::getenv("RANNC_COMM_TIMEOUT")) {
+    timeout_ = std::chrono::milliseconds(static_cast<int64_t>(std::atof(t) * 1000));
+  }
+  setLogContext(rank_, -1);
+  logDebug("MPI world: rank " + std::to_string(rank_) + " of " + std::to_string(size_) +
+           " on " + hostname_ + " (local rank " + std::to_string(local_rank_) + ")");
+}
+
+World::~World() {
+  // Finalize only what we started; a peer that failed may leave messages unmatched.
+  if (owns_mpi_) {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (!finalized) {
+      if (failed_reported_) {
+        MPI_Abort(MPI_COMM_WORLD, 1);  // at exit only: peers may be gone mid-collective
+      }
+      MPI_Finalize();
+    }
+  }
+}
+
+void World::reportFailure(const std::string& message) {
+  if (failed_reported_) return;
+  failed_reported_ = true;
+  for (int r = 0; r < size_; ++r) {
+    if (r == rank_) continue;
+    MPI_Request req;
+    // The request is freed at once: small messages go eagerly and we must not block here.
+    if (MPI_Isend(message.data(), static_cast<int>(message.size()), MPI_CHAR, r, kFailureTag,
+                  control_comm_, &req) == MPI_SUCCESS) {
+      MPI_Request_free(&req);
+    }
+  }
+}
+
+void World::checkPeers() {
+  int flag = 0;
+  MPI_Status status;
+  MPI_Iprobe(MPI_ANY_SOURCE, kFailureTag, control_comm_, &flag, &status);
+  if (!flag) return;
+  int count = 0;
+  MPI_Get_count(&status, MPI_CHAR, &count);
+  std::string msg(static_cast<size_t>(count), '\0');
+  MPI_Recv(msg.data(), count, MPI_CHAR, status.MPI_SOURCE, kFailureTag, control_comm_,
+           MPI_STATUS_IGNORE);
+  failed_reported_ = true;  // do not finalize cleanly: the job is failing
+  throw CommError("rank " + std::to_string(rank_) + " stops because rank " +
+                  std::to_string(status.MPI_SOURCE) + " failed: " + msg);
+}
+
+void World::wait(MPI_Request& request, const std::string& what, std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  int spins = 0;
+  while (true) {
+    int done = 0;
+    check(MPI_Test(&request, &done, MPI_STATUS_IGNORE), what.c_str());
+    if (done) return;
+    checkPeers();
+    if (std::chrono::steady_clock::now() > deadline) {
+      std::ostringstream os;
+      os << "rank " << rank_ << ": " << what << " did not complete within "
+         << timeout.count() / 1000.0 << " s (a peer is stuck or gone; RANNC_COMM_TIMEOUT sets the limit)";
+      throw TimeoutError(os.str());
+    }
+    // Spin briefly for latency, then yield the core (ranks may outnumber cores).
+    if (++spins > 1000) std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+}
+
+void World::barrier(std::chrono::milliseconds timeout) {
+  MPI_Request req;
+  check(MPI_Ibarrier(data_comm_, &req), "MPI_Ibarrier");
+  wait(req, "barrier", timeout);
+}
+
+}  // namespace rannc::comm

@@ -1,0 +1,65 @@
+#pragma once
+// The MPI world: start-up, ranks, hosts, and the control channel through which a failing
+// rank tells the others, so that no rank waits forever on a peer that has failed.
+//
+// MPI starts lazily on first use (MPI_Init_thread with MPI_THREAD_SERIALIZED) and works
+// without mpirun (a singleton world of one rank). Calls are made from one thread at a time.
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include <mpi.h>
+
+namespace rannc::comm {
+
+class World {
+ public:
+  // The process-wide world; starts MPI on first call. Throws CommError if MPI fails to start.
+  static World& get();
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  int localRank() const { return local_rank_; }  // rank among the ranks of this host
+  int localSize() const { return local_size_; }
+  int node() const { return node_; }  // index of this host among the hosts, by first rank
+  int numNodes() const { return num_nodes_; }
+  const std::string& hostname() const { return hostname_; }
+  const std::vector<int>& nodeOfRank() const { return node_of_rank_; }
+  MPI_Comm dataComm() const { return data_comm_; }
+
+  // Tells every other rank that this rank failed (non-blocking, never throws); their
+  // waits then raise CommError carrying `message`.
+  void reportFailure(const std::string& message);
+
+  // Throws CommError if a peer reported a failure. Cheap: one MPI_Iprobe.
+  void checkPeers();
+
+  // Waits for `request` while watching for peer failures; throws TimeoutError after
+  // `timeout` naming `what`. Blocks the calling thread.
+  void wait(MPI_Request& request, const std::string& what, std::chrono::milliseconds timeout);
+
+  // A barrier over all ranks that fails instead of hanging (see wait).
+  void barrier(std::chrono::milliseconds timeout);
+
+  // Default timeout of blocking waits: RANNC_COMM_TIMEOUT seconds (default 600).
+  std::chrono::milliseconds defaultTimeout() const { return timeout_; }
+  void setDefaultTimeout(std::chrono::milliseconds timeout) { timeout_ = timeout; }
+
+  World(const World&) = delete;
+  World& operator=(const World&) = delete;
+
+ private:
+  World();
+  ~World();
+
+  int rank_ = 0, size_ = 1, local_rank_ = 0, local_size_ = 1, node_ = 0, num_nodes_ = 1;
+  std::string hostname_;
+  std::vector<int> node_of_rank_;
+  MPI_Comm data_comm_ = MPI_COMM_NULL;     // data plane (point-to-point, collectives)
+  MPI_Comm control_comm_ = MPI_COMM_NULL;  // failure notices only
+  bool owns_mpi_ = false;
+  bool failed_reported_ = false;
+  std::chrono::milliseconds timeout_{600000};
+};
+
+}  // namespace rannc::comm

@@ -1,0 +1,53 @@
+"""Exercises the MPI data plane on every rank; exits non-zero on any mismatch."""
+import torch
+
+import rannc
+from rannc import _C
+
+rank, size = rannc.get_rank(), rannc.get_world_size()
+comm = _C.Communicator.world_cpu()
+assert comm.rank == rank and comm.size == size
+assert rannc.get_local_rank() == rank  # one host
+
+# ring of sends and receives, the receive target not contiguous
+nxt, prv = (rank + 1) % size, (rank - 1) % size
+out = torch.full((3, 4), float(rank))
+into = torch.empty(4, 3).t()
+works = [comm.send(out, nxt, tag=5), comm.recv(into, prv, tag=5)]
+for w in works:
+    w.wait(30)
+assert torch.equal(into, torch.full((3, 4), float(prv))), into
+
+# all-reduce: sum, max, and bfloat16 (reduced in float)
+t = torch.tensor([rank + 1.0, 2.0 * rank])
+comm.all_reduce(t).wait()
+assert torch.equal(t, torch.tensor([size * (size + 1) / 2, size * (size - 1) * 1.0])), t
+m = torch.tensor([rank], dtype=torch.int64)
+comm.all_reduce(m, _C.ReduceOp.MAX).wait()
+assert m.item() == size - 1
+b = torch.full((5,), 0.5, dtype=torch.bfloat16)
+comm.all_reduce(b).wait()
+assert torch.equal(b, torch.full((5,), 0.5 * size, dtype=torch.bfloat16))
+
+# broadcast from the last rank
+x = torch.arange(6.0) if rank == size - 1 else torch.zeros(6)
+comm.broadcast(x, size - 1).wait()
+assert torch.equal(x, torch.arange(6.0))
+
+# all-gather
+g = torch.empty(size, 2)
+comm.all_gather(torch.tensor([rank, -rank], dtype=torch.float32), g).wait()
+assert torch.equal(g, torch.tensor([[r, -r] for r in range(size)], dtype=torch.float32))
+
+# a sub-group of the even ranks
+evens = list(range(0, size, 2))
+if rank in evens:
+    sub = comm.subgroup(evens)
+    assert sub.rank == evens.index(rank) and sub.size == len(evens)
+    assert sub.world_rank(sub.rank) == rank
+    s = torch.tensor([float(rank)])
+    sub.all_reduce(s).wait()
+    assert s.item() == sum(evens), s
+
+rannc.barrier(60)
+print(f"OK rank {rank}", flush=True)

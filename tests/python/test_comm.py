@@ -1,0 +1,37 @@
+"""The MPI data plane and failure handling under real mpirun."""
+import time
+
+import pytest
+
+from mpirun import mpirun
+
+
+@pytest.mark.parametrize("np", [1, 2, 4])
+def test_data_plane_moves_and_reduces_tensors(np):
+    res = mpirun("comm_check.py", np, timeout=240)
+    assert res.returncode == 0, res.stdout
+    for r in range(np):
+        assert f"OK rank {r}" in res.stdout, res.stdout
+
+
+def test_a_failing_rank_ends_every_rank_with_its_name():
+    start = time.monotonic()
+    res = mpirun("failure_check.py", 3, "raise", timeout=120)
+    assert res.returncode != 0
+    assert "FAILED rank 1 | stage 1: ValueError: shape mismatch in stage 1" in res.stdout, res.stdout
+    for r in (0, 2):
+        assert f"FAILED rank {r} | stage {r}: CommError: rank {r} stops because rank 1 failed" \
+            in res.stdout, res.stdout
+    assert time.monotonic() - start < 100
+
+
+def test_a_stuck_peer_times_out_instead_of_hanging():
+    start = time.monotonic()
+    res = mpirun("failure_check.py", 3, "hang", timeout=120)
+    assert time.monotonic() - start < 100
+    assert res.returncode != 0
+    assert "FAILED rank 0 | stage 0: CommTimeoutError" in res.stdout, res.stdout
+    assert "did not complete within 2 s" in res.stdout, res.stdout
+    # rank 2 learns of it while waiting; rank 1 either learns of it in its barrier or is
+    # ended by the abort that a failed rank makes on exit (so nothing hangs).
+    assert "FAILED rank 2 | stage 2: CommError: rank 2 stops because rank 0 failed" in res.stdout, res.stdout
