@@ -11,6 +11,7 @@
 #include "frontend/interpreter.h"
 #include "ir/serialize.h"
 #include "ir/subgraph.h"
+#include "runtime/stage.h"
 
 namespace py = pybind11;
 using namespace rannc;
@@ -19,6 +20,33 @@ namespace {
 
 std::vector<c10::IValue> toIValues(const std::vector<at::Tensor>& tensors) {
   return {tensors.begin(), tensors.end()};
+}
+
+// The values that cross a stage boundary: tensors, and the ints, floats, bools and lists
+// of ints that shapes are made of.
+c10::IValue fromPython(py::handle v) {
+  if (THPVariable_Check(v.ptr())) return py::cast<at::Tensor>(v);
+  if (v.is_none()) return c10::IValue();
+  if (py::isinstance<py::bool_>(v)) return py::cast<bool>(v);
+  if (py::isinstance<py::int_>(v)) return py::cast<int64_t>(v);
+  if (py::isinstance<py::float_>(v)) return py::cast<double>(v);
+  if (py::isinstance<py::list>(v) || py::isinstance<py::tuple>(v)) {
+    auto seq = py::reinterpret_borrow<py::sequence>(v);
+    bool ints = std::all_of(seq.begin(), seq.end(), [](py::handle x) {
+      return py::isinstance<py::int_>(x) && !py::isinstance<py::bool_>(x);
+    });
+    if (ints) return py::cast<std::vector<int64_t>>(v);
+    bool floats = std::all_of(seq.begin(), seq.end(), [](py::handle x) { return py::isinstance<py::float_>(x); });
+    if (floats) return py::cast<std::vector<double>>(v);
+  }
+  throw Error(std::string("cannot pass a value of type ") + py::str(v.get_type()).cast<std::string>() +
+              " across a stage boundary");
+}
+
+std::vector<c10::IValue> fromPython(const py::list& values) {
+  std::vector<c10::IValue> out;
+  for (const auto& v : values) out.push_back(fromPython(v));
+  return out;
 }
 
 py::list toPython(const std::vector<c10::IValue>& values) {
@@ -205,6 +233,43 @@ PYBIND11_MODULE(_C, m) {
              }
              return toPython(outs);
            });
+
+  py::class_<runtime::StageExecutor>(m, "StageExecutor",
+                                     "Forward/backward of one piece, one micro-batch at a time.")
+      .def(py::init([](std::shared_ptr<frontend::TracedModel> model, ir::Subgraph piece,
+                       std::unordered_map<ir::ValueId, at::Tensor> state) {
+             return std::make_unique<runtime::StageExecutor>(model, std::move(piece), std::move(state));
+           }),
+           py::arg("model"), py::arg("piece"), py::arg("state"))
+      .def_property_readonly("input_ids", &runtime::StageExecutor::inputIds)
+      .def_property_readonly("output_ids", &runtime::StageExecutor::outputIds)
+      .def_property_readonly("stashed", &runtime::StageExecutor::stashed)
+      .def("forward",
+           [](runtime::StageExecutor& s, int64_t mb, const py::list& inputs, bool keep, bool recompute) {
+             auto ins = fromPython(inputs);
+             std::vector<c10::IValue> outs;
+             {
+               py::gil_scoped_release release;
+               outs = s.forward(mb, ins, keep, recompute);
+             }
+             return toPython(outs);
+           },
+           py::arg("mb"), py::arg("inputs"), py::arg("keep_for_backward") = true,
+           py::arg("recompute") = false)
+      .def("backward",
+           [](runtime::StageExecutor& s, int64_t mb, const std::vector<std::optional<at::Tensor>>& grads) {
+             std::vector<at::Tensor> g;
+             for (const auto& t : grads) g.push_back(t ? *t : at::Tensor());
+             std::vector<at::Tensor> out;
+             {
+               py::gil_scoped_release release;
+               out = s.backward(mb, g);
+             }
+             py::list res;
+             for (const auto& t : out) res.append(t.defined() ? py::cast(t) : py::none());
+             return res;
+           },
+           py::arg("mb"), py::arg("output_grads"));
 
   m.def(
       "build_traced_model",

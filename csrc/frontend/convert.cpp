@@ -450,9 +450,12 @@ std::shared_ptr<TracedModel> buildTracedModel(
     for (ir::ValueId in : ir.task(t).inputs) grad = grad || ir.value(in).requires_grad;
     for (ir::ValueId out : ir.task(t).outputs) {
       ir::Value& v = ir.mutableValue(out);
-      v.requires_grad = grad && v.isTensor() &&
-                        (v.dtype == ir::DType::Float32 || v.dtype == ir::DType::Float64 ||
-                         v.dtype == ir::DType::Float16 || v.dtype == ir::DType::BFloat16);
+      // Lists and tuples of tensors carry gradients to what is unpacked from them.
+      const bool container = v.kind == ir::ValueKind::TensorList ||
+                             v.kind == ir::ValueKind::Tuple || v.kind == ir::ValueKind::Other;
+      const bool floating = v.dtype == ir::DType::Float32 || v.dtype == ir::DType::Float64 ||
+                            v.dtype == ir::DType::Float16 || v.dtype == ir::DType::BFloat16;
+      v.requires_grad = grad && (container || (v.isTensor() && floating));
     }
   }
   for (ir::ValueId id : ir.outputs()) {

@@ -150,13 +150,37 @@ std::vector<Subgraph> splitTopological(const Graph& graph, int k) {
   // [Note: contiguous pieces are convex] A path a -> c -> b visits c between a and b in
   // any topological order, so an interval of that order cannot be left and re-entered.
   std::vector<TaskId> order = graph.topologicalOrder();
+  std::vector<int> pos(n);
+  for (int i = 0; i < n; ++i) pos[order[i]] = i;
+  // Last position at which each value is read, to know what crosses a cut.
+  std::vector<int> last_use(graph.numValues(), -1);
+  for (int i = 0; i < n; ++i) {
+    for (ValueId v : graph.task(order[i]).inputs) last_use[v] = std::max(last_use[v], i);
+  }
+  // A cut before position `cut` is clean when no list or tuple that carries gradients
+  // crosses it: a stage boundary passes tensors, whose gradients flow back one by one.
+  auto clean = [&](int cut) {
+    for (int i = 0; i < cut; ++i) {
+      for (ValueId v : graph.task(order[i]).outputs) {
+        const Value& val = graph.value(v);
+        if (last_use[v] >= cut && val.requires_grad && !val.isTensor()) return false;
+      }
+    }
+    return true;
+  };
+  std::vector<int> cuts{0};
+  for (int i = 1; i < k; ++i) {
+    int cut = std::max(static_cast<int>((static_cast<int64_t>(n) * i) / k), cuts.back() + 1);
+    const int limit = n - (k - i);  // leave at least one task per remaining piece
+    int moved = cut;
+    while (moved < limit && !clean(moved)) ++moved;
+    cuts.push_back(moved <= limit && clean(moved) ? moved : cut);
+  }
+  cuts.push_back(n);
   std::vector<Subgraph> pieces;
-  int begin = 0;
   for (int i = 0; i < k; ++i) {
-    int end = static_cast<int>((static_cast<int64_t>(n) * (i + 1)) / k);
     pieces.push_back(extractSubgraph(
-        graph, std::vector<TaskId>(order.begin() + begin, order.begin() + end)));
-    begin = end;
+        graph, std::vector<TaskId>(order.begin() + cuts[i], order.begin() + cuts[i + 1])));
   }
   return pieces;
 }

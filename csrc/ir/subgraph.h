@@ -26,7 +26,9 @@ Subgraph extractSubgraph(const Graph& graph, const std::vector<TaskId>& tasks);
 uint64_t contentHash(const Graph& graph, const Subgraph& piece);
 
 // Cuts the graph into k convex pieces, contiguous in the topological order, with task
-// counts as even as possible. Throws InvalidGraphError if k < 1 or k > number of tasks.
+// counts as even as possible; a cut moves later where a list or tuple that carries
+// gradients would cross it (a stage boundary passes tensors one by one). Throws
+// InvalidGraphError if k < 1 or k > number of tasks.
 std::vector<Subgraph> splitTopological(const Graph& graph, int k);
 
 }  // namespace rannc::ir

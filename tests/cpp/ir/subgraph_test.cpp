@@ -130,6 +130,27 @@ TEST(ASplit, CutsIntoKContiguousConvexPiecesCoveringEveryTaskOnce) {
   EXPECT_THROW(splitTopological(g, 11), InvalidGraphError);
 }
 
+TEST(ASplit, MovesACutSoThatNoGradientCarryingListCrossesIt) {
+  // x -> a -> [list] -> b -> c: a cut between the list and its reader moves after it.
+  Graph g;
+  ValueId x = tensor(g, "x", ValueRole::Input), a = tensor(g, "a"), b = tensor(g, "b"),
+          c = tensor(g, "c");
+  Value list;
+  list.name = "list";
+  list.kind = ValueKind::TensorList;
+  list.requires_grad = true;
+  ValueId l = g.addValue(list);
+  g.setInputs({x});
+  g.addTask("aten::relu", {x}, {a});
+  g.addTask("prim::ListConstruct", {a}, {l});
+  g.addTask("aten::cat", {l}, {b});
+  g.addTask("aten::sin", {b}, {c});
+  g.setOutputs({c});
+  auto pieces = splitTopological(g, 2);  // nominal cut after 2 tasks: the list would cross
+  EXPECT_EQ(pieces[0].tasks, (std::vector<TaskId>{0, 1, 2}));
+  EXPECT_EQ(pieces[1].tasks, (std::vector<TaskId>{3}));
+}
+
 TEST(ARandomDag, AgreesWithBruteForceOnConvexity) {
   std::mt19937 rng(1234);
   for (int trial = 0; trial < 200; ++trial) {

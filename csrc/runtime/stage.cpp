@@ -1,0 +1,142 @@
+#include "runtime/stage.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include "common/error.h"
+#include "frontend/interpreter.h"
+
+namespace rannc::runtime {
+namespace {
+
+bool differentiable(const at::Tensor& t) {
+  return t.defined() && (t.is_floating_point() || t.is_complex());
+}
+
+}  // namespace
+
+StageExecutor::StageExecutor(std::shared_ptr<const frontend::TracedModel> model,
+                             ir::Subgraph piece,
+                             std::unordered_map<ir::ValueId, at::Tensor> state)
+    : model_(std::move(model)), piece_(std::move(piece)), state_(std::move(state)) {
+  for (ir::ValueId id : frontend::runPieceInputs(*model_, piece_)) {
+    if (model_->graph.value(id).isModelState()) {
+      if (!state_.count(id)) {
+        throw Error("stage is missing the tensor of " + ir::describe(model_->graph.value(id)));
+      }
+    } else {
+      input_ids_.push_back(id);
+    }
+  }
+}
+
+std::vector<c10::IValue> StageExecutor::run(const std::vector<c10::IValue>& inputs) {
+  std::vector<c10::IValue> all;
+  size_t next = 0;
+  for (ir::ValueId id : frontend::runPieceInputs(*model_, piece_)) {
+    auto it = state_.find(id);
+    all.push_back(it != state_.end() ? c10::IValue(it->second) : inputs[next++]);
+  }
+  return frontend::runPiece(*model_, piece_, all);
+}
+
+std::vector<c10::IValue> StageExecutor::leaves(const std::vector<c10::IValue>& inputs) const {
+  // Cut the autograd graph at the boundary: each differentiable tensor input becomes a
+  // leaf whose .grad is what backward returns to the previous stage.
+  std::vector<c10::IValue> out;
+  out.reserve(inputs.size());
+  for (const auto& v : inputs) {
+    if (v.isTensor() && differentiable(v.toTensor())) {
+      out.emplace_back(v.toTensor().detach().requires_grad_(true));
+    } else {
+      out.push_back(v);
+    }
+  }
+  return out;
+}
+
+std::vector<c10::IValue> StageExecutor::forward(int64_t mb, const std::vector<c10::IValue>& inputs,
+                                                bool keep_for_backward, bool recompute) {
+  if (inputs.size() != input_ids_.size()) {
+    throw Error("stage forward takes " + std::to_string(input_ids_.size()) + " inputs, got " +
+                std::to_string(inputs.size()));
+  }
+  if (!keep_for_backward) {
+    torch::NoGradGuard no_grad;
+    return run(inputs);
+  }
+  RANNC_CHECK(!stash_.count(mb), "micro-batch " << mb << " is already stashed");
+  Stash stash;
+  stash.recompute = recompute;
+  std::vector<c10::IValue> outputs;
+  if (recompute) {
+    // Keep the inputs and the RNG state; the graph is rebuilt in backward().
+    stash.inputs = inputs;
+    auto gen = at::detail::getDefaultCPUGenerator();
+    {
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      stash.rng_state = gen.get_state();
+    }
+    torch::NoGradGuard no_grad;
+    outputs = run(inputs);
+  } else {
+    stash.inputs = leaves(inputs);
+    outputs = run(stash.inputs);
+    stash.outputs = outputs;
+  }
+  stash_.emplace(mb, std::move(stash));
+  // What leaves the stage is detached: the next stage makes its own leaves.
+  for (auto& v : outputs) {
+    if (v.isTensor()) v = v.toTensor().detach();
+  }
+  return outputs;
+}
+
+std::vector<at::Tensor> StageExecutor::backward(int64_t mb, const std::vector<at::Tensor>& output_grads) {
+  auto it = stash_.find(mb);
+  if (it == stash_.end()) {
+    throw Error("backward of micro-batch " + std::to_string(mb) + " without a stashed forward");
+  }
+  Stash stash = std::move(it->second);
+  stash_.erase(it);
+  if (output_grads.size() != piece_.outputs.size()) {
+    throw Error("stage backward takes " + std::to_string(piece_.outputs.size()) +
+                " output gradients, got " + std::to_string(output_grads.size()));
+  }
+  if (stash.recompute) {
+    // Same inputs, same RNG state: dropout draws the same masks as the first forward.
+    auto gen = at::detail::getDefaultCPUGenerator();
+    at::Tensor current;
+    {
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      current = gen.get_state();
+      gen.set_state(stash.rng_state);
+    }
+    stash.inputs = leaves(stash.inputs);
+    torch::AutoGradMode grad(true);
+    stash.outputs = run(stash.inputs);
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(current);
+  }
+  std::vector<at::Tensor> roots, grads;
+  for (size_t i = 0; i < stash.outputs.size(); ++i) {
+    const auto& v = stash.outputs[i];
+    if (!v.isTensor() || !output_grads[i].defined()) continue;
+    const at::Tensor& t = v.toTensor();
+    if (!t.requires_grad()) continue;
+    roots.push_back(t);
+    grads.push_back(output_grads[i]);
+  }
+  if (!roots.empty()) {
+    torch::autograd::backward(roots, grads, /*retain_graph=*/false, /*create_graph=*/false);
+  }
+  std::vector<at::Tensor> input_grads;
+  for (const auto& v : stash.inputs) {
+    input_grads.push_back(v.isTensor() && v.toTensor().requires_grad() ? v.toTensor().grad()
+                                                                      : at::Tensor());
+  }
+  return input_grads;
+}
+
+}  // namespace rannc::runtime

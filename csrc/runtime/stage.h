@@ -1,0 +1,66 @@
+#pragma once
+// One stage of the pipeline as this rank runs it: forward and backward of one convex
+// piece of the traced model, one micro-batch at a time, with the autograd graph cut at
+// the stage boundary.
+//
+// [Note: activation lifetime] forward() stashes what backward() of the same micro-batch
+// needs: the autograd graph of the piece (boundary inputs as detached leaves that require
+// grad), or, when recomputing, only the inputs and the RNG state. backward() consumes and
+// frees it, so a 1F1B stage i of S holds at most min(S-i, M) stashes.
+#include <cstdint>
+#include <memory>
+#include <unordered_map>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+#include "frontend/traced_model.h"
+#include "ir/subgraph.h"
+
+namespace rannc::runtime {
+
+class StageExecutor {
+ public:
+  // `state` maps the value ids of parameters and buffers to this rank's tensors (the ones
+  // the optimizer updates); the piece's other non-constant inputs come with each call.
+  StageExecutor(std::shared_ptr<const frontend::TracedModel> model, ir::Subgraph piece,
+                std::unordered_map<ir::ValueId, at::Tensor> state);
+
+  // The non-constant, non-state inputs a forward call takes, in order.
+  const std::vector<ir::ValueId>& inputIds() const { return input_ids_; }
+  const std::vector<ir::ValueId>& outputIds() const { return piece_.outputs; }
+
+  // Runs the piece for micro-batch `mb` (a key; any int not yet stashed). With
+  // `keep_for_backward`, stashes what backward needs (the graph, or with `recompute`
+  // only the inputs and RNG state). Returns the piece's outputs (detached from this
+  // piece's graph: the next stage's leaves). Throws rannc::Error naming the op on failure.
+  std::vector<c10::IValue> forward(int64_t mb, const std::vector<c10::IValue>& inputs,
+                                   bool keep_for_backward, bool recompute);
+
+  // Backpropagates the gradients of this piece's outputs (undefined tensors for outputs
+  // without one) for micro-batch `mb`, accumulating into the state tensors' .grad, and
+  // returns the gradients of inputIds() (undefined where none flows).
+  std::vector<at::Tensor> backward(int64_t mb, const std::vector<at::Tensor>& output_grads);
+
+  // Number of micro-batches stashed for backward.
+  size_t stashed() const { return stash_.size(); }
+
+ private:
+  struct Stash {
+    std::vector<c10::IValue> inputs;   // leaves (requires grad where differentiable)
+    std::vector<c10::IValue> outputs;  // attached to the piece's graph (empty if recompute)
+    bool recompute = false;
+    at::Tensor rng_state;              // CPU generator state before the forward
+  };
+
+  std::vector<c10::IValue> run(const std::vector<c10::IValue>& inputs);
+  std::vector<c10::IValue> leaves(const std::vector<c10::IValue>& inputs) const;
+
+  std::shared_ptr<const frontend::TracedModel> model_;
+  ir::Subgraph piece_;
+  std::unordered_map<ir::ValueId, at::Tensor> state_;
+  std::vector<ir::ValueId> input_ids_;
+  std::unordered_map<int64_t, Stash> stash_;
+};
+
+}  // namespace rannc::runtime
