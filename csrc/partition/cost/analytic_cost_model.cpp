@@ -76,6 +76,62 @@ AnalyticCostModel::AnalyticCostModel(const ir::Graph& graph, DeviceSpec device,
     for (ir::ValueId v : t.inputs) addBytes(v);
     for (ir::ValueId v : t.outputs) addBytes(v);
   }
+  in_piece_.assign(graph.numTasks(), 0);
+  value_seen_.assign(graph.numValues(), 0);
+  graph_output_.assign(graph.numValues(), 0);
+  for (ir::ValueId v : graph.outputs()) graph_output_[v] = 1;
+}
+
+// The same numbers as computeCost(makePiece(...)), from marks instead of a built piece:
+// the planner asks for thousands of large pieces, and sorting each would dominate.
+bool AnalyticCostModel::computeCostDirect(const std::vector<ir::TaskId>& tasks, int64_t rows,
+                                          PieceCost* out) {
+  const ir::Graph& g = graph();
+  const double scale =
+      g.batchSize() > 0 ? static_cast<double>(rows) / static_cast<double>(g.batchSize()) : 1.0;
+  ++stamp_;
+  for (ir::TaskId t : tasks) in_piece_[t] = stamp_;
+  PieceCost c;
+  for (ir::TaskId t : tasks) {
+    const double f = forwardTime(tasks_[t], scale);
+    c.forward_time += f;
+    c.backward_time += 2.0 * f;
+    const ir::Task& task = g.task(t);
+    for (ir::ValueId v : task.inputs) {
+      const ir::Value& val = g.value(v);
+      if ((val.producer != ir::kNoId && in_piece_[val.producer] == stamp_) || value_seen_[v] == stamp_) continue;
+      value_seen_[v] = stamp_;
+      if (!val.isTensor()) continue;
+      const int64_t bytes = valueBytesAt(g, val, rows);
+      if (val.role == ir::ValueRole::Param) {
+        c.param_bytes += bytes;
+      } else if (val.role == ir::ValueRole::Buffer) {
+        c.buffer_bytes += bytes;
+      } else if (val.role != ir::ValueRole::Constant) {
+        c.input_bytes += bytes;
+        c.activation_bytes += bytes;
+      }
+    }
+    const bool pure = pureConstant()[t] != 0;
+    for (ir::ValueId v : task.outputs) {
+      const ir::Value& val = g.value(v);
+      if (!val.isTensor()) continue;
+      const int64_t bytes = valueBytesAt(g, val, rows);
+      if (!pure) c.activation_bytes += bytes;
+      bool used_outside = graph_output_[v] != 0;
+      if (!pure && !used_outside) {
+        for (ir::TaskId u : val.consumers) {
+          if (in_piece_[u] != stamp_) {
+            used_outside = true;
+            break;
+          }
+        }
+      }
+      if (used_outside) c.output_bytes += bytes;
+    }
+  }
+  *out = c;
+  return true;
 }
 
 double AnalyticCostModel::forwardTime(const TaskCost& t, double scale) const {

@@ -20,6 +20,7 @@ class AnalyticCostModel : public CostModel {
 
  protected:
   PieceCost computeCost(const ir::Subgraph& piece, int64_t rows) override;
+  bool computeCostDirect(const std::vector<ir::TaskId>& tasks, int64_t rows, PieceCost* out) override;
   bool cacheByContent() const override { return cache_by_content_; }
 
  private:
@@ -33,6 +34,10 @@ class AnalyticCostModel : public CostModel {
 
   std::vector<TaskCost> tasks_;
   bool cache_by_content_;
+  // Scratch marks for the direct path (membership of tasks, values already counted).
+  std::vector<int> in_piece_, value_seen_;
+  std::vector<char> graph_output_;
+  int stamp_ = 0;
 };
 
 }  // namespace rannc::partition

@@ -1,6 +1,7 @@
 #include "partition/cost/cost_model.h"
 
 #include <algorithm>
+#include <unordered_set>
 
 #include "common/error.h"
 
@@ -71,22 +72,20 @@ ir::Subgraph makePiece(const ir::Graph& graph, const std::vector<ir::TaskId>& ta
   std::vector<ir::TaskId> sorted = piece.tasks;
   std::sort(sorted.begin(), sorted.end());
   auto inside = [&](ir::TaskId t) { return std::binary_search(sorted.begin(), sorted.end(), t); };
-  std::vector<ir::ValueId> seen;
+  std::unordered_set<ir::ValueId> seen;
   for (ir::TaskId t : piece.tasks) {
     for (ir::ValueId v : graph.task(t).inputs) {
       const ir::Value& val = graph.value(v);
       if (val.producer != ir::kNoId && inside(val.producer)) continue;
-      if (std::find(seen.begin(), seen.end(), v) != seen.end()) continue;
-      seen.push_back(v);
-      piece.inputs.push_back(v);
+      if (seen.insert(v).second) piece.inputs.push_back(v);
     }
   }
-  std::vector<char> is_output(graph.numValues(), 0);
-  for (ir::ValueId v : graph.outputs()) is_output[v] = 1;
+  std::vector<ir::ValueId> graph_outputs = graph.outputs();
+  std::sort(graph_outputs.begin(), graph_outputs.end());
   for (ir::TaskId t : piece.tasks) {
     for (ir::ValueId v : graph.task(t).outputs) {
       const ir::Value& val = graph.value(v);
-      bool used_outside = is_output[v] != 0;
+      bool used_outside = std::binary_search(graph_outputs.begin(), graph_outputs.end(), v);
       if (!pure_constant[t]) {
         used_outside = used_outside || std::any_of(val.consumers.begin(), val.consumers.end(),
                                                    [&](ir::TaskId c) { return !inside(c); });
@@ -102,6 +101,7 @@ CostModel::CostModel(const ir::Graph& graph, DeviceSpec device)
   std::vector<ir::TaskId> order = graph.topologicalOrder();
   for (size_t i = 0; i < order.size(); ++i) topo_pos_[order[i]] = static_cast<int>(i);
   pure_constant_ = pureConstantTasks(graph);
+  task_mark_.assign(graph.numTasks(), 0);
 }
 
 PieceCost CostModel::cost(const std::vector<ir::TaskId>& tasks, int64_t rows) {
@@ -110,9 +110,15 @@ PieceCost CostModel::cost(const std::vector<ir::TaskId>& tasks, int64_t rows) {
   ++queries_;
   // Order-free key of the task set: two independent sums of mixed ids. Duplicates (the
   // same clone listed by two atomic pieces) are removed first so they do not change it.
-  std::vector<ir::TaskId> uniq = tasks;
-  std::sort(uniq.begin(), uniq.end());
-  uniq.erase(std::unique(uniq.begin(), uniq.end()), uniq.end());
+  ++task_stamp_;
+  std::vector<ir::TaskId> uniq;
+  uniq.reserve(tasks.size());
+  for (ir::TaskId t : tasks) {
+    RANNC_CHECK(t >= 0 && t < graph_.numTasks(), "cost query names unknown task " << t);
+    if (task_mark_[t] == task_stamp_) continue;
+    task_mark_[t] = task_stamp_;
+    uniq.push_back(t);
+  }
   uint64_t a = uniq.size(), b = 0;
   for (ir::TaskId t : uniq) {
     a += mix(static_cast<uint64_t>(t));
@@ -122,6 +128,14 @@ PieceCost CostModel::cost(const std::vector<ir::TaskId>& tasks, int64_t rows) {
   auto it = by_set_.find(set_key);
   if (it != by_set_.end()) return it->second;
 
+  if (!cacheByContent()) {
+    PieceCost direct;
+    if (computeCostDirect(uniq, rows, &direct)) {
+      ++misses_;
+      by_set_.emplace(set_key, direct);
+      return direct;
+    }
+  }
   ir::Subgraph piece = makePiece(graph_, uniq, topo_pos_, pure_constant_);
   PieceCost result;
   if (cacheByContent()) {

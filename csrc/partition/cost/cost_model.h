@@ -88,6 +88,12 @@ class CostModel {
  protected:
   // Computes the cost of a piece; called once per distinct (piece, rows).
   virtual PieceCost computeCost(const ir::Subgraph& piece, int64_t rows) = 0;
+  // Optional fast path from the distinct task ids (any order), skipping makePiece; used
+  // when not caching by content. Returns false when not implemented.
+  virtual bool computeCostDirect(const std::vector<ir::TaskId>& /*tasks*/, int64_t /*rows*/,
+                                 PieceCost* /*out*/) {
+    return false;
+  }
   // Whether to key the cache by ir::contentHash too (worth it when computeCost is costly).
   virtual bool cacheByContent() const { return true; }
 
@@ -105,6 +111,8 @@ class CostModel {
   DeviceSpec device_;
   std::vector<int> topo_pos_;
   std::vector<char> pure_constant_;
+  std::vector<int> task_mark_;  // dedupe of query task ids without sorting
+  int task_stamp_ = 0;
   std::unordered_map<Key, PieceCost, KeyHash> by_set_;
   std::unordered_map<Key, PieceCost, KeyHash> by_content_;
   int64_t queries_ = 0;

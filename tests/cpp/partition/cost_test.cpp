@@ -3,6 +3,7 @@
 #include "partition/cost/analytic_cost_model.h"
 #include "partition/cost/memory.h"
 #include "partition/partition_graphs.h"
+#include "partition/synthetic.h"
 
 namespace rannc::partition {
 namespace {
@@ -101,6 +102,39 @@ TEST(AReplicaMemory, AddsOptimizerStateAndInFlightActivations) {
   EXPECT_EQ(replicaMemory(c, Optimizer::SgdMomentum, 3, false), 300 + 30);
   EXPECT_EQ(replicaMemory(c, Optimizer::Sgd, 3, false), 200 + 30);
   EXPECT_EQ(replicaMemory(c, Optimizer::Sgd, 3, true), 200 + 6 + 10);
+}
+
+}  // namespace
+}  // namespace rannc::partition
+
+namespace rannc::partition {
+namespace {
+
+// The fast path (marks) and the piece path (makePiece + computeCost) must agree.
+TEST(AnAnalyticCostModel, GivesTheSameCostsWithAndWithoutContentCaching) {
+  SyntheticTransformerOptions t;
+  t.layers = 3;
+  t.hidden = 32;
+  t.heads = 2;
+  t.seq_len = 8;
+  t.vocab = 50;
+  ir::Graph g = syntheticTransformer(t);
+  AnalyticCostModel fast(g, DeviceSpec{}), hashed(g, DeviceSpec{}, /*cache_by_content=*/true);
+  const std::vector<ir::TaskId> order = g.topologicalOrder();
+  for (size_t begin = 0; begin < order.size(); begin += 7) {
+    for (size_t len : {1, 5, 30}) {
+      std::vector<ir::TaskId> piece(order.begin() + begin,
+                                    order.begin() + std::min(order.size(), begin + len));
+      for (int64_t rows : {1, 3}) {
+        PieceCost a = fast.cost(piece, rows), b = hashed.cost(piece, rows);
+        EXPECT_DOUBLE_EQ(a.forward_time, b.forward_time);
+        EXPECT_EQ(a.activation_bytes, b.activation_bytes);
+        EXPECT_EQ(a.param_bytes, b.param_bytes);
+        EXPECT_EQ(a.input_bytes, b.input_bytes);
+        EXPECT_EQ(a.output_bytes, b.output_bytes) << "piece at " << begin << " of " << len;
+      }
+    }
+  }
 }
 
 }  // namespace
