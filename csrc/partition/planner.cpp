@@ -43,6 +43,9 @@ PlanTrace planTrace(const ir::Graph& graph, CostModel& costs, const PlannerOptio
   so.fixed_micro_batches = options.fixed_micro_batches;
   so.max_micro_batches = options.max_micro_batches;
   trace.deployment = formStage(problem, so);
+  if (options.refine_boundaries) {
+    trace.deployment = refineBoundaries(trace.deployment, trace.atomic, trace.blocks, costs, ctx);
+  }
   logger().info("planned: {} tasks, {} atomic pieces, {} blocks, {} stages, {} ms per iteration",
                 graph.numTasks(), trace.atomic.pieces.size(), trace.blocks.blocks.size(),
                 trace.deployment.numStages(), trace.deployment.iteration_time * 1e3);

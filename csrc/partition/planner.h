@@ -8,6 +8,7 @@
 #include "partition/block/block.h"
 #include "partition/cost/cost_model.h"
 #include "partition/plan.h"
+#include "partition/stage/refine.h"
 #include "partition/stage/stage_dp.h"
 
 namespace rannc::partition {
@@ -25,6 +26,7 @@ struct PlannerOptions {
   int fixed_stages = 0;           // > 0: override the stage-count search
   int fixed_micro_batches = 0;    // > 0: override the micro-batch search
   int max_micro_batches = 64;
+  bool refine_boundaries = true;  // slide stage boundaries piece by piece after the block-level DP
 };
 
 // The context the options describe for `graph` on `costs`' device.

@@ -67,6 +67,7 @@ ir::Graph syntheticTransformer(const SyntheticTransformerOptions& o) {
     ir::ValueId m2 = b.op("aten::rsub", {m1, b.constant("1.0")}, b.act("mask2", {1, 1, L}), "embeddings");
     mask = b.op("aten::mul", {m2, b.constant("-10000.0")}, b.act("mask", {1, 1, L}), "embeddings");
   }
+  for (ir::ValueId v : inputs) b.graph().mutableValue(v).role = ir::ValueRole::Input;
   b.graph().setInputs(inputs);
   ir::ValueId emb_w = b.param("embeddings.word.weight", {o.vocab, H});
   ir::ValueId h = b.op("aten::embedding", {emb_w, ids}, b.act("emb", {L, H}), "embeddings");

@@ -19,6 +19,7 @@ AtomicPartition partitionAtomic(const ir::Graph& graph, ConstantPolicy policy) {
                       (policy == ConstantPolicy::IndependentOfState && v.isModelState());
     if (seed) depends[v.id] = 1;
   }
+  for (ir::ValueId v : graph.inputs()) depends[v] = 1;  // listed inputs, whatever their role
   AtomicPartition out;
   out.constant.assign(graph.numTasks(), 1);
   out.piece_of.assign(graph.numTasks(), -1);

@@ -47,6 +47,7 @@ std::vector<char> pureConstantTasks(const ir::Graph& graph) {
   for (const ir::Value& v : graph.values()) {
     if (v.role == ir::ValueRole::Input || v.isModelState()) depends[v.id] = 1;
   }
+  for (ir::ValueId v : graph.inputs()) depends[v] = 1;
   std::vector<char> pure(graph.numTasks(), 1);
   for (ir::TaskId t : graph.topologicalOrder()) {
     const ir::Task& task = graph.task(t);

@@ -282,3 +282,38 @@ TEST(AMicroBatchSearch, TriesCountsThatAreNotPowersOfTwo) {
 
 }  // namespace
 }  // namespace rannc::partition
+
+namespace rannc::partition {
+namespace {
+
+// Twelve equal layers in three blocks of four: between blocks, two stages can only split
+// 4 | 8 or 8 | 4; refinement moves the boundary to 6 | 6.
+TEST(ABoundaryRefinement, BalancesStagesFinerThanTheBlocks) {
+  ir::Graph g = testing::uniformChain(12, 256, /*batch=*/8);
+  DeviceSpec d;
+  d.peak_flops = 1e12;
+  d.memory_bandwidth = 1e11;
+  AnalyticCostModel m(g, d);
+  PlannerOptions o;
+  o.world_size = 2;
+  o.num_blocks = 3;
+  o.fixed_stages = 2;
+  o.fixed_micro_batches = 8;
+  o.batch_size = 64;
+  o.memory_limit = 1LL << 40;
+  o.refine_boundaries = false;
+  PlanTrace coarse = planTrace(g, m, o);
+  ASSERT_EQ(coarse.blocks.blocks.size(), 3u);
+  ASSERT_EQ(coarse.deployment.numStages(), 2);
+  EXPECT_EQ(coarse.deployment.stages[0].tasks.size() % 4, 0u);
+  o.refine_boundaries = true;
+  Deployment fine = plan(g, m, o);
+  ASSERT_EQ(fine.numStages(), 2);
+  EXPECT_EQ(fine.stages[0].tasks, (std::vector<ir::TaskId>{0, 1, 2, 3, 4, 5}));
+  EXPECT_EQ(fine.stages[1].tasks, (std::vector<ir::TaskId>{6, 7, 8, 9, 10, 11}));
+  EXPECT_LT(fine.iteration_time, coarse.deployment.iteration_time);
+  expectConvexStages(g, fine);
+}
+
+}  // namespace
+}  // namespace rannc::partition
