@@ -173,6 +173,15 @@ Deployment formStage(StageProblem& problem, const StageSearchOptions& options) {
       return best;
     }
   }
+  if (tried.empty()) {
+    std::ostringstream os;
+    os << "no pipeline shape to try: " << K << " block(s), " << ctx.world_size << " device(s), global batch "
+       << ctx.batch_size;
+    if (options.fixed_stages > 0) os << ", fixed_stages=" << options.fixed_stages;
+    os << " (stages must not exceed the blocks or the devices of the pipeline, and every "
+          "pipeline copy needs at least one row)";
+    throw InfeasiblePlanError(os.str(), 0);
+  }
   // Nothing fits: the least, over every candidate shape, of the largest stage memory.
   int64_t needed = std::numeric_limits<int64_t>::max();
   for (auto [S, D, R, M] : tried) {

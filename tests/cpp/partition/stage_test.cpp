@@ -317,3 +317,25 @@ TEST(ABoundaryRefinement, BalancesStagesFinerThanTheBlocks) {
 
 }  // namespace
 }  // namespace rannc::partition
+
+namespace rannc::partition {
+namespace {
+
+TEST(AStagePlanner, SaysWhyWhenNoPipelineShapeCanBeTried) {
+  ir::Graph g = testing::uniformChain(4);
+  AnalyticCostModel m(g, DeviceSpec{});
+  PlannerOptions o;
+  o.world_size = 2;
+  o.num_blocks = 4;
+  o.fixed_stages = 3;  // more stages than devices
+  try {
+    plan(g, m, o);
+    FAIL() << "expected InfeasiblePlanError";
+  } catch (const InfeasiblePlanError& e) {
+    EXPECT_NE(std::string(e.what()).find("fixed_stages=3"), std::string::npos) << e.what();
+    EXPECT_EQ(e.bytesNeeded(), 0);
+  }
+}
+
+}  // namespace
+}  // namespace rannc::partition
