@@ -339,3 +339,55 @@ TEST(AStagePlanner, SaysWhyWhenNoPipelineShapeCanBeTried) {
 
 }  // namespace
 }  // namespace rannc::partition
+
+namespace rannc::partition {
+namespace {
+
+// Each layer: y = mm(h, t(w_i)) + k, where k = mul(c, c) is one constant task read by
+// every layer. Under the paper's policy t(w_i) and k are constant and cloned.
+TEST(AStagePlanner, ClonesSharedConstantTasksIntoEveryStageThatReadsThem) {
+  ir::Graph g;
+  g.setBatchSize(8);
+  ir::ValueId h = testing::act(g, "x", 64, ir::ValueRole::Input);
+  g.setInputs({h});
+  ir::ValueId c = testing::constant(g, "c");
+  ir::Value kv = g.value(c);
+  kv.role = ir::ValueRole::Intermediate;
+  kv.shape = {64};
+  ir::ValueId k = g.addValue(kv);
+  const ir::TaskId tk = g.addTask("aten::mul", {c, c}, {k});
+  for (int i = 0; i < 6; ++i) {
+    ir::ValueId w = testing::param(g, "w" + std::to_string(i), {64, 64});
+    ir::Value wtv = g.value(w);
+    wtv.role = ir::ValueRole::Intermediate;
+    ir::ValueId wt = g.addValue(wtv);
+    g.addTask("aten::t", {w}, {wt});
+    ir::ValueId y = testing::act(g, "y" + std::to_string(i), 64);
+    g.addTask("aten::mm", {h, wt}, {y});
+    ir::ValueId z = testing::act(g, "z" + std::to_string(i), 64);
+    g.addTask("aten::add", {y, k}, {z});
+    h = z;
+  }
+  g.setOutputs({h});
+  AnalyticCostModel m(g, DeviceSpec{});
+  PlannerOptions o;
+  o.world_size = 2;
+  o.num_blocks = 4;
+  o.fixed_stages = 2;
+  o.constant_policy = ConstantPolicy::IndependentOfInputs;
+  PlanTrace trace = planTrace(g, m, o);
+  EXPECT_EQ(trace.atomic.pieces.size(), 12u);  // mm and add of each layer
+  const Deployment& d = trace.deployment;
+  ASSERT_EQ(d.numStages(), 2);
+  for (const StagePlan& s : d.stages) {
+    EXPECT_NE(std::find(s.tasks.begin(), s.tasks.end(), tk), s.tasks.end());
+  }
+  // Every task runs somewhere; only the shared constant runs twice.
+  std::vector<int> count(g.numTasks(), 0);
+  for (const StagePlan& s : d.stages) for (ir::TaskId t : s.tasks) ++count[t];
+  for (ir::TaskId t = 0; t < g.numTasks(); ++t) EXPECT_EQ(count[t], t == tk ? 2 : 1) << "task " << t;
+  expectConvexStages(g, d);
+}
+
+}  // namespace
+}  // namespace rannc::partition
