@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <numeric>
+#include <random>
 
 #include "ir/subgraph.h"
 #include "partition/block/block.h"
@@ -145,9 +146,48 @@ TEST(ABlockPartition, GroupsFifteenThousandPiecesIntoThirtyTwoBlocks) {
   BlockPartition p = partitionBlocks(a, m, o);
   ASSERT_EQ(p.blocks.size(), 32u);
   expectCoversEachPieceOnce(a, p);
+  expectConvex(g, a, p);
   double total = 0, worst = 0;
   for (const Block& b : p.blocks) total += b.time, worst = std::max(worst, b.time);
   EXPECT_LT(worst, 2.0 * total / 32);  // balanced within a factor of two of the mean
+}
+
+// Random DAGs stress the incremental convexity check and the maintained order: each task
+// reads one to three earlier values, some far back (skip connections).
+TEST(ABlockPartition, KeepsBlocksOfRandomDagsConvex) {
+  std::mt19937 rng(11);
+  for (int trial = 0; trial < 30; ++trial) {
+    ir::Graph g;
+    g.setBatchSize(4);
+    std::vector<ir::ValueId> vals{testing::act(g, "x", 16, ir::ValueRole::Input)};
+    g.setInputs({vals[0]});
+    const int n = 20 + static_cast<int>(rng() % 200);
+    for (int i = 0; i < n; ++i) {
+      std::vector<ir::ValueId> in;
+      const int fan = 1 + static_cast<int>(rng() % 3);
+      for (int f = 0; f < fan; ++f) {
+        const size_t back = rng() % 4 == 0 ? rng() % vals.size() : std::min<size_t>(vals.size() - 1, rng() % 3);
+        in.push_back(vals[vals.size() - 1 - back]);
+      }
+      std::sort(in.begin(), in.end());
+      in.erase(std::unique(in.begin(), in.end()), in.end());
+      ir::ValueId out = testing::act(g, "v" + std::to_string(i), 8 + static_cast<int64_t>(rng() % 64));
+      g.addTask(rng() % 2 ? "aten::add" : "aten::mul", in, {out});
+      vals.push_back(out);
+    }
+    g.setOutputs({vals.back()});
+    AnalyticCostModel m(g, device());
+    AtomicPartition a = partitionAtomic(g);
+    for (int k : {1, 2, 5, 13}) {
+      BlockOptions o;
+      o.num_blocks = k;
+      o.rows = 4;
+      BlockPartition p = partitionBlocks(a, m, o);
+      EXPECT_EQ(p.blocks.size(), static_cast<size_t>(k)) << "trial " << trial;
+      expectConvex(g, a, p);
+      expectCoversEachPieceOnce(a, p);
+    }
+  }
 }
 
 }  // namespace

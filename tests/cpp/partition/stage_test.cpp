@@ -391,3 +391,57 @@ TEST(AStagePlanner, ClonesSharedConstantTasksIntoEveryStageThatReadsThem) {
 
 }  // namespace
 }  // namespace rannc::partition
+
+namespace rannc::partition {
+namespace {
+
+// Random DAGs, worlds and memory limits: a plan is convex stage by stage, uses every
+// rank once and fits memory; otherwise the error names more memory than the limit.
+TEST(AStagePlanner, PlansRandomDagsConvexlyWithinMemory) {
+  std::mt19937 rng(3);
+  int planned = 0, refused = 0;
+  for (int trial = 0; trial < 25; ++trial) {
+    ir::Graph g;
+    g.setBatchSize(8);
+    std::vector<ir::ValueId> vals{act(g, "x", 64, ir::ValueRole::Input)};
+    g.setInputs({vals[0]});
+    const int n = 10 + static_cast<int>(rng() % 60);
+    for (int i = 0; i < n; ++i) {
+      const size_t back = rng() % 4 == 0 ? rng() % vals.size() : 0;
+      ir::ValueId src = vals[vals.size() - 1 - back];
+      ir::ValueId out = act(g, "v" + std::to_string(i), 64);
+      if (rng() % 2) {
+        g.addTask("aten::linear", {src, param(g, "w" + std::to_string(i), {64, 64})}, {out});
+      } else {
+        g.addTask("aten::add", {src, vals.back()}, {out});
+      }
+      vals.push_back(out);
+    }
+    g.setOutputs({vals.back()});
+    AnalyticCostModel m(g, device(/*per_node=*/4));
+    PlannerOptions o;
+    o.world_size = 1 + static_cast<int>(rng() % 8);
+    o.num_blocks = 2 + static_cast<int>(rng() % 10);
+    o.optimizer = static_cast<Optimizer>(rng() % 3);
+    o.memory_limit = (64 * 64 * 4) * (2 + static_cast<int64_t>(rng() % 40));
+    try {
+      Deployment d = plan(g, m, o);
+      expectConvexStages(g, d);
+      std::vector<int> used(o.world_size, 0);
+      for (const StagePlan& s : d.stages) {
+        EXPECT_LE(s.memory_bytes, o.memory_limit);
+        for (int r : s.ranks) ++used[r];
+      }
+      for (int u : used) EXPECT_EQ(u, 1);  // every rank holds exactly one replica
+      EXPECT_TRUE(d.feasible);
+      ++planned;
+    } catch (const InfeasiblePlanError& e) {
+      EXPECT_GT(e.bytesNeeded(), o.memory_limit) << e.what();
+      ++refused;
+    }
+  }
+  EXPECT_GT(planned, 5);
+}
+
+}  // namespace
+}  // namespace rannc::partition
