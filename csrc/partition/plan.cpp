@@ -60,21 +60,21 @@ std::string Deployment::report() const {
      << scheduleName(schedule) << ", " << optimizerName(optimizer) << "\n";
   os << "predicted iteration " << ms(iteration_time) << " ms; memory limit "
      << human(memory_limit) << (feasible ? "" : " (EXCEEDED)") << "\n";
-  os << "stage  blocks    tasks  ranks            rows  recomp  fwd ms   bwd ms   "
-        "allred ms  bubble ms  memory\n";
+  os << "stage  blocks    tasks   rows   recomp  fwd ms     bwd ms     allred ms  bubble ms  "
+        "memory      ranks\n";
   for (size_t s = 0; s < stages.size(); ++s) {
     const StagePlan& st = stages[s];
     char line[256];
     std::string blocks = st.first_block >= 0
                              ? std::to_string(st.first_block) + "-" + std::to_string(st.last_block - 1)
                              : "-";
-    std::snprintf(line, sizeof line, "%-6zu %-9s %-6zu %-16s %-5lld %-7s %-8s %-8s %-10s %-10s %s\n", s,
-                  blocks.c_str(), st.tasks.size(), rankList(st.ranks).c_str(),
-                  static_cast<long long>(st.micro_batch_rows), st.recompute ? "yes" : "no",
-                  ms(st.forward_time).c_str(), ms(st.backward_time).c_str(),
-                  ms(st.allreduce_time).c_str(), ms(st.bubble_time).c_str(),
-                  human(st.memory_bytes).c_str());
-    os << line;
+    std::snprintf(line, sizeof line, "%-6zu %-9s %-7zu %-6lld %-7s %-10s %-10s %-10s %-10s %-11s ", s,
+                  blocks.c_str(), st.tasks.size(), static_cast<long long>(st.micro_batch_rows),
+                  st.recompute ? "yes" : "no", ms(st.forward_time).c_str(),
+                  ms(st.backward_time).c_str(), ms(st.allreduce_time).c_str(),
+                  ms(st.bubble_time).c_str(), human(st.memory_bytes).c_str());
+    // Ranks last: the list can be long, and the columns stay aligned.
+    os << line << rankList(st.ranks) << "\n";
   }
   return os.str();
 }

@@ -9,8 +9,7 @@
 namespace rannc::partition {
 
 Deployment refineBoundaries(const Deployment& plan, const AtomicPartition& atomic,
-                            const BlockPartition& blocks, CostModel& costs, const PlanContext& ctx,
-                            int passes) {
+                            const BlockPartition& blocks, CostModel& costs, const PlanContext& ctx) {
   const int S = plan.numStages();
   if (S < 2) return plan;
   // Pieces in block order, and each stage's cut in that sequence.
@@ -51,25 +50,40 @@ Deployment refineBoundaries(const Deployment& plan, const AtomicPartition& atomi
     StageEstimate e = estimateStage(costs, costs.cost(tasksOf(lo, hi), rows), slot, ctx);
     return e.feasible ? e.score : kInf;
   };
-  for (int pass = 0; pass < passes; ++pass) {
-    for (int s = 0; s + 1 < S; ++s) {
-      // Smallest cut where the left stage is at least as costly as the right one; the
-      // best cut is there or just before it.
-      int lo = cut[s] + 1, hi = cut[s + 2] - 1;
-      while (lo < hi) {
-        const int mid = lo + (hi - lo) / 2;
-        if (score(s, cut[s], mid) >= score(s + 1, mid, cut[s + 2])) hi = mid; else lo = mid + 1;
+  // Min-max over all cuts at once: for a bound T, each stage greedily takes the longest
+  // run whose score stays within T (scores grow with the run, and a later start only
+  // helps the following stages, so greedy is exact); bisect on T.
+  const int n = static_cast<int>(seq.size());
+  auto greedy = [&](double bound, std::vector<int>* cuts) {
+    std::vector<int> c(S + 1, 0);
+    for (int st = 0; st < S; ++st) {
+      const int lo = c[st];
+      if (st + 1 == S) {
+        if (lo >= n || score(st, lo, n) > bound) return false;
+        c[S] = n;
+        break;
       }
-      int best = cut[s + 1];
-      double best_v = std::max(score(s, cut[s], best), score(s + 1, best, cut[s + 2]));
-      for (int c : {lo - 1, lo}) {
-        if (c <= cut[s] || c >= cut[s + 2]) continue;
-        const double v = std::max(score(s, cut[s], c), score(s + 1, c, cut[s + 2]));
-        if (v < best_v) best = c, best_v = v;
+      // Leave at least one piece for each later stage.
+      int a = lo + 1, b = n - (S - 1 - st);
+      if (a > b || score(st, lo, a) > bound) return false;
+      while (a < b) {
+        const int mid = a + (b - a + 1) / 2;
+        if (score(st, lo, mid) <= bound) a = mid; else b = mid - 1;
       }
-      cut[s + 1] = best;
+      c[st + 1] = a;
     }
+    if (cuts) *cuts = c;
+    return true;
+  };
+  double hi_bound = 0.0;
+  for (int st = 0; st < S; ++st) hi_bound = std::max(hi_bound, score(st, cut[st], cut[st + 1]));
+  if (hi_bound == kInf || !greedy(hi_bound, nullptr)) return plan;
+  double lo_bound = 0.0;
+  for (int it = 0; it < 40 && hi_bound - lo_bound > 1e-6 * hi_bound; ++it) {
+    const double mid = 0.5 * (lo_bound + hi_bound);
+    (greedy(mid, nullptr) ? hi_bound : lo_bound) = mid;
   }
+  greedy(hi_bound, &cut);
   std::vector<StageChoice> stages(S);
   for (int s = 0; s < S; ++s) {
     stages[s].tasks = tasksOf(cut[s], cut[s + 1]);
