@@ -6,6 +6,7 @@
 
 #include "common/error.h"
 #include "ir/serialize.h"
+#include "ir/subgraph.h"
 
 namespace rannc::partition {
 namespace {
@@ -77,6 +78,59 @@ std::string Deployment::report() const {
     os << line << rankList(st.ranks) << "\n";
   }
   return os.str();
+}
+
+ir::Subgraph stageSubgraph(const ir::Graph& graph, const StagePlan& stage) {
+  std::vector<int> pos(graph.numTasks());
+  const std::vector<ir::TaskId> order = graph.topologicalOrder();
+  for (size_t i = 0; i < order.size(); ++i) pos[order[i]] = static_cast<int>(i);
+  return makePiece(graph, stage.tasks, pos, pureConstantTasks(graph));
+}
+
+void validateDeployment(const ir::Graph& graph, const Deployment& d) {
+  auto fail = [](const std::string& what) { throw InvalidGraphError("invalid deployment: " + what); };
+  if (d.graph_hash != graph.contentHash()) fail("it was planned for another graph (content hash differs)");
+  if (d.stages.empty()) fail("it has no stages");
+  const std::vector<char> constant = pureConstantTasks(graph);
+  std::vector<int> stage_of(graph.numTasks(), -1);
+  std::vector<char> covered(graph.numTasks(), 0);
+  std::vector<char> rank_used(std::max(0, d.world_size), 0);
+  for (size_t s = 0; s < d.stages.size(); ++s) {
+    const StagePlan& st = d.stages[s];
+    if (st.tasks.empty()) fail("stage " + std::to_string(s) + " has no tasks");
+    if (st.ranks.empty()) fail("stage " + std::to_string(s) + " has no ranks");
+    for (int r : st.ranks) {
+      if (r < 0 || r >= d.world_size) fail("stage " + std::to_string(s) + " names rank " + std::to_string(r) +
+                                           " outside the world of " + std::to_string(d.world_size));
+      if (rank_used[r]++) fail("rank " + std::to_string(r) + " holds two stage replicas");
+    }
+    std::vector<ir::TaskId> own;
+    for (ir::TaskId t : st.tasks) {
+      if (t < 0 || t >= graph.numTasks()) fail("stage " + std::to_string(s) + " names unknown task " + std::to_string(t));
+      covered[t] = 1;
+      if (constant[t]) continue;
+      if (stage_of[t] >= 0) {
+        fail("task " + std::to_string(t) + " (" + graph.task(t).op + ") is in stages " +
+             std::to_string(stage_of[t]) + " and " + std::to_string(s));
+      }
+      stage_of[t] = static_cast<int>(s);
+      own.push_back(t);
+    }
+    if (!own.empty() && !ir::isConvex(graph, own)) fail("stage " + std::to_string(s) + " is not convex");
+  }
+  for (ir::TaskId t = 0; t < graph.numTasks(); ++t) {
+    if (!covered[t]) fail("task " + std::to_string(t) + " (" + graph.task(t).op + ") is in no stage");
+  }
+  for (const ir::Task& t : graph.tasks()) {
+    if (stage_of[t.id] < 0) continue;
+    for (ir::ValueId v : t.inputs) {
+      const ir::TaskId p = graph.value(v).producer;
+      if (p != ir::kNoId && stage_of[p] > stage_of[t.id]) {
+        fail("task " + std::to_string(t.id) + " in stage " + std::to_string(stage_of[t.id]) +
+             " reads a value of stage " + std::to_string(stage_of[p]) + ", a later stage");
+      }
+    }
+  }
 }
 
 std::string serializeDeployment(const Deployment& d) {

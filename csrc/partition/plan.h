@@ -60,6 +60,19 @@ struct Deployment {
   std::string report() const;
 };
 
+// The piece a stage runs, without ir::extractSubgraph's convexity check (a constant clone
+// may make the full set look non-convex although its non-constant tasks are convex):
+// tasks in topological order, inputs, and outputs read by other stages or the graph's
+// outputs (purely constant outputs excluded: every reader holds its own clone).
+ir::Subgraph stageSubgraph(const ir::Graph& graph, const StagePlan& stage);
+
+// Checks `deployment` against `graph` (the verify-partitioning option): graph hash, every
+// task in some stage and every non-constant task in exactly one, stages convex over their
+// non-constant tasks and in a pipeline order (no value flows from a later stage to an
+// earlier one), ranks distinct and below world_size. Throws InvalidGraphError naming the
+// first violation.
+void validateDeployment(const ir::Graph& graph, const Deployment& deployment);
+
 // The framed bytes of `deployment` (kind "deployment", kDeploymentFormatVersion).
 std::string serializeDeployment(const Deployment& deployment);
 // Reads a deployment and checks it was made for `graph` (content hash) and only names

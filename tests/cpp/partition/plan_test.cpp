@@ -101,3 +101,41 @@ TEST(ADeployment, ReportsStagesRanksAndPredictions) {
 
 }  // namespace
 }  // namespace rannc::partition
+
+namespace rannc::partition {
+namespace {
+
+TEST(ADeployment, PassesValidationAsPlanned) {
+  ir::Graph g = testing::uniformChain(8);
+  AnalyticCostModel m(g, DeviceSpec{});
+  Deployment d = planChain(g, m);
+  EXPECT_NO_THROW(validateDeployment(g, d));
+  ir::Subgraph piece = stageSubgraph(g, d.stages[0]);
+  EXPECT_EQ(piece.tasks, d.stages[0].tasks);
+  ASSERT_EQ(piece.outputs.size(), 1u);  // the activation sent to stage 1
+}
+
+TEST(ADeployment, FailsValidationWhenATaskIsMissingDuplicatedOrOutOfOrder) {
+  ir::Graph g = testing::uniformChain(8);
+  AnalyticCostModel m(g, DeviceSpec{});
+  const Deployment good = planChain(g, m);
+
+  Deployment missing = good;
+  missing.stages[1].tasks.pop_back();
+  EXPECT_THROW(validateDeployment(g, missing), InvalidGraphError);
+
+  Deployment twice = good;
+  twice.stages[1].tasks.push_back(twice.stages[0].tasks.front());
+  EXPECT_THROW(validateDeployment(g, twice), InvalidGraphError);
+
+  Deployment swapped = good;
+  std::swap(swapped.stages[0].tasks, swapped.stages[1].tasks);
+  EXPECT_THROW(validateDeployment(g, swapped), InvalidGraphError);
+
+  Deployment shared_rank = good;
+  shared_rank.stages[1].ranks[0] = shared_rank.stages[0].ranks[0];
+  EXPECT_THROW(validateDeployment(g, shared_rank), InvalidGraphError);
+}
+
+}  // namespace
+}  // namespace rannc::partition

@@ -196,6 +196,7 @@ TEST(AStagePlanner, ReportsTheMemoryTheSmallestPlanNeedsWhenNothingFits) {
 
 // Every stage, and every prefix of stages, is convex over its non-constant tasks.
 void expectConvexStages(const ir::Graph& g, const Deployment& d) {
+  EXPECT_NO_THROW(validateDeployment(g, d));
   std::vector<char> constant = pureConstantTasks(g);
   std::vector<ir::TaskId> prefix;
   std::vector<int> seen(g.numTasks(), 0);
