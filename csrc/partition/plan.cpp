@@ -80,6 +80,23 @@ std::string Deployment::report() const {
   return os.str();
 }
 
+SimResult simulateDeployment(const Deployment& d, ScheduleKind schedule) {
+  std::vector<SimStage> stages;
+  for (const StagePlan& st : d.stages) {
+    SimStage s;
+    s.forward_time = st.forward_time;
+    s.backward_time = st.backward_time;
+    s.send_forward_time = st.send_forward_time;
+    s.send_backward_time = st.send_backward_time;
+    s.allreduce_time = st.allreduce_time;
+    s.static_bytes = st.static_bytes;
+    s.stash_bytes = st.stash_bytes;
+    s.working_bytes = st.working_bytes;
+    stages.push_back(s);
+  }
+  return simulate(stages, schedule, d.micro_batches);
+}
+
 ir::Subgraph stageSubgraph(const ir::Graph& graph, const StagePlan& stage) {
   std::vector<int> pos(graph.numTasks());
   const std::vector<ir::TaskId> order = graph.topologicalOrder();
@@ -160,6 +177,9 @@ std::string serializeDeployment(const Deployment& d) {
     }
     w.i64(s.param_bytes);
     w.i64(s.memory_bytes);
+    w.i64(s.static_bytes);
+    w.i64(s.stash_bytes);
+    w.i64(s.working_bytes);
   }
   return ir::frame(kDeploymentKind, kDeploymentFormatVersion, w.bytes());
 }
@@ -211,6 +231,9 @@ Deployment deserializeDeployment(const std::string& bytes, const ir::Graph& grap
       }
       s.param_bytes = r.i64();
       s.memory_bytes = r.i64();
+      s.static_bytes = r.i64();
+      s.stash_bytes = r.i64();
+      s.working_bytes = r.i64();
       d.stages.push_back(std::move(s));
     }
     if (!r.atEnd()) throw SerializationError("trailing bytes");

@@ -10,6 +10,7 @@
 #include "ir/graph.h"
 #include "partition/cost/cost_model.h"
 #include "partition/sim/schedule.h"
+#include "partition/sim/simulator.h"
 
 namespace rannc::partition {
 
@@ -35,6 +36,11 @@ struct StagePlan {
   double allreduce_time = 0.0;    // gradient all-reduce among all replicas, per iteration
   int64_t param_bytes = 0;
   int64_t memory_bytes = 0;       // predicted peak per replica
+  // Its parts: model state, bytes stashed per in-flight micro-batch, transient bytes of
+  // one recomputed micro-batch (0 without recomputation).
+  int64_t static_bytes = 0;
+  int64_t stash_bytes = 0;
+  int64_t working_bytes = 0;
   double busy_time = 0.0;         // per iteration (simulated)
   double bubble_time = 0.0;
 };
@@ -59,6 +65,10 @@ struct Deployment {
   // A table for people: stages, blocks, tasks, ranks, rows, recompute, times, memory.
   std::string report() const;
 };
+
+// Re-runs the simulator over the deployment's stored per-stage predictions under
+// `schedule` (say, to compare fill-drain with the planned 1F1B).
+SimResult simulateDeployment(const Deployment& deployment, ScheduleKind schedule);
 
 // The piece a stage runs, without ir::extractSubgraph's convexity check (a constant clone
 // may make the full set look non-convex although its non-constant tasks are convex):

@@ -133,6 +133,9 @@ Deployment assembleDeployment(CostModel& costs, const PlanContext& ctx,
       s.stash_bytes = s.working_bytes = 0;
     }
     sim.push_back(s);
+    d.stages.back().static_bytes = s.static_bytes;
+    d.stages.back().stash_bytes = s.stash_bytes;
+    d.stages.back().working_bytes = s.working_bytes;
     offset += c.devices;
   }
   SimResult r = simulate(sim, ctx.schedule, micro_batches);

@@ -139,3 +139,26 @@ TEST(ADeployment, FailsValidationWhenATaskIsMissingDuplicatedOrOutOfOrder) {
 
 }  // namespace
 }  // namespace rannc::partition
+
+namespace rannc::partition {
+namespace {
+
+TEST(ADeployment, ReSimulatesToItsOwnPredictionAndUnderFillDrain) {
+  ir::Graph g = testing::uniformChain(8, 256);
+  AnalyticCostModel m(g, DeviceSpec{});
+  PlannerOptions o;
+  o.world_size = 2;
+  o.num_blocks = 8;
+  o.fixed_stages = 2;
+  o.fixed_micro_batches = 4;
+  o.memory_limit = 1LL << 40;
+  Deployment d = plan(g, m, o);
+  SimResult same = simulateDeployment(deserializeDeployment(serializeDeployment(d), g), d.schedule);
+  EXPECT_DOUBLE_EQ(same.iteration_time, d.iteration_time);
+  for (int s = 0; s < 2; ++s) EXPECT_EQ(same.peak_memory[s], d.stages[s].memory_bytes);
+  SimResult gpipe = simulateDeployment(d, ScheduleKind::FillDrain);
+  EXPECT_GT(gpipe.peak_memory[0], same.peak_memory[0]);  // fill-drain stashes all four
+}
+
+}  // namespace
+}  // namespace rannc::partition
