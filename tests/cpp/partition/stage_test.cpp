@@ -446,3 +446,51 @@ TEST(AStagePlanner, PlansRandomDagsConvexlyWithinMemory) {
 
 }  // namespace
 }  // namespace rannc::partition
+
+namespace rannc::partition {
+namespace {
+
+// Two nodes of two devices and a model that needs two stages: each pipeline copy sits in
+// one node (sends stay intra-node) and the copies all-reduce across nodes.
+TEST(AStagePlanner, KeepsEachPipelineCopyInsideANode) {
+  ir::Graph g = testing::uniformChain(8, 256, /*batch=*/8);
+  DeviceSpec d = device(/*per_node=*/2);
+  d.intra_node_bandwidth = 1e10;
+  d.inter_node_bandwidth = 1e8;
+  AnalyticCostModel m(g, d);
+  PlannerOptions o;
+  o.world_size = 4;
+  o.num_blocks = 8;
+  o.optimizer = Optimizer::Sgd;
+  o.allow_recompute = false;
+  o.fixed_micro_batches = 2;
+  o.memory_limit = 2 * (256 * 256 * 4) * 5;  // four layers fit, eight do not
+  Deployment p = plan(g, m, o);
+  ASSERT_EQ(p.numStages(), 2);
+  EXPECT_EQ(p.pipelines, 2);
+  EXPECT_EQ(p.stages[0].ranks, (std::vector<int>{0, 2}));
+  EXPECT_EQ(p.stages[1].ranks, (std::vector<int>{1, 3}));
+  const int64_t rows = p.stages[0].micro_batch_rows;
+  EXPECT_DOUBLE_EQ(p.stages[0].send_forward_time, rows * 256 * 4 / 1e10);
+  const double grads = 4 * (256 * 256 * 4);
+  EXPECT_DOUBLE_EQ(p.stages[0].allreduce_time, 2.0 * 1 / 2 * grads / 1e8);
+}
+
+TEST(AStagePlanner, PlansFillDrainWithEveryMicroBatchInFlight) {
+  ir::Graph g = testing::uniformChain(8, 256, /*batch=*/8);
+  AnalyticCostModel m(g, device());
+  PlannerOptions o;
+  o.world_size = 2;
+  o.num_blocks = 8;
+  o.fixed_stages = 2;
+  o.fixed_micro_batches = 4;
+  o.schedule = ScheduleKind::FillDrain;
+  o.memory_limit = 1LL << 40;
+  Deployment d = plan(g, m, o);
+  ASSERT_EQ(d.numStages(), 2);
+  EXPECT_EQ(d.schedule, ScheduleKind::FillDrain);
+  for (const StagePlan& s : d.stages) EXPECT_EQ(s.memory_bytes, s.static_bytes + 4 * s.stash_bytes);
+}
+
+}  // namespace
+}  // namespace rannc::partition
