@@ -8,7 +8,14 @@
 namespace rannc::partition {
 
 PlanContext planContext(const ir::Graph& graph, const CostModel& costs, const PlannerOptions& o) {
-  if (o.world_size < 1) throw InvalidGraphError("planning needs world_size >= 1");
+  auto bad = [](const std::string& what) { throw InvalidGraphError("invalid planner option: " + what); };
+  if (o.world_size < 1) bad("world_size must be >= 1, got " + std::to_string(o.world_size));
+  if (o.num_blocks < 1) bad("num_blocks must be >= 1, got " + std::to_string(o.num_blocks));
+  if (!(o.memory_margin >= 0.0 && o.memory_margin < 1.0)) bad("memory_margin must be in [0, 1), got " + std::to_string(o.memory_margin));
+  if (o.batch_size < 0) bad("batch_size must be >= 0 (0: traced batch x world), got " + std::to_string(o.batch_size));
+  if (o.memory_limit < 0) bad("memory_limit must be >= 0 (0: from the device), got " + std::to_string(o.memory_limit));
+  if (o.fixed_stages < 0 || o.fixed_micro_batches < 0) bad("fixed_stages and fixed_micro_batches must be >= 0");
+  if (o.max_micro_batches < 1) bad("max_micro_batches must be >= 1, got " + std::to_string(o.max_micro_batches));
   PlanContext ctx;
   ctx.world_size = o.world_size;
   ctx.batch_size = o.batch_size > 0 ? o.batch_size : std::max<int64_t>(1, graph.batchSize()) * o.world_size;

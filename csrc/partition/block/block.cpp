@@ -70,6 +70,9 @@ class BlockPartitioner {
 
   void init() {
     const int n = static_cast<int>(atomic_.pieces.size());
+    std::vector<std::vector<ir::TaskId>> all;
+    for (const AtomicPiece& p : atomic_.pieces) all.push_back(p.tasks);
+    costs_.prefetch(all, options_.rows);
     groups_.resize(n);
     for (int a = 0; a < n; ++a) {
       Group& g = groups_[a];

@@ -77,6 +77,11 @@ class CostModel {
   // cacheByContent() (identical layers then cost one query). Not thread-safe.
   PieceCost cost(const std::vector<ir::TaskId>& tasks, int64_t rows);
 
+  // A hint that `pieces` will be asked for at `rows` soon: a profiler can measure them in
+  // one batch spread over all ranks. The default does nothing; answers still come from
+  // cost().
+  virtual void prefetch(const std::vector<std::vector<ir::TaskId>>& /*pieces*/, int64_t /*rows*/) {}
+
   // Seconds to move `bytes` between two devices over `link`.
   virtual double commTime(int64_t bytes, Link link) const;
   // Seconds of a ring all-reduce of `bytes` over `participants` devices (0 for one).

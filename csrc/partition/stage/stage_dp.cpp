@@ -22,6 +22,25 @@ const std::vector<ir::TaskId>& StageProblem::tasks(int first, int last) {
   return t;
 }
 
+void StageProblem::prefetch(int S, int D, int R, int M) {
+  const int K = numBlocks();
+  for (int devices = 1; devices <= D - S + 1; ++devices) {
+    StageSlot slot;
+    slot.devices = devices;
+    slot.pipelines = R;
+    slot.micro_batches = M;
+    const int64_t rows = stageRows(ctx_, slot);
+    if (rows == 0) continue;
+    std::vector<std::vector<ir::TaskId>> pieces;
+    for (int first = 0; first < K; ++first) {
+      for (int last = first + 1; last <= K && last - first <= K - S + 1; ++last) {
+        if (announced_.insert(std::make_tuple(first, last, rows)).second) pieces.push_back(tasks(first, last));
+      }
+    }
+    if (!pieces.empty()) costs_.prefetch(pieces, rows);
+  }
+}
+
 StageEstimate StageProblem::estimate(int first, int last, const StageSlot& slot) {
   const int64_t rows = stageRows(ctx_, slot);
   if (rows == 0) return StageEstimate{};
@@ -38,6 +57,7 @@ StageSolution formStageDp(StageProblem& problem, int S, int D, int R, int M,
   sol.pipelines = R;
   sol.micro_batches = M;
   if (S < 1 || S > K || D < S || M < 1 || R < 1) return sol;
+  problem.prefetch(S, D, R, M);
   const double kInf = std::numeric_limits<double>::infinity();
   auto at = [&](int s, int b, int d) { return (static_cast<size_t>(s) * (K + 1) + b) * (D + 1) + d; };
   const size_t n = static_cast<size_t>(S + 1) * (K + 1) * (D + 1);

@@ -5,6 +5,7 @@
 // micro-batch counts and keeps the plan the simulator runs fastest.
 #include <cstdint>
 #include <map>
+#include <set>
 #include <tuple>
 #include <vector>
 
@@ -28,6 +29,8 @@ class StageProblem {
 
   // Tasks of blocks [first, last).
   const std::vector<ir::TaskId>& tasks(int first, int last);
+  // Announces to the cost model every interval Algorithm 1 may cost for this shape.
+  void prefetch(int stages, int devices, int pipelines, int micro_batches);
   // The stage of blocks [first, last) at `slot` (infeasible when its rows would be 0).
   StageEstimate estimate(int first, int last, const StageSlot& slot);
 
@@ -37,6 +40,7 @@ class StageProblem {
   PlanContext ctx_;
   std::vector<std::vector<ir::TaskId>> tasks_;  // by first * (k + 1) + last
   std::map<std::tuple<int, int, int64_t>, PieceCost> cost_cache_;
+  std::set<std::tuple<int, int, int64_t>> announced_;  // each interval is prefetched once
 };
 
 // What the DP minimises. Time: the largest StageEstimate::score among stages, under the

@@ -494,3 +494,41 @@ TEST(AStagePlanner, PlansFillDrainWithEveryMicroBatchInFlight) {
 
 }  // namespace
 }  // namespace rannc::partition
+
+namespace rannc::partition {
+namespace {
+
+// Records the prefetch hints the planner gives.
+class RecordingCostModel : public AnalyticCostModel {
+ public:
+  using AnalyticCostModel::AnalyticCostModel;
+  void prefetch(const std::vector<std::vector<ir::TaskId>>& pieces, int64_t rows) override {
+    batches.emplace_back(pieces.size(), rows);
+  }
+  std::vector<std::pair<size_t, int64_t>> batches;
+};
+
+TEST(AStagePlanner, AnnouncesPiecesToTheCostModelInBatches) {
+  ir::Graph g = testing::uniformChain(6);
+  RecordingCostModel m(g, DeviceSpec{});
+  PlannerOptions o;
+  o.world_size = 2;
+  o.num_blocks = 3;
+  plan(g, m, o);
+  ASSERT_FALSE(m.batches.empty());
+  EXPECT_EQ(m.batches.front().first, 6u);  // every atomic piece at the block rows
+}
+
+TEST(AStagePlanner, RejectsInvalidOptions) {
+  ir::Graph g = testing::uniformChain(2);
+  AnalyticCostModel m(g, DeviceSpec{});
+  PlannerOptions o;
+  o.memory_margin = 1.0;
+  EXPECT_THROW(plan(g, m, o), InvalidGraphError);
+  o = PlannerOptions{};
+  o.num_blocks = 0;
+  EXPECT_THROW(plan(g, m, o), InvalidGraphError);
+}
+
+}  // namespace
+}  // namespace rannc::partition
