@@ -1,0 +1,179 @@
+#include "partition/cost/analytic_cost_model.h"
+
+#include <algorithm>
+#include <string_view>
+
+namespace rannc::partition {
+namespace {
+
+std::string_view baseName(std::string_view op) {
+  auto pos = op.rfind("::");
+  std::string_view name = pos == std::string_view::npos ? op : op.substr(pos + 2);
+  while (!name.empty() && name.back() == '_') name.remove_suffix(1);  // in-place variants
+  return name;
+}
+
+const ir::Value* tensorInput(const ir::Graph& g, const ir::Task& t, size_t i) {
+  if (i >= t.inputs.size()) return nullptr;
+  const ir::Value& v = g.value(t.inputs[i]);
+  return v.isTensor() && !v.shape.empty() ? &v : nullptr;
+}
+
+int64_t outNumel(const ir::Graph& g, const ir::Task& t) {
+  int64_t n = 0;
+  for (ir::ValueId v : t.outputs) {
+    const ir::Value& val = g.value(v);
+    if (val.isTensor()) n += val.numel();
+  }
+  return n;
+}
+
+// Forward FLOPs at the traced shapes; elementwise and data-movement ops count one FLOP
+// per output element (their time comes from bytes anyway).
+double flopsOf(const ir::Graph& g, const ir::Task& t) {
+  const std::string_view op = baseName(t.op);
+  const double out = static_cast<double>(outNumel(g, t));
+  auto lastDim = [&](size_t i) -> double {
+    const ir::Value* v = tensorInput(g, t, i);
+    return v ? static_cast<double>(v->shape.back()) : 1.0;
+  };
+  if (op == "linear" || op == "matmul" || op == "mm" || op == "bmm" || op == "einsum") {
+    return 2.0 * out * lastDim(0);
+  }
+  if (op == "addmm" || op == "baddbmm" || op == "addbmm") return 2.0 * out * lastDim(1);
+  if (op == "_convolution" || op == "convolution" || op == "conv1d" || op == "conv2d" ||
+      op == "conv3d" || op == "conv_transpose2d") {
+    const ir::Value* w = tensorInput(g, t, 1);
+    if (w == nullptr) return out;
+    // Each output element is a dot product over (in channels / groups) x kernel.
+    return 2.0 * out * static_cast<double>(w->numel() / std::max<int64_t>(w->shape[0], 1));
+  }
+  if (op == "scaled_dot_product_attention" || op == "_scaled_dot_product_attention" ||
+      op == "multi_head_attention_forward") {
+    const ir::Value* q = tensorInput(g, t, 0);
+    const ir::Value* k = tensorInput(g, t, 1);
+    if (q == nullptr || k == nullptr || k->shape.size() < 2) return out;
+    // Q K^T and A V: two matmuls of L x S x E per head.
+    return 4.0 * static_cast<double>(q->numel()) * static_cast<double>(k->shape[k->shape.size() - 2]);
+  }
+  return out;
+}
+
+}  // namespace
+
+AnalyticCostModel::AnalyticCostModel(const ir::Graph& graph, DeviceSpec device,
+                                     bool cache_by_content)
+    : CostModel(graph, device), tasks_(graph.numTasks()), cache_by_content_(cache_by_content) {
+  for (const ir::Task& t : graph.tasks()) {
+    TaskCost& c = tasks_[t.id];
+    c.flops = flopsOf(graph, t);
+    for (ir::ValueId v : t.outputs) c.flops_scale = c.flops_scale || graph.value(v).isBatch();
+    auto addBytes = [&](ir::ValueId id) {
+      const ir::Value& v = graph.value(id);
+      if (!v.isTensor()) return;
+      (v.isBatch() ? c.batch_bytes : c.fixed_bytes) += static_cast<double>(v.bytes());
+    };
+    for (ir::ValueId v : t.inputs) addBytes(v);
+    for (ir::ValueId v : t.outputs) addBytes(v);
+  }
+  in_piece_.assign(graph.numTasks(), 0);
+  value_seen_.assign(graph.numValues(), 0);
+  graph_output_.assign(graph.numValues(), 0);
+  for (ir::ValueId v : graph.outputs()) graph_output_[v] = 1;
+}
+
+// The same numbers as computeCost(makePiece(...)), from marks instead of a built piece:
+// the planner asks for thousands of large pieces, and sorting each would dominate.
+bool AnalyticCostModel::computeCostDirect(const std::vector<ir::TaskId>& tasks, int64_t rows,
+                                          PieceCost* out) {
+  const ir::Graph& g = graph();
+  const double scale =
+      g.batchSize() > 0 ? static_cast<double>(rows) / static_cast<double>(g.batchSize()) : 1.0;
+  ++stamp_;
+  for (ir::TaskId t : tasks) in_piece_[t] = stamp_;
+  PieceCost c;
+  for (ir::TaskId t : tasks) {
+    const double f = forwardTime(tasks_[t], scale);
+    c.forward_time += f;
+    c.backward_time += 2.0 * f;
+    const ir::Task& task = g.task(t);
+    for (ir::ValueId v : task.inputs) {
+      const ir::Value& val = g.value(v);
+      if ((val.producer != ir::kNoId && in_piece_[val.producer] == stamp_) || value_seen_[v] == stamp_) continue;
+      value_seen_[v] = stamp_;
+      if (!val.isTensor()) continue;
+      const int64_t bytes = valueBytesAt(g, val, rows);
+      if (val.role == ir::ValueRole::Param) {
+        c.param_bytes += bytes;
+      } else if (val.role == ir::ValueRole::Buffer) {
+        c.buffer_bytes += bytes;
+      } else if (val.role != ir::ValueRole::Constant) {
+        c.input_bytes += bytes;
+        c.activation_bytes += bytes;
+      }
+    }
+    const bool pure = pureConstant()[t] != 0;
+    for (ir::ValueId v : task.outputs) {
+      const ir::Value& val = g.value(v);
+      if (!val.isTensor()) continue;
+      const int64_t bytes = valueBytesAt(g, val, rows);
+      if (!pure) c.activation_bytes += bytes;
+      bool used_outside = graph_output_[v] != 0;
+      if (!pure && !used_outside) {
+        for (ir::TaskId u : val.consumers) {
+          if (in_piece_[u] != stamp_) {
+            used_outside = true;
+            break;
+          }
+        }
+      }
+      if (used_outside) c.output_bytes += bytes;
+    }
+  }
+  *out = c;
+  return true;
+}
+
+double AnalyticCostModel::forwardTime(const TaskCost& t, double scale) const {
+  const double flops = t.flops * (t.flops_scale ? scale : 1.0);
+  const double bytes = t.batch_bytes * scale + t.fixed_bytes;
+  return std::max(flops / device().peak_flops, bytes / device().memory_bandwidth) +
+         device().kernel_overhead;
+}
+
+PieceCost AnalyticCostModel::computeCost(const ir::Subgraph& piece, int64_t rows) {
+  const ir::Graph& g = graph();
+  const double scale =
+      g.batchSize() > 0 ? static_cast<double>(rows) / static_cast<double>(g.batchSize()) : 1.0;
+  PieceCost c;
+  for (ir::TaskId t : piece.tasks) {
+    const double f = forwardTime(tasks_[t], scale);
+    c.forward_time += f;
+    c.backward_time += 2.0 * f;  // grads w.r.t. inputs and weights: two products per forward
+    if (pureConstant()[t]) continue;  // recomputed from constants, never stashed
+    for (ir::ValueId v : g.task(t).outputs) {
+      const ir::Value& val = g.value(v);
+      if (val.isTensor()) c.activation_bytes += valueBytesAt(g, val, rows);
+    }
+  }
+  for (ir::ValueId v : piece.inputs) {
+    const ir::Value& val = g.value(v);
+    if (!val.isTensor()) continue;
+    const int64_t bytes = valueBytesAt(g, val, rows);
+    if (val.role == ir::ValueRole::Param) {
+      c.param_bytes += bytes;
+    } else if (val.role == ir::ValueRole::Buffer) {
+      c.buffer_bytes += bytes;
+    } else if (val.role != ir::ValueRole::Constant) {
+      c.input_bytes += bytes;
+      c.activation_bytes += bytes;  // the backward reads the piece's inputs too
+    }
+  }
+  for (ir::ValueId v : piece.outputs) {
+    const ir::Value& val = g.value(v);
+    if (val.isTensor()) c.output_bytes += valueBytesAt(g, val, rows);
+  }
+  return c;
+}
+
+}  // namespace rannc::partition

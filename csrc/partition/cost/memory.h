@@ -1,0 +1,21 @@
+#pragma once
+// The memory a stage replica needs (DESIGN §5): parameters, their gradients and the
+// optimizer state, buffers, and the activations stashed for the micro-batches in flight.
+#include <cstdint>
+
+#include "partition/cost/cost_model.h"
+
+namespace rannc::partition {
+
+// Peak bytes of a replica of a piece costing `cost` that keeps `in_flight` micro-batches
+// stashed. With `recompute` only the inputs of each in-flight micro-batch are stashed and
+// one micro-batch's activations are rebuilt at a time during its backward.
+inline int64_t replicaMemory(const PieceCost& cost, Optimizer optimizer, int in_flight,
+                             bool recompute) {
+  const int64_t state = cost.param_bytes * (2 + optimizerStateFactor(optimizer)) + cost.buffer_bytes;
+  const int64_t stash = recompute ? in_flight * cost.input_bytes + cost.activation_bytes
+                                  : in_flight * cost.activation_bytes;
+  return state + stash;
+}
+
+}  // namespace rannc::partition

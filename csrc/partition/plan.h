@@ -1,0 +1,95 @@
+#pragma once
+// The plan the planner hands to the runtime: which tasks each stage runs, which ranks hold
+// its replicas, the micro-batch count and schedule, the recomputation choice, and what the
+// cost model and simulator predict. Saved in the framed file format of ir/serialize.h
+// together with the graph's content hash, so a plan never loads against another model.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "ir/graph.h"
+#include "partition/cost/cost_model.h"
+#include "partition/sim/schedule.h"
+#include "partition/sim/simulator.h"
+
+namespace rannc::partition {
+
+inline constexpr uint32_t kDeploymentFormatVersion = 1;
+
+struct StagePlan {
+  // [Note: stage tasks] Tasks in topological order. Constant tasks are cloned into every
+  // stage that reads them, so one constant task may be listed by several stages; the
+  // non-constant tasks of the stages are disjoint and each stage is convex over them.
+  std::vector<ir::TaskId> tasks;
+  // Ranks holding a replica: pipeline copy c first, then c+1 (copy-major, so replica j of
+  // copy c is ranks[c * replicas_per_pipeline + j]).
+  std::vector<int> ranks;
+  int first_block = -1;  // [first_block, last_block) of the block partition, -1 if none
+  int last_block = -1;
+  bool recompute = false;         // rebuild activations during the backward
+  int64_t micro_batch_rows = 0;   // rows one replica runs per micro-batch (the largest share)
+  // Predictions for one replica and one micro-batch.
+  double forward_time = 0.0;
+  double backward_time = 0.0;     // including recomputation
+  double send_forward_time = 0.0;
+  double send_backward_time = 0.0;
+  double allreduce_time = 0.0;    // gradient all-reduce among all replicas, per iteration
+  int64_t param_bytes = 0;
+  int64_t memory_bytes = 0;       // predicted peak per replica
+  // Its parts: model state, bytes stashed per in-flight micro-batch, transient bytes of
+  // one recomputed micro-batch (0 without recomputation).
+  int64_t static_bytes = 0;
+  int64_t stash_bytes = 0;
+  int64_t working_bytes = 0;
+  double busy_time = 0.0;         // per iteration (simulated)
+  double bubble_time = 0.0;
+};
+
+struct Deployment {
+  uint64_t graph_hash = 0;   // ir::Graph::contentHash() of the planned graph
+  std::string planner;       // "rannc", "equal-tasks", "param-balanced", ...
+  int world_size = 0;
+  int64_t batch_size = 0;    // global batch
+  int pipelines = 1;         // copies of the pipeline (R of the paper's Algorithm 2)
+  int micro_batches = 1;     // per pipeline copy and iteration
+  ScheduleKind schedule = ScheduleKind::OneFOneB;
+  Optimizer optimizer = Optimizer::Adam;
+  int64_t memory_limit = 0;  // usable bytes per device the plan was made for
+  std::vector<StagePlan> stages;
+  double iteration_time = 0.0;  // simulated seconds per iteration
+  bool feasible = true;         // every stage fits memory_limit
+
+  int numStages() const { return static_cast<int>(stages.size()); }
+  // Stage whose replicas include `rank`, or -1.
+  int stageOfRank(int rank) const;
+  // A table for people: stages, blocks, tasks, ranks, rows, recompute, times, memory.
+  std::string report() const;
+};
+
+// Re-runs the simulator over the deployment's stored per-stage predictions under
+// `schedule` (say, to compare fill-drain with the planned 1F1B).
+SimResult simulateDeployment(const Deployment& deployment, ScheduleKind schedule);
+
+// The piece a stage runs, without ir::extractSubgraph's convexity check (a constant clone
+// may make the full set look non-convex although its non-constant tasks are convex):
+// tasks in topological order, inputs, and outputs read by other stages or the graph's
+// outputs (purely constant outputs excluded: every reader holds its own clone).
+ir::Subgraph stageSubgraph(const ir::Graph& graph, const StagePlan& stage);
+
+// Checks `deployment` against `graph` (the verify-partitioning option): graph hash, every
+// task in some stage and every non-constant task in exactly one, stages convex over their
+// non-constant tasks and in a pipeline order (no value flows from a later stage to an
+// earlier one), ranks distinct and below world_size. Throws InvalidGraphError naming the
+// first violation.
+void validateDeployment(const ir::Graph& graph, const Deployment& deployment);
+
+// The framed bytes of `deployment` (kind "deployment", kDeploymentFormatVersion).
+std::string serializeDeployment(const Deployment& deployment);
+// Reads a deployment and checks it was made for `graph` (content hash) and only names
+// tasks of it; throws SerializationError otherwise.
+Deployment deserializeDeployment(const std::string& bytes, const ir::Graph& graph,
+                                 const std::string& origin = "<memory>");
+void saveDeployment(const Deployment& deployment, const std::string& path);
+Deployment loadDeployment(const std::string& path, const ir::Graph& graph);
+
+}  // namespace rannc::partition

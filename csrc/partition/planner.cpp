@@ -1,0 +1,66 @@
+#include "partition/planner.h"
+
+#include <algorithm>
+
+#include "common/error.h"
+#include "common/log.h"
+
+namespace rannc::partition {
+
+PlanContext planContext(const ir::Graph& graph, const CostModel& costs, const PlannerOptions& o) {
+  auto bad = [](const std::string& what) { throw InvalidGraphError("invalid planner option: " + what); };
+  if (o.world_size < 1) bad("world_size must be >= 1, got " + std::to_string(o.world_size));
+  if (o.num_blocks < 1) bad("num_blocks must be >= 1, got " + std::to_string(o.num_blocks));
+  if (!(o.memory_margin >= 0.0 && o.memory_margin < 1.0)) bad("memory_margin must be in [0, 1), got " + std::to_string(o.memory_margin));
+  if (o.batch_size < 0) bad("batch_size must be >= 0 (0: traced batch x world), got " + std::to_string(o.batch_size));
+  if (o.memory_limit < 0) bad("memory_limit must be >= 0 (0: from the device), got " + std::to_string(o.memory_limit));
+  if (o.fixed_stages < 0 || o.fixed_micro_batches < 0) bad("fixed_stages and fixed_micro_batches must be >= 0");
+  if (o.max_micro_batches < 1) bad("max_micro_batches must be >= 1, got " + std::to_string(o.max_micro_batches));
+  PlanContext ctx;
+  ctx.world_size = o.world_size;
+  ctx.batch_size = o.batch_size > 0 ? o.batch_size : std::max<int64_t>(1, graph.batchSize()) * o.world_size;
+  ctx.devices_per_node = costs.device().devices_per_node;
+  ctx.memory_limit = o.memory_limit > 0
+                         ? o.memory_limit
+                         : static_cast<int64_t>(static_cast<double>(costs.device().memory_bytes) *
+                                                (1.0 - o.memory_margin));
+  ctx.optimizer = o.optimizer;
+  ctx.schedule = o.schedule;
+  ctx.allow_recompute = o.allow_recompute;
+  return ctx;
+}
+
+PlanTrace planTrace(const ir::Graph& graph, CostModel& costs, const PlannerOptions& options) {
+  RANNC_CHECK(&costs.graph() == &graph, "the cost model was built over another graph");
+  if (graph.numTasks() == 0) throw InvalidGraphError("cannot plan a graph without tasks");
+  const PlanContext ctx = planContext(graph, costs, options);
+  PlanTrace trace;
+  trace.atomic = partitionAtomic(graph, options.constant_policy);
+  BlockOptions bo;
+  bo.num_blocks = options.num_blocks;
+  // Blocks are costed at the smallest micro-batch a plan can use with every device a data
+  // parallel replica; stage costs are then taken merged at each candidate's own rows.
+  bo.rows = std::max<int64_t>(1, (ctx.batch_size + ctx.world_size - 1) / ctx.world_size);
+  bo.memory_limit = ctx.memory_limit;
+  bo.optimizer = ctx.optimizer;
+  trace.blocks = partitionBlocks(trace.atomic, costs, bo);
+  StageProblem problem(trace.blocks, costs, ctx);
+  StageSearchOptions so;
+  so.fixed_stages = options.fixed_stages;
+  so.fixed_micro_batches = options.fixed_micro_batches;
+  so.max_micro_batches = options.max_micro_batches;
+  trace.deployment = formStage(problem, so);
+  if (options.refine_boundaries) {
+    trace.deployment = refineBoundaries(trace.deployment, trace.atomic, trace.blocks, costs, ctx);
+  }
+  logger().info("planned: {} tasks, {} atomic pieces, {} blocks, {} stages, {} ms per iteration",
+                graph.numTasks(), trace.atomic.pieces.size(), trace.blocks.blocks.size(),
+                trace.deployment.numStages(), trace.deployment.iteration_time * 1e3);
+  return trace;
+}
+
+Deployment plan(const ir::Graph& graph, CostModel& costs, const PlannerOptions& options) {
+  return planTrace(graph, costs, options).deployment;
+}
+
+}  // namespace rannc::partition

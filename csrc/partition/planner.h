@@ -1,0 +1,50 @@
+#pragma once
+// The planner end to end: atomic pieces -> blocks -> stages -> Deployment. One Options
+// struct with named defaults (read once from kwargs and RANNC_* variables at the Python
+// edge); this is the entry point the binding layer calls.
+#include <cstdint>
+
+#include "partition/atomic/atomic.h"
+#include "partition/block/block.h"
+#include "partition/cost/cost_model.h"
+#include "partition/plan.h"
+#include "partition/stage/refine.h"
+#include "partition/stage/stage_dp.h"
+
+namespace rannc::partition {
+
+struct PlannerOptions {
+  int world_size = 1;             // devices (ranks) to plan for; may differ from the real world (dry run)
+  int64_t batch_size = 0;         // global batch; 0: the graph's traced batch size x world_size
+  int num_blocks = 32;            // k of block partitioning
+  double memory_margin = 0.1;     // keep this fraction of device memory free
+  int64_t memory_limit = 0;       // usable bytes per device; 0: device memory x (1 - margin)
+  Optimizer optimizer = Optimizer::Adam;
+  ScheduleKind schedule = ScheduleKind::OneFOneB;
+  bool allow_recompute = true;    // recompute activations per stage where memory needs it
+  ConstantPolicy constant_policy = ConstantPolicy::IndependentOfState;
+  int fixed_stages = 0;           // > 0: override the stage-count search
+  int fixed_micro_batches = 0;    // > 0: override the micro-batch search
+  int max_micro_batches = 64;
+  bool refine_boundaries = true;  // slide stage boundaries piece by piece after the block-level DP
+};
+
+// The context the options describe for `graph` on `costs`' device.
+PlanContext planContext(const ir::Graph& graph, const CostModel& costs, const PlannerOptions& options);
+
+// Every phase's result, for tests, reports and benchmarks.
+struct PlanTrace {
+  AtomicPartition atomic;
+  BlockPartition blocks;
+  Deployment deployment;
+};
+
+// Plans `graph` with costs from `costs` (built over the same graph). Throws
+// InfeasiblePlanError (bytesNeeded: the least usable memory per device some plan needs)
+// when nothing fits, InvalidGraphError on an empty or cyclic graph.
+PlanTrace planTrace(const ir::Graph& graph, CostModel& costs, const PlannerOptions& options);
+
+// planTrace(...).deployment.
+Deployment plan(const ir::Graph& graph, CostModel& costs, const PlannerOptions& options);
+
+}  // namespace rannc::partition

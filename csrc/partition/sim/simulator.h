@@ -1,0 +1,47 @@
+#pragma once
+// An event simulator of a synchronous pipeline: runs a Schedule over per-stage costs and
+// reports the iteration time, per-stage busy time and bubble, and peak memory. The
+// planner ranks candidate plans with it, and baselines are scored by the same code.
+#include <cstdint>
+#include <vector>
+
+#include "partition/sim/schedule.h"
+
+namespace rannc::partition {
+
+// Costs of one stage replica for one micro-batch.
+struct SimStage {
+  double forward_time = 0.0;
+  double backward_time = 0.0;       // including recomputation when the stage recomputes
+  double send_forward_time = 0.0;   // activations to the next stage (overlaps compute)
+  double send_backward_time = 0.0;  // gradients to the previous stage (overlaps compute)
+  // Gradient all-reduce among the stage's replicas. It is bucketed and overlaps the last
+  // backward, so only max(0, allreduce - backward) adds to the iteration.
+  double allreduce_time = 0.0;
+  int64_t static_bytes = 0;   // parameters, gradients, optimizer state, buffers
+  int64_t stash_bytes = 0;    // kept per in-flight micro-batch from forward to backward
+  int64_t working_bytes = 0;  // transient during a backward (recomputed activations)
+};
+
+struct SimResult {
+  double iteration_time = 0.0;
+  std::vector<double> finish;  // when each stage is done (all-reduce included)
+  std::vector<double> busy;    // compute time of each stage
+  std::vector<double> bubble;  // iteration time minus busy time
+  std::vector<int> peak_in_flight;
+  std::vector<int64_t> peak_memory;
+  // Start times of each stage's actions, in schedule order (for drawing and tests).
+  std::vector<std::vector<double>> start;
+};
+
+// Runs `schedule` (validated first) over `stages`. A forward of micro-batch m on stage i
+// waits for stage i-1's forward of m plus its send; a backward waits for its own forward
+// and for stage i+1's backward of m plus its send. Throws InternalError on a schedule
+// that deadlocks.
+SimResult simulate(const std::vector<SimStage>& stages, const Schedule& schedule,
+                   int micro_batches);
+
+// Convenience: builds the schedule of `kind` first.
+SimResult simulate(const std::vector<SimStage>& stages, ScheduleKind kind, int micro_batches);
+
+}  // namespace rannc::partition

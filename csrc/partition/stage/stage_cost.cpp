@@ -1,0 +1,152 @@
+#include "partition/stage/stage_cost.h"
+
+#include <algorithm>
+
+#include "common/error.h"
+#include "partition/cost/memory.h"
+#include "partition/sim/simulator.h"
+
+namespace rannc::partition {
+
+int64_t stageRows(const PlanContext& ctx, const StageSlot& slot) {
+  const int64_t shares = static_cast<int64_t>(slot.pipelines) * slot.micro_batches * slot.devices;
+  if (shares <= 0 || shares > ctx.batch_size) return 0;
+  return (ctx.batch_size + shares - 1) / shares;
+}
+
+int effectiveDevicesPerNode(const PlanContext& ctx) {
+  const int per = std::max(1, ctx.devices_per_node);
+  return ctx.world_size % per == 0 ? per : std::max(1, ctx.world_size);
+}
+
+StageEstimate estimateStage(const CostModel& costs, const PieceCost& cost, const StageSlot& slot,
+                            const PlanContext& ctx) {
+  StageEstimate e;
+  e.rows = stageRows(ctx, slot);
+  e.cost = cost;
+  if (e.rows == 0) return e;
+  const int per_node = effectiveDevicesPerNode(ctx);
+  auto node = [&](int64_t rank) { return rank / per_node; };
+  // A boundary between devices x-1 and x of every copy stays inside a node or not.
+  auto boundaryLink = [&](int x) {
+    for (int c = 0; c < slot.pipelines; ++c) {
+      const int64_t base = static_cast<int64_t>(c) * slot.pipeline_devices;
+      if (node(base + x - 1) != node(base + x)) return Link::InterNode;
+    }
+    return Link::IntraNode;
+  };
+  const bool first = slot.index == 0, last = slot.index + 1 == slot.num_stages;
+  e.forward_time = cost.forward_time;
+  e.backward_time = cost.backward_time;
+  e.send_forward_time = last ? 0.0 : costs.commTime(cost.output_bytes, boundaryLink(slot.first_device + slot.devices));
+  e.send_backward_time = first ? 0.0 : costs.commTime(cost.input_bytes, boundaryLink(slot.first_device));
+  const int64_t lo = slot.first_device;
+  const int64_t hi = static_cast<int64_t>(slot.pipelines - 1) * slot.pipeline_devices + slot.first_device + slot.devices - 1;
+  const Link ring = node(lo) == node(hi) ? Link::IntraNode : Link::InterNode;
+  e.allreduce_time = costs.allReduceTime(cost.param_bytes, slot.devices * slot.pipelines, ring);
+
+  const int in_flight = maxInFlight(ctx.schedule, slot.index, slot.num_stages, slot.micro_batches);
+  const int64_t plain = replicaMemory(cost, ctx.optimizer, in_flight, false);
+  const int64_t again = replicaMemory(cost, ctx.optimizer, in_flight, true);
+  e.min_memory_bytes = ctx.allow_recompute ? std::min(plain, again) : plain;
+  e.static_bytes = cost.param_bytes * (2 + optimizerStateFactor(ctx.optimizer)) + cost.buffer_bytes;
+  // Recompute only where memory needs it: it costs one more forward per micro-batch.
+  if (plain <= ctx.memory_limit) {
+    e.feasible = true;
+    e.memory_bytes = plain;
+    e.stash_bytes = cost.activation_bytes;
+  } else if (ctx.allow_recompute && again <= ctx.memory_limit) {
+    e.feasible = true;
+    e.recompute = true;
+    e.memory_bytes = again;
+    e.backward_time += cost.forward_time;
+    e.stash_bytes = cost.input_bytes;
+    e.working_bytes = cost.activation_bytes;
+  } else {
+    e.memory_bytes = e.min_memory_bytes;
+  }
+  const double per_micro_batch = e.forward_time + e.backward_time + e.send_forward_time + e.send_backward_time;
+  e.score = (slot.micro_batches + slot.num_stages - 1) * per_micro_batch +
+            std::max(0.0, e.allreduce_time - e.backward_time);
+  return e;
+}
+
+Deployment assembleDeployment(CostModel& costs, const PlanContext& ctx,
+                              const std::vector<StageChoice>& stages, int pipelines,
+                              int micro_batches, const std::string& planner) {
+  RANNC_CHECK(!stages.empty(), "a deployment needs a stage");
+  int D = 0;
+  for (const StageChoice& s : stages) D += s.devices;
+  RANNC_CHECK(static_cast<int64_t>(D) * pipelines <= ctx.world_size,
+              D << " devices x " << pipelines << " pipelines exceed the world of " << ctx.world_size);
+  Deployment d;
+  d.graph_hash = costs.graph().contentHash();
+  d.planner = planner;
+  d.world_size = ctx.world_size;
+  d.batch_size = ctx.batch_size;
+  d.pipelines = pipelines;
+  d.micro_batches = micro_batches;
+  d.schedule = ctx.schedule;
+  d.optimizer = ctx.optimizer;
+  d.memory_limit = ctx.memory_limit;
+  std::vector<SimStage> sim;
+  int offset = 0;
+  const int S = static_cast<int>(stages.size());
+  for (int i = 0; i < S; ++i) {
+    const StageChoice& c = stages[i];
+    StageSlot slot{i, S, offset, c.devices, D, pipelines, micro_batches};
+    const int64_t rows = stageRows(ctx, slot);
+    StageEstimate e;
+    if (rows > 0) e = estimateStage(costs, costs.cost(c.tasks, rows), slot, ctx);
+    d.feasible = d.feasible && e.feasible;
+    StagePlan p;
+    p.tasks = c.tasks;
+    const auto& pos = costs.topoPosition();
+    std::sort(p.tasks.begin(), p.tasks.end(), [&](ir::TaskId a, ir::TaskId b) { return pos[a] < pos[b]; });
+    p.tasks.erase(std::unique(p.tasks.begin(), p.tasks.end()), p.tasks.end());
+    for (int cp = 0; cp < pipelines; ++cp) {
+      for (int j = 0; j < c.devices; ++j) p.ranks.push_back(cp * D + offset + j);
+    }
+    p.first_block = c.first_block;
+    p.last_block = c.last_block;
+    p.recompute = e.recompute;
+    p.micro_batch_rows = rows;
+    p.forward_time = e.forward_time;
+    p.backward_time = e.backward_time;
+    p.send_forward_time = e.send_forward_time;
+    p.send_backward_time = e.send_backward_time;
+    p.allreduce_time = e.allreduce_time;
+    p.param_bytes = e.cost.param_bytes;
+    d.stages.push_back(std::move(p));
+    SimStage s;
+    s.forward_time = e.forward_time;
+    s.backward_time = e.backward_time;
+    s.send_forward_time = e.send_forward_time;
+    s.send_backward_time = e.send_backward_time;
+    s.allreduce_time = e.allreduce_time;
+    s.static_bytes = e.static_bytes;
+    s.stash_bytes = e.stash_bytes;
+    s.working_bytes = e.working_bytes;
+    if (!e.feasible) {
+      // Not runnable as planned; still report what it would need.
+      s.static_bytes = e.min_memory_bytes;
+      s.stash_bytes = s.working_bytes = 0;
+    }
+    sim.push_back(s);
+    d.stages.back().static_bytes = s.static_bytes;
+    d.stages.back().stash_bytes = s.stash_bytes;
+    d.stages.back().working_bytes = s.working_bytes;
+    offset += c.devices;
+  }
+  SimResult r = simulate(sim, ctx.schedule, micro_batches);
+  d.iteration_time = r.iteration_time;
+  for (int i = 0; i < S; ++i) {
+    d.stages[i].busy_time = r.busy[i];
+    d.stages[i].bubble_time = r.bubble[i];
+    d.stages[i].memory_bytes = r.peak_memory[i];
+    if (d.stages[i].memory_bytes > ctx.memory_limit) d.feasible = false;
+  }
+  return d;
+}
+
+}  // namespace rannc::partition

@@ -1,0 +1,85 @@
+#pragma once
+// What one stage of a candidate plan costs: the micro-batch rows its replicas run, the
+// merged piece's cost at those rows, transfers, the unhidden all-reduce, memory with and
+// without recomputation. Shared by the stage DP, the baselines and the final assembly, so
+// every plan is judged by the same rules.
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "partition/cost/cost_model.h"
+#include "partition/plan.h"
+#include "partition/sim/schedule.h"
+
+namespace rannc::partition {
+
+// Fixed for one planning problem.
+struct PlanContext {
+  int64_t batch_size = 1;       // global batch
+  int world_size = 1;
+  int devices_per_node = 8;     // node boundaries for links (see effectiveDevicesPerNode)
+  int64_t memory_limit = std::numeric_limits<int64_t>::max();  // usable bytes per device
+  Optimizer optimizer = Optimizer::Adam;
+  ScheduleKind schedule = ScheduleKind::OneFOneB;
+  bool allow_recompute = true;
+};
+
+// Where a stage sits: its position, and its devices within each pipeline copy. Copy c
+// occupies ranks [c * pipeline_devices, (c + 1) * pipeline_devices).
+struct StageSlot {
+  int index = 0;
+  int num_stages = 1;
+  int first_device = 0;
+  int devices = 1;           // replicas per pipeline copy
+  int pipeline_devices = 1;  // D of Algorithm 1
+  int pipelines = 1;         // R of Algorithm 2
+  int micro_batches = 1;
+};
+
+struct StageEstimate {
+  bool feasible = false;  // rows >= 1 and fits memory (with recomputation if allowed)
+  bool recompute = false;
+  int64_t rows = 0;       // 0 when the batch has too few rows for the replicas
+  PieceCost cost;
+  double forward_time = 0.0;
+  double backward_time = 0.0;  // including recomputation
+  double send_forward_time = 0.0;
+  double send_backward_time = 0.0;
+  double allreduce_time = 0.0;
+  int64_t memory_bytes = 0;      // with the chosen recomputation
+  int64_t min_memory_bytes = 0;  // the least this stage can need (recomputing if allowed)
+  int64_t static_bytes = 0;
+  int64_t stash_bytes = 0;
+  int64_t working_bytes = 0;
+  // The stage's share of the DP objective: (M + S - 1) (f + b + sends) + unhidden
+  // all-reduce; the pipeline's iteration is about the largest share.
+  double score = std::numeric_limits<double>::infinity();
+};
+
+// Rows one replica runs per micro-batch: ceil(B / (R M d)), or 0 when R M d > B.
+int64_t stageRows(const PlanContext& ctx, const StageSlot& slot);
+
+// Devices per node used for links: the device's count, or the whole world when the world
+// does not fill whole nodes.
+int effectiveDevicesPerNode(const PlanContext& ctx);
+
+// Estimates the stage at `slot` whose merged piece costs `cost` at stageRows(ctx, slot).
+StageEstimate estimateStage(const CostModel& costs, const PieceCost& cost, const StageSlot& slot,
+                            const PlanContext& ctx);
+
+// A stage of a candidate plan, before costing.
+struct StageChoice {
+  std::vector<ir::TaskId> tasks;
+  int devices = 1;  // replicas per pipeline copy
+  int first_block = -1;
+  int last_block = -1;
+};
+
+// Costs the stages (merged, at their rows), lays out ranks copy-major, simulates the
+// schedule and returns the filled Deployment (feasible = every stage fits memory).
+Deployment assembleDeployment(CostModel& costs, const PlanContext& ctx,
+                              const std::vector<StageChoice>& stages, int pipelines,
+                              int micro_batches, const std::string& planner);
+
+}  // namespace rannc::partition

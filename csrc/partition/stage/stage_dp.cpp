@@ -1,0 +1,224 @@
+#include "partition/stage/stage_dp.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <sstream>
+
+#include "common/error.h"
+#include "common/log.h"
+
+namespace rannc::partition {
+
+StageProblem::StageProblem(const BlockPartition& blocks, CostModel& costs, PlanContext ctx)
+    : blocks_(blocks), costs_(costs), ctx_(ctx) {
+  const int k = numBlocks();
+  tasks_.resize(static_cast<size_t>(k + 1) * (k + 1));
+}
+
+const std::vector<ir::TaskId>& StageProblem::tasks(int first, int last) {
+  auto& t = tasks_[static_cast<size_t>(first) * (numBlocks() + 1) + last];
+  if (t.empty()) t = blockRangeTasks(blocks_, first, last, costs_.topoPosition());
+  return t;
+}
+
+void StageProblem::prefetch(int S, int D, int R, int M) {
+  const int K = numBlocks();
+  for (int devices = 1; devices <= D - S + 1; ++devices) {
+    StageSlot slot;
+    slot.devices = devices;
+    slot.pipelines = R;
+    slot.micro_batches = M;
+    const int64_t rows = stageRows(ctx_, slot);
+    if (rows == 0) continue;
+    std::vector<std::vector<ir::TaskId>> pieces;
+    for (int first = 0; first < K; ++first) {
+      for (int last = first + 1; last <= K && last - first <= K - S + 1; ++last) {
+        if (announced_.insert(std::make_tuple(first, last, rows)).second) pieces.push_back(tasks(first, last));
+      }
+    }
+    if (!pieces.empty()) costs_.prefetch(pieces, rows);
+  }
+}
+
+StageEstimate StageProblem::estimate(int first, int last, const StageSlot& slot) {
+  const int64_t rows = stageRows(ctx_, slot);
+  if (rows == 0) return StageEstimate{};
+  auto key = std::make_tuple(first, last, rows);
+  auto it = cost_cache_.find(key);
+  if (it == cost_cache_.end()) it = cost_cache_.emplace(key, costs_.cost(tasks(first, last), rows)).first;
+  return estimateStage(costs_, it->second, slot, ctx_);
+}
+
+StageSolution formStageDp(StageProblem& problem, int S, int D, int R, int M,
+                          StageObjective objective) {
+  const int K = problem.numBlocks();
+  StageSolution sol;
+  sol.pipelines = R;
+  sol.micro_batches = M;
+  if (S < 1 || S > K || D < S || M < 1 || R < 1) return sol;
+  problem.prefetch(S, D, R, M);
+  const double kInf = std::numeric_limits<double>::infinity();
+  auto at = [&](int s, int b, int d) { return (static_cast<size_t>(s) * (K + 1) + b) * (D + 1) + d; };
+  const size_t n = static_cast<size_t>(S + 1) * (K + 1) * (D + 1);
+  std::vector<double> V(n, kInf);
+  std::vector<int> from_b(n, -1), from_d(n, -1);
+  V[at(0, 0, 0)] = 0.0;
+  for (int s = 1; s <= S; ++s) {
+    for (int b = s; b <= K - (S - s); ++b) {
+      // Descending device counts; stop once a count has no solution for memory reasons.
+      for (int d = D - (S - s); d >= s; --d) {
+        bool found = false, rows_limited = false;
+        for (int bp = s - 1; bp < b; ++bp) {
+          for (int dp = s - 1; dp < d; ++dp) {
+            const double prev = V[at(s - 1, bp, dp)];
+            if (prev == kInf) continue;
+            StageSlot slot{s - 1, S, dp, d - dp, D, R, M};
+            StageEstimate e = problem.estimate(bp, b, slot);
+            if (e.rows == 0) {
+              rows_limited = true;
+              continue;
+            }
+            double h;
+            if (objective == StageObjective::Time) {
+              if (!e.feasible) continue;
+              h = e.score;
+            } else {
+              h = static_cast<double>(e.min_memory_bytes);
+            }
+            found = true;
+            const double v = std::max(prev, h);
+            double& cur = V[at(s, b, d)];
+            if (v < cur) {
+              cur = v;
+              from_b[at(s, b, d)] = bp;
+              from_d[at(s, b, d)] = dp;
+            }
+          }
+        }
+        if (!found && !rows_limited) break;
+      }
+    }
+  }
+  const double best = V[at(S, K, D)];
+  if (best == kInf) return sol;
+  sol.feasible = true;
+  sol.value = best;
+  sol.block_ends.resize(S);
+  sol.devices.resize(S);
+  int b = K, d = D;
+  for (int s = S; s >= 1; --s) {
+    const int bp = from_b[at(s, b, d)], dp = from_d[at(s, b, d)];
+    sol.block_ends[s - 1] = b;
+    sol.devices[s - 1] = d - dp;
+    b = bp;
+    d = dp;
+  }
+  return sol;
+}
+
+std::vector<int> microBatchCandidates(int64_t rows, int limit) {
+  std::vector<int> out;
+  const int64_t top = std::min<int64_t>(rows, std::max(1, limit));
+  for (int64_t m = 1; m <= top; m = m < 16 ? m + 1 : (m * 5 + 3) / 4) out.push_back(static_cast<int>(m));
+  if (!out.empty() && out.back() != top) out.push_back(static_cast<int>(top));
+  return out;
+}
+
+namespace {
+
+Deployment toDeployment(StageProblem& problem, const StageSolution& sol) {
+  std::vector<StageChoice> stages;
+  int first = 0;
+  for (size_t s = 0; s < sol.block_ends.size(); ++s) {
+    StageChoice c;
+    c.first_block = first;
+    c.last_block = sol.block_ends[s];
+    c.tasks = problem.tasks(first, c.last_block);
+    c.devices = sol.devices[s];
+    stages.push_back(std::move(c));
+    first = sol.block_ends[s];
+  }
+  return assembleDeployment(problem.costs(), problem.context(), stages, sol.pipelines,
+                            sol.micro_batches, "rannc");
+}
+
+std::string bytesText(int64_t bytes) {
+  std::ostringstream os;
+  os << bytes << " bytes (" << std::fixed;
+  os.precision(2);
+  os << static_cast<double>(bytes) / (1 << 30) << " GiB)";
+  return os.str();
+}
+
+}  // namespace
+
+Deployment formStage(StageProblem& problem, const StageSearchOptions& options) {
+  const PlanContext& ctx = problem.context();
+  const int K = problem.numBlocks();
+  const int per_node = effectiveDevicesPerNode(ctx);
+  const int nodes = std::max(1, ctx.world_size / per_node);
+  // Each (n, S, M) visited, for the memory search when nothing fits.
+  std::vector<std::tuple<int, int, int, int>> tried;  // (S, D, R, M)
+  for (int n = 1; n <= nodes; ++n) {
+    if (nodes % n != 0) continue;
+    const int D = per_node * n, R = nodes / n;
+    int s_lo = per_node * (n - 1) + 1, s_hi = per_node * n;
+    if (options.fixed_stages > 0) s_lo = s_hi = options.fixed_stages;
+    s_hi = std::min(s_hi, std::min(K, D));
+    bool any = false;
+    Deployment best;
+    for (int S = s_lo; S <= s_hi; ++S) {
+      const int64_t rows_per_copy = ctx.batch_size / R;
+      std::vector<int> mbs = options.fixed_micro_batches > 0
+                                 ? std::vector<int>{options.fixed_micro_batches}
+                                 : microBatchCandidates(rows_per_copy, options.max_micro_batches);
+      for (int M : mbs) {
+        tried.emplace_back(S, D, R, M);
+        StageSolution sol = formStageDp(problem, S, D, R, M);
+        if (!sol.feasible) continue;
+        Deployment d = toDeployment(problem, sol);
+        logger().debug("stage candidate: n={} S={} M={} dp={:.6f} simulated={:.6f}", n, S, M,
+                       sol.value, d.iteration_time);
+        if (!any || d.iteration_time < best.iteration_time) {
+          best = std::move(d);
+          any = true;
+        }
+      }
+    }
+    if (any) {
+      logger().info("stage partitioning: {} stage(s), {} pipeline(s), {} micro-batch(es), "
+                    "predicted iteration {:.3f} ms",
+                    best.numStages(), best.pipelines, best.micro_batches, best.iteration_time * 1e3);
+      return best;
+    }
+  }
+  if (tried.empty()) {
+    std::ostringstream os;
+    os << "no pipeline shape to try: " << K << " block(s), " << ctx.world_size << " device(s), global batch "
+       << ctx.batch_size;
+    if (options.fixed_stages > 0) os << ", fixed_stages=" << options.fixed_stages;
+    os << " (stages must not exceed the blocks or the devices of the pipeline, and every "
+          "pipeline copy needs at least one row)";
+    throw InfeasiblePlanError(os.str(), 0);
+  }
+  // Nothing fits: the least, over every candidate shape, of the largest stage memory.
+  int64_t needed = std::numeric_limits<int64_t>::max();
+  for (auto [S, D, R, M] : tried) {
+    StageSolution sol = formStageDp(problem, S, D, R, M, StageObjective::Memory);
+    if (sol.feasible) needed = std::min(needed, static_cast<int64_t>(sol.value));
+  }
+  std::ostringstream os;
+  os << "no plan fits " << bytesText(ctx.memory_limit) << " of usable memory per device on "
+     << ctx.world_size << " device(s) with global batch " << ctx.batch_size;
+  if (needed != std::numeric_limits<int64_t>::max()) {
+    os << "; the smallest plan needs " << bytesText(needed)
+       << " per device: use devices with more memory, more devices, a smaller batch"
+       << (ctx.allow_recompute ? "" : ", or allow recomputation");
+  } else {
+    os << "; the batch has too few rows for the devices (need at least one row per device)";
+  }
+  throw InfeasiblePlanError(os.str(), needed == std::numeric_limits<int64_t>::max() ? 0 : needed);
+}
+
+}  // namespace rannc::partition

@@ -1,0 +1,85 @@
+#pragma once
+// Stage partitioning (RaNNC §III-C): Algorithm 1 (form_stage_dp) cuts the ordered blocks
+// into S contiguous stages and gives each a replica count, for fixed S, devices and
+// micro-batches; Algorithm 2 (form_stage) searches node counts, stage counts and
+// micro-batch counts and keeps the plan the simulator runs fastest.
+#include <cstdint>
+#include <map>
+#include <set>
+#include <tuple>
+#include <vector>
+
+#include "partition/block/block.h"
+#include "partition/plan.h"
+#include "partition/stage/stage_cost.h"
+
+namespace rannc::partition {
+
+// The blocks, the cost model and the context of one planning problem; caches the merged
+// task set of every block interval and its cost per rows, so each candidate stage is
+// costed merged (never as a sum of blocks) and only once.
+class StageProblem {
+ public:
+  StageProblem(const BlockPartition& blocks, CostModel& costs, PlanContext ctx);
+
+  int numBlocks() const { return static_cast<int>(blocks_.blocks.size()); }
+  const PlanContext& context() const { return ctx_; }
+  CostModel& costs() { return costs_; }
+  const BlockPartition& blocks() const { return blocks_; }
+
+  // Tasks of blocks [first, last).
+  const std::vector<ir::TaskId>& tasks(int first, int last);
+  // Announces to the cost model every interval Algorithm 1 may cost for this shape.
+  void prefetch(int stages, int devices, int pipelines, int micro_batches);
+  // The stage of blocks [first, last) at `slot` (infeasible when its rows would be 0).
+  StageEstimate estimate(int first, int last, const StageSlot& slot);
+
+ private:
+  const BlockPartition& blocks_;
+  CostModel& costs_;
+  PlanContext ctx_;
+  std::vector<std::vector<ir::TaskId>> tasks_;  // by first * (k + 1) + last
+  std::map<std::tuple<int, int, int64_t>, PieceCost> cost_cache_;
+  std::set<std::tuple<int, int, int64_t>> announced_;  // each interval is prefetched once
+};
+
+// What the DP minimises. Time: the largest StageEstimate::score among stages, under the
+// memory limit. Memory: the largest stage memory (recomputing where allowed), ignoring the
+// limit; used to tell an infeasible request how much memory some plan needs.
+enum class StageObjective { Time, Memory };
+
+struct StageSolution {
+  bool feasible = false;
+  double value = 0.0;             // the minimised objective
+  std::vector<int> block_ends;    // b_1 < ... < b_S = number of blocks
+  std::vector<int> devices;       // replicas of each stage per pipeline copy, summing to D
+  int pipelines = 1;
+  int micro_batches = 1;
+};
+
+// Algorithm 1: the best split of all blocks into `stages` contiguous stages using exactly
+// `devices` devices per pipeline copy (each stage >= 1), with `pipelines` copies and
+// `micro_batches` micro-batches. Optimal for the objective (min-max over stages); the
+// paper's d_min pruning is kept where it is exact: fewer devices are only skipped when a
+// stage failed on memory, which fewer replicas (more rows each) cannot fix.
+StageSolution formStageDp(StageProblem& problem, int stages, int devices, int pipelines,
+                          int micro_batches, StageObjective objective = StageObjective::Time);
+
+struct StageSearchOptions {
+  int fixed_stages = 0;         // > 0: only this many stages
+  int fixed_micro_batches = 0;  // > 0: only this many micro-batches
+  int max_micro_batches = 64;
+};
+
+// Micro-batch counts tried for a pipeline copy with `rows` rows per iteration: every count
+// up to 16, then steps of about 1.25x, up to min(rows, limit). Not only powers of two.
+std::vector<int> microBatchCandidates(int64_t rows, int limit);
+
+// Algorithm 2: for node counts n dividing the nodes (ascending), D = n * devices per node,
+// R = nodes / n, stage counts in (D_node (n - 1), D_node n] and the micro-batch candidates,
+// runs Algorithm 1 and simulates each solution; returns the fastest plan of the first n
+// that has one. Throws InfeasiblePlanError (with the least memory some plan needs) when
+// none fits.
+Deployment formStage(StageProblem& problem, const StageSearchOptions& options = {});
+
+}  // namespace rannc::partition

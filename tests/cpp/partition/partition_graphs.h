@@ -1,0 +1,68 @@
+#pragma once
+// Hand-made graphs for the planner tests: every activation carries the batch in
+// dimension 0, so costs scale with the micro-batch rows.
+#include <string>
+#include <vector>
+
+#include "ir/graph.h"
+
+namespace rannc::partition::testing {
+
+inline ir::ValueId act(ir::Graph& g, const std::string& name, int64_t width = 8,
+                       ir::ValueRole role = ir::ValueRole::Intermediate) {
+  ir::Value v;
+  v.name = name;
+  v.role = role;
+  v.dtype = ir::DType::Float32;
+  v.shape = {g.batchSize(), width};
+  v.batch_dim = 0;
+  v.batch_multiple = 1;
+  v.batch_dependent = true;
+  return g.addValue(v);
+}
+
+inline ir::ValueId param(ir::Graph& g, const std::string& name, std::vector<int64_t> shape) {
+  ir::Value v;
+  v.name = name;
+  v.role = ir::ValueRole::Param;
+  v.dtype = ir::DType::Float32;
+  v.shape = std::move(shape);
+  v.requires_grad = true;
+  return g.addValue(v);
+}
+
+inline ir::ValueId constant(ir::Graph& g, const std::string& text) {
+  ir::Value v;
+  v.name = "const_" + text;
+  v.kind = ir::ValueKind::Tensor;
+  v.role = ir::ValueRole::Constant;
+  v.dtype = ir::DType::Float32;
+  v.shape = {8, 8};
+  v.constant = text;
+  return g.addValue(v);
+}
+
+// x -> linear_0 -> ... -> linear_{n-1}; layer i has width widths[i] (output features).
+inline ir::Graph linearChain(const std::vector<int64_t>& widths, int64_t batch = 8,
+                             int64_t in_width = 16) {
+  ir::Graph g;
+  g.setBatchSize(batch);
+  ir::ValueId cur = act(g, "x", in_width, ir::ValueRole::Input);
+  g.setInputs({cur});
+  int64_t prev = in_width;
+  for (size_t i = 0; i < widths.size(); ++i) {
+    ir::ValueId w = param(g, "w" + std::to_string(i), {widths[i], prev});
+    ir::ValueId out = act(g, "h" + std::to_string(i), widths[i]);
+    g.addTask("aten::linear", {cur, w}, {out}, "layer" + std::to_string(i));
+    cur = out;
+    prev = widths[i];
+  }
+  g.setOutputs({cur});
+  return g;
+}
+
+inline ir::Graph uniformChain(int n, int64_t width = 64, int64_t batch = 8) {
+  return linearChain(std::vector<int64_t>(n, width), batch, width);
+}
+
+}  // namespace rannc::partition::testing

@@ -1,0 +1,164 @@
+#include <gtest/gtest.h>
+
+#include <cstdio>
+
+#include "common/error.h"
+#include "ir/serialize.h"
+#include "partition/cost/analytic_cost_model.h"
+#include "partition/partition_graphs.h"
+#include "partition/planner.h"
+
+namespace rannc::partition {
+namespace {
+
+using testing::uniformChain;
+
+Deployment planChain(const ir::Graph& g, CostModel& m) {
+  PlannerOptions o;
+  o.world_size = 4;
+  o.num_blocks = 8;
+  o.fixed_stages = 2;
+  o.memory_limit = 1LL << 40;
+  return plan(g, m, o);
+}
+
+TEST(ADeployment, SurvivesASerialisationRoundTrip) {
+  ir::Graph g = uniformChain(8);
+  AnalyticCostModel m(g, DeviceSpec{});
+  Deployment d = planChain(g, m);
+  d.stages[1].recompute = true;  // a flag the plan did not choose still round-trips
+  Deployment back = deserializeDeployment(serializeDeployment(d), g);
+  EXPECT_EQ(back.graph_hash, g.contentHash());
+  EXPECT_EQ(back.planner, "rannc");
+  EXPECT_EQ(back.world_size, 4);
+  EXPECT_EQ(back.batch_size, d.batch_size);
+  EXPECT_EQ(back.micro_batches, d.micro_batches);
+  EXPECT_EQ(back.pipelines, d.pipelines);
+  EXPECT_EQ(back.schedule, d.schedule);
+  EXPECT_EQ(back.optimizer, d.optimizer);
+  EXPECT_DOUBLE_EQ(back.iteration_time, d.iteration_time);
+  ASSERT_EQ(back.numStages(), 2);
+  for (int s = 0; s < 2; ++s) {
+    EXPECT_EQ(back.stages[s].tasks, d.stages[s].tasks);
+    EXPECT_EQ(back.stages[s].ranks, d.stages[s].ranks);
+    EXPECT_EQ(back.stages[s].recompute, d.stages[s].recompute);
+    EXPECT_EQ(back.stages[s].memory_bytes, d.stages[s].memory_bytes);
+    EXPECT_DOUBLE_EQ(back.stages[s].forward_time, d.stages[s].forward_time);
+    EXPECT_DOUBLE_EQ(back.stages[s].bubble_time, d.stages[s].bubble_time);
+  }
+  EXPECT_EQ(serializeDeployment(back), serializeDeployment(d));
+}
+
+TEST(ADeployment, RefusesToLoadForAnotherGraph) {
+  ir::Graph g = uniformChain(8);
+  AnalyticCostModel m(g, DeviceSpec{});
+  const std::string bytes = serializeDeployment(planChain(g, m));
+  ir::Graph other = uniformChain(9);
+  try {
+    deserializeDeployment(bytes, other, "plan.rannc");
+    FAIL() << "expected SerializationError";
+  } catch (const SerializationError& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("plan.rannc"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("plan again"), std::string::npos) << msg;
+  }
+}
+
+TEST(ADeployment, RefusesACorruptOrForeignFile) {
+  ir::Graph g = uniformChain(8);
+  AnalyticCostModel m(g, DeviceSpec{});
+  std::string bytes = serializeDeployment(planChain(g, m));
+  std::string flipped = bytes;
+  flipped[flipped.size() / 2] ^= 0x5a;
+  EXPECT_THROW(deserializeDeployment(flipped, g), SerializationError);
+  EXPECT_THROW(deserializeDeployment(bytes.substr(0, bytes.size() - 3), g), SerializationError);
+  EXPECT_THROW(deserializeDeployment(ir::serializeGraph(g), g), SerializationError);
+}
+
+TEST(ADeployment, SavesToAndLoadsFromAFile) {
+  ir::Graph g = uniformChain(8);
+  AnalyticCostModel m(g, DeviceSpec{});
+  Deployment d = planChain(g, m);
+  const std::string path = ::testing::TempDir() + "/rannc_plan_test.deployment";
+  saveDeployment(d, path);
+  Deployment back = loadDeployment(path, g);
+  EXPECT_EQ(back.stages[0].tasks, d.stages[0].tasks);
+  std::remove(path.c_str());
+}
+
+TEST(ADeployment, ReportsStagesRanksAndPredictions) {
+  ir::Graph g = uniformChain(8);
+  AnalyticCostModel m(g, DeviceSpec{});
+  Deployment d = planChain(g, m);
+  const std::string r = d.report();
+  EXPECT_NE(r.find("2 stage(s) on 4 rank(s)"), std::string::npos) << r;
+  EXPECT_NE(r.find("predicted iteration"), std::string::npos) << r;
+  EXPECT_NE(r.find("0-1"), std::string::npos) << r;  // rank runs print compactly
+  EXPECT_EQ(d.stageOfRank(0), 0);
+  EXPECT_EQ(d.stageOfRank(3), 1);
+  EXPECT_EQ(d.stageOfRank(4), -1);
+}
+
+}  // namespace
+}  // namespace rannc::partition
+
+namespace rannc::partition {
+namespace {
+
+TEST(ADeployment, PassesValidationAsPlanned) {
+  ir::Graph g = testing::uniformChain(8);
+  AnalyticCostModel m(g, DeviceSpec{});
+  Deployment d = planChain(g, m);
+  EXPECT_NO_THROW(validateDeployment(g, d));
+  ir::Subgraph piece = stageSubgraph(g, d.stages[0]);
+  EXPECT_EQ(piece.tasks, d.stages[0].tasks);
+  ASSERT_EQ(piece.outputs.size(), 1u);  // the activation sent to stage 1
+}
+
+TEST(ADeployment, FailsValidationWhenATaskIsMissingDuplicatedOrOutOfOrder) {
+  ir::Graph g = testing::uniformChain(8);
+  AnalyticCostModel m(g, DeviceSpec{});
+  const Deployment good = planChain(g, m);
+
+  Deployment missing = good;
+  missing.stages[1].tasks.pop_back();
+  EXPECT_THROW(validateDeployment(g, missing), InvalidGraphError);
+
+  Deployment twice = good;
+  twice.stages[1].tasks.push_back(twice.stages[0].tasks.front());
+  EXPECT_THROW(validateDeployment(g, twice), InvalidGraphError);
+
+  Deployment swapped = good;
+  std::swap(swapped.stages[0].tasks, swapped.stages[1].tasks);
+  EXPECT_THROW(validateDeployment(g, swapped), InvalidGraphError);
+
+  Deployment shared_rank = good;
+  shared_rank.stages[1].ranks[0] = shared_rank.stages[0].ranks[0];
+  EXPECT_THROW(validateDeployment(g, shared_rank), InvalidGraphError);
+}
+
+}  // namespace
+}  // namespace rannc::partition
+
+namespace rannc::partition {
+namespace {
+
+TEST(ADeployment, ReSimulatesToItsOwnPredictionAndUnderFillDrain) {
+  ir::Graph g = testing::uniformChain(8, 256);
+  AnalyticCostModel m(g, DeviceSpec{});
+  PlannerOptions o;
+  o.world_size = 2;
+  o.num_blocks = 8;
+  o.fixed_stages = 2;
+  o.fixed_micro_batches = 4;
+  o.memory_limit = 1LL << 40;
+  Deployment d = plan(g, m, o);
+  SimResult same = simulateDeployment(deserializeDeployment(serializeDeployment(d), g), d.schedule);
+  EXPECT_DOUBLE_EQ(same.iteration_time, d.iteration_time);
+  for (int s = 0; s < 2; ++s) EXPECT_EQ(same.peak_memory[s], d.stages[s].memory_bytes);
+  SimResult gpipe = simulateDeployment(d, ScheduleKind::FillDrain);
+  EXPECT_GT(gpipe.peak_memory[0], same.peak_memory[0]);  // fill-drain stashes all four
+}
+
+}  // namespace
+}  // namespace rannc::partition

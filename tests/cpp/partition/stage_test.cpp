@@ -1,0 +1,534 @@
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <limits>
+#include <random>
+
+#include "common/error.h"
+#include "ir/subgraph.h"
+#include "partition/cost/analytic_cost_model.h"
+#include "partition/partition_graphs.h"
+#include "partition/planner.h"
+#include "partition/synthetic.h"
+
+namespace rannc::partition {
+namespace {
+
+using testing::act;
+using testing::linearChain;
+using testing::param;
+using testing::uniformChain;
+
+DeviceSpec device(int per_node = 8) {
+  DeviceSpec d;
+  d.peak_flops = 1e12;
+  d.memory_bandwidth = 1e11;
+  d.intra_node_bandwidth = 1e10;
+  d.inter_node_bandwidth = 1e9;
+  d.devices_per_node = per_node;
+  return d;
+}
+
+// One block per layer of a chain.
+BlockPartition layerBlocks(const ir::Graph& g, CostModel& m) {
+  AtomicPartition a = partitionAtomic(g);
+  BlockOptions o;
+  o.num_blocks = g.numTasks();
+  return partitionBlocks(a, m, o);
+}
+
+// Every split of the blocks into S contiguous stages and of D devices into S positive
+// counts, judged by the same StageEstimate; the least largest score (or memory).
+double bruteForce(StageProblem& p, int S, int D, int R, int M, StageObjective objective) {
+  const int K = p.numBlocks();
+  double best = std::numeric_limits<double>::infinity();
+  std::vector<int> ends(S), devs(S);
+  std::function<void(int, int, int, double)> rec = [&](int s, int b, int d, double worst) {
+    if (s == S) {
+      if (b == K && d == D) best = std::min(best, worst);
+      return;
+    }
+    for (int nb = b + 1; nb <= K - (S - s - 1); ++nb) {
+      for (int nd = d + 1; nd <= D - (S - s - 1); ++nd) {
+        StageEstimate e = p.estimate(b, nb, StageSlot{s, S, d, nd - d, D, R, M});
+        if (e.rows == 0) continue;
+        double h;
+        if (objective == StageObjective::Time) {
+          if (!e.feasible) continue;
+          h = e.score;
+        } else {
+          h = static_cast<double>(e.min_memory_bytes);
+        }
+        rec(s + 1, nb, nd, std::max(worst, h));
+      }
+    }
+  };
+  rec(0, 0, 0, 0.0);
+  return best;
+}
+
+TEST(AStageDp, MatchesBruteForceOnRandomChains) {
+  std::mt19937 rng(7);
+  int compared = 0, infeasible = 0;
+  for (int trial = 0; trial < 60; ++trial) {
+    const int layers = 2 + static_cast<int>(rng() % 5);
+    std::vector<int64_t> widths;
+    for (int i = 0; i < layers; ++i) widths.push_back(8 + static_cast<int64_t>(rng() % 200));
+    ir::Graph g = linearChain(widths, /*batch=*/16, /*in_width=*/32);
+    AnalyticCostModel m(g, device(/*per_node=*/2));
+    BlockPartition blocks = layerBlocks(g, m);
+    PlanContext ctx;
+    ctx.world_size = 4;
+    ctx.batch_size = 8 + static_cast<int64_t>(rng() % 24);
+    ctx.devices_per_node = 2;
+    ctx.optimizer = static_cast<Optimizer>(rng() % 3);
+    ctx.schedule = rng() % 2 ? ScheduleKind::OneFOneB : ScheduleKind::FillDrain;
+    ctx.allow_recompute = rng() % 2;
+    // A limit between the smallest layer's needs and the whole model's.
+    const PieceCost whole = m.cost(blocks.blocks.empty() ? std::vector<ir::TaskId>{0} : blockRangeTasks(blocks, 0, layers, m.topoPosition()), 4);
+    ctx.memory_limit = rng() % 3 == 0 ? std::numeric_limits<int64_t>::max()
+                                      : static_cast<int64_t>(whole.param_bytes * (1 + rng() % 4));
+    StageProblem p(blocks, m, ctx);
+    const int R = 1 + static_cast<int>(rng() % 2);
+    const int D = 1 + static_cast<int>(rng() % 4);
+    const int S = 1 + static_cast<int>(rng() % std::min(D, layers));
+    const int M = 1 + static_cast<int>(rng() % 4);
+    for (StageObjective obj : {StageObjective::Time, StageObjective::Memory}) {
+      StageSolution sol = formStageDp(p, S, D, R, M, obj);
+      const double brute = bruteForce(p, S, D, R, M, obj);
+      ASSERT_EQ(sol.feasible, brute != std::numeric_limits<double>::infinity()) << "trial " << trial;
+      if (!sol.feasible) {
+        ++infeasible;
+        continue;
+      }
+      EXPECT_DOUBLE_EQ(sol.value, brute) << "trial " << trial;
+      int sum = 0;
+      for (int d : sol.devices) sum += d;
+      EXPECT_EQ(sum, D);
+      EXPECT_EQ(sol.block_ends.back(), layers);
+      ++compared;
+    }
+  }
+  EXPECT_GT(compared, 40);
+  EXPECT_GT(infeasible, 0);
+}
+
+TEST(AStagePlanner, ReplicatesAModelThatFitsOneDevice) {
+  ir::Graph g = uniformChain(8, 256, /*batch=*/8);
+  DeviceSpec fast = device();
+  fast.intra_node_bandwidth = 1e18;  // the gradient all-reduce is free
+  AnalyticCostModel m(g, fast);
+  PlannerOptions o;
+  o.world_size = 4;
+  o.num_blocks = 8;
+  o.memory_limit = 1LL << 40;
+  Deployment d = plan(g, m, o);
+  ASSERT_EQ(d.numStages(), 1);
+  EXPECT_EQ(d.stages[0].ranks, (std::vector<int>{0, 1, 2, 3}));
+  EXPECT_EQ(d.stages[0].tasks.size(), 8u);
+  EXPECT_TRUE(d.feasible);
+}
+
+TEST(AStagePlanner, SplitsAChainOfEqualLayersInHalfWhenOneDeviceIsTooSmall) {
+  ir::Graph g = uniformChain(8, 256, /*batch=*/8);
+  AnalyticCostModel m(g, device());
+  PlannerOptions o;
+  o.world_size = 2;
+  o.num_blocks = 8;
+  o.optimizer = Optimizer::Sgd;
+  o.allow_recompute = false;
+  // Parameters and gradients of 5 layers plus generous activations: 4 layers fit, 8 do not.
+  const int64_t layer_params = 256 * 256 * 4;
+  o.memory_limit = 2 * layer_params * 5;
+  Deployment d = plan(g, m, o);
+  ASSERT_EQ(d.numStages(), 2);
+  EXPECT_EQ(d.stages[0].tasks, (std::vector<ir::TaskId>{0, 1, 2, 3}));
+  EXPECT_EQ(d.stages[1].tasks, (std::vector<ir::TaskId>{4, 5, 6, 7}));
+  for (const StagePlan& s : d.stages) EXPECT_LE(s.memory_bytes, o.memory_limit);
+}
+
+TEST(AStagePlanner, RecomputesOnlyTheStagesThatNeedIt) {
+  // Wide activations, few parameters: stashing 4 micro-batches in stage 0 overflows.
+  ir::Graph g = uniformChain(4, 512, /*batch=*/64);
+  AnalyticCostModel m(g, device());
+  PlannerOptions o;
+  o.world_size = 2;
+  o.num_blocks = 4;
+  o.fixed_stages = 2;
+  o.fixed_micro_batches = 4;
+  o.batch_size = 64;  // 16 rows per micro-batch
+  o.optimizer = Optimizer::Sgd;
+  const PieceCost half = m.cost({0, 1}, 16);
+  const int64_t state = 2 * half.param_bytes;
+  // Stage 0 keeps min(2, 4) = 2 micro-batches, stage 1 keeps 1.
+  // Recomputing stashes 2 inputs and rebuilds one micro-batch: 2/3 + 1 activations.
+  o.memory_limit = state + half.activation_bytes + half.activation_bytes * 3 / 4;
+  Deployment d = plan(g, m, o);
+  ASSERT_EQ(d.numStages(), 2);
+  EXPECT_TRUE(d.stages[0].recompute);
+  EXPECT_FALSE(d.stages[1].recompute);
+  for (const StagePlan& s : d.stages) EXPECT_LE(s.memory_bytes, o.memory_limit);
+  EXPECT_GT(d.stages[0].backward_time, d.stages[1].backward_time);
+}
+
+// x -> huge -> small: the huge op's parameters alone exceed the device.
+TEST(AStagePlanner, ReportsTheMemoryTheSmallestPlanNeedsWhenNothingFits) {
+  ir::Graph g = linearChain({4096, 16}, /*batch=*/8, /*in_width=*/4096);
+  AnalyticCostModel m(g, device());
+  PlannerOptions o;
+  o.world_size = 2;
+  o.num_blocks = 2;
+  o.memory_limit = 1 << 20;
+  int64_t needed = 0;
+  try {
+    plan(g, m, o);
+    FAIL() << "expected InfeasiblePlanError";
+  } catch (const InfeasiblePlanError& e) {
+    needed = e.bytesNeeded();
+    EXPECT_NE(std::string(e.what()).find("smallest plan needs"), std::string::npos) << e.what();
+  }
+  EXPECT_GT(needed, o.memory_limit);
+  EXPECT_GE(needed, 4 * 4096LL * 4096 * 4);  // the huge op's params, grads, Adam state
+  o.memory_limit = needed;                   // and that much is indeed enough
+  Deployment d = plan(g, m, o);
+  for (const StagePlan& s : d.stages) EXPECT_LE(s.memory_bytes, needed);
+}
+
+// Every stage, and every prefix of stages, is convex over its non-constant tasks.
+void expectConvexStages(const ir::Graph& g, const Deployment& d) {
+  EXPECT_NO_THROW(validateDeployment(g, d));
+  std::vector<char> constant = pureConstantTasks(g);
+  std::vector<ir::TaskId> prefix;
+  std::vector<int> seen(g.numTasks(), 0);
+  for (const StagePlan& s : d.stages) {
+    std::vector<ir::TaskId> own;
+    for (ir::TaskId t : s.tasks) if (!constant[t]) own.push_back(t), ++seen[t];
+    EXPECT_TRUE(ir::isConvex(g, own));
+    prefix.insert(prefix.end(), own.begin(), own.end());
+    EXPECT_TRUE(ir::isConvex(g, prefix));
+  }
+  for (ir::TaskId t = 0; t < g.numTasks(); ++t) if (!constant[t]) EXPECT_EQ(seen[t], 1) << "task " << t;
+}
+
+TEST(AStagePlanner, KeepsStagesOfAResidualTransformerConvexAndWithinMemory) {
+  SyntheticTransformerOptions t;
+  t.layers = 8;
+  t.hidden = 256;
+  t.heads = 4;
+  t.seq_len = 64;
+  t.vocab = 1000;
+  t.batch_size = 16;
+  ir::Graph g = syntheticTransformer(t);
+  AnalyticCostModel m(g, device(/*per_node=*/4));
+  PlannerOptions o;
+  o.world_size = 8;
+  o.num_blocks = 16;
+  o.batch_size = 64;
+  PlanTrace trace = planTrace(g, m, o);
+  EXPECT_EQ(trace.blocks.blocks.size(), 16u);
+  // Tighten memory until the plan must pipeline.
+  const int64_t state = 4 * m.cost(trace.blocks.blocks[0].tasks, 1).param_bytes;
+  for (int64_t limit : {int64_t{1} << 40, int64_t{64} << 20, int64_t{24} << 20}) {
+    o.memory_limit = std::max(limit, state);
+    try {
+      Deployment d = plan(g, m, o);
+      expectConvexStages(g, d);
+      int ranks = 0;
+      for (const StagePlan& s : d.stages) {
+        EXPECT_LE(s.memory_bytes, o.memory_limit);
+        ranks += static_cast<int>(s.ranks.size());
+      }
+      EXPECT_EQ(ranks, 8);
+      EXPECT_TRUE(d.feasible);
+    } catch (const InfeasiblePlanError& e) {
+      EXPECT_GT(e.bytesNeeded(), o.memory_limit);
+    }
+  }
+}
+
+TEST(AStagePlanner, PlansADiamondAndASkipConnectionConvexly) {
+  ir::Graph g;
+  g.setBatchSize(8);
+  ir::ValueId x = act(g, "x", 64, ir::ValueRole::Input);
+  g.setInputs({x});
+  std::vector<ir::ValueId> h;
+  for (int i = 0; i < 6; ++i) h.push_back(act(g, "h" + std::to_string(i), 64));
+  auto lin = [&](ir::ValueId in, ir::ValueId out, int i) {
+    g.addTask("aten::linear", {in, param(g, "w" + std::to_string(i), {64, 64})}, {out});
+  };
+  lin(x, h[0], 0);
+  lin(h[0], h[1], 1);                      // diamond: h0 -> h1, h0 -> h2 -> h3
+  lin(h[0], h[2], 2);
+  lin(h[2], h[3], 3);
+  g.addTask("aten::add", {h[1], h[3]}, {h[4]});
+  g.addTask("aten::add", {h[4], x}, {h[5]});  // skip from the input to the end
+  g.setOutputs({h[5]});
+  AnalyticCostModel m(g, device());
+  PlannerOptions o;
+  o.world_size = 3;
+  o.num_blocks = 6;
+  o.fixed_stages = 3;
+  Deployment d = plan(g, m, o);
+  EXPECT_EQ(d.numStages(), 3);
+  expectConvexStages(g, d);
+}
+
+TEST(AMicroBatchSearch, TriesCountsThatAreNotPowersOfTwo) {
+  std::vector<int> c = microBatchCandidates(100, 64);
+  EXPECT_NE(std::find(c.begin(), c.end(), 3), c.end());
+  EXPECT_NE(std::find(c.begin(), c.end(), 12), c.end());
+  EXPECT_EQ(c.back(), 64);
+  EXPECT_EQ(microBatchCandidates(5, 64), (std::vector<int>{1, 2, 3, 4, 5}));
+}
+
+}  // namespace
+}  // namespace rannc::partition
+
+namespace rannc::partition {
+namespace {
+
+// Twelve equal layers in three blocks of four: between blocks, two stages can only split
+// 4 | 8 or 8 | 4; refinement moves the boundary to 6 | 6.
+TEST(ABoundaryRefinement, BalancesStagesFinerThanTheBlocks) {
+  ir::Graph g = testing::uniformChain(12, 256, /*batch=*/8);
+  DeviceSpec d;
+  d.peak_flops = 1e12;
+  d.memory_bandwidth = 1e11;
+  AnalyticCostModel m(g, d);
+  PlannerOptions o;
+  o.world_size = 2;
+  o.num_blocks = 3;
+  o.fixed_stages = 2;
+  o.fixed_micro_batches = 8;
+  o.batch_size = 64;
+  o.memory_limit = 1LL << 40;
+  o.refine_boundaries = false;
+  PlanTrace coarse = planTrace(g, m, o);
+  ASSERT_EQ(coarse.blocks.blocks.size(), 3u);
+  ASSERT_EQ(coarse.deployment.numStages(), 2);
+  EXPECT_EQ(coarse.deployment.stages[0].tasks.size() % 4, 0u);
+  o.refine_boundaries = true;
+  Deployment fine = plan(g, m, o);
+  ASSERT_EQ(fine.numStages(), 2);
+  EXPECT_EQ(fine.stages[0].tasks, (std::vector<ir::TaskId>{0, 1, 2, 3, 4, 5}));
+  EXPECT_EQ(fine.stages[1].tasks, (std::vector<ir::TaskId>{6, 7, 8, 9, 10, 11}));
+  EXPECT_LT(fine.iteration_time, coarse.deployment.iteration_time);
+  expectConvexStages(g, fine);
+}
+
+}  // namespace
+}  // namespace rannc::partition
+
+namespace rannc::partition {
+namespace {
+
+TEST(AStagePlanner, SaysWhyWhenNoPipelineShapeCanBeTried) {
+  ir::Graph g = testing::uniformChain(4);
+  AnalyticCostModel m(g, DeviceSpec{});
+  PlannerOptions o;
+  o.world_size = 2;
+  o.num_blocks = 4;
+  o.fixed_stages = 3;  // more stages than devices
+  try {
+    plan(g, m, o);
+    FAIL() << "expected InfeasiblePlanError";
+  } catch (const InfeasiblePlanError& e) {
+    EXPECT_NE(std::string(e.what()).find("fixed_stages=3"), std::string::npos) << e.what();
+    EXPECT_EQ(e.bytesNeeded(), 0);
+  }
+}
+
+}  // namespace
+}  // namespace rannc::partition
+
+namespace rannc::partition {
+namespace {
+
+// Each layer: y = mm(h, t(w_i)) + k, where k = mul(c, c) is one constant task read by
+// every layer. Under the paper's policy t(w_i) and k are constant and cloned.
+TEST(AStagePlanner, ClonesSharedConstantTasksIntoEveryStageThatReadsThem) {
+  ir::Graph g;
+  g.setBatchSize(8);
+  ir::ValueId h = testing::act(g, "x", 64, ir::ValueRole::Input);
+  g.setInputs({h});
+  ir::ValueId c = testing::constant(g, "c");
+  ir::Value kv = g.value(c);
+  kv.role = ir::ValueRole::Intermediate;
+  kv.shape = {64};
+  ir::ValueId k = g.addValue(kv);
+  const ir::TaskId tk = g.addTask("aten::mul", {c, c}, {k});
+  for (int i = 0; i < 6; ++i) {
+    ir::ValueId w = testing::param(g, "w" + std::to_string(i), {64, 64});
+    ir::Value wtv = g.value(w);
+    wtv.role = ir::ValueRole::Intermediate;
+    ir::ValueId wt = g.addValue(wtv);
+    g.addTask("aten::t", {w}, {wt});
+    ir::ValueId y = testing::act(g, "y" + std::to_string(i), 64);
+    g.addTask("aten::mm", {h, wt}, {y});
+    ir::ValueId z = testing::act(g, "z" + std::to_string(i), 64);
+    g.addTask("aten::add", {y, k}, {z});
+    h = z;
+  }
+  g.setOutputs({h});
+  AnalyticCostModel m(g, DeviceSpec{});
+  PlannerOptions o;
+  o.world_size = 2;
+  o.num_blocks = 4;
+  o.fixed_stages = 2;
+  o.constant_policy = ConstantPolicy::IndependentOfInputs;
+  PlanTrace trace = planTrace(g, m, o);
+  EXPECT_EQ(trace.atomic.pieces.size(), 12u);  // mm and add of each layer
+  const Deployment& d = trace.deployment;
+  ASSERT_EQ(d.numStages(), 2);
+  for (const StagePlan& s : d.stages) {
+    EXPECT_NE(std::find(s.tasks.begin(), s.tasks.end(), tk), s.tasks.end());
+  }
+  // Every task runs somewhere; only the shared constant runs twice.
+  std::vector<int> count(g.numTasks(), 0);
+  for (const StagePlan& s : d.stages) for (ir::TaskId t : s.tasks) ++count[t];
+  for (ir::TaskId t = 0; t < g.numTasks(); ++t) EXPECT_EQ(count[t], t == tk ? 2 : 1) << "task " << t;
+  expectConvexStages(g, d);
+}
+
+}  // namespace
+}  // namespace rannc::partition
+
+namespace rannc::partition {
+namespace {
+
+// Random DAGs, worlds and memory limits: a plan is convex stage by stage, uses every
+// rank once and fits memory; otherwise the error names more memory than the limit.
+TEST(AStagePlanner, PlansRandomDagsConvexlyWithinMemory) {
+  std::mt19937 rng(3);
+  int planned = 0, refused = 0;
+  for (int trial = 0; trial < 25; ++trial) {
+    ir::Graph g;
+    g.setBatchSize(8);
+    std::vector<ir::ValueId> vals{act(g, "x", 64, ir::ValueRole::Input)};
+    g.setInputs({vals[0]});
+    const int n = 10 + static_cast<int>(rng() % 60);
+    for (int i = 0; i < n; ++i) {
+      const size_t back = rng() % 4 == 0 ? rng() % vals.size() : 0;
+      ir::ValueId src = vals[vals.size() - 1 - back];
+      ir::ValueId out = act(g, "v" + std::to_string(i), 64);
+      if (rng() % 2) {
+        g.addTask("aten::linear", {src, param(g, "w" + std::to_string(i), {64, 64})}, {out});
+      } else {
+        g.addTask("aten::add", {src, vals.back()}, {out});
+      }
+      vals.push_back(out);
+    }
+    g.setOutputs({vals.back()});
+    AnalyticCostModel m(g, device(/*per_node=*/4));
+    PlannerOptions o;
+    o.world_size = 1 + static_cast<int>(rng() % 8);
+    o.num_blocks = 2 + static_cast<int>(rng() % 10);
+    o.optimizer = static_cast<Optimizer>(rng() % 3);
+    o.memory_limit = (64 * 64 * 4) * (2 + static_cast<int64_t>(rng() % 40));
+    try {
+      Deployment d = plan(g, m, o);
+      expectConvexStages(g, d);
+      std::vector<int> used(o.world_size, 0);
+      for (const StagePlan& s : d.stages) {
+        EXPECT_LE(s.memory_bytes, o.memory_limit);
+        for (int r : s.ranks) ++used[r];
+      }
+      for (int u : used) EXPECT_EQ(u, 1);  // every rank holds exactly one replica
+      EXPECT_TRUE(d.feasible);
+      ++planned;
+    } catch (const InfeasiblePlanError& e) {
+      EXPECT_GT(e.bytesNeeded(), o.memory_limit) << e.what();
+      ++refused;
+    }
+  }
+  EXPECT_GT(planned, 5);
+}
+
+}  // namespace
+}  // namespace rannc::partition
+
+namespace rannc::partition {
+namespace {
+
+// Two nodes of two devices and a model that needs two stages: each pipeline copy sits in
+// one node (sends stay intra-node) and the copies all-reduce across nodes.
+TEST(AStagePlanner, KeepsEachPipelineCopyInsideANode) {
+  ir::Graph g = testing::uniformChain(8, 256, /*batch=*/8);
+  DeviceSpec d = device(/*per_node=*/2);
+  d.intra_node_bandwidth = 1e10;
+  d.inter_node_bandwidth = 1e8;
+  AnalyticCostModel m(g, d);
+  PlannerOptions o;
+  o.world_size = 4;
+  o.num_blocks = 8;
+  o.optimizer = Optimizer::Sgd;
+  o.allow_recompute = false;
+  o.fixed_micro_batches = 2;
+  o.memory_limit = 2 * (256 * 256 * 4) * 5;  // four layers fit, eight do not
+  Deployment p = plan(g, m, o);
+  ASSERT_EQ(p.numStages(), 2);
+  EXPECT_EQ(p.pipelines, 2);
+  EXPECT_EQ(p.stages[0].ranks, (std::vector<int>{0, 2}));
+  EXPECT_EQ(p.stages[1].ranks, (std::vector<int>{1, 3}));
+  const int64_t rows = p.stages[0].micro_batch_rows;
+  EXPECT_DOUBLE_EQ(p.stages[0].send_forward_time, rows * 256 * 4 / 1e10);
+  const double grads = 4 * (256 * 256 * 4);
+  EXPECT_DOUBLE_EQ(p.stages[0].allreduce_time, 2.0 * 1 / 2 * grads / 1e8);
+}
+
+TEST(AStagePlanner, PlansFillDrainWithEveryMicroBatchInFlight) {
+  ir::Graph g = testing::uniformChain(8, 256, /*batch=*/8);
+  AnalyticCostModel m(g, device());
+  PlannerOptions o;
+  o.world_size = 2;
+  o.num_blocks = 8;
+  o.fixed_stages = 2;
+  o.fixed_micro_batches = 4;
+  o.schedule = ScheduleKind::FillDrain;
+  o.memory_limit = 1LL << 40;
+  Deployment d = plan(g, m, o);
+  ASSERT_EQ(d.numStages(), 2);
+  EXPECT_EQ(d.schedule, ScheduleKind::FillDrain);
+  for (const StagePlan& s : d.stages) EXPECT_EQ(s.memory_bytes, s.static_bytes + 4 * s.stash_bytes);
+}
+
+}  // namespace
+}  // namespace rannc::partition
+
+namespace rannc::partition {
+namespace {
+
+// Records the prefetch hints the planner gives.
+class RecordingCostModel : public AnalyticCostModel {
+ public:
+  using AnalyticCostModel::AnalyticCostModel;
+  void prefetch(const std::vector<std::vector<ir::TaskId>>& pieces, int64_t rows) override {
+    batches.emplace_back(pieces.size(), rows);
+  }
+  std::vector<std::pair<size_t, int64_t>> batches;
+};
+
+TEST(AStagePlanner, AnnouncesPiecesToTheCostModelInBatches) {
+  ir::Graph g = testing::uniformChain(6);
+  RecordingCostModel m(g, DeviceSpec{});
+  PlannerOptions o;
+  o.world_size = 2;
+  o.num_blocks = 3;
+  plan(g, m, o);
+  ASSERT_FALSE(m.batches.empty());
+  EXPECT_EQ(m.batches.front().first, 6u);  // every atomic piece at the block rows
+}
+
+TEST(AStagePlanner, RejectsInvalidOptions) {
+  ir::Graph g = testing::uniformChain(2);
+  AnalyticCostModel m(g, DeviceSpec{});
+  PlannerOptions o;
+  o.memory_margin = 1.0;
+  EXPECT_THROW(plan(g, m, o), InvalidGraphError);
+  o = PlannerOptions{};
+  o.num_blocks = 0;
+  EXPECT_THROW(plan(g, m, o), InvalidGraphError);
+}
+
+}  // namespace
+}  // namespace rannc::partition
