@@ -7,6 +7,7 @@
 #include <spdlog/spdlog.h>
 
 #include "common/error.h"
+#include "common/log_fmt.h"
 
 namespace rannc {
 namespace {
@@ -21,6 +22,8 @@ spdlog::level::level_enum parseLevel(const std::string& name) {
   throw Error("unknown log level '" + name + "' (expected trace, debug, info, warn, error or off)");
 }
 
+}  // namespace
+
 spdlog::logger& logger() {
   static std::shared_ptr<spdlog::logger> lg = [] {
     auto sink = std::make_shared<spdlog::sinks::stderr_color_sink_mt>();
@@ -32,6 +35,8 @@ spdlog::logger& logger() {
   }();
   return *lg;
 }
+
+namespace {
 
 spdlog::level::level_enum toSpdlog(LogLevel level) {
   switch (level) {

@@ -3,7 +3,7 @@
 #include <algorithm>
 
 #include "common/error.h"
-#include "common/log.h"
+#include "common/log_fmt.h"
 
 namespace rannc::partition {
 

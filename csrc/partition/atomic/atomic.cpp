@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <map>
 
-#include "common/log.h"
+#include "common/log_fmt.h"
 
 namespace rannc::partition {
 

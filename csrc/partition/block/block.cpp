@@ -5,7 +5,7 @@
 #include <unordered_map>
 
 #include "common/error.h"
-#include "common/log.h"
+#include "common/log_fmt.h"
 #include "partition/cost/memory.h"
 
 namespace rannc::partition {

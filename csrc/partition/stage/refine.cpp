@@ -4,7 +4,7 @@
 #include <limits>
 
 #include "common/error.h"
-#include "common/log.h"
+#include "common/log_fmt.h"
 
 namespace rannc::partition {
 

@@ -6,7 +6,7 @@
 #include <sstream>
 
 #include "common/error.h"
-#include "common/log.h"
+#include "common/log_fmt.h"
 
 namespace rannc::partition {
 
