@@ -3,6 +3,7 @@
 #include <torch/extension.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 
+#include "bind/bindings.h"
 #include "comm/communicator.h"
 #include "comm/world.h"
 #include "common/error.h"
@@ -163,6 +164,7 @@ PYBIND11_MODULE(_C, m) {
       .def("subgroup", &comm::Communicator::subgroup, py::arg("ranks"));
 
   m.def("set_log_level", &setLogLevel, py::arg("level"));
+  bind::bindPlanner(m);
 
   py::class_<ir::Subgraph>(m, "Piece", "A convex piece of a graph: tasks and boundary values.")
       .def_readonly("tasks", &ir::Subgraph::tasks)

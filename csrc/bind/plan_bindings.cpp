@@ -1,0 +1,137 @@
+// Bindings of the planner: options, the analytic device description, plans (Deployment)
+// and schedules as data.
+#include "bind/bindings.h"
+
+#include "common/error.h"
+#include "ir/serialize.h"
+#include "partition/cost/analytic_cost_model.h"
+#include "partition/plan.h"
+#include "partition/planner.h"
+#include "partition/sim/schedule.h"
+
+namespace py = pybind11;
+
+namespace rannc::bind {
+namespace {
+
+partition::Optimizer optimizerFromName(const std::string& name) {
+  if (name == "adam" || name == "adamw") return partition::Optimizer::Adam;
+  if (name == "sgd_momentum") return partition::Optimizer::SgdMomentum;
+  if (name == "sgd") return partition::Optimizer::Sgd;
+  throw Error("unknown optimizer kind '" + name + "' (expected adam, adamw, sgd_momentum or sgd)");
+}
+
+partition::ScheduleKind scheduleFromName(const std::string& name) {
+  if (name == "1f1b") return partition::ScheduleKind::OneFOneB;
+  if (name == "fill_drain") return partition::ScheduleKind::FillDrain;
+  throw Error("unknown schedule '" + name + "' (expected 1f1b or fill_drain)");
+}
+
+}  // namespace
+
+void bindPlanner(py::module& m) {
+  py::class_<partition::DeviceSpec>(m, "DeviceSpec", "The device the analytic cost model assumes.")
+      .def(py::init<>())
+      .def_readwrite("peak_flops", &partition::DeviceSpec::peak_flops)
+      .def_readwrite("memory_bandwidth", &partition::DeviceSpec::memory_bandwidth)
+      .def_readwrite("memory_bytes", &partition::DeviceSpec::memory_bytes)
+      .def_readwrite("intra_node_bandwidth", &partition::DeviceSpec::intra_node_bandwidth)
+      .def_readwrite("inter_node_bandwidth", &partition::DeviceSpec::inter_node_bandwidth)
+      .def_readwrite("link_latency", &partition::DeviceSpec::link_latency)
+      .def_readwrite("kernel_overhead", &partition::DeviceSpec::kernel_overhead)
+      .def_readwrite("devices_per_node", &partition::DeviceSpec::devices_per_node);
+
+  py::class_<partition::StagePlan>(m, "StagePlan")
+      .def_readonly("tasks", &partition::StagePlan::tasks)
+      .def_readonly("ranks", &partition::StagePlan::ranks)
+      .def_readonly("recompute", &partition::StagePlan::recompute)
+      .def_readonly("micro_batch_rows", &partition::StagePlan::micro_batch_rows)
+      .def_readonly("forward_time", &partition::StagePlan::forward_time)
+      .def_readonly("backward_time", &partition::StagePlan::backward_time)
+      .def_readonly("param_bytes", &partition::StagePlan::param_bytes)
+      .def_readonly("memory_bytes", &partition::StagePlan::memory_bytes);
+
+  py::class_<partition::Deployment>(m, "Deployment", "A plan: stages, ranks, micro-batches.")
+      .def_readonly("graph_hash", &partition::Deployment::graph_hash)
+      .def_readonly("planner", &partition::Deployment::planner)
+      .def_readonly("world_size", &partition::Deployment::world_size)
+      .def_readonly("batch_size", &partition::Deployment::batch_size)
+      .def_readonly("pipelines", &partition::Deployment::pipelines)
+      .def_readonly("micro_batches", &partition::Deployment::micro_batches)
+      .def_readonly("stages", &partition::Deployment::stages)
+      .def_readonly("memory_limit", &partition::Deployment::memory_limit)
+      .def_readonly("iteration_time", &partition::Deployment::iteration_time)
+      .def_readonly("feasible", &partition::Deployment::feasible)
+      .def_property_readonly("schedule", [](const partition::Deployment& d) {
+        return std::string(partition::scheduleName(d.schedule));
+      })
+      .def_property_readonly("num_stages", &partition::Deployment::numStages)
+      .def("stage_of_rank", &partition::Deployment::stageOfRank)
+      .def("report", &partition::Deployment::report)
+      .def("stage_piece", [](const partition::Deployment& d, const ir::Graph& g, int stage) {
+        return partition::stageSubgraph(g, d.stages.at(stage));
+      })
+      .def("validate", [](const partition::Deployment& d, const ir::Graph& g) {
+        partition::validateDeployment(g, d);
+      })
+      .def("to_bytes", [](const partition::Deployment& d) {
+        return py::bytes(partition::serializeDeployment(d));
+      })
+      .def("save", [](const partition::Deployment& d, const std::string& path) {
+        partition::saveDeployment(d, path);
+      });
+
+  m.def("deployment_from_bytes",
+        [](const py::bytes& data, const ir::Graph& g, const std::string& origin) {
+          return partition::deserializeDeployment(std::string(data), g, origin);
+        },
+        py::arg("data"), py::arg("graph"), py::arg("origin") = "<bytes>");
+  m.def("load_deployment", &partition::loadDeployment, py::arg("path"), py::arg("graph"));
+
+  m.def(
+      "plan_analytic",
+      [](const ir::Graph& graph, const partition::DeviceSpec& device, int world_size,
+         int64_t batch_size, int num_blocks, double memory_margin, int64_t memory_limit,
+         const std::string& optimizer, const std::string& schedule, bool allow_recompute,
+         int fixed_stages, int fixed_micro_batches, int max_micro_batches) {
+        partition::PlannerOptions o;
+        o.world_size = world_size;
+        o.batch_size = batch_size;
+        o.num_blocks = num_blocks;
+        o.memory_margin = memory_margin;
+        o.memory_limit = memory_limit;
+        o.optimizer = optimizerFromName(optimizer);
+        o.schedule = scheduleFromName(schedule);
+        o.allow_recompute = allow_recompute;
+        o.fixed_stages = fixed_stages;
+        o.fixed_micro_batches = fixed_micro_batches;
+        o.max_micro_batches = max_micro_batches;
+        py::gil_scoped_release release;
+        partition::AnalyticCostModel costs(graph, device);
+        return partition::plan(graph, costs, o);
+      },
+      py::arg("graph"), py::arg("device"), py::arg("world_size"), py::arg("batch_size") = 0,
+      py::arg("num_blocks") = 32, py::arg("memory_margin") = 0.1, py::arg("memory_limit") = 0,
+      py::arg("optimizer") = "adam", py::arg("schedule") = "1f1b",
+      py::arg("allow_recompute") = true, py::arg("fixed_stages") = 0,
+      py::arg("fixed_micro_batches") = 0, py::arg("max_micro_batches") = 64);
+
+  m.def(
+      "build_schedule",
+      [](const std::string& kind, int stages, int micro_batches) {
+        auto schedule = partition::buildSchedule(scheduleFromName(kind), stages, micro_batches);
+        std::vector<std::vector<std::pair<std::string, int>>> out;
+        for (const auto& stage : schedule) {
+          std::vector<std::pair<std::string, int>> actions;
+          for (const auto& a : stage) {
+            actions.emplace_back(a.kind == partition::ActionKind::Forward ? "F" : "B", a.micro_batch);
+          }
+          out.push_back(std::move(actions));
+        }
+        return out;
+      },
+      py::arg("kind"), py::arg("stages"), py::arg("micro_batches"),
+      "Per stage, the ordered actions ('F' or 'B', micro-batch) of the schedule.");
+}
+
+}  // namespace rannc::bind
