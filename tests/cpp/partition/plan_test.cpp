@@ -162,3 +162,28 @@ TEST(ADeployment, ReSimulatesToItsOwnPredictionAndUnderFillDrain) {
 
 }  // namespace
 }  // namespace rannc::partition
+
+#include "partition/synthetic.h"
+
+namespace rannc::partition {
+namespace {
+
+// Ranks may plan on their own; the same inputs must give the same bytes.
+TEST(ADeployment, IsTheSameEveryTimeTheSameGraphIsPlanned) {
+  SyntheticTransformerOptions t;
+  t.layers = 12;
+  t.hidden = 128;
+  t.heads = 4;
+  t.seq_len = 32;
+  t.vocab = 500;
+  ir::Graph g = syntheticTransformer(t);
+  PlannerOptions o;
+  o.world_size = 8;
+  o.num_blocks = 10;
+  o.memory_limit = 8 << 20;
+  AnalyticCostModel a(g, DeviceSpec{}), b(g, DeviceSpec{});
+  EXPECT_EQ(serializeDeployment(plan(g, a, o)), serializeDeployment(plan(g, b, o)));
+}
+
+}  // namespace
+}  // namespace rannc::partition
