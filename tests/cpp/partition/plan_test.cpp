@@ -7,6 +7,7 @@
 #include "partition/cost/analytic_cost_model.h"
 #include "partition/partition_graphs.h"
 #include "partition/planner.h"
+#include "partition/synthetic.h"
 
 namespace rannc::partition {
 namespace {
@@ -162,8 +163,6 @@ TEST(ADeployment, ReSimulatesToItsOwnPredictionAndUnderFillDrain) {
 
 }  // namespace
 }  // namespace rannc::partition
-
-#include "partition/synthetic.h"
 
 namespace rannc::partition {
 namespace {
