@@ -15,6 +15,7 @@ PlanContext planContext(const ir::Graph& graph, const CostModel& costs, const Pl
   if (o.batch_size < 0) bad("batch_size must be >= 0 (0: traced batch x world), got " + std::to_string(o.batch_size));
   if (o.memory_limit < 0) bad("memory_limit must be >= 0 (0: from the device), got " + std::to_string(o.memory_limit));
   if (o.fixed_stages < 0 || o.fixed_micro_batches < 0) bad("fixed_stages and fixed_micro_batches must be >= 0");
+  if (o.search_patience < 0) bad("search_patience must be >= 0, got " + std::to_string(o.search_patience));
   if (o.max_micro_batches < 1) bad("max_micro_batches must be >= 1, got " + std::to_string(o.max_micro_batches));
   PlanContext ctx;
   ctx.world_size = o.world_size;
@@ -41,15 +42,34 @@ PlanTrace planTrace(const ir::Graph& graph, CostModel& costs, const PlannerOptio
   // Blocks are costed at the smallest micro-batch a plan can use with every device a data
   // parallel replica; stage costs are then taken merged at each candidate's own rows.
   bo.rows = std::max<int64_t>(1, (ctx.batch_size + ctx.world_size - 1) / ctx.world_size);
+  // A block only has to fit at the smallest micro-batch a plan may use; fitting at the
+  // larger rows would cut big models into many small blocks and slow the stage search.
+  const int64_t max_mb = options.fixed_micro_batches > 0 ? options.fixed_micro_batches : options.max_micro_batches;
+  bo.memory_rows = std::max<int64_t>(1, (bo.rows + max_mb - 1) / max_mb);
   bo.memory_limit = ctx.memory_limit;
   bo.optimizer = ctx.optimizer;
-  trace.blocks = partitionBlocks(trace.atomic, costs, bo);
-  StageProblem problem(trace.blocks, costs, ctx);
   StageSearchOptions so;
   so.fixed_stages = options.fixed_stages;
   so.fixed_micro_batches = options.fixed_micro_batches;
   so.max_micro_batches = options.max_micro_batches;
-  trace.deployment = formStage(problem, so);
+  so.patience = options.search_patience;
+  const int atoms = static_cast<int>(trace.atomic.pieces.size());
+  for (int attempt = 0;; ++attempt) {
+    trace.blocks = partitionBlocks(trace.atomic, costs, bo);
+    StageProblem problem(trace.blocks, costs, ctx);
+    try {
+      trace.deployment = formStage(problem, so);
+      break;
+    } catch (const InfeasiblePlanError& e) {
+      // Stages are unions of blocks, so k caps the stage count and the granularity of
+      // stage memory; when more devices than blocks could help, retry with finer blocks.
+      const int k = static_cast<int>(trace.blocks.blocks.size());
+      if (attempt >= 3 || k >= atoms || k >= ctx.world_size) throw;
+      bo.num_blocks = std::min(atoms, std::max(2 * k, std::min(ctx.world_size, 2 * bo.num_blocks)));
+      logger().info("no plan fits with {} blocks ({}); retrying with {} blocks", k, e.what(),
+                    bo.num_blocks);
+    }
+  }
   if (options.refine_boundaries) {
     trace.deployment = refineBoundaries(trace.deployment, trace.atomic, trace.blocks, costs, ctx);
   }

@@ -25,7 +25,8 @@ struct PlannerOptions {
   ConstantPolicy constant_policy = ConstantPolicy::IndependentOfState;
   int fixed_stages = 0;           // > 0: override the stage-count search
   int fixed_micro_batches = 0;    // > 0: override the micro-batch search
-  int max_micro_batches = 64;
+  int max_micro_batches = 256;
+  int search_patience = 3;        // stop raising M (S) after this many non-improving candidates; 0: exhaustive
   bool refine_boundaries = true;  // slide stage boundaries piece by piece after the block-level DP
 };
 

@@ -60,7 +60,9 @@ class BlockPartitioner {
   }
   std::pair<double, int64_t> evaluate(const std::vector<ir::TaskId>& tasks) {
     const PieceCost c = costs_.cost(tasks, options_.rows);
-    return {c.forward_time + c.backward_time, replicaMemory(c, options_.optimizer, 1, false)};
+    const int64_t mem_rows = options_.memory_rows > 0 ? options_.memory_rows : options_.rows;
+    const PieceCost m = mem_rows == options_.rows ? c : costs_.cost(tasks, mem_rows);
+    return {c.forward_time + c.backward_time, replicaMemory(m, options_.optimizer, 1, false)};
   }
   std::vector<ir::TaskId> atomsTasks(const std::vector<int>& atoms) {
     std::vector<const std::vector<ir::TaskId>*> parts;

@@ -13,7 +13,8 @@ namespace rannc::partition {
 
 struct BlockOptions {
   int num_blocks = 32;             // k: compaction stops at this many blocks
-  int64_t rows = 1;                // micro-batch rows at which blocks are costed
+  int64_t rows = 1;                // micro-batch rows at which block times are compared
+  int64_t memory_rows = 0;         // rows at which a block must fit memory (0: rows)
   int64_t memory_limit = INT64_MAX;  // a block (one micro-batch in flight) must fit this
   Optimizer optimizer = Optimizer::Adam;
   bool uncoarsen = true;           // off: skip the communication refinement
@@ -24,7 +25,7 @@ struct Block {
   std::vector<int> atoms;          // atomic pieces, ascending (= topological order)
   std::vector<ir::TaskId> tasks;   // their tasks, each once, in topological order
   double time = 0.0;               // forward + backward at BlockOptions::rows
-  int64_t memory = 0;              // replicaMemory with one micro-batch in flight
+  int64_t memory = 0;              // replicaMemory, one micro-batch of memory_rows in flight
 };
 
 struct BlockPartition {

@@ -22,6 +22,18 @@ const std::vector<ir::TaskId>& StageProblem::tasks(int first, int last) {
   return t;
 }
 
+std::vector<int32_t>& StageProblem::table(int64_t rows) {
+  auto& slot = recent_[rows & 15];
+  if (slot.second != nullptr && slot.first == rows) return *slot.second;
+  auto it = tables_.find(rows);
+  if (it == tables_.end()) {
+    const size_t k1 = static_cast<size_t>(numBlocks()) + 1;
+    it = tables_.emplace(rows, std::vector<int32_t>(k1 * k1, kUnknown)).first;
+  }
+  slot = {rows, &it->second};
+  return it->second;
+}
+
 void StageProblem::prefetch(int S, int D, int R, int M) {
   const int K = numBlocks();
   for (int devices = 1; devices <= D - S + 1; ++devices) {
@@ -31,10 +43,14 @@ void StageProblem::prefetch(int S, int D, int R, int M) {
     slot.micro_batches = M;
     const int64_t rows = stageRows(ctx_, slot);
     if (rows == 0) continue;
+    std::vector<int32_t>& t = table(rows);
     std::vector<std::vector<ir::TaskId>> pieces;
     for (int first = 0; first < K; ++first) {
       for (int last = first + 1; last <= K && last - first <= K - S + 1; ++last) {
-        if (announced_.insert(std::make_tuple(first, last, rows)).second) pieces.push_back(tasks(first, last));
+        int32_t& entry = t[static_cast<size_t>(first) * (K + 1) + last];
+        if (entry != kUnknown) continue;
+        entry = kAnnounced;
+        pieces.push_back(tasks(first, last));
       }
     }
     if (!pieces.empty()) costs_.prefetch(pieces, rows);
@@ -44,10 +60,12 @@ void StageProblem::prefetch(int S, int D, int R, int M) {
 StageEstimate StageProblem::estimate(int first, int last, const StageSlot& slot) {
   const int64_t rows = stageRows(ctx_, slot);
   if (rows == 0) return StageEstimate{};
-  auto key = std::make_tuple(first, last, rows);
-  auto it = cost_cache_.find(key);
-  if (it == cost_cache_.end()) it = cost_cache_.emplace(key, costs_.cost(tasks(first, last), rows)).first;
-  return estimateStage(costs_, it->second, slot, ctx_);
+  int32_t& entry = table(rows)[static_cast<size_t>(first) * (numBlocks() + 1) + last];
+  if (entry < 0) {
+    costs_store_.push_back(costs_.cost(tasks(first, last), rows));
+    entry = static_cast<int32_t>(costs_store_.size() - 1);
+  }
+  return estimateStage(costs_, costs_store_[entry], slot, ctx_);
 }
 
 StageSolution formStageDp(StageProblem& problem, int S, int D, int R, int M,
@@ -158,8 +176,10 @@ Deployment formStage(StageProblem& problem, const StageSearchOptions& options) {
   const int K = problem.numBlocks();
   const int per_node = effectiveDevicesPerNode(ctx);
   const int nodes = std::max(1, ctx.world_size / per_node);
-  // Each (n, S, M) visited, for the memory search when nothing fits.
+  // The largest micro-batch count tried per (S, D, R): memory only falls as it grows, so
+  // the memory search for an infeasible request needs no other.
   std::vector<std::tuple<int, int, int, int>> tried;  // (S, D, R, M)
+  const int patience = options.patience > 0 ? options.patience : std::numeric_limits<int>::max();
   for (int n = 1; n <= nodes; ++n) {
     if (nodes % n != 0) continue;
     const int D = per_node * n, R = nodes / n;
@@ -168,23 +188,34 @@ Deployment formStage(StageProblem& problem, const StageSearchOptions& options) {
     s_hi = std::min(s_hi, std::min(K, D));
     bool any = false;
     Deployment best;
-    for (int S = s_lo; S <= s_hi; ++S) {
+    int stale_stages = 0;
+    for (int S = s_lo; S <= s_hi && stale_stages < patience; ++S) {
       const int64_t rows_per_copy = ctx.batch_size / R;
       std::vector<int> mbs = options.fixed_micro_batches > 0
                                  ? std::vector<int>{options.fixed_micro_batches}
                                  : microBatchCandidates(rows_per_copy, options.max_micro_batches);
+      if (mbs.empty()) continue;
+      tried.emplace_back(S, D, R, mbs.back());
+      bool improved = false, feasible_s = false;
+      int stale = 0;
       for (int M : mbs) {
-        tried.emplace_back(S, D, R, M);
+        if (stale >= patience) break;
         StageSolution sol = formStageDp(problem, S, D, R, M);
         if (!sol.feasible) continue;
+        feasible_s = true;
         Deployment d = toDeployment(problem, sol);
         logger().debug("stage candidate: n={} S={} M={} dp={:.6f} simulated={:.6f}", n, S, M,
                        sol.value, d.iteration_time);
         if (!any || d.iteration_time < best.iteration_time) {
           best = std::move(d);
-          any = true;
+          any = improved = true;
+          stale = 0;
+        } else {
+          ++stale;
         }
       }
+      if (any && feasible_s && !improved) ++stale_stages;
+      if (improved) stale_stages = 0;
     }
     if (any) {
       logger().info("stage partitioning: {} stage(s), {} pipeline(s), {} micro-batch(es), "

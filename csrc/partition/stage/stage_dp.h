@@ -5,8 +5,6 @@
 // micro-batch counts and keeps the plan the simulator runs fastest.
 #include <cstdint>
 #include <map>
-#include <set>
-#include <tuple>
 #include <vector>
 
 #include "partition/block/block.h"
@@ -38,9 +36,14 @@ class StageProblem {
   const BlockPartition& blocks_;
   CostModel& costs_;
   PlanContext ctx_;
+  // Costs per rows, flat by first * (k + 1) + last: an index into costs_store_, or
+  // kUnknown / kAnnounced. The DP asks millions of times, so no tree or hash per ask.
+  static constexpr int32_t kUnknown = -1, kAnnounced = -2;
+  std::vector<int32_t>& table(int64_t rows);
   std::vector<std::vector<ir::TaskId>> tasks_;  // by first * (k + 1) + last
-  std::map<std::tuple<int, int, int64_t>, PieceCost> cost_cache_;
-  std::set<std::tuple<int, int, int64_t>> announced_;  // each interval is prefetched once
+  std::map<int64_t, std::vector<int32_t>> tables_;
+  std::pair<int64_t, std::vector<int32_t>*> recent_[16] = {};
+  std::vector<PieceCost> costs_store_;
 };
 
 // What the DP minimises. Time: the largest StageEstimate::score among stages, under the
@@ -68,7 +71,10 @@ StageSolution formStageDp(StageProblem& problem, int stages, int devices, int pi
 struct StageSearchOptions {
   int fixed_stages = 0;         // > 0: only this many stages
   int fixed_micro_batches = 0;  // > 0: only this many micro-batches
-  int max_micro_batches = 64;
+  int max_micro_batches = 256;
+  // Stop raising the micro-batch count (stage count) after this many feasible candidates
+  // in a row did not beat the best; 0 searches every candidate.
+  int patience = 3;
 };
 
 // Micro-batch counts tried for a pipeline copy with `rows` rows per iteration: every count

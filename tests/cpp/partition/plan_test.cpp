@@ -7,6 +7,7 @@
 #include "partition/cost/analytic_cost_model.h"
 #include "partition/partition_graphs.h"
 #include "partition/planner.h"
+#include "partition/synthetic.h"
 
 namespace rannc::partition {
 namespace {
@@ -158,6 +159,29 @@ TEST(ADeployment, ReSimulatesToItsOwnPredictionAndUnderFillDrain) {
   for (int s = 0; s < 2; ++s) EXPECT_EQ(same.peak_memory[s], d.stages[s].memory_bytes);
   SimResult gpipe = simulateDeployment(d, ScheduleKind::FillDrain);
   EXPECT_GT(gpipe.peak_memory[0], same.peak_memory[0]);  // fill-drain stashes all four
+}
+
+}  // namespace
+}  // namespace rannc::partition
+
+namespace rannc::partition {
+namespace {
+
+// Ranks may plan on their own; the same inputs must give the same bytes.
+TEST(ADeployment, IsTheSameEveryTimeTheSameGraphIsPlanned) {
+  SyntheticTransformerOptions t;
+  t.layers = 12;
+  t.hidden = 128;
+  t.heads = 4;
+  t.seq_len = 32;
+  t.vocab = 500;
+  ir::Graph g = syntheticTransformer(t);
+  PlannerOptions o;
+  o.world_size = 8;
+  o.num_blocks = 10;
+  o.memory_limit = 8 << 20;
+  AnalyticCostModel a(g, DeviceSpec{}), b(g, DeviceSpec{});
+  EXPECT_EQ(serializeDeployment(plan(g, a, o)), serializeDeployment(plan(g, b, o)));
 }
 
 }  // namespace

@@ -532,3 +532,29 @@ TEST(AStagePlanner, RejectsInvalidOptions) {
 
 }  // namespace
 }  // namespace rannc::partition
+
+namespace rannc::partition {
+namespace {
+
+// Eight layers that fit two per device, asked for two blocks on four devices: the planner
+// re-forms finer blocks instead of giving up.
+TEST(AStagePlanner, RetriesWithFinerBlocksWhenBlocksCapTheStageCount) {
+  ir::Graph g = testing::uniformChain(8, 256, /*batch=*/8);
+  AnalyticCostModel m(g, device());
+  PlannerOptions o;
+  o.world_size = 4;
+  o.num_blocks = 2;
+  o.optimizer = Optimizer::Sgd;
+  o.allow_recompute = false;
+  o.memory_limit = 2 * (256 * 256 * 4) * 3;  // two layers fit, three do not
+  PlanTrace t = planTrace(g, m, o);
+  EXPECT_GE(t.blocks.blocks.size(), 4u);
+  ASSERT_EQ(t.deployment.numStages(), 4);
+  for (const StagePlan& s : t.deployment.stages) {
+    EXPECT_EQ(s.tasks.size(), 2u);
+    EXPECT_LE(s.memory_bytes, o.memory_limit);
+  }
+}
+
+}  // namespace
+}  // namespace rannc::partition
