@@ -77,6 +77,8 @@ py::dict valueToDict(const ir::Value& v) {
   d["is_loss"] = v.is_loss;
   d["requires_grad"] = v.requires_grad;
   d["constant"] = v.constant;
+  d["int_values"] = v.int_values;
+  d["int_batch_multiples"] = v.int_batch_multiples;
   d["producer"] = v.producer;
   d["consumers"] = v.consumers;
   return d;
@@ -277,6 +279,7 @@ PYBIND11_MODULE(_C, m) {
       "build_traced_model",
       [](std::shared_ptr<torch::jit::Graph> graph1, std::vector<at::Tensor> inputs1, int64_t batch1,
          std::shared_ptr<torch::jit::Graph> graph2, std::vector<at::Tensor> inputs2, int64_t batch2,
+         std::vector<at::Tensor> observe1, std::vector<at::Tensor> observe2,
          const std::vector<std::string>& names, const std::vector<std::string>& roles,
          std::unordered_map<std::string, std::string> module_classes) {
         if (names.size() != roles.size()) throw Error("names and roles differ in length");
@@ -284,11 +287,11 @@ PYBIND11_MODULE(_C, m) {
         for (size_t i = 0; i < names.size(); ++i) {
           described.push_back({names[i], roleFromName(roles[i])});
         }
-        frontend::TraceExample first{std::move(graph1), std::move(inputs1), batch1};
-        frontend::TraceExample second{std::move(graph2), std::move(inputs2), batch2};
+        frontend::TraceExample first{std::move(graph1), std::move(inputs1), batch1, std::move(observe1)};
+        frontend::TraceExample second{std::move(graph2), std::move(inputs2), batch2, std::move(observe2)};
         return frontend::buildTracedModel(first, second, described, std::move(module_classes));
       },
       py::arg("graph1"), py::arg("inputs1"), py::arg("batch1"), py::arg("graph2"),
-      py::arg("inputs2"), py::arg("batch2"), py::arg("names"), py::arg("roles"),
+      py::arg("inputs2"), py::arg("batch2"), py::arg("observe1"), py::arg("observe2"), py::arg("names"), py::arg("roles"),
       py::arg("module_classes"));
 }

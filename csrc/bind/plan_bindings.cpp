@@ -23,7 +23,7 @@ partition::Optimizer optimizerFromName(const std::string& name) {
 
 partition::ScheduleKind scheduleFromName(const std::string& name) {
   if (name == "1f1b") return partition::ScheduleKind::OneFOneB;
-  if (name == "fill_drain") return partition::ScheduleKind::FillDrain;
+  if (name == "fill_drain" || name == "fill-drain") return partition::ScheduleKind::FillDrain;
   throw Error("unknown schedule '" + name + "' (expected 1f1b or fill_drain)");
 }
 

@@ -1,6 +1,7 @@
 #include "frontend/convert.h"
 
 #include <sstream>
+#include <functional>
 #include <unordered_set>
 
 #include <ATen/ATen.h>
@@ -277,10 +278,164 @@ torch::jit::Operation resolveOperation(Node* node,
   return node->getOperation();
 }
 
+// A run of TorchScript nodes executed as one IR task (see [Note: fused list ops]).
+struct TaskGroup {
+  std::vector<Node*> nodes;                  // in graph order
+  std::vector<const JitValue*> inputs;       // read from outside, in first-use order
+  std::vector<const JitValue*> outputs;      // used outside, returned, or unused
+
+  // The node that names the task in messages: the first that is not a list prim.
+  Node* mainNode() const {
+    for (Node* n : nodes) {
+      const auto k = n->kind();
+      if (k != c10::prim::ListConstruct && k != c10::prim::ListUnpack &&
+          k != c10::prim::TupleConstruct && k != c10::prim::TupleUnpack) {
+        return n;
+      }
+    }
+    return nodes.front();
+  }
+};
+
+bool isTensorContainer(const c10::TypePtr& type) {
+  if (type->kind() == c10::TypeKind::TupleType) return true;
+  if (type->kind() != c10::TypeKind::ListType) return false;
+  const auto elem = type->containedType(0);
+  return elem->kind() == c10::TypeKind::TensorType ||
+         (elem->kind() == c10::TypeKind::OptionalType &&
+          elem->containedType(0)->kind() == c10::TypeKind::TensorType);
+}
+
+std::vector<TaskGroup> groupListOps(const std::vector<Node*>& nodes,
+                                    const std::unordered_set<const JitValue*>& glue) {
+  std::unordered_map<const Node*, int> index;
+  for (size_t i = 0; i < nodes.size(); ++i) index[nodes[i]] = static_cast<int>(i);
+  std::vector<int> parent(nodes.size());
+  for (size_t i = 0; i < parent.size(); ++i) parent[i] = static_cast<int>(i);
+  std::function<int(int)> find = [&](int x) { return parent[x] == x ? x : parent[x] = find(parent[x]); };
+  for (size_t i = 0; i < nodes.size(); ++i) {
+    for (const JitValue* out : nodes[i]->outputs()) {
+      if (!isTensorContainer(out->type()) && !glue.count(out)) continue;
+      for (const auto& use : out->uses()) {
+        auto it = index.find(use.user);
+        if (it != index.end()) parent[find(it->second)] = find(static_cast<int>(i));
+      }
+    }
+  }
+  // Convex closure: a node on a path from one member of a group to another joins it, so
+  // every fused task can still be ordered (nodes are in a topological order).
+  for (bool changed = true; changed;) {
+    changed = false;
+    std::unordered_map<int, std::pair<int, int>> range;  // root -> first and last member
+    for (size_t i = 0; i < nodes.size(); ++i) {
+      auto [it, fresh] = range.emplace(find(static_cast<int>(i)), std::make_pair(int(i), int(i)));
+      if (!fresh) it->second.second = static_cast<int>(i);
+    }
+    for (const auto& [root, span] : range) {
+      if (span.first == span.second) continue;
+      std::vector<char> reached(span.second - span.first + 1, 0), reaching(reached.size(), 0);
+      for (int i = span.first; i <= span.second; ++i) {
+        bool r = find(i) == root;
+        for (const JitValue* in : nodes[i]->inputs()) {
+          auto it = index.find(in->node());
+          if (it != index.end() && it->second >= span.first && reached[it->second - span.first]) r = true;
+        }
+        reached[i - span.first] = r;
+      }
+      for (int i = span.second; i >= span.first; --i) {
+        bool r = find(i) == root;
+        for (const JitValue* out : nodes[i]->outputs()) {
+          for (const auto& use : out->uses()) {
+            auto it = index.find(use.user);
+            if (it != index.end() && it->second <= span.second && reaching[it->second - span.first]) r = true;
+          }
+        }
+        reaching[i - span.first] = r;
+        if (r && reached[i - span.first] && find(i) != root) {
+          parent[find(i)] = root;
+          changed = true;
+        }
+      }
+      if (changed) break;  // ranges moved: recompute them
+    }
+  }
+  std::unordered_map<int, int> group_of_root;
+  std::vector<TaskGroup> groups;
+  std::vector<int> group_of(nodes.size());
+  for (size_t i = 0; i < nodes.size(); ++i) {
+    auto [it, fresh] = group_of_root.emplace(find(static_cast<int>(i)), static_cast<int>(groups.size()));
+    if (fresh) groups.emplace_back();
+    group_of[i] = it->second;
+    groups[it->second].nodes.push_back(nodes[i]);
+  }
+  for (TaskGroup& group : groups) {
+    const int gid = group_of[index.at(group.nodes.front())];
+    auto inside = [&](const Node* n) {
+      auto it = index.find(n);
+      return it != index.end() && group_of[it->second] == gid;
+    };
+    std::unordered_set<const JitValue*> seen;
+    for (Node* n : group.nodes) {
+      for (const JitValue* v : n->inputs()) {
+        if (!inside(v->node()) && seen.insert(v).second) group.inputs.push_back(v);
+      }
+      for (const JitValue* v : n->outputs()) {
+        bool outside = v->uses().empty();  // unused results stay visible (buffers' add_)
+        for (const auto& use : v->uses()) outside = outside || !inside(use.user);
+        if (outside) group.outputs.push_back(v);
+      }
+    }
+  }
+  return groups;
+}
+
+// One operation running a group's nodes in order over slots: the group's inputs first, then
+// every node's outputs.
+torch::jit::Operation fuseOperations(const TaskGroup& group,
+                                     const std::unordered_map<std::string, std::string>& classes) {
+  struct Step {
+    torch::jit::Operation op;
+    std::vector<int> ins, outs;
+  };
+  std::unordered_map<const JitValue*, int> slot;
+  for (const JitValue* v : group.inputs) slot.emplace(v, static_cast<int>(slot.size()));
+  auto steps = std::make_shared<std::vector<Step>>();
+  for (Node* n : group.nodes) {
+    Step step{resolveOperation(n, classes), {}, {}};
+    for (const JitValue* v : n->inputs()) step.ins.push_back(slot.at(v));
+    for (const JitValue* v : n->outputs()) {
+      step.outs.push_back(static_cast<int>(slot.size()));
+      slot.emplace(v, static_cast<int>(slot.size()));
+    }
+    steps->push_back(std::move(step));
+  }
+  std::vector<int> results;
+  for (const JitValue* v : group.outputs) results.push_back(slot.at(v));
+  const size_t nin = group.inputs.size(), nslots = slot.size();
+  return torch::jit::Operation([steps, results, nin, nslots](torch::jit::Stack& stack) {
+    std::vector<c10::IValue> slots(nslots);
+    for (size_t i = 0; i < nin; ++i) slots[i] = std::move(stack[stack.size() - nin + i]);
+    stack.erase(stack.end() - nin, stack.end());
+    torch::jit::Stack local;
+    for (Step& step : *steps) {
+      local.clear();
+      for (int i : step.ins) local.push_back(slots[i]);
+      step.op(local);
+      for (size_t i = 0; i < step.outs.size(); ++i) slots[step.outs[i]] = std::move(local[i]);
+    }
+    for (int i : results) stack.push_back(std::move(slots[i]));
+  });
+}
+
 struct Observed {
   std::vector<std::vector<int64_t>> shapes;
   std::vector<at::ScalarType> dtypes;
   std::vector<std::string> scalars;  // printed ints, floats, bools and lists of them
+  std::vector<std::vector<int64_t>> ints;  // ints, int lists, 0-dim integer tensors
+  std::vector<char> has_ints;
+  std::vector<at::Tensor> tensors;  // kept values (the first run only)
+  // Per value, against the kept run: -1 not compared, 0 rows differ, 1 the common rows agree.
+  std::vector<int8_t> rows_agree;
   std::vector<char> seen;
 };
 
@@ -289,13 +444,32 @@ bool isScalarLike(const c10::IValue& v) {
          v.isBoolList();
 }
 
-Observed observe(const TracedModel& model, const std::vector<at::Tensor>& inputs) {
+// Whether the common leading rows of two observations of one value agree along `dim`
+// (`rows` rows of `multiple` entries each): true for a value whose rows are computed
+// row by row, false where rows are interleaved ((seq*batch, hidden) reshapes, say).
+bool leadingRowsAgree(const at::Tensor& a, const at::Tensor& b, int dim, int64_t entries) {
+  at::Tensor x = a.narrow(dim, 0, entries), y = b.narrow(dim, 0, entries);
+  if (x.is_floating_point() || x.is_complex()) {
+    return at::allclose(x.to(at::kDouble), y.to(at::kDouble), 1e-4, 1e-5, /*equal_nan=*/true);
+  }
+  return at::equal(x, y);
+}
+
+// Runs the graph without gradients and records every value. With `keep`, keeps the tensors;
+// with `kept` (a run at another batch size whose rows are a prefix of these, or these of
+// them), compares the common rows of each value whose shape scales with the batch.
+Observed observe(const TracedModel& model, const std::vector<at::Tensor>& inputs, bool keep,
+                 const Observed* kept = nullptr, int64_t batch = 0, int64_t kept_batch = 0) {
   Observed o;
   const int n = model.graph.numValues();
   o.shapes.resize(n);
   o.dtypes.resize(n, at::ScalarType::Undefined);
   o.scalars.resize(n);
   o.seen.resize(n, 0);
+  o.ints.resize(n);
+  o.has_ints.resize(n, 0);
+  o.rows_agree.resize(n, -1);
+  if (keep) o.tensors.resize(n);
   std::vector<c10::IValue> ins(inputs.begin(), inputs.end());
   torch::NoGradGuard no_grad;
   runGraph(model, ins, [&](ir::ValueId id, const c10::IValue& v) {
@@ -304,7 +478,28 @@ Observed observe(const TracedModel& model, const std::vector<at::Tensor>& inputs
       const at::Tensor& t = v.toTensor();
       o.shapes[id] = t.sizes().vec();
       o.dtypes[id] = t.scalar_type();
+      if (keep) o.tensors[id] = t;
+      if (kept && kept->tensors.size() > static_cast<size_t>(id) && kept->tensors[id].defined()) {
+        const at::Tensor& other = kept->tensors[id];
+        if (other.dim() == t.dim()) {
+          int changed = -1, nchanged = 0;
+          for (int64_t d = 0; d < t.dim(); ++d) {
+            if (t.size(d) != other.size(d)) changed = static_cast<int>(d), ++nchanged;
+          }
+          if (nchanged == 1 && t.size(changed) % batch == 0) {
+            const int64_t rows = std::min(batch, kept_batch), k = t.size(changed) / batch;
+            o.rows_agree[id] = rows * k <= other.size(changed) &&
+                               leadingRowsAgree(t, other, changed, rows * k);
+          }
+        }
+      }
+      if (t.dim() == 0 && !t.is_floating_point() && !t.is_complex() && t.scalar_type() != at::kBool) {
+        o.ints[id] = {t.item<int64_t>()};
+        o.has_ints[id] = 1;
+      }
     } else if (isScalarLike(v)) {
+      if (v.isInt()) o.ints[id] = {v.toInt()}, o.has_ints[id] = 1;
+      if (v.isIntList()) o.ints[id] = v.toIntVector(), o.has_ints[id] = 1;
       std::ostringstream os;
       os << v;
       o.scalars[id] = os.str();
@@ -319,8 +514,9 @@ Observed observe(const TracedModel& model, const std::vector<at::Tensor>& inputs
 // a non-tensor (a size, a shape list) depends on the batch only if it differs between the
 // two runs, so a causal mask built from the sequence length is the same for every
 // micro-batch.
-void findBatchValues(ir::Graph& ir, const Observed& at1, const Observed& at2, int64_t b1,
-                     int64_t b2) {
+std::vector<ir::ValueId> findBatchValues(ir::Graph& ir, const Observed& at1, const Observed& at2,
+                                         int64_t b1, int64_t b2) {
+  std::vector<ir::ValueId> interleaved;
   std::vector<char> dep(ir.numValues(), 0);
   for (ir::ValueId id : ir.inputs()) dep[id] = ir.value(id).role == ir::ValueRole::Input;
   for (ir::TaskId t : ir.topologicalOrder()) {
@@ -338,6 +534,21 @@ void findBatchValues(ir::Graph& ir, const Observed& at1, const Observed& at2, in
     v.dtype = toDType(at1.dtypes[id]);
     v.shape = at1.shapes[id];
     v.batch_dependent = dep[id];
+    if (at1.has_ints[id] && at2.has_ints[id] && at1.ints[id].size() == at2.ints[id].size()) {
+      v.int_values = at1.ints[id];
+      v.int_batch_multiples.assign(v.int_values.size(), 0);
+      bool linear = true;
+      for (size_t i = 0; i < v.int_values.size(); ++i) {
+        const int64_t x = at1.ints[id][i], y = at2.ints[id][i];
+        if (x == y) continue;
+        if (x % b1 == 0 && x / b1 * b2 == y) {
+          v.int_batch_multiples[i] = x / b1;
+        } else {
+          linear = false;
+        }
+      }
+      if (!linear) v.int_values.clear(), v.int_batch_multiples.clear();
+    }
     if (!v.isTensor() || !at2.seen[id]) continue;
     const auto &s1 = at1.shapes[id], &s2 = at2.shapes[id];
     if (s1.size() != s2.size()) continue;
@@ -345,18 +556,21 @@ void findBatchValues(ir::Graph& ir, const Observed& at1, const Observed& at2, in
     for (size_t d = 0; d < s1.size(); ++d) {
       if (s1[d] != s2[d]) changed = static_cast<int>(d), ++nchanged;
     }
-    if (nchanged == 1 && s1[changed] % b1 == 0 && s1[changed] / b1 * b2 == s2[changed]) {
+    if (nchanged == 1 && s1[changed] % b1 == 0 && s1[changed] / b1 * b2 == s2[changed] &&
+        at1.rows_agree[id] != 0) {
       v.batch_dim = changed;
       v.batch_multiple = s1[changed] / b1;
       v.batch_dependent = true;
     } else if (nchanged > 0) {
+      if (v.role == ir::ValueRole::Intermediate) interleaved.push_back(id);
       v.batch_dependent = true;
       if (logEnabled(LogLevel::Debug)) {
         logDebug("value " + ir::describe(v) +
-                 " changes shape with the batch size but no dimension scales with it");
+                 " changes with the batch size but cannot be cut into rows");
       }
     }
   }
+  return interleaved;
 }
 
 }  // namespace
@@ -379,9 +593,14 @@ std::shared_ptr<TracedModel> buildTracedModel(
   }
   checkSameProgram(first, second, module_classes);
 
+  // Builds the IR with the values in `glue` kept inside tasks; returns it with, per IR value,
+  // its TorchScript value.
+  auto build = [&](const std::unordered_set<const JitValue*>& glue,
+                   std::vector<const JitValue*>& jit_of,
+                   std::vector<std::pair<ir::ValueId, c10::IValue>>& row_local_flags) {
   auto model = std::make_shared<TracedModel>();
   model->jit_graph = g;
-  model->module_classes = std::move(module_classes);
+  model->module_classes = module_classes;
   ir::Graph& ir = model->graph;
   ir.setBatchSize(first.batch_size);
   std::unordered_map<const JitValue*, ir::ValueId> ids;
@@ -393,6 +612,7 @@ std::shared_ptr<TracedModel> buildTracedModel(
     val.role = role;
     ir::ValueId id = ir.addValue(std::move(val));
     ids[v] = id;
+    jit_of.push_back(v);
     return id;
   };
 
@@ -402,34 +622,67 @@ std::shared_ptr<TracedModel> buildTracedModel(
   }
   ir.setInputs(graph_inputs);
 
+  // Constants first: they become values, not tasks.
+  std::vector<Node*> nodes;
   for (Node* node : g->nodes()) {
     if (!node->blocks().empty()) {
       throw TraceError(describeNodeIn(node, model->module_classes) +
                        " has nested blocks, which a trace should not produce");
     }
-    if (node->kind() == c10::prim::Constant) {
-      ir::ValueId id = addValue(node->output(), ir::ValueRole::Constant, "");
-      c10::IValue c = *torch::jit::toIValue(node->output());
-      ir.mutableValue(id).constant = printConstant(c);
-      if (c.isTensor()) {
-        const at::Tensor& t = c.toTensor();
-        ir.mutableValue(id).dtype = toDType(t.scalar_type());
-        ir.mutableValue(id).shape = t.sizes().vec();
-      }
-      model->constants.resize(ir.numValues());
-      model->constants[id] = std::move(c);
+    if (node->kind() != c10::prim::Constant) {
+      nodes.push_back(node);
       continue;
     }
-    std::vector<ir::ValueId> ins, outs;
-    for (const JitValue* v : node->inputs()) ins.push_back(ids.at(v));
-    for (const JitValue* v : node->outputs()) {
-      outs.push_back(addValue(v, ir::ValueRole::Intermediate, ""));
+    ir::ValueId id = addValue(node->output(), ir::ValueRole::Constant, "");
+    c10::IValue c = *torch::jit::toIValue(node->output());
+    ir.mutableValue(id).constant = printConstant(c);
+    if (c.isTensor()) {
+      const at::Tensor& t = c.toTensor();
+      ir.mutableValue(id).dtype = toDType(t.scalar_type());
+      ir.mutableValue(id).shape = t.sizes().vec();
     }
-    torch::jit::Operation operation = resolveOperation(node, model->module_classes);
-    ir.addTask(node->kind().toQualString(), std::move(ins), std::move(outs), modulePath(node),
-               sourceLocation(node));
-    model->task_nodes.push_back(node);
-    model->operations.push_back(std::move(operation));
+    model->constants.resize(ir.numValues());
+    model->constants[id] = std::move(c);
+  }
+  // [Note: fused list ops] A list or tuple of tensors (aten::split -> prim::ListUnpack,
+  // prim::ListConstruct -> aten::cat) lives inside one task: its producer and consumers are
+  // fused, so what flows between tasks, and so between stages, is tensors and shapes.
+  // Values first, tasks second: a fused group may read what a later-starting group makes.
+  const std::vector<TaskGroup> groups = groupListOps(nodes, glue);
+  for (const TaskGroup& group : groups) {
+    for (const JitValue* v : group.outputs) addValue(v, ir::ValueRole::Intermediate, "");
+  }
+  for (const TaskGroup& group : groups) {
+    std::vector<ir::ValueId> ins, outs;
+    for (const JitValue* v : group.inputs) ins.push_back(ids.at(v));
+    for (const JitValue* v : group.outputs) outs.push_back(ids.at(v));
+    std::string op;
+    for (Node* n : group.nodes) op += (op.empty() ? "" : "+") + std::string(n->kind().toQualString());
+    Node* main = group.mainNode();
+    ir.addTask(op, std::move(ins), std::move(outs), modulePath(main), sourceLocation(main));
+    model->task_nodes.push_back(main);
+    model->operations.push_back(group.nodes.size() == 1
+                                    ? resolveOperation(group.nodes[0], model->module_classes)
+                                    : fuseOperations(group, model->module_classes));
+  }
+  model->order = ir.topologicalOrder();
+  // Flags that make rows depend on each other (batch statistics) or on the RNG (dropout):
+  // off while observing, so that the rows two observations share can be compared.
+  for (Node* node : nodes) {
+    int index = -1;
+    c10::IValue off = false;
+    const auto kind = node->kind();
+    if (kind == c10::aten::batch_norm || kind == c10::aten::instance_norm) index = 5;
+    if (kind == c10::aten::dropout || kind == c10::aten::feature_dropout ||
+        kind == c10::aten::alpha_dropout || kind == c10::aten::feature_alpha_dropout) {
+      index = 2;
+    }
+    if (kind == c10::aten::scaled_dot_product_attention) index = 4, off = 0.0;
+    if (index < 0 || static_cast<size_t>(index) >= node->inputs().size()) continue;
+    const JitValue* v = node->inputs()[index];
+    if (v->node()->kind() == c10::prim::Constant && ids.count(v)) {
+      row_local_flags.emplace_back(ids.at(v), off);
+    }
   }
   model->constants.resize(ir.numValues());
   std::vector<ir::ValueId> outs;
@@ -437,10 +690,32 @@ std::shared_ptr<TracedModel> buildTracedModel(
   ir.setOutputs(outs);
   ir.validate();
 
-  // Shapes and dtypes as the graph really computes them, at both batch sizes.
-  Observed at1 = observe(*model, first.inputs);
-  Observed at2 = observe(*model, second.inputs);
-  findBatchValues(ir, at1, at2, first.batch_size, second.batch_size);
+  return model;
+  };
+
+  // Shapes and dtypes as the graph really computes them, at both batch sizes; values whose
+  // rows cannot be cut apart are glued inside tasks and the IR is built again.
+  std::unordered_set<const JitValue*> glue;
+  std::shared_ptr<TracedModel> model;
+  for (int attempt = 0;; ++attempt) {
+    std::vector<const JitValue*> jit_of;
+    std::vector<std::pair<ir::ValueId, c10::IValue>> flags;
+    model = build(glue, jit_of, flags);
+    TracedModel rows_apart = *model;  // the same program with row-coupling flags off
+    for (const auto& [id, off] : flags) rows_apart.constants[id] = off;
+    // Both observations start from the same model state (fresh copies of the buffers).
+    Observed at2 = observe(rows_apart, second.observe_inputs, /*keep=*/true);
+    Observed at1 = observe(rows_apart, first.observe_inputs, false, &at2, first.batch_size,
+                           second.batch_size);
+    std::vector<ir::ValueId> interleaved =
+        findBatchValues(model->graph, at1, at2, first.batch_size, second.batch_size);
+    size_t before = glue.size();
+    for (ir::ValueId id : interleaved) glue.insert(jit_of[id]);
+    if (glue.size() == before || attempt == 4) break;
+    logDebug("gluing " + std::to_string(glue.size() - before) +
+             " values whose rows cannot be cut apart into their tasks");
+  }
+  ir::Graph& ir = model->graph;
   // Gradients flow from parameters (and inputs that require grad) through float tensors.
   for (size_t i = 0; i < ir.inputs().size(); ++i) {
     ir.mutableValue(ir.inputs()[i]).requires_grad = first.inputs.at(i).requires_grad();

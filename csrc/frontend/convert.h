@@ -22,6 +22,9 @@ struct TraceExample {
   std::shared_ptr<torch::jit::Graph> graph;  // the trace at this batch size
   std::vector<at::Tensor> inputs;            // in graph input order; buffers are copies
   int64_t batch_size = 0;
+  // Inputs to observe values at this batch size: the rows of the other example, cycled,
+  // so that the rows the two share hold the same data (see leadingRowsAgree).
+  std::vector<at::Tensor> observe_inputs;
 };
 
 // Builds the traced model from two traces at different batch sizes.

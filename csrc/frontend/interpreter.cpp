@@ -49,9 +49,7 @@ std::vector<c10::IValue> runGraph(const TracedModel& model, const std::vector<c1
     env[g.inputs()[i]] = inputs[i];
     if (observe) observe(g.inputs()[i], inputs[i]);
   }
-  std::vector<ir::TaskId> all(g.numTasks());
-  for (ir::TaskId t = 0; t < g.numTasks(); ++t) all[t] = t;  // tasks are in trace order
-  runTasks(model, all, env, observe);
+  runTasks(model, model.order, env, observe);
   std::vector<c10::IValue> outs;
   for (ir::ValueId id : g.outputs()) outs.push_back(fetch(model, env, id));
   return outs;

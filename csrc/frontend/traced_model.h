@@ -22,6 +22,7 @@ struct TracedModel {
   // task id -> resolved operator (mutable: calling an Operation is not const)
   mutable std::vector<torch::jit::Operation> operations;
   std::vector<c10::IValue> constants;             // value id -> value (constants only)
+  std::vector<ir::TaskId> order;                  // a topological order of the tasks
   // Module path -> class name, to name modules in messages ("encoder.layers.3 (Block)").
   std::unordered_map<std::string, std::string> module_classes;
 

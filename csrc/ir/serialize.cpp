@@ -164,6 +164,8 @@ std::string serializeGraph(const Graph& graph) {
     w.u8(v.is_loss);
     w.u8(v.requires_grad);
     w.str(v.constant);
+    w.i64s(v.int_values);
+    w.i64s(v.int_batch_multiples);
   }
   w.u64(graph.tasks().size());
   for (const Task& t : graph.tasks()) {
@@ -199,6 +201,8 @@ Graph deserializeGraph(const std::string& bytes, const std::string& origin) {
       v.is_loss = r.u8();
       v.requires_grad = r.u8();
       v.constant = r.str();
+      v.int_values = r.i64s();
+      v.int_batch_multiples = r.i64s();
       g.addValue(std::move(v));
     }
     const uint64_t ntasks = r.u64();

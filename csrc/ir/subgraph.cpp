@@ -109,6 +109,7 @@ uint64_t contentHash(const Graph& graph, const Subgraph& piece) {
     for (int64_t d : v.shape) h.i64(d);
     h.i64(v.batch_dim).i64(v.batch_multiple).u64(v.batch_dependent).u64(v.is_loss);
     h.u64(v.requires_grad);
+    for (int64_t x : v.int_batch_multiples) h.i64(x);
   };
   auto ref = [&](ValueId id) {
     auto it = local.find(id);

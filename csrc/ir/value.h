@@ -59,6 +59,13 @@ struct Value {
   bool is_loss = false;
   bool requires_grad = false;
 
+  // [Note: shape values] Ints, int lists and 0-dim integer tensors (sizes and shapes) as
+  // observed at the traced batch size, with per element the factor k when the element is
+  // k * (batch size) at both observed sizes (0 when it is fixed). A stage that needs such a
+  // value computes it from its own rows instead of receiving it. Empty for other values.
+  std::vector<int64_t> int_values;
+  std::vector<int64_t> int_batch_multiples;
+
   // The printed form of a constant (part of the content hash).
   std::string constant;
 

@@ -109,16 +109,19 @@ class Trace:
     batch_size: int
 
 
-def _second_batch(flat: FlatArgs, batch: int) -> tuple[list[torch.Tensor], int]:
-    """Inputs at another batch size and with other values, to expose programs that depend
-    on either: batch rows are cycled to the new size; values are mirrored."""
+def _second_batch(flat: FlatArgs, batch: int, mirror: bool = True) -> tuple[list[torch.Tensor], int]:
+    """Inputs at another batch size: batch rows are cycled to the new size, so the rows both
+    sizes share hold the same data. With `mirror`, values are mirrored too, to expose
+    programs that depend on the values (for the second trace)."""
     batch2 = batch - 1 if batch > 2 else batch + 1
     rows = torch.arange(batch2) % batch
     out = []
     for t in flat.tensors:
         if t.dim() >= 1 and t.shape[0] == batch:
             t = t.detach()[rows.to(t.device)]
-            if t.is_floating_point() or t.is_complex():
+            if not mirror:
+                pass
+            elif t.is_floating_point() or t.is_complex():
                 t = -t
             elif t.dtype == torch.bool:
                 t = ~t
@@ -201,8 +204,11 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> Tr
                  + ["input"] * len(flat.tensors))
         classes = {name: type(m).__qualname__ for name, m in model.named_modules()}
         try:
+            observe1 = state.tensors(model, copy_buffers=True) + list(flat.tensors)
+            observe2 = (state.tensors(model, copy_buffers=True)
+                        + _second_batch(flat, batch, mirror=False)[0])
             traced = _C.build_traced_model(g1, list(ex1), batch, g2, list(ex2), batch2,
-                                           names, roles, classes)
+                                           observe1, observe2, names, roles, classes)
         except TraceError as e:
             hints = [n for n in notes if "boolean" in n or "Python number" in n or "integer" in n]
             if hints:

@@ -56,8 +56,9 @@ class Encoder(nn.Module):
         self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.head = nn.Linear(d_model, classes)
 
-    def forward(self, x):
-        return self.head(self.encoder(x).mean(dim=1))
+    def forward(self, x, labels=None):
+        logits = self.head(self.encoder(x).mean(dim=1))
+        return logits if labels is None else F.cross_entropy(logits, labels)
 
 
 class MultiIO(nn.Module):
@@ -92,6 +93,9 @@ def make(name, batch=4, seed=0):
                           torch.randint(0, 5, (batch,), generator=g)), {}
     if name == "transformer":
         return Encoder(), (torch.randn(batch, 6, 16, generator=g),), {}
+    if name == "transformer_loss":
+        return Encoder(), (torch.randn(batch, 6, 16, generator=g),), {
+            "labels": torch.randint(0, 3, (batch,), generator=g)}
     if name == "gpt":
         return GPT(), (torch.randint(0, 50, (batch, 8), generator=g),
                        torch.randint(0, 50, (batch, 8), generator=g)), {}

@@ -1,0 +1,309 @@
+"""RaNNCModule: an ordinary nn.Module in, a pipelined, data-parallel module out.
+
+    model = rannc.RaNNCModule(model, optimizer)
+    loss = model(x, y)        # first call: trace, plan (all ranks agree), deploy
+    loss.backward()           # applies the seed's scale to the gradients of this rank's stage
+    optimizer.step()
+
+[Note: training inside forward] With a scalar loss the whole 1F1B iteration (forwards and
+backwards of every micro-batch) runs inside forward(): the backward seed is known up to a
+scale. The gradients of this rank's parameters, summed over replicas and over the stages
+that share a parameter, are kept aside; `loss.backward()` adds `grad_output * them` to
+`.grad`. So `(c * loss).backward()`, accumulation over several calls and `zero_grad()`
+behave as in PyTorch.
+"""
+from __future__ import annotations
+
+import sys
+import traceback
+
+import torch
+import torch.utils._pytree as pytree
+
+from . import _C
+from .graph import TracedGraph
+from .options import Options
+from .pipeline import Engine
+
+
+class _ApplyStepGrads(torch.autograd.Function):
+    """Carries the loss to the user; its backward scales and adds the step's gradients."""
+
+    @staticmethod
+    def forward(ctx, anchor, loss, deployed):
+        ctx.deployed = deployed
+        return loss.detach().clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.deployed.apply_grads(grad)
+        return None, None, None
+
+
+class _Deployed:
+    """One traced and planned mode (train or eval) of the model on this rank."""
+
+    def __init__(self, owner: "RaNNCModule", args, kwargs):
+        opts, model = owner.options, owner.module
+        self.owner = owner
+        self.graph = TracedGraph(model, args, kwargs)
+        ir = self.graph.ir
+        rank, world = _C.get_rank(), _C.get_world_size()
+        self._check_agreement(ir)
+        deployment = self._plan(ir, world, opts)
+        if opts.verify_plan:
+            deployment.validate(ir)
+        self.deployment = deployment
+        state_tensors = self.graph._trace.state.tensors(model)
+        n_state = len(state_tensors)
+        self.state_ids = list(ir.inputs[:n_state])
+        self.input_ids = list(ir.inputs[n_state:])
+        state = dict(zip(self.state_ids, state_tensors))
+        self.engine = Engine(self.graph._trace.traced, deployment, rank, world,
+                             self.graph.batch_size, state, opts.recompute == "always")
+        self.own = {v: t for v, t in self.engine.my_state.items() if t.requires_grad}
+        self.groups = []
+        comm = _C.Communicator.world_cpu()
+        for ranks, vids in self.engine.grad_groups(set(self.state_ids)):
+            if rank in ranks:
+                sub = comm.subgroup(list(ranks)) if len(ranks) > 1 else None
+                self.groups.append((sub, [v for v in vids if v in self.own]))
+        self.step_grads = {}
+        if rank == 0:
+            print(deployment.report(), flush=True)
+
+    def _check_agreement(self, ir):
+        """Every rank must trace the same graph with the same local batch size."""
+        comm = _C.Communicator.world_cpu()
+        mine = torch.tensor([ir.content_hash() & 0x7FFFFFFFFFFFFFFF, self.graph.batch_size],
+                            dtype=torch.int64)
+        everyone = torch.empty(comm.size, 2, dtype=torch.int64)
+        comm.all_gather(mine, everyone).wait()
+        hashes, batches = everyone[:, 0].tolist(), everyone[:, 1].tolist()
+        if len(set(batches)) > 1:
+            raise _C.Error(f"local batches must have the same size on every rank; got "
+                           f"{dict(enumerate(batches))} (rank: rows)")
+        if len(set(hashes)) > 1:
+            raise _C.Error(f"the ranks traced different graphs (hash per rank: "
+                           f"{[hex(h) for h in hashes]}); every rank must build the same model")
+
+    def _plan(self, ir, world, opts):
+        comm = _C.Communicator.world_cpu()
+        if opts.load_plan:
+            deployment = _C.load_deployment(opts.load_plan, ir)
+            if deployment.world_size != world:
+                raise _C.Error(f"plan {opts.load_plan} was made for {deployment.world_size} ranks, "
+                               f"this job has {world}")
+            return deployment
+        if _C.get_rank() == 0:
+            try:
+                data = self._make_plan(ir, world, opts).to_bytes()
+            except Exception as e:  # tell the others before failing
+                _C.report_failure(f"rank 0 could not plan: {type(e).__name__}: {e}")
+                raise
+            size = torch.tensor([len(data)], dtype=torch.int64)
+        else:
+            size = torch.zeros(1, dtype=torch.int64)
+        comm.broadcast(size, 0).wait()
+        buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if _C.get_rank() == 0
+               else torch.empty(int(size.item()), dtype=torch.uint8))
+        comm.broadcast(buf, 0).wait()
+        deployment = _C.deployment_from_bytes(bytes(buf.numpy().tobytes()), ir, "the plan from rank 0")
+        if opts.save_plan and _C.get_rank() == 0:
+            deployment.save(opts.save_plan)
+        return deployment
+
+    def _make_plan(self, ir, world, opts):
+        device = _C.DeviceSpec()
+        device.memory_bytes = opts.device_memory
+        device.devices_per_node = max(1, _C.get_local_size())
+        # CPU ranks: modest peak and bandwidth; only the ratios matter for the plan.
+        device.peak_flops, device.memory_bandwidth = 50e9, 10e9
+        device.intra_node_bandwidth = device.inter_node_bandwidth = 5e9
+        return _C.plan_analytic(
+            ir, device, world, batch_size=self.graph.batch_size * world,
+            num_blocks=opts.num_blocks, memory_margin=opts.memory_margin,
+            optimizer=opts.optimizer_kind or _optimizer_kind(self.owner.optimizer),
+            allow_recompute=opts.recompute != "never", fixed_stages=opts.num_stages,
+            fixed_micro_batches=opts.num_microbatches)
+
+    # ---- running ------------------------------------------------------------------------
+    def run(self, args, kwargs):
+        g = self.graph
+        flat = g._flat_inputs(args, kwargs)[len(self.state_ids):]
+        local = dict(zip(self.input_ids, flat))
+        train = (torch.is_grad_enabled() and self.owner.module.training
+                 and self.engine.loss_vid is not None)
+        if train:
+            saved = {v: t.grad for v, t in self.own.items()}
+            for t in self.own.values():
+                t.grad = None
+        produced, batch_outputs = self.engine.step(local, train)
+        if train:
+            self.step_grads = {v: (t.grad if t.grad is not None else torch.zeros_like(t))
+                               for v, t in self.own.items()}
+            for v, t in self.own.items():
+                t.grad = saved[v]
+            self._allreduce_grads()
+        return self._outputs(produced, batch_outputs, train)
+
+    def _allreduce_grads(self):
+        for sub, vids in self.groups:
+            if sub is None or not vids:
+                continue
+            flat = torch.cat([self.step_grads[v].reshape(-1) for v in vids])
+            sub.all_reduce(flat).wait()
+            offset = 0
+            for v in vids:
+                n = self.step_grads[v].numel()
+                self.step_grads[v] = flat[offset:offset + n].view_as(self.step_grads[v])
+                offset += n
+
+    def apply_grads(self, scale):
+        for v, t in self.own.items():
+            g = self.step_grads[v] * scale
+            t.grad = g if t.grad is None else t.grad + g
+
+    def _outputs(self, produced, batch_outputs, train):
+        comm = _C.Communicator.world_cpu()
+        ir, layout, engine = self.graph.ir, self.engine.layout, self.engine
+        tensors = []
+        for vid in ir.outputs:
+            v = engine.value(vid)
+            if vid in batch_outputs:
+                tensors.append(batch_outputs[vid])
+            elif v["batch_dependent"] and v["kind"] == "Tensor" and v["shape"] == []:
+                # a mean over the rows of each micro-batch share: weight by rows
+                total = torch.zeros((), dtype=torch.float64)
+                for m, outs in produced.items():
+                    if vid in outs:
+                        rows = layout.share(engine.stage, engine.copy, m, engine.replica)
+                        total += outs[vid].double() * len(rows) / layout.global_batch
+                comm.all_reduce(total).wait()
+                value = total.to(_dtype(v))
+                if train and vid == engine.loss_vid:
+                    anchor = next(iter(self.own.values()), self.owner._anchor)
+                    value = _ApplyStepGrads.apply(anchor, value, self)
+                tensors.append(value)
+            else:
+                root = layout.rank_of(engine.producer[vid], 0, 0) if vid in engine.producer else 0
+                buf = (produced[0][vid].detach().clone() if _C.get_rank() == root
+                       else engine._empty(vid, None))
+                comm.broadcast(buf, root).wait()
+                tensors.append(buf)
+        return self.graph._rebuild_output(tensors)
+
+
+def _dtype(value):
+    from .pipeline import _DTYPES
+    return _DTYPES[value["dtype"]]
+
+
+def _optimizer_kind(optimizer) -> str:
+    if optimizer is None:
+        return "sgd"
+    name = type(optimizer).__name__.lower()
+    if "adam" in name:
+        return "adam"
+    if name == "sgd" and any(g.get("momentum", 0) for g in optimizer.param_groups):
+        return "sgd_momentum"
+    return "sgd" if name == "sgd" else "adam"
+
+
+class RaNNCModule(torch.nn.Module):
+    """Wraps `model` so that it trains pipelined and data-parallel across the MPI ranks.
+
+    Every rank passes its own local batch (like DDP); the result equals single-process
+    PyTorch on the concatenation of the ranks' batches. Options: see docs/options.md.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 **options):
+        super().__init__()
+        self.options = Options.resolve(options)
+        if self.options.log_level:
+            _C.set_log_level(self.options.log_level)
+        _C.set_comm_timeout(self.options.comm_timeout)
+        self.module = model
+        self.optimizer = optimizer
+        self._deployed = {}
+        self._anchor = torch.zeros((), requires_grad=True)
+        self._patched = False
+
+    def forward(self, *args, **kwargs):
+        mode = self.module.training
+        deployed = self._deployed.get(mode)
+        try:
+            if deployed is None:
+                if self._deployed:  # another mode ran before: owners share current weights
+                    self._sync_parameters()
+                deployed = self._deployed[mode] = _Deployed(self, args, kwargs)
+                if mode:
+                    self._patch_optimizer(deployed)
+            elif not mode and True in self._deployed:
+                self._sync_parameters()
+            return deployed.run(args, kwargs)
+        except _C.CommError:
+            raise
+        except Exception as e:
+            # Say where before telling the others: their abort may end this process.
+            where = traceback.extract_tb(e.__traceback__)[-1]
+            message = (f"rank {_C.get_rank()} failed: {type(e).__name__}: {e} "
+                       f"(at {where.filename}:{where.lineno})")
+            print(f"[rannc] {message}", file=sys.stderr, flush=True)
+            _C.report_failure(message)
+            raise
+
+    def _patch_optimizer(self, deployed):
+        """The optimizer keeps only the parameters this rank's stage updates."""
+        if self.optimizer is None or self._patched:
+            return
+        own = {id(t) for t in deployed.own.values()}
+        for group in self.optimizer.param_groups:
+            group["params"] = [p for p in group["params"] if id(p) in own]
+        self._patched = True
+
+    def _sync_parameters(self):
+        """Every parameter from a rank that updates it, to every rank (before running a
+        mode whose plan may place it elsewhere)."""
+        train = self._deployed.get(True)
+        if train is None:
+            return
+        comm = _C.Communicator.world_cpu()
+        names = dict(self.module.named_parameters())
+        owner_of = {}
+        for s, stage in enumerate(train.deployment.stages):
+            for v in train.engine.pieces[s].inputs:
+                owner_of.setdefault(v, stage.ranks[0])
+        for vid, t in zip(train.state_ids, train.graph._trace.state.tensors(self.module)):
+            if vid in owner_of and t.requires_grad:
+                with torch.no_grad():
+                    comm.broadcast(t.data, owner_of[vid]).wait()
+        del names
+
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clips the gradients of all stages by their global norm; returns that norm."""
+        deployed = self._deployed.get(True)
+        if deployed is None:
+            raise _C.Error("clip_grad_norm before the first training step")
+        comm = _C.Communicator.world_cpu()
+        # Each parameter counts once: on the first rank of its gradient group.
+        mine = torch.zeros((), dtype=torch.float64)
+        rank = _C.get_rank()
+        counted = set()
+        for ranks, vids in deployed.engine.grad_groups(set(deployed.state_ids)):
+            if min(ranks) != rank:
+                continue
+            for v in vids:
+                t = deployed.own.get(v)
+                if t is not None and t.grad is not None and v not in counted:
+                    counted.add(v)
+                    mine += t.grad.double().norm(norm_type) ** norm_type
+        comm.all_reduce(mine).wait()
+        total = mine ** (1.0 / norm_type)
+        coef = max_norm / (float(total) + 1e-6)
+        if coef < 1:
+            for t in deployed.own.values():
+                if t.grad is not None:
+                    t.grad.mul_(coef)
+        return total.float()

@@ -1,0 +1,75 @@
+"""RaNNCModule's options: keyword arguments first, then RANNC_<NAME> environment variables,
+then the defaults below. An unknown option is an error (docs/options.md lists them all)."""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, fields
+
+from . import _C
+
+_SIZE = re.compile(r"^\s*([0-9.]+)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {None: 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value) -> int:
+    """16 * 2**30, "16GiB", "512MB" -> bytes."""
+    if isinstance(value, (int, float)):
+        return int(value)
+    m = _SIZE.match(str(value))
+    if not m:
+        raise _C.Error(f"cannot read {value!r} as a size in bytes (say 16GiB, 512MB or 1000000)")
+    unit = m.group(2).lower() if m.group(2) else None
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+@dataclass
+class Options:
+    device_memory: int = 8 * 2**30     # bytes per device the plan must fit in
+    memory_margin: float = 0.1         # fraction of device_memory kept free
+    num_blocks: int = 32               # k of block partitioning
+    num_stages: int = 0                # > 0: fix the number of pipeline stages
+    num_microbatches: int = 0          # > 0: fix the number of micro-batches
+    recompute: str = "auto"            # "auto" (where memory needs it), "always", "never"
+    optimizer_kind: str = ""           # memory model: adam, sgd_momentum, sgd ("" = from the optimizer)
+    save_plan: str = ""                # write the plan to this file
+    load_plan: str = ""                # use the plan in this file (checked against the model)
+    comm_timeout: float = 600.0        # seconds a rank waits for a peer before failing
+    log_level: str = ""                # trace, debug, info, warn, error, off
+    verify_plan: bool = True           # check every stage and task of the plan before deploying
+
+    @staticmethod
+    def resolve(kwargs: dict, environ=os.environ) -> "Options":
+        known = {f.name: f for f in fields(Options)}
+        unknown = sorted(set(kwargs) - set(known))
+        if unknown:
+            raise _C.Error(f"unknown option(s) {', '.join(unknown)}; known options: "
+                           f"{', '.join(sorted(known))}")
+        opts = Options()
+        for name, f in known.items():
+            env = environ.get("RANNC_" + name.upper())
+            raw = kwargs.get(name, env)
+            if raw is None:
+                continue
+            setattr(opts, name, _convert(name, f.type, raw))
+        if opts.recompute not in ("auto", "always", "never"):
+            raise _C.Error(f"option recompute is {opts.recompute!r}; expected auto, always or never")
+        return opts
+
+
+def _convert(name, type_name, raw):
+    try:
+        if name == "device_memory":
+            return parse_bytes(raw)
+        if type_name in ("int", int):
+            return int(raw)
+        if type_name in ("float", float):
+            return float(raw)
+        if type_name in ("bool", bool):
+            if isinstance(raw, str):
+                return raw.strip().lower() in ("1", "true", "yes", "on")
+            return bool(raw)
+        return str(raw)
+    except (TypeError, ValueError) as e:
+        raise _C.Error(f"option {name}: cannot use {raw!r} ({e})") from None

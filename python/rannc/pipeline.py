@@ -1,0 +1,392 @@
+"""The pipeline engine: runs this rank's stage of a plan, micro-batch by micro-batch, in
+the order the schedule (built in C++, `_C.build_schedule`) gives, moving exactly the rows
+each replica needs.
+
+[Note: row ownership] The global batch is the concatenation of the ranks' local batches
+(rank r owns global rows [r*b, (r+1)*b)). Pipeline copy c takes a contiguous share of the
+global rows, micro-batch m a contiguous share of the copy's rows, and replica j of a stage
+a contiguous share of the micro-batch's rows. A batch value (IR `batch_dim` d, `batch_multiple`
+k) of a row interval [s, t) has (t-s)*k entries along d. Every transfer sends the overlap of
+the interval a source holds and the interval a consumer needs: this is the redistribution
+between stages with different replica counts. Values without a batch dimension go whole,
+from replica (j mod r) of the producing stage to replica j of the consumer.
+
+[Note: send/receive ordering] Sends are non-blocking and are waited for at the end of the
+step; receives block in schedule order. A tag encodes (value, micro-batch, direction), so
+the messages between two ranks never need to arrive in a particular order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import _C
+
+
+def bounds(n: int, parts: int) -> list[int]:
+    """Split points of n items into `parts` contiguous, nearly equal parts."""
+    return [n * i // parts for i in range(parts + 1)]
+
+
+@dataclass(frozen=True)
+class Rows:
+    start: int
+    stop: int
+
+    def __len__(self):
+        return self.stop - self.start
+
+    def overlap(self, other: "Rows") -> "Rows | None":
+        s, t = max(self.start, other.start), min(self.stop, other.stop)
+        return Rows(s, t) if s < t else None
+
+
+class Layout:
+    """Who runs what: stages, pipeline copies, replicas and the rows each one holds."""
+
+    def __init__(self, deployment, world_size: int, local_batch: int):
+        self.world_size, self.local_batch = world_size, local_batch
+        self.global_batch = world_size * local_batch
+        self.pipelines = deployment.pipelines
+        self.micro_batches = deployment.micro_batches
+        self.stage_ranks = [list(s.ranks) for s in deployment.stages]
+        self.replicas = [len(r) // self.pipelines for r in self.stage_ranks]
+        self.copy_bounds = bounds(self.global_batch, self.pipelines)
+        smallest = min(self.copy_bounds[c + 1] - self.copy_bounds[c] for c in range(self.pipelines))
+        if smallest // self.micro_batches < max(self.replicas):
+            raise _C.Error(
+                f"a global batch of {self.global_batch} rows ({world_size} ranks x {local_batch}) is "
+                f"too small for {self.pipelines} pipeline copies x {self.micro_batches} micro-batches "
+                f"with up to {max(self.replicas)} replicas per stage: use a larger batch or fewer "
+                "micro-batches (option num_microbatches)")
+        self.place = {}
+        for s, ranks in enumerate(self.stage_ranks):
+            for i, r in enumerate(ranks):
+                self.place[r] = (s, i // self.replicas[s], i % self.replicas[s])
+
+    def rank_of(self, stage: int, copy: int, replica: int) -> int:
+        return self.stage_ranks[stage][copy * self.replicas[stage] + replica]
+
+    def micro_batch_rows(self, copy: int, m: int) -> Rows:
+        lo, hi = self.copy_bounds[copy], self.copy_bounds[copy + 1]
+        b = bounds(hi - lo, self.micro_batches)
+        return Rows(lo + b[m], lo + b[m + 1])
+
+    def share(self, stage: int, copy: int, m: int, replica: int) -> Rows:
+        mb = self.micro_batch_rows(copy, m)
+        b = bounds(len(mb), self.replicas[stage])
+        return Rows(mb.start + b[replica], mb.start + b[replica + 1])
+
+    def owned(self, rank: int) -> Rows:
+        return Rows(rank * self.local_batch, (rank + 1) * self.local_batch)
+
+
+@dataclass
+class Piece:
+    """One transfer: rows `rows` of value `vid` for micro-batch `m`, from `src` (whose
+    tensor starts at row `src_start`) to `dst` (whose tensor starts at row `dst_start`)."""
+    vid: int
+    m: int
+    src: int
+    dst: int
+    rows: Rows | None   # None: the whole (non-batch) value
+    src_start: int = 0
+    dst_start: int = 0
+
+
+def _narrow(t: torch.Tensor, value: dict, rows: Rows | None, start: int) -> torch.Tensor:
+    if rows is None:
+        return t
+    k, d = value["batch_multiple"], value["batch_dim"]
+    return t.narrow(d, (rows.start - start) * k, len(rows) * k)
+
+
+class Engine:
+    """Runs one rank's stage of a deployment."""
+
+    def __init__(self, traced, deployment, rank: int, world_size: int, local_batch: int,
+                 state: dict, recompute: bool):
+        self.traced, self.ir = traced, traced.ir
+        self.deployment = deployment
+        self.rank = rank
+        self.layout = Layout(deployment, world_size, local_batch)
+        self.stage, self.copy, self.replica = self.layout.place[rank]
+        self.pieces = [deployment.stage_piece(self.ir, s) for s in range(deployment.num_stages)]
+        piece = self.pieces[self.stage]
+        self.my_state = {v: state[v] for v in piece.inputs if v in state}
+        self.executor = _C.StageExecutor(traced, piece, self.my_state)
+        self.recompute = recompute or deployment.stages[self.stage].recompute
+        self.comm = _C.Communicator.world_cpu()
+        self.values = {}
+        self.producer = {}  # value id -> stage producing it
+        for s, p in enumerate(self.pieces):
+            for v in p.outputs:
+                self.producer[v] = s
+        self.graph_inputs = set(self.ir.inputs)
+        self._plan_transfers()
+
+    # ---- transfer planning (pure; every rank computes the same lists) ------------------
+    def value(self, vid: int) -> dict:
+        if vid not in self.values:
+            self.values[vid] = self.ir.value(vid)
+        return self.values[vid]
+
+    def _holders(self, vid: int, copy: int, m: int, replica_hint: int):
+        """(rank, rows, start row of its tensor) for the holders of vid's rows, or the one
+        holder of a non-batch value (rows None)."""
+        v = self.value(vid)
+        L = self.layout
+        if vid in self.graph_inputs:
+            if v["batch_dim"] < 0:
+                return None  # every rank has its own copy
+            return [(q, L.owned(q), L.owned(q).start) for q in range(L.world_size)]
+        t = self.producer[vid]
+        if v["batch_dim"] < 0:
+            return [(L.rank_of(t, copy, replica_hint % L.replicas[t]), None, 0)]
+        return [(L.rank_of(t, copy, j), L.share(t, copy, m, j), L.share(t, copy, m, j).start)
+                for j in range(L.replicas[t])]
+
+    def _pieces_into(self, stage: int, copy: int, m: int, replica: int, vid: int):
+        L = self.layout
+        dst = L.rank_of(stage, copy, replica)
+        v = self.value(vid)
+        holders = self._holders(vid, copy, m, replica)
+        if holders is None:
+            return [Piece(vid, m, dst, dst, None)]
+        if v["batch_dim"] < 0:
+            src, _, _ = holders[0]
+            return [Piece(vid, m, src, dst, None)]
+        need = L.share(stage, copy, m, replica)
+        out = []
+        for src, rows, start in holders:
+            o = need.overlap(rows)
+            if o is not None:
+                out.append(Piece(vid, m, src, dst, o, start, need.start))
+        return out
+
+    def _plan_transfers(self):
+        L, M = self.layout, self.layout.micro_batches
+        me = self.rank
+        self.recv = {m: {} for m in range(M)}   # m -> vid -> [Piece] into this rank
+        self.send = {m: {} for m in range(M)}   # m -> vid -> [Piece] out of this rank
+        self.input_sends = []                   # graph-input rows other ranks need from me
+        for s in range(len(self.pieces)):
+            for vid in self._stage_inputs(s):
+                for c in range(L.pipelines):
+                    for m in range(M):
+                        for j in range(L.replicas[s]):
+                            for p in self._pieces_into(s, c, m, j, vid):
+                                if p.dst == me:
+                                    self.recv[m].setdefault(vid, []).append(p)
+                                elif p.src == me:
+                                    target = (self.input_sends if vid in self.graph_inputs
+                                              else self.send[m].setdefault(vid, []))
+                                    target.append(p)
+        self._plan_outputs()
+
+    def _stage_inputs(self, s):
+        """Inputs of stage s that move between ranks: not state, not constants, not shape
+        values (which each stage computes from its own rows)."""
+        piece = self.pieces[s]
+        moved = []
+        for vid in piece.inputs:
+            v = self.value(vid)
+            if v["role"] in ("param", "buffer", "constant") or self._is_shape_value(vid):
+                continue
+            if v["kind"] != "Tensor":
+                raise _C.Error(
+                    f"stage {s} needs the {v['kind']} value {v['name'] or vid} from another stage; "
+                    f"rannc moves only tensors and shape values between stages "
+                    f"(produced by {self.traced.describe_task(v['producer'])})")
+            moved.append(vid)
+        return moved
+
+    def _is_shape_value(self, vid) -> bool:
+        v = self.value(vid)
+        return bool(v["int_values"]) and v["role"] == "intermediate" and (
+            v["kind"] != "Tensor" or v["shape"] == [])
+
+    def _shape_value(self, vid, m):
+        """A size or shape for this replica's rows of micro-batch m (see [Note: shape
+        values] in csrc/ir/value.h)."""
+        v = self.value(vid)
+        rows = len(self.layout.share(self.stage, self.copy, m, self.replica))
+        ints = [k * rows if k else x for x, k in zip(v["int_values"], v["int_batch_multiples"])]
+        if v["kind"] == "int":
+            return ints[0]
+        if v["kind"] == "int[]":
+            return ints
+        return torch.tensor(ints[0], dtype=_DTYPES[v["dtype"]])
+
+    def _plan_outputs(self):
+        """Batch outputs go back to the ranks owning their rows; scalars are averaged."""
+        L, M, me = self.layout, self.layout.micro_batches, self.rank
+        self.out_recv = {}   # vid -> [Piece] of my own rows
+        self.out_send = {m: {} for m in range(M)}
+        for vid in set(self.ir.outputs):
+            v = self.value(vid)
+            if vid in self.graph_inputs or v["batch_dim"] < 0:
+                continue
+            t = self.producer[vid]
+            for c in range(L.pipelines):
+                for m in range(M):
+                    for j in range(L.replicas[t]):
+                        src, rows = L.rank_of(t, c, j), L.share(t, c, m, j)
+                        for q in range(L.world_size):
+                            o = rows.overlap(L.owned(q))
+                            if o is None:
+                                continue
+                            p = Piece(vid, m, src, q, o, rows.start, L.owned(q).start)
+                            if q == me:
+                                self.out_recv.setdefault(vid, []).append(p)
+                            if src == me:
+                                self.out_send[m].setdefault(vid, []).append(p)
+
+    # ---- gradient groups ----------------------------------------------------------------
+    def grad_groups(self, state_ids):
+        """[(ranks, [vid, ...])]: for every parameter this rank uses, the ranks whose stages
+        use it too; their gradients are summed (replicas, and tied weights across stages)."""
+        users = {}
+        for s, piece in enumerate(self.pieces):
+            for v in piece.inputs:
+                if v in state_ids:
+                    users.setdefault(v, set()).update(self.layout.stage_ranks[s])
+        groups = {}
+        for v in sorted(users):
+            groups.setdefault(tuple(sorted(users[v])), []).append(v)
+        return sorted(groups.items())
+
+    # ---- execution ------------------------------------------------------------------------
+    def _tag(self, vid: int, m: int, direction: int) -> int:
+        return (vid * self.layout.micro_batches + m) * 3 + direction
+
+    def _empty(self, vid: int, rows: Rows | None) -> torch.Tensor:
+        v = self.value(vid)
+        shape = list(v["shape"])
+        if rows is not None:
+            shape[v["batch_dim"]] = len(rows) * v["batch_multiple"]
+        return torch.empty(shape, dtype=_DTYPES[v["dtype"]])
+
+    def _gather(self, vid: int, m: int, local: dict) -> torch.Tensor:
+        """This replica's rows of an input value for micro-batch m."""
+        if self._is_shape_value(vid):
+            return self._shape_value(vid, m)
+        pieces = self.recv[m].get(vid, [])
+        v = self.value(vid)
+        if not pieces:
+            raise _C.InternalError(f"rank {self.rank}: no source for input {vid} of micro-batch {m}")
+        parts, works = [], []
+        for p in pieces:
+            if p.src == self.rank:
+                parts.append(_narrow(local[vid], v, p.rows, p.src_start))
+            else:
+                buf = self._empty(vid, p.rows)
+                works.append(self.comm.recv(buf, p.src, self._tag(vid, m, 0)))
+                parts.append(buf)
+        for w in works:
+            w.wait()
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat(parts, dim=v["batch_dim"])
+
+    def step(self, local: dict, train: bool):
+        """Runs one iteration. `local` maps graph-input value ids to this rank's tensors.
+        Returns ({output vid: tensor produced here, per micro-batch}, local batch outputs)."""
+        L, M = self.layout, self.layout.micro_batches
+        sends = []
+        for p in self.input_sends:
+            t = _narrow(local[p.vid], self.value(p.vid), p.rows, p.src_start).contiguous()
+            sends.append(self.comm.send(t, p.dst, self._tag(p.vid, p.m, 0)))
+        if train:
+            schedule = _C.build_schedule(self.deployment.schedule, self.deployment.num_stages, M)[self.stage]
+        else:
+            schedule = [("F", m) for m in range(M)]
+        produced = {}      # m -> {vid: tensor} of graph outputs made here
+        shapes = {}        # m -> {vid: (shape, dtype)} of this stage's outputs
+        outputs = set(self.ir.outputs)
+        loss_vid = self.loss_vid
+        for kind, m in schedule:
+            if kind == "F":
+                ins = [self._gather(vid, m, local) for vid in self.executor.input_ids]
+                outs = self.executor.forward(m, ins, train, self.recompute)
+                out_map = dict(zip(self.executor.output_ids, outs))
+                shapes[m] = {vid: (t.shape, t.dtype) for vid, t in out_map.items()
+                             if isinstance(t, torch.Tensor)}
+                for table, direction in ((self.send[m], 0), (self.out_send[m], 2)):
+                    for vid, ps in table.items():
+                        for p in ps:
+                            t = _narrow(out_map[vid], self.value(vid), p.rows, p.src_start)
+                            sends.append(self.comm.send(t.contiguous(), p.dst,
+                                                        self._tag(vid, m, direction)))
+                produced[m] = {vid: t for vid, t in out_map.items() if vid in outputs}
+            else:
+                grads = [self._output_grad(vid, m, shapes[m], loss_vid)
+                         for vid in self.executor.output_ids]
+                in_grads = self.executor.backward(m, grads)
+                for vid, g in zip(self.executor.input_ids, in_grads):
+                    if (vid in self.graph_inputs or not self._carries_grad(vid)
+                            or self._is_shape_value(vid)):
+                        continue
+                    for p in self.recv[m].get(vid, []):
+                        piece = (torch.zeros_like(self._empty(vid, p.rows)) if g is None
+                                 else _narrow(g, self.value(vid), p.rows, p.dst_start))
+                        sends.append(self.comm.send(piece.contiguous(), p.src,
+                                                    self._tag(vid, m, 1)))
+        batch_outputs = self._collect_batch_outputs()
+        for w in sends:
+            w.wait()
+        return produced, batch_outputs
+
+    def _carries_grad(self, vid: int) -> bool:
+        v = self.value(vid)
+        return v["kind"] == "Tensor" and v["requires_grad"]
+
+    def _output_grad(self, vid, m, shapes, loss_vid):
+        """Gradient of one of this stage's outputs for micro-batch m: the loss seed and the
+        pieces its consumers send back, added at their rows."""
+        grad = None
+        if vid == loss_vid:
+            rows = self.layout.share(self.stage, self.copy, m, self.replica)
+            grad = torch.tensor(len(rows) / self.layout.global_batch,
+                                dtype=shapes[vid][1]).reshape(shapes[vid][0])
+        if self._carries_grad(vid) and self.send[m].get(vid):
+            if grad is None:
+                grad = torch.zeros(shapes[vid][0], dtype=shapes[vid][1])
+            works, parts = [], []
+            for p in self.send[m][vid]:
+                buf = self._empty(vid, p.rows)
+                works.append(self.comm.recv(buf, p.dst, self._tag(vid, m, 1)))
+                parts.append((p, buf))
+            for w in works:
+                w.wait()
+            for p, buf in parts:
+                _narrow(grad, self.value(vid), p.rows, p.src_start).add_(buf)
+        return grad
+
+    def _collect_batch_outputs(self):
+        """This rank's own rows of every batch output, assembled in row order."""
+        result = {}
+        for vid, pieces in self.out_recv.items():
+            v = self.value(vid)
+            parts, works = [], []
+            for p in sorted(pieces, key=lambda p: p.rows.start):
+                buf = self._empty(vid, p.rows)
+                works.append(self.comm.recv(buf, p.src, self._tag(vid, p.m, 2)))
+                parts.append(buf)
+            for w in works:
+                w.wait()
+            result[vid] = torch.cat(parts, dim=v["batch_dim"])
+        return result
+
+    @property
+    def loss_vid(self):
+        losses = [v for v in self.ir.outputs if self.value(v)["is_loss"]]
+        return losses[0] if len(losses) == 1 else None
+
+
+_DTYPES = {
+    "Float32": torch.float32, "Float64": torch.float64, "Float16": torch.float16,
+    "BFloat16": torch.bfloat16, "Int64": torch.int64, "Int32": torch.int32,
+    "Int16": torch.int16, "Int8": torch.int8, "UInt8": torch.uint8, "Bool": torch.bool,
+}
