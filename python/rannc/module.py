@@ -248,7 +248,8 @@ class RaNNCModule(torch.nn.Module):
         except Exception as e:
             # Say where before telling the others: their abort may end this process.
             where = traceback.extract_tb(e.__traceback__)[-1]
-            message = (f"rank {_C.get_rank()} failed: {type(e).__name__}: {e} "
+            stage = f" | stage {deployed.engine.stage}" if deployed is not None else ""
+            message = (f"rank {_C.get_rank()}{stage} failed: {type(e).__name__}: {e} "
                        f"(at {where.filename}:{where.lineno})")
             print(f"[rannc] {message}", file=sys.stderr, flush=True)
             _C.report_failure(message)

@@ -1,0 +1,62 @@
+"""RaNNCModule under real mpirun on CPU ranks equals single-process PyTorch on the
+concatenated global batch: the loss at every step, every gradient, every parameter after
+Adam steps, batch-shaped outputs, eval()/no_grad; over 1..4 ranks and several layouts."""
+import time
+
+import pytest
+
+from mpirun import mpirun
+
+# (ranks, model, stages, micro-batches, extra arguments)
+LAYOUTS = [
+    (1, "mlp", 1, 1, ["--eval"]),
+    (1, "gpt", 1, 2, []),
+    (2, "mlp", 2, 2, ["--eval"]),                 # 2 stages x 1 replica
+    (2, "transformer_loss", 1, 2, []),            # 1 stage x 2 replicas
+    (2, "resnet", 2, 1, []),                      # batch norm: one share per stage
+    (3, "gpt", 3, 3, []),                         # 3 stages
+    (3, "transformer_loss", 2, 3, []),            # 2 stages, replicas 1/2 or 2/1
+    (4, "gpt", 2, 2, ["--eval"]),                 # 2 stages x 2 replicas
+    (4, "gpt", 3, 4, []),                         # 3 stages, replicas mixed
+    (4, "gpt", 4, 3, []),                         # 4 stages
+    (4, "multi_io", 2, 2, ["--eval"]),            # kwargs, dict output, batch-shaped rows
+]
+
+
+@pytest.mark.parametrize("ranks,model,stages,micro,extra", LAYOUTS,
+                         ids=[f"{r}ranks-{m}-{s}st-{mb}mb" for r, m, s, mb, _ in LAYOUTS])
+def test_training_equals_pytorch(ranks, model, stages, micro, extra):
+    res = mpirun("train_check.py", ranks, model, "--stages", stages, "--micro", micro, *extra,
+                 timeout=300, env={"RANNC_COMM_TIMEOUT": "60"})
+    assert res.returncode == 0, res.stdout[-4000:]
+    for r in range(ranks):
+        assert f"OK rank {r}" in res.stdout, res.stdout[-4000:]
+
+
+@pytest.mark.parametrize("mode,ranks,model,stages,micro", [
+    ("accum", 4, "gpt", 2, 2),      # gradient accumulation over 2 calls
+    ("scale2", 2, "mlp", 2, 2),     # (2 * loss).backward()
+])
+def test_backward_semantics(mode, ranks, model, stages, micro):
+    res = mpirun("train_check.py", ranks, model, "--stages", stages, "--micro", micro,
+                 "--steps", 3, "--mode", mode, timeout=300, env={"RANNC_COMM_TIMEOUT": "60"})
+    assert res.returncode == 0, res.stdout[-4000:]
+    assert "OK rank 0" in res.stdout
+
+
+def test_recomputation_equals_pytorch():
+    res = mpirun("train_check.py", 3, "gpt", "--stages", 3, "--micro", 3, "--steps", 3,
+                 "--opt", "recompute=always", timeout=300, env={"RANNC_COMM_TIMEOUT": "60"})
+    assert res.returncode == 0, res.stdout[-4000:]
+    assert "OK rank 2" in res.stdout
+
+
+def test_a_failing_stage_ends_every_rank_naming_it():
+    start = time.monotonic()
+    res = mpirun("stage_failure.py", 2, timeout=200)
+    assert res.returncode != 0
+    assert "FAILED on rank 0" in res.stdout, res.stdout[-3000:]
+    assert "aten::embedding" in res.stdout and "'tok'" in res.stdout, res.stdout[-3000:]
+    assert "rank 1 stops because rank 0 failed: rank 0 | stage 0 failed" in res.stdout, \
+        res.stdout[-3000:]
+    assert time.monotonic() - start < 150
