@@ -111,22 +111,23 @@ class Trace:
 
 def _second_batch(flat: FlatArgs, batch: int, mirror: bool = True) -> tuple[list[torch.Tensor], int]:
     """Inputs at another batch size: batch rows are cycled to the new size, so the rows both
-    sizes share hold the same data. With `mirror`, values are mirrored too, to expose
-    programs that depend on the values (for the second trace)."""
+    sizes share hold the same data. With `mirror`, values change too, to expose programs
+    that depend on them (for the second trace): floats are negated, bools inverted, and
+    integer rows (token ids, labels with sentinels) taken in reverse order, which keeps
+    every integer a valid one."""
     batch2 = batch - 1 if batch > 2 else batch + 1
     rows = torch.arange(batch2) % batch
     out = []
     for t in flat.tensors:
         if t.dim() >= 1 and t.shape[0] == batch:
-            t = t.detach()[rows.to(t.device)]
-            if not mirror:
-                pass
-            elif t.is_floating_point() or t.is_complex():
+            if mirror and not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool):
+                t = t.detach()[(batch - 1 - rows).to(t.device)]
+            else:
+                t = t.detach()[rows.to(t.device)]
+            if mirror and (t.is_floating_point() or t.is_complex()):
                 t = -t
-            elif t.dtype == torch.bool:
+            elif mirror and t.dtype == torch.bool:
                 t = ~t
-            elif t.numel() > 0:
-                t = t.min() + t.max() - t
         out.append(t)
     return out, batch2
 
@@ -190,7 +191,11 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> Tr
     with torch.random.fork_rng(devices=[]):
         g1, ex1, out1 = _trace_once(model, state, flat, flat.tensors, notes)
         try:
-            g2, ex2, out2 = _trace_once(model, state, flat, tensors2, notes)
+            try:
+                g2, ex2, out2 = _trace_once(model, state, flat, tensors2, notes)
+            except Exception:  # perhaps only the changed values upset it: same values then
+                tensors2, _ = _second_batch(flat, batch, mirror=False)
+                g2, ex2, out2 = _trace_once(model, state, flat, tensors2, notes)
         except Exception as e:  # the model itself fails at another batch size
             raise TraceError(
                 f"the model fails when run at batch size {batch2} instead of {batch}, so it cannot "
