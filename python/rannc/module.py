@@ -265,22 +265,31 @@ class RaNNCModule(torch.nn.Module):
         self._patched = True
 
     def _sync_parameters(self):
-        """Every parameter from a rank that updates it, to every rank (before running a
-        mode whose plan may place it elsewhere)."""
+        """Every parameter and buffer from a rank whose stage updates it, to every rank
+        (before running a mode whose plan may place it elsewhere, or saving)."""
         train = self._deployed.get(True)
         if train is None:
             return
         comm = _C.Communicator.world_cpu()
-        names = dict(self.module.named_parameters())
         owner_of = {}
         for s, stage in enumerate(train.deployment.stages):
             for v in train.engine.pieces[s].inputs:
                 owner_of.setdefault(v, stage.ranks[0])
         for vid, t in zip(train.state_ids, train.graph._trace.state.tensors(self.module)):
-            if vid in owner_of and t.requires_grad:
+            if vid in owner_of:
                 with torch.no_grad():
                     comm.broadcast(t.data, owner_of[vid]).wait()
-        del names
+
+    def state_dict(self, *args, **kwargs):
+        """The full model state under the original names, on every rank (a collective:
+        every rank must call it)."""
+        self._sync_parameters()
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Loads a full model state (from plain PyTorch or another world size) on every
+        rank; each rank's stage then runs with it."""
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clips the gradients of all stages by their global norm; returns that norm."""

@@ -60,3 +60,11 @@ def test_a_failing_stage_ends_every_rank_naming_it():
     assert "rank 1 stops because rank 0 failed: rank 0 | stage 0 failed" in res.stdout, \
         res.stdout[-3000:]
     assert time.monotonic() - start < 150
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_module_api(ranks):
+    res = mpirun("module_api_check.py", ranks, timeout=300, env={"RANNC_COMM_TIMEOUT": "60"})
+    assert res.returncode == 0, res.stdout[-4000:]
+    for r in range(ranks):
+        assert f"OK rank {r}" in res.stdout, res.stdout[-4000:]
