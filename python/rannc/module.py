@@ -40,6 +40,24 @@ class _ApplyStepGrads(torch.autograd.Function):
         return None, None, None
 
 
+class _NoGradientPath(torch.autograd.Function):
+    """Marks an output that was computed by a 1F1B training step seeded by the scalar loss:
+    gradients cannot flow back through it, and trying says so."""
+
+    @staticmethod
+    def forward(ctx, anchor, value, name):
+        ctx.name = name
+        return value.detach().clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise _C.Error(
+            f"the output {ctx.name} has no gradient path: rannc trains from the scalar loss "
+            "inside forward (synchronous 1F1B) and returns the other outputs without one. "
+            "Backpropagate from the loss output only; backward from other outputs (a "
+            "fill-drain schedule with external output gradients) is not available yet.")
+
+
 class _Deployed:
     """One traced and planned mode (train or eval) of the model on this rank."""
 
@@ -191,6 +209,11 @@ class _Deployed:
                        else engine._empty(vid, None))
                 comm.broadcast(buf, root).wait()
                 tensors.append(buf)
+        if train:  # other float outputs: a clear error if the user backpropagates through them
+            anchor = next(iter(self.own.values()), self.owner._anchor)
+            for i, (vid, t) in enumerate(zip(ir.outputs, tensors)):
+                if vid != engine.loss_vid and t.is_floating_point():
+                    tensors[i] = _NoGradientPath.apply(anchor, t, f"#{i} ({engine.value(vid)['name'] or vid})")
         return self.graph._rebuild_output(tensors)
 
 

@@ -93,8 +93,13 @@ for step in range(a.steps):
         (scale * loss_of(ref_out)).backward()
         close(loss_of(out).detach(), loss_of(ref_out).detach(), f"loss at step {step}")
         if isinstance(out, dict):  # batch-shaped outputs: this rank's own rows
-            close(out["hidden"], local(ref_out["hidden"]).detach(), "hidden rows")
-            close(out["aux"][0], local(ref_out["aux"][0]).detach(), "aux rows")
+            close(out["hidden"].detach(), local(ref_out["hidden"]).detach(), "hidden rows")
+            close(out["aux"][0].detach(), local(ref_out["aux"][0]).detach(), "aux rows")
+            try:  # no gradient path through outputs other than the loss: a clear error
+                out["hidden"].sum().backward()
+                raise AssertionError("backward through a non-loss output did not fail")
+            except rannc.Error as e:
+                assert "has no gradient path" in str(e), e
     own = [p for g in opt.param_groups for p in g["params"]]
     for p in own:
         close(p.grad, ref_params[names[id(p)]].grad, f"gradient of {names[id(p)]} at step {step}")
