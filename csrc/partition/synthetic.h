@@ -1,6 +1,6 @@
 #pragma once
 // Synthetic graphs shaped like traced models, for tests and the planner benchmark: no
-// torch needed, sizes chosen freely (a 256-layer BERT has ~15,000 atomic pieces). Every
+// torch needed, sizes chosen freely (a 256-layer BERT has ~7,200 atomic pieces). Every
 // activation carries the batch in dimension 0, so analytic costs scale with the rows.
 #include <cstdint>
 #include <vector>
