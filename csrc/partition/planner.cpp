@@ -15,6 +15,25 @@ PlanContext planContext(const ir::Graph& graph, const CostModel& costs, const Pl
   if (o.batch_size < 0) bad("batch_size must be >= 0 (0: traced batch x world), got " + std::to_string(o.batch_size));
   if (o.memory_limit < 0) bad("memory_limit must be >= 0 (0: from the device), got " + std::to_string(o.memory_limit));
   if (o.fixed_stages < 0 || o.fixed_micro_batches < 0) bad("fixed_stages and fixed_micro_batches must be >= 0");
+  if (!o.fixed_replicas.empty()) {
+    int sum = 0;
+    std::string list;
+    for (int r : o.fixed_replicas) {
+      if (r < 1) bad("fixed_replicas must all be >= 1, got " + std::to_string(r));
+      sum += r;
+      list += (list.empty() ? "" : "/") + std::to_string(r);
+    }
+    if (o.fixed_stages != static_cast<int>(o.fixed_replicas.size())) {
+      bad("fixed_replicas " + list + " names " + std::to_string(o.fixed_replicas.size()) +
+          " stage(s) but fixed_stages is " + std::to_string(o.fixed_stages) +
+          "; set fixed_stages to the number of entries");
+    }
+    if (o.world_size % sum != 0) {
+      bad("fixed_replicas " + list + " use " + std::to_string(sum) + " device(s) per pipeline copy, " +
+          "which does not divide world_size " + std::to_string(o.world_size) +
+          "; the replicas must sum to world_size or a divisor of it");
+    }
+  }
   if (o.search_patience < 0) bad("search_patience must be >= 0, got " + std::to_string(o.search_patience));
   if (o.max_micro_batches < 1) bad("max_micro_batches must be >= 1, got " + std::to_string(o.max_micro_batches));
   PlanContext ctx;
@@ -53,6 +72,8 @@ PlanTrace planTrace(const ir::Graph& graph, CostModel& costs, const PlannerOptio
   so.fixed_micro_batches = options.fixed_micro_batches;
   so.max_micro_batches = options.max_micro_batches;
   so.patience = options.search_patience;
+  so.every_node_count = options.every_node_count;
+  so.fixed_replicas = options.fixed_replicas;
   const int atoms = static_cast<int>(trace.atomic.pieces.size());
   for (int attempt = 0;; ++attempt) {
     trace.blocks = partitionBlocks(trace.atomic, costs, bo);

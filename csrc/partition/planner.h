@@ -3,6 +3,7 @@
 // struct with named defaults (read once from kwargs and RANNC_* variables at the Python
 // edge); this is the entry point the binding layer calls.
 #include <cstdint>
+#include <vector>
 
 #include "partition/atomic/atomic.h"
 #include "partition/block/block.h"
@@ -25,9 +26,14 @@ struct PlannerOptions {
   ConstantPolicy constant_policy = ConstantPolicy::IndependentOfState;
   int fixed_stages = 0;           // > 0: override the stage-count search
   int fixed_micro_batches = 0;    // > 0: override the micro-batch search
+  // Not empty (with fixed_stages = its size): the replicas of each stage within one
+  // pipeline copy; world_size / sum copies. Forces the layout, say 3 stages with replicas
+  // 2/1/1 on 4 ranks; the sum must divide world_size.
+  std::vector<int> fixed_replicas;
   int max_micro_batches = 256;
   int search_patience = 3;        // stop raising M (S) after this many non-improving candidates; 0: exhaustive
   bool refine_boundaries = true;  // slide stage boundaries piece by piece after the block-level DP
+  bool every_node_count = true;   // all node counts compete (false: the paper's first one with a plan)
 };
 
 // The context the options describe for `graph` on `costs`' device.

@@ -69,12 +69,15 @@ StageEstimate StageProblem::estimate(int first, int last, const StageSlot& slot)
 }
 
 StageSolution formStageDp(StageProblem& problem, int S, int D, int R, int M,
-                          StageObjective objective) {
+                          StageObjective objective, const std::vector<int>& replicas) {
   const int K = problem.numBlocks();
   StageSolution sol;
   sol.pipelines = R;
   sol.micro_batches = M;
   if (S < 1 || S > K || D < S || M < 1 || R < 1) return sol;
+  const bool fixed = !replicas.empty();
+  RANNC_CHECK(!fixed || static_cast<int>(replicas.size()) == S, "fixed replicas for " << replicas.size()
+                                                                   << " stages, planning " << S);
   problem.prefetch(S, D, R, M);
   const double kInf = std::numeric_limits<double>::infinity();
   auto at = [&](int s, int b, int d) { return (static_cast<size_t>(s) * (K + 1) + b) * (D + 1) + d; };
@@ -89,6 +92,7 @@ StageSolution formStageDp(StageProblem& problem, int S, int D, int R, int M,
         bool found = false, rows_limited = false;
         for (int bp = s - 1; bp < b; ++bp) {
           for (int dp = s - 1; dp < d; ++dp) {
+            if (fixed && d - dp != replicas[s - 1]) continue;
             const double prev = V[at(s - 1, bp, dp)];
             if (prev == kInf) continue;
             StageSlot slot{s - 1, S, dp, d - dp, D, R, M};
@@ -114,7 +118,7 @@ StageSolution formStageDp(StageProblem& problem, int S, int D, int R, int M,
             }
           }
         }
-        if (!found && !rows_limited) break;
+        if (!found && !rows_limited && !fixed) break;
       }
     }
   }
@@ -180,14 +184,26 @@ Deployment formStage(StageProblem& problem, const StageSearchOptions& options) {
   // the memory search for an infeasible request needs no other.
   std::vector<std::tuple<int, int, int, int>> tried;  // (S, D, R, M)
   const int patience = options.patience > 0 ? options.patience : std::numeric_limits<int>::max();
+  bool any = false;
+  Deployment best;
+  int fixed_devices = 0;
+  for (int r : options.fixed_replicas) fixed_devices += r;
+  const bool fixed_layout = !options.fixed_replicas.empty();
   for (int n = 1; n <= nodes; ++n) {
-    if (nodes % n != 0) continue;
-    const int D = per_node * n, R = nodes / n;
-    int s_lo = per_node * (n - 1) + 1, s_hi = per_node * n;
+    if (nodes % n != 0 && !fixed_layout) continue;
+    // A fixed layout is one shape: its devices per copy and world / devices copies.
+    const int D = fixed_layout ? fixed_devices : per_node * n;
+    const int R = fixed_layout ? ctx.world_size / fixed_devices : nodes / n;
+    // The paper tries S in (D_node (n - 1), D_node n] only; with every_node_count, all S
+    // up to D compete, since a copy spanning n nodes with few stages of many replicas
+    // (all-reduced inside a node) can beat both deep pipelines and more copies.
+    int s_lo = options.every_node_count ? 1 : per_node * (n - 1) + 1, s_hi = per_node * n;
     if (options.fixed_stages > 0) s_lo = s_hi = options.fixed_stages;
     s_hi = std::min(s_hi, std::min(K, D));
-    bool any = false;
-    Deployment best;
+    // Patience is judged against the best of this node count (stage sweep) and of this
+    // stage count (micro-batch sweep), never the overall best: another shape's plan must
+    // not cut a sweep short before it reaches its own good micro-batch counts.
+    double best_n = std::numeric_limits<double>::infinity();
     int stale_stages = 0;
     for (int S = s_lo; S <= s_hi && stale_stages < patience; ++S) {
       const int64_t rows_per_copy = ctx.batch_size / R;
@@ -196,33 +212,47 @@ Deployment formStage(StageProblem& problem, const StageSearchOptions& options) {
                                  : microBatchCandidates(rows_per_copy, options.max_micro_batches);
       if (mbs.empty()) continue;
       tried.emplace_back(S, D, R, mbs.back());
-      bool improved = false, feasible_s = false;
-      int stale = 0;
+      double best_s = std::numeric_limits<double>::infinity();
+      int best_m = 0, stale = 0;
       for (int M : mbs) {
-        if (stale >= patience) break;
-        StageSolution sol = formStageDp(problem, S, D, R, M);
+        // Rounding rows up to whole micro-batches makes the time jagged in M, so a run of
+        // non-improving counts ends the sweep only once M doubled past the best one.
+        if (stale >= patience && M > 2 * best_m) break;
+        StageSolution sol = formStageDp(problem, S, D, R, M, StageObjective::Time, options.fixed_replicas);
         if (!sol.feasible) continue;
-        feasible_s = true;
         Deployment d = toDeployment(problem, sol);
         logger().debug("stage candidate: n={} S={} M={} dp={:.6f} simulated={:.6f}", n, S, M,
                        sol.value, d.iteration_time);
-        if (!any || d.iteration_time < best.iteration_time) {
-          best = std::move(d);
-          any = improved = true;
+        if (d.iteration_time < best_s) {
+          best_s = d.iteration_time;
+          best_m = M;
           stale = 0;
         } else {
           ++stale;
         }
+        if (!any || d.iteration_time < best.iteration_time) {
+          best = std::move(d);
+          any = true;
+        }
       }
-      if (any && feasible_s && !improved) ++stale_stages;
-      if (improved) stale_stages = 0;
+      if (best_s == std::numeric_limits<double>::infinity()) continue;  // nothing fits at this S
+      if (best_s < best_n) {
+        best_n = best_s;
+        stale_stages = 0;
+      } else {
+        ++stale_stages;
+      }
     }
-    if (any) {
-      logger().info("stage partitioning: {} stage(s), {} pipeline(s), {} micro-batch(es), "
-                    "predicted iteration {:.3f} ms",
-                    best.numStages(), best.pipelines, best.micro_batches, best.iteration_time * 1e3);
-      return best;
-    }
+    // The paper stops at the first node count with a plan (the most data parallelism).
+    // For models with many parameters per layer fewer, deeper pipelines can win (smaller
+    // all-reduces per device), so by default every node count competes.
+    if (fixed_layout || (any && !options.every_node_count)) break;
+  }
+  if (any) {
+    logger().info("stage partitioning: {} stage(s), {} pipeline(s), {} micro-batch(es), "
+                  "predicted iteration {:.3f} ms",
+                  best.numStages(), best.pipelines, best.micro_batches, best.iteration_time * 1e3);
+    return best;
   }
   if (tried.empty()) {
     std::ostringstream os;
@@ -236,7 +266,7 @@ Deployment formStage(StageProblem& problem, const StageSearchOptions& options) {
   // Nothing fits: the least, over every candidate shape, of the largest stage memory.
   int64_t needed = std::numeric_limits<int64_t>::max();
   for (auto [S, D, R, M] : tried) {
-    StageSolution sol = formStageDp(problem, S, D, R, M, StageObjective::Memory);
+    StageSolution sol = formStageDp(problem, S, D, R, M, StageObjective::Memory, options.fixed_replicas);
     if (sol.feasible) needed = std::min(needed, static_cast<int64_t>(sol.value));
   }
   std::ostringstream os;

@@ -65,8 +65,11 @@ struct StageSolution {
 // `micro_batches` micro-batches. Optimal for the objective (min-max over stages); the
 // paper's d_min pruning is kept where it is exact: fewer devices are only skipped when a
 // stage failed on memory, which fewer replicas (more rows each) cannot fix.
+// `replicas`, when not empty, fixes the replicas of each stage (stages entries summing to
+// `devices`); only the block split is searched then.
 StageSolution formStageDp(StageProblem& problem, int stages, int devices, int pipelines,
-                          int micro_batches, StageObjective objective = StageObjective::Time);
+                          int micro_batches, StageObjective objective = StageObjective::Time,
+                          const std::vector<int>& replicas = {});
 
 struct StageSearchOptions {
   int fixed_stages = 0;         // > 0: only this many stages
@@ -75,6 +78,12 @@ struct StageSearchOptions {
   // Stop raising the micro-batch count (stage count) after this many feasible candidates
   // in a row did not beat the best; 0 searches every candidate.
   int patience = 3;
+  // Let every node count compete, each with every stage count up to its devices (the
+  // paper keeps the first node count with a plan and S in (D_node (n - 1), D_node n]).
+  bool every_node_count = false;
+  // Not empty: the replicas of each stage within a pipeline copy (fixed_stages entries);
+  // the copy has their sum of devices and world / sum copies, whatever the nodes.
+  std::vector<int> fixed_replicas;
 };
 
 // Micro-batch counts tried for a pipeline copy with `rows` rows per iteration: every count

@@ -1,0 +1,120 @@
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "common/error.h"
+#include "partition/cost/analytic_cost_model.h"
+#include "partition/partition_graphs.h"
+#include "partition/planner.h"
+#include "partition/synthetic.h"
+
+namespace rannc::partition {
+namespace {
+
+DeviceSpec device(int per_node = 8) {
+  DeviceSpec d;
+  d.peak_flops = 1e12;
+  d.memory_bandwidth = 1e11;
+  d.intra_node_bandwidth = 1e10;
+  d.inter_node_bandwidth = 1e9;
+  d.devices_per_node = per_node;
+  return d;
+}
+
+PlannerOptions fixedLayout(int world, std::vector<int> replicas) {
+  PlannerOptions o;
+  o.world_size = world;
+  o.num_blocks = 6;
+  o.memory_limit = 1LL << 40;
+  o.fixed_stages = static_cast<int>(replicas.size());
+  o.fixed_replicas = std::move(replicas);
+  return o;
+}
+
+TEST(AFixedLayout, PutsThreeStagesWithReplicasTwoOneOneOnFourRanks) {
+  ir::Graph g = testing::uniformChain(6, 256, /*batch=*/8);
+  AnalyticCostModel m(g, device());
+  Deployment d = plan(g, m, fixedLayout(4, {2, 1, 1}));
+  ASSERT_EQ(d.numStages(), 3);
+  EXPECT_EQ(d.pipelines, 1);
+  EXPECT_EQ(d.stages[0].ranks, (std::vector<int>{0, 1}));
+  EXPECT_EQ(d.stages[1].ranks, (std::vector<int>{2}));
+  EXPECT_EQ(d.stages[2].ranks, (std::vector<int>{3}));
+}
+
+TEST(AFixedLayout, RepeatsTheCopyWhenTheReplicasSumToADivisorOfTheWorld) {
+  ir::Graph g = testing::uniformChain(6, 256, /*batch=*/8);
+  AnalyticCostModel m(g, device());
+  Deployment d = plan(g, m, fixedLayout(8, {1, 2, 1}));
+  ASSERT_EQ(d.numStages(), 3);
+  EXPECT_EQ(d.pipelines, 2);
+  EXPECT_EQ(d.stages[0].ranks, (std::vector<int>{0, 4}));
+  EXPECT_EQ(d.stages[1].ranks, (std::vector<int>{1, 2, 5, 6}));
+  EXPECT_EQ(d.stages[2].ranks, (std::vector<int>{3, 7}));
+}
+
+TEST(AFixedLayout, RejectsReplicasThatDoNotMatchTheWorldOrTheStageCount) {
+  ir::Graph g = testing::uniformChain(6, 256, /*batch=*/8);
+  AnalyticCostModel m(g, device());
+  try {
+    plan(g, m, fixedLayout(4, {2, 1, 2}));
+    FAIL() << "5 devices per copy on a world of 4";
+  } catch (const InvalidGraphError& e) {
+    EXPECT_NE(std::string(e.what()).find("does not divide world_size 4"), std::string::npos) << e.what();
+  }
+  PlannerOptions o = fixedLayout(4, {2, 1, 1});
+  o.fixed_stages = 2;
+  EXPECT_THROW(plan(g, m, o), InvalidGraphError);
+  o = fixedLayout(4, {2, 0, 2});
+  EXPECT_THROW(plan(g, m, o), InvalidGraphError);
+}
+
+// Two nodes of two devices and a model that needs two stages, with a slow link between
+// nodes: two pipeline copies all-reduce every stage across nodes, while one copy of two
+// stages with two replicas each keeps the all-reduce inside a node. The paper's search
+// (first node count with a plan, S in (D_node (n - 1), D_node n]) never tries the latter.
+TEST(AStageSearch, LetsAFewStageCopySpanningNodesCompeteWithMoreCopies) {
+  ir::Graph g = testing::uniformChain(8, 512, /*batch=*/64);
+  DeviceSpec d = device(/*per_node=*/2);
+  d.inter_node_bandwidth = 1e7;
+  AnalyticCostModel m(g, d);
+  PlannerOptions o;
+  o.world_size = 4;
+  o.num_blocks = 8;
+  o.optimizer = Optimizer::Sgd;
+  o.allow_recompute = false;
+  o.memory_limit = 2 * (512 * 512 * 4) * 5 + (8 << 20);  // four layers fit, eight do not
+  o.every_node_count = false;
+  Deployment paper = plan(g, m, o);
+  o.every_node_count = true;
+  Deployment wide = plan(g, m, o);
+  EXPECT_EQ(paper.pipelines, 2);
+  EXPECT_EQ(wide.pipelines, 1);
+  EXPECT_LT(wide.iteration_time, 0.9 * paper.iteration_time);
+  for (const StagePlan& s : wide.stages) EXPECT_LE(s.memory_bytes, o.memory_limit);
+}
+
+// The micro-batch sweep of a later stage count must not stop because an earlier stage
+// count's plan is better than its first candidates: the default patience finds the plan
+// the exhaustive search finds on a small, wide ResNet.
+TEST(AStageSearch, FindsTheExhaustivePlanOnASmallResNetWithDefaultPatience) {
+  SyntheticResNetOptions r;
+  r.blocks = {1, 2, 2, 1};
+  r.width_factor = 4;
+  r.image = 64;
+  ir::Graph g = syntheticResNet(r);
+  DeviceSpec d;
+  d.memory_bytes = 2LL << 30;
+  d.devices_per_node = 4;
+  PlannerOptions o;
+  o.world_size = 8;
+  o.batch_size = 64;
+  AnalyticCostModel a(g, d), b(g, d);
+  Deployment patient = plan(g, a, o);
+  o.search_patience = 0;
+  Deployment exhaustive = plan(g, b, o);
+  EXPECT_NEAR(patient.iteration_time, exhaustive.iteration_time, 1e-9 * exhaustive.iteration_time);
+}
+
+}  // namespace
+}  // namespace rannc::partition
