@@ -93,7 +93,8 @@ void bindPlanner(py::module& m) {
       [](const ir::Graph& graph, const partition::DeviceSpec& device, int world_size,
          int64_t batch_size, int num_blocks, double memory_margin, int64_t memory_limit,
          const std::string& optimizer, const std::string& schedule, bool allow_recompute,
-         int fixed_stages, int fixed_micro_batches, int max_micro_batches) {
+         int fixed_stages, int fixed_micro_batches, int max_micro_batches,
+         std::vector<int> fixed_replicas) {
         partition::PlannerOptions o;
         o.world_size = world_size;
         o.batch_size = batch_size;
@@ -106,6 +107,7 @@ void bindPlanner(py::module& m) {
         o.fixed_stages = fixed_stages;
         o.fixed_micro_batches = fixed_micro_batches;
         o.max_micro_batches = max_micro_batches;
+        o.fixed_replicas = std::move(fixed_replicas);
         py::gil_scoped_release release;
         partition::AnalyticCostModel costs(graph, device);
         return partition::plan(graph, costs, o);
@@ -114,7 +116,8 @@ void bindPlanner(py::module& m) {
       py::arg("num_blocks") = 32, py::arg("memory_margin") = 0.1, py::arg("memory_limit") = 0,
       py::arg("optimizer") = "adam", py::arg("schedule") = "1f1b",
       py::arg("allow_recompute") = true, py::arg("fixed_stages") = 0,
-      py::arg("fixed_micro_batches") = 0, py::arg("max_micro_batches") = 64);
+      py::arg("fixed_micro_batches") = 0, py::arg("max_micro_batches") = 64,
+      py::arg("fixed_replicas") = std::vector<int>{});
 
   m.def(
       "build_schedule",

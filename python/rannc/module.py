@@ -143,7 +143,8 @@ class _Deployed:
             num_blocks=opts.num_blocks, memory_margin=opts.memory_margin,
             optimizer=opts.optimizer_kind or _optimizer_kind(self.owner.optimizer),
             allow_recompute=opts.recompute != "never", fixed_stages=opts.num_stages,
-            fixed_micro_batches=opts.num_microbatches)
+            fixed_micro_batches=opts.num_microbatches,
+            fixed_replicas=[int(r) for r in opts.replicas.replace(" ", "").split(",") if r])
 
     # ---- running ------------------------------------------------------------------------
     def run(self, args, kwargs):

@@ -31,6 +31,7 @@ class Options:
     num_blocks: int = 32               # k of block partitioning
     num_stages: int = 0                # > 0: fix the number of pipeline stages
     num_microbatches: int = 0          # > 0: fix the number of micro-batches
+    replicas: str = ""                 # with num_stages: replicas per stage, "2,1,1"
     recompute: str = "auto"            # "auto" (where memory needs it), "always", "never"
     optimizer_kind: str = ""           # memory model: adam, sgd_momentum, sgd ("" = from the optimizer)
     save_plan: str = ""                # write the plan to this file
@@ -53,6 +54,9 @@ class Options:
             if raw is None:
                 continue
             setattr(opts, name, _convert(name, f.type, raw))
+        if opts.replicas and not re.fullmatch(r"\d+(,\d+)*", opts.replicas.replace(" ", "")):
+            raise _C.Error(f"option replicas is {opts.replicas!r}; expected counts per stage "
+                           "such as \"2,1,1\" or [2, 1, 1]")
         if opts.recompute not in ("auto", "always", "never"):
             raise _C.Error(f"option recompute is {opts.recompute!r}; expected auto, always or never")
         return opts
@@ -62,6 +66,8 @@ def _convert(name, type_name, raw):
     try:
         if name == "device_memory":
             return parse_bytes(raw)
+        if name == "replicas" and isinstance(raw, (list, tuple)):
+            return ",".join(str(int(r)) for r in raw)
         if type_name in ("int", int):
             return int(raw)
         if type_name in ("float", float):

@@ -11,14 +11,15 @@ from mpirun import mpirun
 LAYOUTS = [
     (1, "mlp", 1, 1, ["--eval"]),
     (1, "gpt", 1, 2, []),
-    (2, "mlp", 2, 2, ["--eval"]),                 # 2 stages x 1 replica
-    (2, "transformer_loss", 1, 2, []),            # 1 stage x 2 replicas
+    (2, "mlp", 2, 2, ["--eval", "--opt", "replicas=1,1"]),       # 2 stages x 1 replica
+    (2, "transformer_loss", 1, 2, ["--opt", "replicas=2"]),      # 1 stage x 2 replicas
     (2, "resnet", 2, 1, []),                      # batch norm: one share per stage
     (3, "gpt", 3, 3, []),                         # 3 stages
-    (3, "transformer_loss", 2, 3, []),            # 2 stages, replicas 1/2 or 2/1
-    (4, "gpt", 2, 2, ["--eval"]),                 # 2 stages x 2 replicas
-    (4, "gpt", 3, 4, []),                         # 3 stages, replicas mixed
-    (4, "gpt", 4, 3, []),                         # 4 stages
+    (3, "transformer_loss", 2, 3, ["--opt", "replicas=1,2"]),    # 2 stages, replicas 1/2
+    (4, "gpt", 2, 2, ["--eval", "--opt", "replicas=2,2"]),       # 2 stages x 2 replicas
+    (4, "gpt", 3, 4, ["--opt", "replicas=2,1,1"]),               # 3 stages, replicas 2/1/1
+    (4, "gpt", 4, 3, []),                                        # 4 stages
+    (4, "mlp", 2, 2, ["--opt", "replicas=1,1"]),                 # 2 pipeline copies of 2 stages
     (4, "multi_io", 2, 2, ["--eval"]),            # kwargs, dict output, batch-shaped rows
 ]
 
