@@ -5,6 +5,7 @@
 
 #include "bind/bindings.h"
 #include "comm/communicator.h"
+#include "comm/nccl_communicator.h"
 #include "comm/world.h"
 #include "common/error.h"
 #include "common/log.h"
@@ -154,6 +155,15 @@ PYBIND11_MODULE(_C, m) {
   py::class_<comm::Communicator, std::shared_ptr<comm::Communicator>>(
       m, "Communicator", "Moves tensors between ranks (MPI for CPU tensors).")
       .def_static("world_cpu", &comm::worldCpuCommunicator)
+      .def_static("world_cuda",
+                  []() -> std::shared_ptr<comm::Communicator> {
+#ifdef RANNC_HAVE_NCCL
+                    return comm::worldCudaCommunicator();
+#else
+                    throw CommError("this build of rannc has no NCCL data plane (it was built "
+                                    "against a torch without CUDA, or NCCL was not found)");
+#endif
+                  })
       .def_property_readonly("rank", &comm::Communicator::rank)
       .def_property_readonly("size", &comm::Communicator::size)
       .def("world_rank", &comm::Communicator::worldRank)
@@ -166,6 +176,11 @@ PYBIND11_MODULE(_C, m) {
       .def("subgroup", &comm::Communicator::subgroup, py::arg("ranks"));
 
   m.def("set_log_level", &setLogLevel, py::arg("level"));
+#ifdef RANNC_HAVE_NCCL
+  m.attr("has_nccl") = true;
+#else
+  m.attr("has_nccl") = false;
+#endif
   bind::bindPlanner(m);
 
   py::class_<ir::Subgraph>(m, "Piece", "A convex piece of a graph: tasks and boundary values.")

@@ -1,0 +1,15 @@
+#pragma once
+// The NCCL data plane (CUDA tensors), present when the build defines RANNC_HAVE_NCCL.
+#include <memory>
+
+#include "comm/communicator.h"
+
+namespace rannc::comm {
+
+#ifdef RANNC_HAVE_NCCL
+// The communicator of all ranks for CUDA tensors, on device (local rank mod device count);
+// created on first use (collective over all ranks). Throws CommError without a device.
+std::shared_ptr<Communicator> worldCudaCommunicator();
+#endif
+
+}  // namespace rannc::comm
