@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import rannc  # noqa: E402
-from models import GPT, GPTConfig  # noqa: E402
+from models import GPT, TransformerConfig  # noqa: E402
 
 CASES = [
     dict(layers=2, hidden=64, heads=4, seq=32, batch=8),
@@ -50,7 +50,7 @@ def main():
           f"{'ir ms':>8} {'ir/eager':>8}")
     for case in CASES:
         torch.manual_seed(0)
-        cfg = GPTConfig(vocab=1000, hidden=case["hidden"], heads=case["heads"],
+        cfg = TransformerConfig(vocab=1000, hidden=case["hidden"], heads=case["heads"],
                         layers=case["layers"], max_len=case["seq"], dropout=0.0)
         model = GPT(cfg)
         args = (torch.randint(0, 1000, (case["batch"], case["seq"])),

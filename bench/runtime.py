@@ -21,7 +21,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path[:0] = [os.path.join(ROOT, "python"), os.path.join(ROOT, "examples")]
 import rannc  # noqa: E402
-from models import GPT, GPTConfig  # noqa: E402
+from models import GPT, TransformerConfig  # noqa: E402
 
 CFG = dict(vocab=1000, hidden=256, heads=8, layers=8, max_len=64, dropout=0.0)
 BATCH = 8
@@ -44,7 +44,7 @@ def step(fn, opt, batch):
 
 def one_rank(repeats):
     torch.manual_seed(0)
-    plain = GPT(GPTConfig(**CFG))
+    plain = GPT(TransformerConfig(**CFG))
     ours = copy.deepcopy(plain)
     opt_plain = torch.optim.Adam(plain.parameters(), lr=1e-4)
     opt_ours = torch.optim.Adam(ours.parameters(), lr=1e-4)
@@ -64,7 +64,7 @@ def one_rank(repeats):
 def worker(repeats, stages):
     """Runs under mpirun: times RaNNCModule steps; rank 0 prints one JSON line."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(**CFG))
+    model = GPT(TransformerConfig(**CFG))
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     wrapped = rannc.RaNNCModule(model, opt, num_stages=stages, log_level="warn")
     batch = data(BATCH, rannc.get_rank())

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 
 @dataclass
-class GPTConfig:
+class TransformerConfig:
+    """Sizes of the GPT and BERT examples."""
     vocab: int = 50
     hidden: int = 16
     heads: int = 2
@@ -24,7 +25,7 @@ class GPTConfig:
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: TransformerConfig):
         super().__init__()
         self.heads = cfg.heads
         self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden)
@@ -42,7 +43,7 @@ class CausalSelfAttention(nn.Module):
 
 
 class GPTBlock(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: TransformerConfig):
         super().__init__()
         d = cfg.hidden
         self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
@@ -56,7 +57,7 @@ class GPTBlock(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: GPTConfig = GPTConfig()):
+    def __init__(self, cfg: TransformerConfig = TransformerConfig()):
         super().__init__()
         self.tok = nn.Embedding(cfg.vocab, cfg.hidden)
         self.pos = nn.Embedding(cfg.max_len, cfg.hidden)
@@ -75,18 +76,8 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
 
 
-@dataclass
-class BertConfig:
-    vocab: int = 50
-    hidden: int = 16
-    heads: int = 2
-    layers: int = 2
-    max_len: int = 16
-    dropout: float = 0.1
-
-
 class BERT(nn.Module):
-    def __init__(self, cfg: BertConfig = BertConfig()):
+    def __init__(self, cfg: TransformerConfig = TransformerConfig()):
         super().__init__()
         self.tok = nn.Embedding(cfg.vocab, cfg.hidden)
         self.pos = nn.Embedding(cfg.max_len, cfg.hidden)
@@ -133,3 +124,4 @@ class ResNet(nn.Module):
         h = self.blocks(self.stem(images))
         logits = self.head(F.adaptive_avg_pool2d(h, 1).flatten(1))
         return F.cross_entropy(logits, labels)
+

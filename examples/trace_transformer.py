@@ -12,7 +12,7 @@ import time
 import torch
 
 import rannc
-from models import GPT, GPTConfig
+from models import GPT, TransformerConfig
 
 
 def main():
@@ -27,7 +27,7 @@ def main():
     a = p.parse_args()
 
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab=a.vocab, hidden=a.hidden, heads=a.heads, layers=a.layers,
+    model = GPT(TransformerConfig(vocab=a.vocab, hidden=a.hidden, heads=a.heads, layers=a.layers,
                           max_len=a.seq, dropout=0.0))
     ids = torch.randint(0, a.vocab, (a.batch, a.seq))
     targets = torch.randint(0, a.vocab, (a.batch, a.seq))

@@ -14,7 +14,7 @@ import time
 import torch
 
 import rannc
-from models import BERT, GPT, BertConfig, GPTConfig, ResNet
+from models import BERT, GPT, ResNet, TransformerConfig
 
 
 def task(model_name, cfg, batch, seq, generator):
@@ -55,14 +55,11 @@ def main():
     rank, world = rannc.get_rank(), rannc.get_world_size()
 
     torch.manual_seed(0)  # the same initial model on every rank
-    cfg = None
+    cfg = TransformerConfig(vocab=a.vocab, hidden=a.hidden, heads=4, layers=a.layers,
+                            max_len=a.seq, dropout=0.0)
     if a.model == "gpt":
-        cfg = GPTConfig(vocab=a.vocab, hidden=a.hidden, heads=4, layers=a.layers, max_len=a.seq,
-                        dropout=0.0)
         model = GPT(cfg)
     elif a.model == "bert":
-        cfg = BertConfig(vocab=a.vocab, hidden=a.hidden, heads=4, layers=a.layers, max_len=a.seq,
-                         dropout=0.0)
         model = BERT(cfg)
     else:
         model = ResNet(channels=16, blocks=a.layers)

@@ -12,21 +12,8 @@ namespace {
 
 using testing::chain;
 using testing::diamond;
+using testing::skip;
 using testing::tensor;
-
-// x -> t0 -> t1 -> t2 -> t3, with a skip edge t0 -> t3 (a residual block).
-Graph skip() {
-  Graph g;
-  ValueId x = tensor(g, "x", ValueRole::Input);
-  ValueId a = tensor(g, "a"), b = tensor(g, "b"), c = tensor(g, "c"), d = tensor(g, "d");
-  g.setInputs({x});
-  g.addTask("aten::relu", {x}, {a});
-  g.addTask("aten::sin", {a}, {b});
-  g.addTask("aten::cos", {b}, {c});
-  g.addTask("aten::add", {a, c}, {d});
-  g.setOutputs({d});
-  return g;
-}
 
 // Brute-force convexity: for every pair (u in S, w in S) is there a path u -> v -> w
 // with v outside S?

@@ -44,4 +44,18 @@ inline Graph diamond() {
   return g;
 }
 
+// x -> t0 -> t1 -> t2 -> t3, with a skip edge t0 -> t3 (a residual block).
+inline Graph skip() {
+  Graph g;
+  ValueId x = tensor(g, "x", ValueRole::Input);
+  ValueId a = tensor(g, "a"), b = tensor(g, "b"), c = tensor(g, "c"), d = tensor(g, "d");
+  g.setInputs({x});
+  g.addTask("aten::relu", {x}, {a});
+  g.addTask("aten::sin", {a}, {b});
+  g.addTask("aten::cos", {b}, {c});
+  g.addTask("aten::add", {a, c}, {d});
+  g.setOutputs({d});
+  return g;
+}
+
 }  // namespace rannc::ir::testing

@@ -8,6 +8,7 @@ import tempfile
 
 import torch
 
+import fail_all
 import rannc
 import zoo
 
@@ -15,12 +16,7 @@ rank, world = rannc.get_rank(), rannc.get_world_size()
 torch.set_num_threads(1)
 
 
-def fail_everywhere(kind, value, tb):
-    rannc._C.report_failure(f"rank {rank}: {kind.__name__}: {value}")
-    sys.__excepthook__(kind, value, tb)
-
-
-sys.excepthook = fail_everywhere
+fail_all.install()
 local_batch = 4
 model, (ids, targets), _ = zoo.make("gpt", batch=local_batch * world)
 for m in model.modules():

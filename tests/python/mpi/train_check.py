@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+import fail_all
 import rannc
 import zoo
 
@@ -34,13 +35,7 @@ rank, world = rannc.get_rank(), rannc.get_world_size()
 torch.set_num_threads(1)
 
 
-def fail_everywhere(kind, value, tb):
-    """A mismatch on one rank ends every rank (the others may be waiting for it)."""
-    rannc._C.report_failure(f"rank {rank}: {kind.__name__}: {value}")
-    sys.__excepthook__(kind, value, tb)
-
-
-sys.excepthook = fail_everywhere
+fail_all.install()
 
 local_batch = 4
 global_batch = local_batch * world
