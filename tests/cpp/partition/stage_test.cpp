@@ -561,3 +561,81 @@ TEST(AStagePlanner, RetriesWithFinerBlocksWhenBlocksCapTheStageCount) {
 
 }  // namespace
 }  // namespace rannc::partition
+
+namespace rannc::partition {
+namespace {
+
+// Four equal stages, the last one replicated with a large all-reduce: the simulator hides
+// it behind the drain of the three stages before it, and so must the stage score, or the
+// DP would shun replicating parameter-heavy stages at the end of the pipeline.
+TEST(AStageScore, LetsTheDrainOfEarlierStagesHideALaterStagesAllReduce) {
+  ir::Graph g = testing::uniformChain(4);
+  AnalyticCostModel m(g, device());
+  PlanContext ctx;
+  ctx.world_size = 8;
+  ctx.batch_size = 64;
+  PieceCost c;
+  c.forward_time = 1.0;
+  c.backward_time = 2.0;
+  // A ring of 5 devices moves 1.6x the bytes: 7.5 s at 10 GB/s inside a node.
+  c.param_bytes = static_cast<int64_t>(7.5 * 1e10 / 1.6);
+  const int S = 4, M = 8;
+  std::vector<SimStage> sim;
+  std::vector<double> scores;
+  for (int i = 0; i < S; ++i) {
+    PieceCost piece = i + 1 == S ? c : PieceCost{1.0, 2.0};
+    const int devices = i + 1 == S ? 5 : 1;
+    StageEstimate e = estimateStage(m, piece, StageSlot{i, S, i, devices, S + 4, 1, M}, ctx);
+    scores.push_back(e.score);
+    SimStage s;
+    s.forward_time = e.forward_time;
+    s.backward_time = e.backward_time;
+    s.allreduce_time = e.allreduce_time;
+    sim.push_back(s);
+  }
+  EXPECT_NEAR(sim.back().allreduce_time, 7.5, 1e-9);
+  const double simulated = simulate(sim, ScheduleKind::OneFOneB, M).iteration_time;
+  // (M + S - 1)(f + b) = 33; the all-reduce (7.5) fits in its own last backward and the
+  // three backwards draining behind it (8).
+  EXPECT_DOUBLE_EQ(simulated, 33.0);
+  EXPECT_DOUBLE_EQ(*std::max_element(scores.begin(), scores.end()), simulated);
+  // At the front of the pipeline nothing drains behind it: the score charges 5.5 s more.
+  StageEstimate front = estimateStage(m, c, StageSlot{0, S, 0, 5, S + 4, 1, M}, ctx);
+  EXPECT_DOUBLE_EQ(front.score, 33.0 + 5.5);
+}
+
+// Sends are latency between stages in the simulator, not work of the stage: under 1F1B
+// the round trip to the next stage throttles each micro-batch slot (by about (S - 1) / S
+// of it), under fill-drain it is paid once per boundary. The score follows both.
+TEST(AStageScore, ChargesSendsAsTheScheduleExposesThem) {
+  ir::Graph g = testing::uniformChain(4);
+  AnalyticCostModel m(g, device());
+  PlanContext ctx;
+  ctx.world_size = 4;
+  ctx.batch_size = 64;
+  PieceCost c{1.0, 2.0};
+  c.output_bytes = c.input_bytes = static_cast<int64_t>(0.5 * 1e10);  // 0.5 s each way
+  for (ScheduleKind kind : {ScheduleKind::OneFOneB, ScheduleKind::FillDrain}) {
+    ctx.schedule = kind;
+    for (int S : {2, 4}) {
+      const int M = 8;
+      std::vector<SimStage> sim(S);
+      double worst = 0.0;
+      for (int i = 0; i < S; ++i) {
+        StageEstimate e = estimateStage(m, c, StageSlot{i, S, i, 1, S, 1, M}, ctx);
+        sim[i].forward_time = e.forward_time;
+        sim[i].backward_time = e.backward_time;
+        sim[i].send_forward_time = e.send_forward_time;
+        sim[i].send_backward_time = e.send_backward_time;
+        worst = std::max(worst, e.score);
+      }
+      const double simulated = simulate(sim, kind, M).iteration_time;
+      // Charging both sends in every slot ((M + S - 1)(f + b + 1)) would say 36 and 44.
+      EXPECT_GE(worst, simulated) << scheduleName(kind) << " S=" << S;
+      EXPECT_LE(worst, simulated * 1.02) << scheduleName(kind) << " S=" << S;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace rannc::partition
