@@ -212,6 +212,17 @@ Deployment refineBoundaries(const Deployment& plan, const AtomicPartition& atomi
   Recutter recutter(atomic, std::move(seq), costs, ctx, plan);
   Deployment best = plan;
   std::vector<int> best_cut = cut;
+  // Settles the boundaries of `best` on the simulator itself.
+  auto polishBest = [&]() {
+    std::vector<int> polished = best_cut;
+    recutter.polish(devices, &polished);
+    if (polished == best_cut) return;
+    Deployment p = recutter.assemble(devices, polished);
+    if (p.feasible && p.iteration_time < best.iteration_time) {
+      best = std::move(p);
+      best_cut = polished;
+    }
+  };
   if (recutter.recut(devices, &cut)) {
     Deployment refined = recutter.assemble(devices, cut);
     if (refined.feasible && refined.iteration_time < best.iteration_time) {
@@ -219,6 +230,8 @@ Deployment refineBoundaries(const Deployment& plan, const AtomicPartition& atomi
       best_cut = cut;
     }
   }
+  // Moves below must beat the polished plan, so they never end slower than a plain re-cut.
+  polishBest();
   // Replica moves: the best single move of one replica between two stages, re-cut, while
   // the simulator improves.
   for (int moves = 0; options.move_replicas && moves < options.max_moves; ++moves) {
@@ -276,13 +289,7 @@ Deployment refineBoundaries(const Deployment& plan, const AtomicPartition& atomi
       }
     }
   }
-  // Settle the boundaries of the winner on the simulator itself.
-  std::vector<int> polished = best_cut;
-  recutter.polish(devices, &polished);
-  if (polished != best_cut) {
-    Deployment p = recutter.assemble(devices, polished);
-    if (p.feasible && p.iteration_time < best.iteration_time) best = std::move(p);
-  }
+  polishBest();
   if (best.iteration_time < plan.iteration_time) {
     logger().info("boundary refinement: {:.3f} ms -> {:.3f} ms per iteration", plan.iteration_time * 1e3,
                   best.iteration_time * 1e3);
