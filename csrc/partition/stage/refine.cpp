@@ -232,29 +232,30 @@ Deployment refineBoundaries(const Deployment& plan, const AtomicPartition& atomi
   }
   // Moves below must beat the polished plan, so they never end slower than a plain re-cut.
   polishBest();
-  // Replica moves: the best single move of one replica between two stages, re-cut, while
-  // the simulator improves.
+  // Replica moves: the best move of one or two (up to max_move_size) replicas between two
+  // stages, re-cut, while the simulator improves.
   for (int moves = 0; options.move_replicas && moves < options.max_moves; ++moves) {
     std::vector<int> move_devices, move_cut;
     Deployment move_best;
     bool improved = false;
     for (int from = 0; from < S; ++from) {
-      if (devices[from] < 2) continue;
       for (int to = 0; to < S; ++to) {
         if (to == from || (S > options.all_pairs_up_to && std::abs(to - from) != 1)) continue;
-        std::vector<int> d = devices;
-        --d[from];
-        ++d[to];
-        std::vector<int> c = best_cut;
-        if (!recutter.recut(d, &c)) continue;
-        Deployment t = recutter.assemble(d, c);
-        if (!t.feasible) continue;
-        const double bar = improved ? move_best.iteration_time : best.iteration_time;
-        if (t.iteration_time < bar * (1 - 1e-9)) {
-          move_best = std::move(t);
-          move_devices = d;
-          move_cut = c;
-          improved = true;
+        for (int k = 1; k <= options.max_move_size && k < devices[from]; k *= 2) {
+          std::vector<int> d = devices;
+          d[from] -= k;
+          d[to] += k;
+          std::vector<int> c = best_cut;
+          if (!recutter.recut(d, &c)) continue;
+          Deployment t = recutter.assemble(d, c);
+          if (!t.feasible) continue;
+          const double bar = improved ? move_best.iteration_time : best.iteration_time;
+          if (t.iteration_time < bar * (1 - 1e-9)) {
+            move_best = std::move(t);
+            move_devices = d;
+            move_cut = c;
+            improved = true;
+          }
         }
       }
     }

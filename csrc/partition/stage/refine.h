@@ -22,6 +22,9 @@ struct RefineOptions {
   int max_moves = 8;
   // Above this many stages only neighbouring stages trade replicas (all pairs below).
   int all_pairs_up_to = 8;
+  // Replicas moved at once: 1, 2, 4, ... up to this (two at a time can pass a layout
+  // that one at a time cannot: ResNet-152 x8 reaches 1.134 s instead of 1.156 s).
+  int max_move_size = 2;
   // Also change the micro-batch count (up to max_micro_batches and the rows of a copy).
   bool move_micro_batches = true;
   int max_micro_batches = 256;
