@@ -6,7 +6,8 @@
 //
 //   rannc_planner_bench model=bert|gpt|resnet [layers=24] [hidden=1024] [heads=hidden/64]
 //                       [seq=512] [vocab=...] [width=8] [devices=32] [per_node=8] [gib=32]
-//                       [batch=256] [patience=3] [blocks=32] [report=0] [log=warn]
+//                       [batch=256] [patience=3] [blocks=32] [candidates=6] [report=0]
+//                       [log=warn]
 //
 // Baselines (GPipe-style equal tasks, DeepSpeed-style parameter balance, time balance,
 // Piper-style DP over ideals) get RaNNC's number of pipeline copies and are tuned over the
@@ -160,6 +161,7 @@ int main(int argc, char** argv) {
   o.search_patience = static_cast<int>(get("patience", o.search_patience));
   o.num_blocks = static_cast<int>(get("blocks", o.num_blocks));
   o.every_node_count = get("every_n", 1) != 0;
+  o.refine_candidates = static_cast<int>(get("candidates", o.refine_candidates));
   int64_t params = 0;
   for (rannc::ir::ValueId v = 0; v < g.numValues(); ++v) {
     if (g.value(v).role == rannc::ir::ValueRole::Param) params += g.value(v).numel();
