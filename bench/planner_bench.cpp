@@ -10,10 +10,10 @@
 //                       [log=warn]
 //
 // Baselines (GPipe-style equal tasks, DeepSpeed-style parameter balance, time balance,
-// Piper-style DP over ideals) get RaNNC's number of pipeline copies and are tuned over the
-// stage counts that divide the devices of a copy (so every device holds a replica, the
-// same count per stage) and over the micro-batch counts RaNNC searches: each reports its
-// fastest shape that fits memory.
+// Piper-style DP over ideals) are tuned over the pipeline copy counts whose copies fill
+// whole nodes (and RaNNC's count), the stage counts that divide the devices of a copy (so
+// every device holds a replica, the same count per stage) and the micro-batch counts
+// RaNNC searches: each reports its fastest shape that fits memory.
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -63,9 +63,10 @@ struct BaselineResult {
 
 // The fastest feasible deployment of `make` over the shapes of the header comment.
 BaselineResult tuneBaseline(const std::function<Deployment(const BaselineShape&)>& make,
-                            const PlanContext& ctx, int pipelines, int max_stages,
-                            int max_micro_batches) {
+                            const PlanContext& ctx, const std::vector<int>& pipeline_counts,
+                            int max_stages, int max_micro_batches) {
   BaselineResult r;
+  for (int pipelines : pipeline_counts) {
   const int D = ctx.world_size / pipelines;
   for (int S = 1; S <= std::min(D, max_stages); ++S) {
     if (D % S != 0) continue;
@@ -88,6 +89,7 @@ BaselineResult tuneBaseline(const std::function<Deployment(const BaselineShape&)
         r.error = e.what();
       }
     }
+  }
   }
   if (!r.best && r.error.empty()) r.error = "no shape fits memory";
   return r;
@@ -193,15 +195,22 @@ int main(int argc, char** argv) {
 
   PlanContext ctx = planContext(g, costs, o);
   const int max_stages = static_cast<int>(trace.atomic.pieces.size());
+  // Pipeline copies for the baselines: every count whose copies fill whole nodes (as
+  // RaNNC's node counts do), and RaNNC's own.
+  std::vector<int> copies;
+  const int per_node = std::max(1, d.devices_per_node);
+  for (int c = 1; c <= world; ++c) {
+    if (world % c == 0 && ((world / c) % per_node == 0 || c == plan.pipelines)) copies.push_back(c);
+  }
   std::vector<std::pair<std::string, BaselineResult>> baselines;
   baselines.emplace_back("equal", tuneBaseline([&](const BaselineShape& s) {
-    return equalTaskSplit(trace.atomic, costs, ctx, s); }, ctx, plan.pipelines, max_stages, o.max_micro_batches));
+    return equalTaskSplit(trace.atomic, costs, ctx, s); }, ctx, copies, max_stages, o.max_micro_batches));
   baselines.emplace_back("params", tuneBaseline([&](const BaselineShape& s) {
-    return paramBalancedSplit(trace.atomic, costs, ctx, s); }, ctx, plan.pipelines, max_stages, o.max_micro_batches));
+    return paramBalancedSplit(trace.atomic, costs, ctx, s); }, ctx, copies, max_stages, o.max_micro_batches));
   baselines.emplace_back("time_balanced", tuneBaseline([&](const BaselineShape& s) {
-    return timeBalancedSplit(trace.atomic, costs, ctx, s); }, ctx, plan.pipelines, max_stages, o.max_micro_batches));
+    return timeBalancedSplit(trace.atomic, costs, ctx, s); }, ctx, copies, max_stages, o.max_micro_batches));
   baselines.emplace_back("ideals_dp", tuneBaseline([&](const BaselineShape& s) {
-    return piperSplit(trace.blocks, costs, ctx, s); }, ctx, plan.pipelines,
+    return piperSplit(trace.blocks, costs, ctx, s); }, ctx, copies,
     static_cast<int>(trace.blocks.blocks.size()), o.max_micro_batches));
 
   std::string notes;
@@ -243,8 +252,9 @@ int main(int argc, char** argv) {
        << ", \"shapes_tried\": " << r.shapes_tried << ", \"max_stage_peak_bytes\": " << peak << "}";
   }
   js << "}";
-  notes += "baselines: rannc's pipeline copies, tuned over stage counts dividing the devices of a copy "
-           "(equal replicas, all devices used) and micro-batch counts; ideals_dp over rannc's blocks";
+  notes += "baselines: tuned over pipeline copies filling whole nodes (and rannc's), stage counts dividing "
+           "the devices of a copy (equal replicas, all devices used) and micro-batch counts; ideals_dp over "
+           "rannc's blocks";
   js << ", \"notes\": " << jsonString(notes) << "}";
   std::printf("%s\n", js.str().c_str());
   return 0;
