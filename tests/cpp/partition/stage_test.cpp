@@ -531,6 +531,9 @@ TEST(AStagePlanner, RejectsInvalidOptions) {
   o = PlannerOptions{};
   o.num_blocks = 0;
   EXPECT_THROW(plan(g, m, o), InvalidGraphError);
+  o = PlannerOptions{};
+  o.refine_candidates = 0;
+  EXPECT_THROW(plan(g, m, o), InvalidGraphError);
 }
 
 }  // namespace
