@@ -6,13 +6,14 @@
 //
 //   rannc_planner_bench model=bert|gpt|resnet [layers=24] [hidden=1024] [heads=hidden/64]
 //                       [seq=512] [vocab=...] [width=8] [devices=32] [per_node=8] [gib=32]
-//                       [batch=256] [patience=3] [blocks=32] [report=0] [log=warn]
+//                       [batch=256] [patience=3] [blocks=32] [candidates=6] [report=0]
+//                       [log=warn]
 //
 // Baselines (GPipe-style equal tasks, DeepSpeed-style parameter balance, time balance,
-// Piper-style DP over ideals) get RaNNC's number of pipeline copies and are tuned over the
-// stage counts that divide the devices of a copy (so every device holds a replica, the
-// same count per stage) and over the micro-batch counts RaNNC searches: each reports its
-// fastest shape that fits memory.
+// Piper-style DP over ideals) are tuned over the pipeline copy counts whose copies fill
+// whole nodes (and RaNNC's count), the stage counts that divide the devices of a copy (so
+// every device holds a replica, the same count per stage) and the micro-batch counts
+// RaNNC searches: each reports its fastest shape that fits memory.
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -62,9 +63,10 @@ struct BaselineResult {
 
 // The fastest feasible deployment of `make` over the shapes of the header comment.
 BaselineResult tuneBaseline(const std::function<Deployment(const BaselineShape&)>& make,
-                            const PlanContext& ctx, int pipelines, int max_stages,
-                            int max_micro_batches) {
+                            const PlanContext& ctx, const std::vector<int>& pipeline_counts,
+                            int max_stages, int max_micro_batches) {
   BaselineResult r;
+  for (int pipelines : pipeline_counts) {
   const int D = ctx.world_size / pipelines;
   for (int S = 1; S <= std::min(D, max_stages); ++S) {
     if (D % S != 0) continue;
@@ -87,6 +89,7 @@ BaselineResult tuneBaseline(const std::function<Deployment(const BaselineShape&)
         r.error = e.what();
       }
     }
+  }
   }
   if (!r.best && r.error.empty()) r.error = "no shape fits memory";
   return r;
@@ -160,6 +163,7 @@ int main(int argc, char** argv) {
   o.search_patience = static_cast<int>(get("patience", o.search_patience));
   o.num_blocks = static_cast<int>(get("blocks", o.num_blocks));
   o.every_node_count = get("every_n", 1) != 0;
+  o.refine_candidates = static_cast<int>(get("candidates", o.refine_candidates));
   int64_t params = 0;
   for (rannc::ir::ValueId v = 0; v < g.numValues(); ++v) {
     if (g.value(v).role == rannc::ir::ValueRole::Param) params += g.value(v).numel();
@@ -191,15 +195,22 @@ int main(int argc, char** argv) {
 
   PlanContext ctx = planContext(g, costs, o);
   const int max_stages = static_cast<int>(trace.atomic.pieces.size());
+  // Pipeline copies for the baselines: every count whose copies fill whole nodes (as
+  // RaNNC's node counts do), and RaNNC's own.
+  std::vector<int> copies;
+  const int per_node = std::max(1, d.devices_per_node);
+  for (int c = 1; c <= world; ++c) {
+    if (world % c == 0 && ((world / c) % per_node == 0 || c == plan.pipelines)) copies.push_back(c);
+  }
   std::vector<std::pair<std::string, BaselineResult>> baselines;
   baselines.emplace_back("equal", tuneBaseline([&](const BaselineShape& s) {
-    return equalTaskSplit(trace.atomic, costs, ctx, s); }, ctx, plan.pipelines, max_stages, o.max_micro_batches));
+    return equalTaskSplit(trace.atomic, costs, ctx, s); }, ctx, copies, max_stages, o.max_micro_batches));
   baselines.emplace_back("params", tuneBaseline([&](const BaselineShape& s) {
-    return paramBalancedSplit(trace.atomic, costs, ctx, s); }, ctx, plan.pipelines, max_stages, o.max_micro_batches));
+    return paramBalancedSplit(trace.atomic, costs, ctx, s); }, ctx, copies, max_stages, o.max_micro_batches));
   baselines.emplace_back("time_balanced", tuneBaseline([&](const BaselineShape& s) {
-    return timeBalancedSplit(trace.atomic, costs, ctx, s); }, ctx, plan.pipelines, max_stages, o.max_micro_batches));
+    return timeBalancedSplit(trace.atomic, costs, ctx, s); }, ctx, copies, max_stages, o.max_micro_batches));
   baselines.emplace_back("ideals_dp", tuneBaseline([&](const BaselineShape& s) {
-    return piperSplit(trace.blocks, costs, ctx, s); }, ctx, plan.pipelines,
+    return piperSplit(trace.blocks, costs, ctx, s); }, ctx, copies,
     static_cast<int>(trace.blocks.blocks.size()), o.max_micro_batches));
 
   std::string notes;
@@ -241,8 +252,9 @@ int main(int argc, char** argv) {
        << ", \"shapes_tried\": " << r.shapes_tried << ", \"max_stage_peak_bytes\": " << peak << "}";
   }
   js << "}";
-  notes += "baselines: rannc's pipeline copies, tuned over stage counts dividing the devices of a copy "
-           "(equal replicas, all devices used) and micro-batch counts; ideals_dp over rannc's blocks";
+  notes += "baselines: tuned over pipeline copies filling whole nodes (and rannc's), stage counts dividing "
+           "the devices of a copy (equal replicas, all devices used) and micro-batch counts; ideals_dp over "
+           "rannc's blocks";
   js << ", \"notes\": " << jsonString(notes) << "}";
   std::printf("%s\n", js.str().c_str());
   return 0;

@@ -35,6 +35,7 @@ PlanContext planContext(const ir::Graph& graph, const CostModel& costs, const Pl
     }
   }
   if (o.search_patience < 0) bad("search_patience must be >= 0, got " + std::to_string(o.search_patience));
+  if (o.refine_candidates < 1) bad("refine_candidates must be >= 1, got " + std::to_string(o.refine_candidates));
   if (o.max_micro_batches < 1) bad("max_micro_batches must be >= 1, got " + std::to_string(o.max_micro_batches));
   PlanContext ctx;
   ctx.world_size = o.world_size;
@@ -75,11 +76,13 @@ PlanTrace planTrace(const ir::Graph& graph, CostModel& costs, const PlannerOptio
   so.every_node_count = options.every_node_count;
   so.fixed_replicas = options.fixed_replicas;
   const int atoms = static_cast<int>(trace.atomic.pieces.size());
+  std::vector<Deployment> candidates;
+  const int keep = options.refine_boundaries ? options.refine_candidates : 1;
   for (int attempt = 0;; ++attempt) {
     trace.blocks = partitionBlocks(trace.atomic, costs, bo);
     StageProblem problem(trace.blocks, costs, ctx);
     try {
-      trace.deployment = formStage(problem, so);
+      candidates = formStageCandidates(problem, so, keep);
       break;
     } catch (const InfeasiblePlanError& e) {
       // Stages are unions of blocks, so k caps the stage count and the granularity of
@@ -91,8 +94,19 @@ PlanTrace planTrace(const ir::Graph& graph, CostModel& costs, const PlannerOptio
                     bo.num_blocks);
     }
   }
+  // The block DP ranks shapes at block granularity; a shape it ranks second can win once
+  // cut piece by piece, so the best plans of several shapes are refined and the simulator
+  // picks among them (the unrefined winner stays in the running).
+  trace.deployment = candidates.front();
   if (options.refine_boundaries) {
-    trace.deployment = refineBoundaries(trace.deployment, trace.atomic, trace.blocks, costs, ctx);
+    RefineOptions ro;
+    ro.move_replicas = options.refine_replicas && options.fixed_replicas.empty();
+    ro.move_micro_batches = options.refine_replicas && options.fixed_micro_batches == 0;
+    ro.max_micro_batches = options.max_micro_batches;
+    for (const Deployment& c : candidates) {
+      Deployment refined = refineBoundaries(c, trace.atomic, trace.blocks, costs, ctx, ro);
+      if (refined.iteration_time < trace.deployment.iteration_time) trace.deployment = std::move(refined);
+    }
   }
   logger().info("planned: {} tasks, {} atomic pieces, {} blocks, {} stages, {} ms per iteration",
                 graph.numTasks(), trace.atomic.pieces.size(), trace.blocks.blocks.size(),

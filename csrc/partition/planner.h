@@ -33,6 +33,8 @@ struct PlannerOptions {
   int max_micro_batches = 256;
   int search_patience = 3;        // stop raising M (S) after this many non-improving candidates; 0: exhaustive
   bool refine_boundaries = true;  // slide stage boundaries piece by piece after the block-level DP
+  int refine_candidates = 6;      // refine the best plans of this many pipeline shapes, keep the fastest
+  bool refine_replicas = true;    // refinement also moves replicas between stages
   bool every_node_count = true;   // all node counts compete (false: the paper's first one with a plan)
 };
 

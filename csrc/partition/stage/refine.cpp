@@ -1,15 +1,196 @@
 #include "partition/stage/refine.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <limits>
+#include <map>
+
+#include "partition/sim/simulator.h"
 
 #include "common/error.h"
 #include "common/log_fmt.h"
 
 namespace rannc::partition {
+namespace {
+
+// Re-cuts the piece sequence `seq` for fixed replicas.
+class Recutter {
+ public:
+  Recutter(const AtomicPartition& atomic, std::vector<int> seq, CostModel& costs,
+           const PlanContext& ctx, const Deployment& plan)
+      : atomic_(atomic), seq_(std::move(seq)), costs_(costs), ctx_(ctx), plan_(plan),
+        micro_batches_(plan.micro_batches) {}
+
+  int microBatches() const { return micro_batches_; }
+  void setMicroBatches(int m) {
+    if (m != micro_batches_) sim_cache_.clear();
+    micro_batches_ = m;
+  }
+
+  int pieces() const { return static_cast<int>(seq_.size()); }
+
+  std::vector<ir::TaskId> tasksOf(int lo, int hi) const {
+    std::vector<ir::TaskId> t;
+    for (int i = lo; i < hi; ++i) {
+      const auto& p = atomic_.pieces[seq_[i]].tasks;
+      t.insert(t.end(), p.begin(), p.end());
+    }
+    return t;
+  }
+
+  // The min-max cut for `devices` (replicas per stage), starting from `cut` (whose
+  // largest score bounds the search); false when no cut fits.
+  bool recut(const std::vector<int>& devices, std::vector<int>* cut) {
+    const int S = static_cast<int>(devices.size());
+    const int n = pieces();
+    std::vector<int> offsets(S, 0);
+    int D = 0;
+    for (int s = 0; s < S; ++s) {
+      offsets[s] = D;
+      D += devices[s];
+    }
+    const double kInf = std::numeric_limits<double>::infinity();
+    auto score = [&](int s, int lo, int hi) {
+      if (hi <= lo) return kInf;
+      StageSlot slot{s, S, offsets[s], devices[s], D, plan_.pipelines, micro_batches_};
+      const int64_t rows = stageRows(ctx_, slot);
+      if (rows == 0) return kInf;
+      StageEstimate e = estimateStage(costs_, costs_.cost(tasksOf(lo, hi), rows), slot, ctx_);
+      return e.feasible ? e.score : kInf;
+    };
+    // Min-max over all cuts at once: for a bound T, each stage greedily takes the longest
+    // run whose score stays within T (scores about grow with the run, and a later start
+    // only helps the following stages); bisect on T.
+    auto greedy = [&](double bound, std::vector<int>* cuts) {
+      std::vector<int> c(S + 1, 0);
+      for (int st = 0; st < S; ++st) {
+        const int lo = c[st];
+        if (st + 1 == S) {
+          if (lo >= n || score(st, lo, n) > bound) return false;
+          c[S] = n;
+          break;
+        }
+        // Leave at least one piece for each later stage.
+        int a = lo + 1, b = n - (S - 1 - st);
+        if (a > b || score(st, lo, a) > bound) return false;
+        while (a < b) {
+          const int mid = a + (b - a + 1) / 2;
+          if (score(st, lo, mid) <= bound) a = mid; else b = mid - 1;
+        }
+        c[st + 1] = a;
+      }
+      if (cuts) *cuts = c;
+      return true;
+    };
+    double hi_bound = 0.0;
+    for (int st = 0; st < S; ++st) hi_bound = std::max(hi_bound, score(st, (*cut)[st], (*cut)[st + 1]));
+    if (hi_bound == kInf) {
+      // The starting cut does not fit these replicas: bound by the slowest whole model.
+      hi_bound = 0.0;
+      for (int st = 0; st < S; ++st) hi_bound = std::max(hi_bound, score(st, 0, n));
+      if (hi_bound == kInf) return false;
+    }
+    if (!greedy(hi_bound, nullptr)) return false;
+    double lo_bound = 0.0;
+    for (int it = 0; it < 40 && hi_bound - lo_bound > 1e-6 * hi_bound; ++it) {
+      const double mid = 0.5 * (lo_bound + hi_bound);
+      (greedy(mid, nullptr) ? hi_bound : lo_bound) = mid;
+    }
+    return greedy(hi_bound, cut);
+  }
+
+  // The simulated iteration of `cut` for `devices` (infinite when a stage does not fit);
+  // stage estimates are cached per replica layout, so moving one boundary costs two.
+  double simulated(const std::vector<int>& devices, const std::vector<int>& cut) {
+    const int S = static_cast<int>(devices.size());
+    if (devices != sim_devices_) {
+      sim_devices_ = devices;
+      sim_cache_.clear();
+    }
+    std::vector<SimStage> sim(S);
+    int offset = 0, D = 0;
+    for (int d : devices) D += d;
+    for (int s = 0; s < S; ++s) {
+      auto [it, fresh] = sim_cache_.try_emplace({cut[s], cut[s + 1]});
+      if (fresh) {
+        StageSlot slot{s, S, offset, devices[s], D, plan_.pipelines, micro_batches_};
+        const int64_t rows = stageRows(ctx_, slot);
+        if (rows > 0 && cut[s + 1] > cut[s]) {
+          it->second = estimateStage(costs_, costs_.cost(tasksOf(cut[s], cut[s + 1]), rows), slot, ctx_);
+        }
+      }
+      const StageEstimate& e = it->second;
+      if (!e.feasible) return std::numeric_limits<double>::infinity();
+      sim[s].forward_time = e.forward_time;
+      sim[s].backward_time = e.backward_time;
+      sim[s].send_forward_time = e.send_forward_time;
+      sim[s].send_backward_time = e.send_backward_time;
+      sim[s].allreduce_time = e.allreduce_time;
+      offset += devices[s];
+    }
+    return simulate(sim, ctx_.schedule, micro_batches_).iteration_time;
+  }
+
+  // Pattern search on the simulated iteration: each boundary moves by +-step pieces while
+  // that helps, step halving down to one piece. The min-max cut balances the score, a
+  // proxy; this settles what the proxy cannot see (a first stage's all-reduce tail, sends
+  // of unequal boundaries).
+  void polish(const std::vector<int>& devices, std::vector<int>* cut) {
+    const int S = static_cast<int>(devices.size());
+    std::vector<int>& c = *cut;
+    double best = simulated(devices, c);
+    if (best == std::numeric_limits<double>::infinity()) return;
+    int step = 1;
+    while (step * 2 <= pieces() / (4 * S)) step *= 2;
+    for (; step >= 1; step /= 2) {
+      bool moved = true;
+      for (int pass = 0; moved && pass < 8; ++pass) {
+        moved = false;
+        for (int b = 1; b < S; ++b) {
+          for (int dir : {-1, 1}) {
+            const int to = c[b] + dir * step;
+            if (to <= c[b - 1] || to >= c[b + 1]) continue;
+            const int was = c[b];
+            c[b] = to;
+            const double t = simulated(devices, c);
+            if (t < best * (1 - 1e-12)) {
+              best = t;
+              moved = true;
+            } else {
+              c[b] = was;
+            }
+          }
+        }
+      }
+    }
+  }
+
+  Deployment assemble(const std::vector<int>& devices, const std::vector<int>& cut) {
+    const int S = static_cast<int>(devices.size());
+    std::vector<StageChoice> stages(S);
+    for (int s = 0; s < S; ++s) {
+      stages[s].tasks = tasksOf(cut[s], cut[s + 1]);
+      stages[s].devices = devices[s];
+    }
+    return assembleDeployment(costs_, ctx_, stages, plan_.pipelines, micro_batches_, plan_.planner);
+  }
+
+ private:
+  const AtomicPartition& atomic_;
+  std::vector<int> seq_;
+  CostModel& costs_;
+  const PlanContext& ctx_;
+  const Deployment& plan_;
+  int micro_batches_;
+  std::vector<int> sim_devices_;
+  std::map<std::pair<int, int>, StageEstimate> sim_cache_;
+};
+
+}  // namespace
 
 Deployment refineBoundaries(const Deployment& plan, const AtomicPartition& atomic,
-                            const BlockPartition& blocks, CostModel& costs, const PlanContext& ctx) {
+                            const BlockPartition& blocks, CostModel& costs, const PlanContext& ctx,
+                            const RefineOptions& options) {
   const int S = plan.numStages();
   if (S < 2) return plan;
   // Pieces in block order, and each stage's cut in that sequence.
@@ -21,79 +202,100 @@ Deployment refineBoundaries(const Deployment& plan, const AtomicPartition& atomi
   }
   block_start.push_back(static_cast<int>(seq.size()));
   std::vector<int> cut(S + 1, 0), devices(S);
-  int D = 0;
   for (int s = 0; s < S; ++s) {
     const StagePlan& st = plan.stages[s];
     if (st.first_block < 0 || st.last_block <= st.first_block) return plan;
     cut[s] = block_start[st.first_block];
     cut[s + 1] = block_start[st.last_block];
     devices[s] = static_cast<int>(st.ranks.size()) / std::max(1, plan.pipelines);
-    D += devices[s];
   }
-  std::vector<int> offsets(S, 0);
-  for (int s = 1; s < S; ++s) offsets[s] = offsets[s - 1] + devices[s - 1];
-
-  auto tasksOf = [&](int lo, int hi) {
-    std::vector<ir::TaskId> t;
-    for (int i = lo; i < hi; ++i) {
-      const auto& p = atomic.pieces[seq[i]].tasks;
-      t.insert(t.end(), p.begin(), p.end());
+  Recutter recutter(atomic, std::move(seq), costs, ctx, plan);
+  Deployment best = plan;
+  std::vector<int> best_cut = cut;
+  // Settles the boundaries of `best` on the simulator itself.
+  auto polishBest = [&]() {
+    std::vector<int> polished = best_cut;
+    recutter.polish(devices, &polished);
+    if (polished == best_cut) return;
+    Deployment p = recutter.assemble(devices, polished);
+    if (p.feasible && p.iteration_time < best.iteration_time) {
+      best = std::move(p);
+      best_cut = polished;
     }
-    return t;
   };
-  const double kInf = std::numeric_limits<double>::infinity();
-  auto score = [&](int s, int lo, int hi) {
-    if (hi <= lo) return kInf;
-    StageSlot slot{s, S, offsets[s], devices[s], D, plan.pipelines, plan.micro_batches};
-    const int64_t rows = stageRows(ctx, slot);
-    if (rows == 0) return kInf;
-    StageEstimate e = estimateStage(costs, costs.cost(tasksOf(lo, hi), rows), slot, ctx);
-    return e.feasible ? e.score : kInf;
-  };
-  // Min-max over all cuts at once: for a bound T, each stage greedily takes the longest
-  // run whose score stays within T (scores grow with the run, and a later start only
-  // helps the following stages, so greedy is exact); bisect on T.
-  const int n = static_cast<int>(seq.size());
-  auto greedy = [&](double bound, std::vector<int>* cuts) {
-    std::vector<int> c(S + 1, 0);
-    for (int st = 0; st < S; ++st) {
-      const int lo = c[st];
-      if (st + 1 == S) {
-        if (lo >= n || score(st, lo, n) > bound) return false;
-        c[S] = n;
-        break;
-      }
-      // Leave at least one piece for each later stage.
-      int a = lo + 1, b = n - (S - 1 - st);
-      if (a > b || score(st, lo, a) > bound) return false;
-      while (a < b) {
-        const int mid = a + (b - a + 1) / 2;
-        if (score(st, lo, mid) <= bound) a = mid; else b = mid - 1;
-      }
-      c[st + 1] = a;
+  if (recutter.recut(devices, &cut)) {
+    Deployment refined = recutter.assemble(devices, cut);
+    if (refined.feasible && refined.iteration_time < best.iteration_time) {
+      best = std::move(refined);
+      best_cut = cut;
     }
-    if (cuts) *cuts = c;
-    return true;
-  };
-  double hi_bound = 0.0;
-  for (int st = 0; st < S; ++st) hi_bound = std::max(hi_bound, score(st, cut[st], cut[st + 1]));
-  if (hi_bound == kInf || !greedy(hi_bound, nullptr)) return plan;
-  double lo_bound = 0.0;
-  for (int it = 0; it < 40 && hi_bound - lo_bound > 1e-6 * hi_bound; ++it) {
-    const double mid = 0.5 * (lo_bound + hi_bound);
-    (greedy(mid, nullptr) ? hi_bound : lo_bound) = mid;
   }
-  greedy(hi_bound, &cut);
-  std::vector<StageChoice> stages(S);
-  for (int s = 0; s < S; ++s) {
-    stages[s].tasks = tasksOf(cut[s], cut[s + 1]);
-    stages[s].devices = devices[s];
+  // Moves below must beat the polished plan, so they never end slower than a plain re-cut.
+  polishBest();
+  // Replica moves: the best move of one or two (up to max_move_size) replicas between two
+  // stages, re-cut, while the simulator improves.
+  for (int moves = 0; options.move_replicas && moves < options.max_moves; ++moves) {
+    std::vector<int> move_devices, move_cut;
+    Deployment move_best;
+    bool improved = false;
+    for (int from = 0; from < S; ++from) {
+      for (int to = 0; to < S; ++to) {
+        if (to == from || (S > options.all_pairs_up_to && std::abs(to - from) != 1)) continue;
+        for (int k = 1; k <= options.max_move_size && k < devices[from]; k *= 2) {
+          std::vector<int> d = devices;
+          d[from] -= k;
+          d[to] += k;
+          std::vector<int> c = best_cut;
+          if (!recutter.recut(d, &c)) continue;
+          Deployment t = recutter.assemble(d, c);
+          if (!t.feasible) continue;
+          const double bar = improved ? move_best.iteration_time : best.iteration_time;
+          if (t.iteration_time < bar * (1 - 1e-9)) {
+            move_best = std::move(t);
+            move_devices = d;
+            move_cut = c;
+            improved = true;
+          }
+        }
+      }
+    }
+    if (!improved) break;
+    best = std::move(move_best);
+    devices = move_devices;
+    best_cut = move_cut;
   }
-  Deployment refined = assembleDeployment(costs, ctx, stages, plan.pipelines, plan.micro_batches, plan.planner);
-  if (!refined.feasible || refined.iteration_time >= plan.iteration_time) return plan;
-  logger().info("boundary refinement: {:.3f} ms -> {:.3f} ms per iteration", plan.iteration_time * 1e3,
-                refined.iteration_time * 1e3);
-  return refined;
+  // Micro-batch moves: the block DP chose M for its own cut; a piece-level cut (and other
+  // replicas) can prefer another. Hill-climb M by factors of 2, then about 1.25.
+  if (options.move_micro_batches) {
+    const int64_t rows_per_copy = ctx.batch_size / std::max(1, plan.pipelines);
+    for (double factor : {2.0, 1.25}) {
+      for (bool improved = true; improved;) {
+        improved = false;
+        const int m = recutter.microBatches();
+        for (int next : {static_cast<int>(m * factor + 0.5), static_cast<int>(m / factor + 0.5)}) {
+          if (next < 1 || next == m || next > options.max_micro_batches || next > rows_per_copy) continue;
+          recutter.setMicroBatches(next);
+          std::vector<int> c = best_cut;
+          if (recutter.recut(devices, &c)) {
+            Deployment t = recutter.assemble(devices, c);
+            if (t.feasible && t.iteration_time < best.iteration_time * (1 - 1e-9)) {
+              best = std::move(t);
+              best_cut = c;
+              improved = true;
+              break;
+            }
+          }
+          recutter.setMicroBatches(m);
+        }
+      }
+    }
+  }
+  polishBest();
+  if (best.iteration_time < plan.iteration_time) {
+    logger().info("boundary refinement: {:.3f} ms -> {:.3f} ms per iteration", plan.iteration_time * 1e3,
+                  best.iteration_time * 1e3);
+  }
+  return best;
 }
 
 }  // namespace rannc::partition

@@ -52,8 +52,10 @@ struct StageEstimate {
   int64_t static_bytes = 0;
   int64_t stash_bytes = 0;
   int64_t working_bytes = 0;
-  // The stage's share of the DP objective: (M + S - 1) (f + b + sends) + unhidden
-  // all-reduce; the pipeline's iteration is about the largest share.
+  // The stage's share of the DP objective: (M + S - 1)(f + b), the sends of its boundary
+  // as the schedule exposes them, and the all-reduce its last backward cannot hide,
+  // max(0, allreduce - b); the pipeline's iteration is about the largest share (see
+  // [Note: stage score] in stage_cost.cpp).
   double score = std::numeric_limits<double>::infinity();
 };
 

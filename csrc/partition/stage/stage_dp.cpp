@@ -4,6 +4,7 @@
 #include <cmath>
 #include <limits>
 #include <sstream>
+#include <tuple>
 
 #include "common/error.h"
 #include "common/log_fmt.h"
@@ -176,6 +177,11 @@ std::string bytesText(int64_t bytes) {
 }  // namespace
 
 Deployment formStage(StageProblem& problem, const StageSearchOptions& options) {
+  return formStageCandidates(problem, options, 1).front();
+}
+
+std::vector<Deployment> formStageCandidates(StageProblem& problem, const StageSearchOptions& options,
+                                            int keep) {
   const PlanContext& ctx = problem.context();
   const int K = problem.numBlocks();
   const int per_node = effectiveDevicesPerNode(ctx);
@@ -186,6 +192,9 @@ Deployment formStage(StageProblem& problem, const StageSearchOptions& options) {
   const int patience = options.patience > 0 ? options.patience : std::numeric_limits<int>::max();
   bool any = false;
   Deployment best;
+  // The fastest plan of each pipeline shape (devices per copy, copies, stages).
+  std::map<std::tuple<int, int, int>, Deployment> best_of_shape;
+  std::vector<std::tuple<int, int, int>> deep;  // shapes tried past the stage patience
   int fixed_devices = 0;
   for (int r : options.fixed_replicas) fixed_devices += r;
   const bool fixed_layout = !options.fixed_replicas.empty();
@@ -205,14 +214,16 @@ Deployment formStage(StageProblem& problem, const StageSearchOptions& options) {
     // not cut a sweep short before it reaches its own good micro-batch counts.
     double best_n = std::numeric_limits<double>::infinity();
     int stale_stages = 0;
-    for (int S = s_lo; S <= s_hi && stale_stages < patience; ++S) {
+    // The micro-batch sweep of one stage count; the fastest simulated time (infinite when
+    // nothing fits).
+    auto sweepMicroBatches = [&](int S) {
+      double best_s = std::numeric_limits<double>::infinity();
       const int64_t rows_per_copy = ctx.batch_size / R;
       std::vector<int> mbs = options.fixed_micro_batches > 0
                                  ? std::vector<int>{options.fixed_micro_batches}
                                  : microBatchCandidates(rows_per_copy, options.max_micro_batches);
-      if (mbs.empty()) continue;
+      if (mbs.empty()) return best_s;
       tried.emplace_back(S, D, R, mbs.back());
-      double best_s = std::numeric_limits<double>::infinity();
       int best_m = 0, stale = 0;
       for (int M : mbs) {
         // Rounding rows up to whole micro-batches makes the time jagged in M, so a run of
@@ -230,17 +241,35 @@ Deployment formStage(StageProblem& problem, const StageSearchOptions& options) {
         } else {
           ++stale;
         }
+        auto [it, fresh] = best_of_shape.try_emplace(std::make_tuple(D, R, S));
+        if (fresh || d.iteration_time < it->second.iteration_time) it->second = d;
         if (!any || d.iteration_time < best.iteration_time) {
           best = std::move(d);
           any = true;
         }
       }
+      return best_s;
+    };
+    int S = s_lo;
+    for (; S <= s_hi && stale_stages < patience; ++S) {
+      const double best_s = sweepMicroBatches(S);
       if (best_s == std::numeric_limits<double>::infinity()) continue;  // nothing fits at this S
       if (best_s < best_n) {
         best_n = best_s;
         stale_stages = 0;
       } else {
         ++stale_stages;
+      }
+    }
+    // Time in S has two valleys: few stages of many replicas, and deep pipelines whose
+    // stages are not replicated at all (no all-reduce, which wins for parameter-heavy
+    // models). Patience stops in the first, so the stage counts dividing D (every stage
+    // can have the same replicas, down to one) past it are still tried.
+    if (options.fixed_stages == 0) {
+      for (; S <= s_hi; ++S) {
+        if (D % S != 0) continue;
+        sweepMicroBatches(S);
+        deep.emplace_back(D, R, S);
       }
     }
     // The paper stops at the first node count with a plan (the most data parallelism).
@@ -252,7 +281,21 @@ Deployment formStage(StageProblem& problem, const StageSearchOptions& options) {
     logger().info("stage partitioning: {} stage(s), {} pipeline(s), {} micro-batch(es), "
                   "predicted iteration {:.3f} ms",
                   best.numStages(), best.pipelines, best.micro_batches, best.iteration_time * 1e3);
-    return best;
+    // The `keep` fastest shapes, then (when keeping more than one) the deep-pipeline
+    // shapes past the patience: their block-level plans are coarse (about one block per
+    // stage) and their micro-batch sweep short, so they are worth a refinement even when
+    // slow here.
+    std::vector<std::pair<std::tuple<int, int, int>, const Deployment*>> ranked;
+    for (auto& [shape, d] : best_of_shape) ranked.emplace_back(shape, &d);
+    std::stable_sort(ranked.begin(), ranked.end(), [](const auto& a, const auto& b) {
+      return a.second->iteration_time < b.second->iteration_time;
+    });
+    std::vector<Deployment> out;
+    for (size_t i = 0; i < ranked.size(); ++i) {
+      const bool is_deep = keep > 1 && std::find(deep.begin(), deep.end(), ranked[i].first) != deep.end();
+      if (static_cast<int>(i) < std::max(1, keep) || is_deep) out.push_back(*ranked[i].second);
+    }
+    return out;
   }
   if (tried.empty()) {
     std::ostringstream os;

@@ -97,4 +97,12 @@ std::vector<int> microBatchCandidates(int64_t rows, int limit);
 // none fits.
 Deployment formStage(StageProblem& problem, const StageSearchOptions& options = {});
 
+// Algorithm 2 as formStage, returning the fastest plan of each of the `keep` fastest
+// pipeline shapes (devices per copy, copies, stages), fastest first, followed (when
+// keep > 1) by the deep-pipeline shapes tried past the stage patience (stage counts
+// dividing the devices of a copy); the first is formStage's plan. Candidates for
+// refinement, which can reorder them.
+std::vector<Deployment> formStageCandidates(StageProblem& problem, const StageSearchOptions& options,
+                                            int keep);
+
 }  // namespace rannc::partition

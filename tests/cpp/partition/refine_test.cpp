@@ -1,0 +1,152 @@
+#include <gtest/gtest.h>
+
+#include <random>
+
+#include "common/error.h"
+#include "partition/cost/analytic_cost_model.h"
+#include "partition/partition_graphs.h"
+#include "partition/planner.h"
+#include "partition/synthetic.h"
+
+namespace rannc::partition {
+namespace {
+
+DeviceSpec device(int per_node = 8) {
+  DeviceSpec d;
+  d.peak_flops = 1e12;
+  d.memory_bandwidth = 1e11;
+  d.intra_node_bandwidth = 1e10;
+  d.inter_node_bandwidth = 1e9;
+  d.devices_per_node = per_node;
+  return d;
+}
+
+int replicasPerCopy(const Deployment& d, int stage) {
+  return static_cast<int>(d.stages[stage].ranks.size()) / d.pipelines;
+}
+
+// One micro-batch leaves a two-stage pipeline idle half the time; refinement that may
+// change the micro-batch count raises it (keeping stages and replicas), one that may not
+// keeps it.
+TEST(ARefinement, RaisesTheMicroBatchCountOfAPipelineThatHasOne) {
+  ir::Graph g = testing::uniformChain(8, 256, /*batch=*/8);
+  AnalyticCostModel m(g, device());
+  PlannerOptions o;
+  o.world_size = 2;
+  o.batch_size = 64;
+  o.num_blocks = 4;
+  o.fixed_stages = 2;
+  o.fixed_micro_batches = 1;
+  o.memory_limit = 1LL << 40;
+  o.refine_boundaries = false;
+  PlanTrace coarse = planTrace(g, m, o);
+  ASSERT_EQ(coarse.deployment.micro_batches, 1);
+  const PlanContext ctx = planContext(g, m, o);
+  RefineOptions fixed;
+  fixed.move_micro_batches = false;
+  Deployment same_m = refineBoundaries(coarse.deployment, coarse.atomic, coarse.blocks, m, ctx, fixed);
+  EXPECT_EQ(same_m.micro_batches, 1);
+  Deployment fine = refineBoundaries(coarse.deployment, coarse.atomic, coarse.blocks, m, ctx, RefineOptions{});
+  EXPECT_GT(fine.micro_batches, 1);
+  EXPECT_EQ(fine.numStages(), 2);
+  EXPECT_LT(fine.iteration_time, 0.8 * coarse.deployment.iteration_time);
+  EXPECT_NO_THROW(validateDeployment(g, fine));
+}
+
+// A fixed layout 3/1 on a chain whose layers are all alike puts three quarters of the
+// work behind one replica's worth of rows; moving replicas reaches a faster layout that
+// still uses the four devices, and never returns anything slower than it was given.
+TEST(ARefinement, MovesReplicasTowardsTheSlowerStageAndKeepsTheDevices) {
+  std::mt19937 rng(11);
+  int faster = 0;
+  for (int trial = 0; trial < 12; ++trial) {
+    std::vector<int64_t> widths;
+    for (int i = 0; i < 12; ++i) widths.push_back(64 + static_cast<int64_t>(rng() % 512));
+    ir::Graph g = testing::linearChain(widths, /*batch=*/8, /*in_width=*/64);
+    AnalyticCostModel m(g, device());
+    PlannerOptions o;
+    o.world_size = 4;
+    o.batch_size = 64;
+    o.num_blocks = 6;
+    o.fixed_stages = 2;
+    o.fixed_micro_batches = 4;
+    o.fixed_replicas = trial % 2 ? std::vector<int>{3, 1} : std::vector<int>{1, 3};
+    o.memory_limit = 1LL << 40;
+    o.refine_boundaries = false;
+    PlanTrace coarse = planTrace(g, m, o);
+    const PlanContext ctx = planContext(g, m, o);
+    RefineOptions keep;
+    keep.move_replicas = false;
+    keep.move_micro_batches = false;
+    Deployment cut_only = refineBoundaries(coarse.deployment, coarse.atomic, coarse.blocks, m, ctx, keep);
+    RefineOptions move;
+    move.move_micro_batches = false;
+    Deployment moved = refineBoundaries(coarse.deployment, coarse.atomic, coarse.blocks, m, ctx, move);
+    EXPECT_EQ(replicasPerCopy(cut_only, 0), o.fixed_replicas[0]);
+    EXPECT_LE(cut_only.iteration_time, coarse.deployment.iteration_time);
+    EXPECT_LE(moved.iteration_time, cut_only.iteration_time);
+    EXPECT_EQ(replicasPerCopy(moved, 0) + replicasPerCopy(moved, 1), 4);
+    EXPECT_EQ(moved.micro_batches, 4);
+    EXPECT_TRUE(moved.feasible);
+    EXPECT_NO_THROW(validateDeployment(g, moved));
+    if (moved.iteration_time < cut_only.iteration_time && replicasPerCopy(moved, 0) != o.fixed_replicas[0]) ++faster;
+  }
+  EXPECT_GT(faster, 0);
+}
+
+// Patience stops the stage sweep in the valley of few, replicated stages; the stage
+// counts dividing the devices past it (down to one device per stage) still become
+// candidates for refinement.
+TEST(AStageSearch, OffersTheDeepPipelinesPastThePatienceAsCandidates) {
+  ir::Graph g = testing::uniformChain(16, 256, /*batch=*/8);
+  AnalyticCostModel m(g, device());
+  AtomicPartition atomic = partitionAtomic(g);
+  BlockOptions bo;
+  bo.num_blocks = 16;
+  BlockPartition blocks = partitionBlocks(atomic, m, bo);
+  PlanContext ctx;
+  ctx.world_size = 8;
+  ctx.batch_size = 64;
+  StageProblem problem(blocks, m, ctx);
+  StageSearchOptions so;
+  so.patience = 1;
+  so.every_node_count = true;
+  std::vector<Deployment> candidates = formStageCandidates(problem, so, 2);
+  ASSERT_GE(candidates.size(), 2u);
+  EXPECT_LE(candidates[0].iteration_time, candidates[1].iteration_time);
+  bool deepest = false;
+  for (const Deployment& d : candidates) deepest = deepest || d.numStages() == 8;
+  EXPECT_TRUE(deepest);
+  // formStage keeps returning the fastest.
+  StageProblem again(blocks, m, ctx);
+  EXPECT_DOUBLE_EQ(formStage(again, so).iteration_time, candidates[0].iteration_time);
+}
+
+// Refining several candidates can only help: the plan is never slower than refining the
+// block-level winner alone.
+TEST(APlanner, IsNoSlowerWhenItRefinesSeveralCandidates) {
+  SyntheticResNetOptions r;
+  r.blocks = {1, 2, 2, 1};
+  r.width_factor = 4;
+  r.image = 64;
+  ir::Graph g = syntheticResNet(r);
+  DeviceSpec d;
+  d.memory_bytes = 2LL << 30;
+  d.devices_per_node = 4;
+  PlannerOptions o;
+  o.world_size = 8;
+  o.batch_size = 64;
+  o.refine_candidates = 1;
+  o.refine_replicas = false;
+  AnalyticCostModel a(g, d), b(g, d);
+  Deployment one = plan(g, a, o);
+  o.refine_candidates = 6;
+  o.refine_replicas = true;
+  Deployment many = plan(g, b, o);
+  EXPECT_LE(many.iteration_time, one.iteration_time);
+  EXPECT_TRUE(many.feasible);
+  EXPECT_NO_THROW(validateDeployment(g, many));
+}
+
+}  // namespace
+}  // namespace rannc::partition
