@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Compiles the CUDA/NCCL path on a machine without a GPU: a virtual environment with a
+# CUDA build of torch (and NVIDIA's NCCL wheel, which it pulls in), then the extension
+# against it in build/cuda. Nothing built here runs without a GPU; this checks that the
+# NCCL data plane and the rest compile against CUDA torch. Needs nvcc (CUDA_HOME or
+# /usr/local/cuda). Not part of CI (several GB of wheels).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${RANNC_CUDA_VENV:-$PWD/build/cuda-venv}"
+TORCH_SPEC="${RANNC_CUDA_TORCH:-torch==2.14.1}"
+CUDA_HOME="${CUDA_HOME:-$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")}"
+[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+"$VENV/bin/python" -c "import torch" 2>/dev/null || "$VENV/bin/pip" install -q "$TORCH_SPEC" numpy
+# No GPU to query: name the architecture (Hopper) instead of detecting it.
+TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" cmake -S . -B build/cuda -G Ninja \
+  -DPython_EXECUTABLE="$VENV/bin/python" -DRANNC_COPY_TO_SOURCE=OFF \
+  -DCUDA_TOOLKIT_ROOT_DIR="$CUDA_HOME" -DCUDAToolkit_ROOT="$CUDA_HOME" \
+  -DCMAKE_CUDA_COMPILER="$CUDA_HOME/bin/nvcc"
+cmake --build build/cuda --target _C -j "${RANNC_BUILD_JOBS:-$(nproc)}"
+grep -q "RANNC_HAVE_NCCL" build/cuda/build.ninja && echo "CUDA build with the NCCL data plane: OK"
