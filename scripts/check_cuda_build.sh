@@ -8,13 +8,17 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${RANNC_CUDA_VENV:-$PWD/build/cuda-venv}"
 TORCH_SPEC="${RANNC_CUDA_TORCH:-torch==2.14.1}"
-CUDA_HOME="${CUDA_HOME:-$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")}"
+CUDA_HOME="${CUDA_HOME:-$(ls -d /usr/local/cuda /usr/local/cuda-* 2>/dev/null | head -1)}"
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 "$VENV/bin/python" -c "import torch" 2>/dev/null || "$VENV/bin/pip" install -q "$TORCH_SPEC" numpy
+# torch's CMake wants libnvrtc; NVIDIA's wheels have it when the local toolkit does not.
+NVRTC="$("$VENV/bin/python" -c "import glob, nvidia; print((sorted(glob.glob(nvidia.__path__[0] + '/*/lib/libnvrtc.so*')) + [''])[0])")"
+EXTRA=()
+[ -n "$NVRTC" ] && [ ! -e "$CUDA_HOME/lib64/libnvrtc.so" ] && EXTRA+=("-DCUDA_nvrtc_LIBRARY=$NVRTC")
 # No GPU to query: name the architecture (Hopper) instead of detecting it.
 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" cmake -S . -B build/cuda -G Ninja \
   -DPython_EXECUTABLE="$VENV/bin/python" -DRANNC_COPY_TO_SOURCE=OFF \
   -DCUDA_TOOLKIT_ROOT_DIR="$CUDA_HOME" -DCUDAToolkit_ROOT="$CUDA_HOME" \
-  -DCMAKE_CUDA_COMPILER="$CUDA_HOME/bin/nvcc"
+  -DCMAKE_CUDA_COMPILER="$CUDA_HOME/bin/nvcc" "${EXTRA[@]}"
 cmake --build build/cuda --target _C -j "${RANNC_BUILD_JOBS:-$(nproc)}"
 grep -q "RANNC_HAVE_NCCL" build/cuda/build.ninja && echo "CUDA build with the NCCL data plane: OK"
