@@ -167,6 +167,7 @@ PYBIND11_MODULE(_C, m) {
 
   m.def("set_log_level", &setLogLevel, py::arg("level"));
   bind::bindPlanner(m);
+  bind::bindProfiler(m);
 
   py::class_<ir::Subgraph>(m, "Piece", "A convex piece of a graph: tasks and boundary values.")
       .def_readonly("tasks", &ir::Subgraph::tasks)
