@@ -15,6 +15,7 @@ namespace {
 std::atomic<int64_t> g_current{0};
 std::atomic<int64_t> g_peak{0};
 std::atomic<int64_t> g_limit{0};
+std::atomic<int64_t> g_refusals{0};
 
 // What the counting deleter needs to free a block: the inner allocation and its size,
 // found by data pointer. The context of a counted allocation is its data pointer (some
@@ -59,6 +60,7 @@ class CountingAllocator final : public c10::Allocator {
     int64_t now = g_current.fetch_add(bytes, std::memory_order_relaxed) + bytes;
     if (limit > 0 && now > limit) {
       g_current.fetch_sub(bytes, std::memory_order_relaxed);
+      g_refusals.fetch_add(1);
       TORCH_CHECK_WITH(OutOfMemoryError, false, "rannc profiling: allocating ", n,
                        " bytes would pass the memory limit of ", limit, " bytes (", now - bytes,
                        " in use)");
@@ -129,5 +131,6 @@ int64_t MemoryCounter::peak() const { return g_peak.load(); }
 void MemoryCounter::resetPeak() { g_peak.store(g_current.load()); }
 void MemoryCounter::setLimit(int64_t bytes) { g_limit.store(bytes); }
 int64_t MemoryCounter::limit() const { return g_limit.load(); }
+int64_t MemoryCounter::refusals() const { return g_refusals.load(); }
 
 }  // namespace rannc::profile

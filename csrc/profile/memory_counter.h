@@ -34,6 +34,9 @@ class MemoryCounter {
   // 0: no limit.
   void setLimit(int64_t bytes);
   int64_t limit() const;
+  // Allocations refused for the limit so far: callers that wrap c10's OutOfMemoryError
+  // into another error (the interpreter names the op) are recognised by this count.
+  int64_t refusals() const;
 };
 
 }  // namespace rannc::profile

@@ -66,6 +66,7 @@ ProfileRecord Profiler::measure(const ir::Subgraph& piece, int64_t rows, bool re
   MemoryCounter& counter = MemoryCounter::get();
   MemoryCounter::Scope scope;
   const int64_t saved_limit = counter.limit();
+  const int64_t refusals = counter.refusals();
   ProfileRecord r;
   try {
     // The limit counts what the piece allocates on top of what is live now.
@@ -79,7 +80,10 @@ ProfileRecord Profiler::measure(const ir::Subgraph& piece, int64_t rows, bool re
     r.out_of_memory = true;
   } catch (...) {
     counter.setLimit(saved_limit);
-    throw;
+    // The interpreter wraps the allocator's error in one naming the op.
+    if (counter.refusals() == refusals) throw;
+    r = ProfileRecord();
+    r.out_of_memory = true;
   }
   counter.setLimit(saved_limit);
   if (r.out_of_memory) {

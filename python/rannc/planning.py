@@ -201,6 +201,24 @@ def _on_meta(model: torch.nn.Module) -> bool:
     return any(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
 
 
+def _materialise(model, args, kwargs):
+    import copy
+
+    import torch.utils._pytree as pytree
+
+    cpu = copy.deepcopy(model).to_empty(device="cpu")
+    with torch.no_grad():
+        for t in list(cpu.parameters()) + list(cpu.buffers()):
+            t.zero_() if not t.is_floating_point() else t.normal_(0.0, 0.02)
+
+    def real(x):
+        if isinstance(x, torch.Tensor) and x.is_meta:
+            return torch.zeros(x.shape, dtype=x.dtype) if not x.is_floating_point() else torch.randn(x.shape, dtype=x.dtype)
+        return x
+
+    return cpu, pytree.tree_map(real, args), pytree.tree_map(real, kwargs)
+
+
 def _device_spec(world_size, devices_per_node, device_memory):
     device = _C.DeviceSpec()
     device.memory_bytes = parse_bytes(device_memory)
@@ -309,7 +327,12 @@ def plan(model: torch.nn.Module, args, kwargs: dict | None = None, *, world_size
     args = args if isinstance(args, tuple) else (args,)
     kwargs = kwargs or {}
     if _on_meta(model):
+        # [meta models] torch.jit.trace runs on meta tensors, but observing the graph
+        # needs values (sizes read with .item()); so the model is materialised without
+        # initialisation on the CPU (its parameter bytes, once) and traced with zeros for
+        # meta arguments, then planned from shapes (analytic costs). See docs/profile.md.
         cost_model = "analytic"
+        model, args, kwargs = _materialise(model, args, kwargs)
     graph = trace(model, args, kwargs)
     device = _device_spec(world_size, devices_per_node, device_memory)
     cache, path = profile_cache, None
