@@ -32,8 +32,9 @@ py::dict recordToDict(const profile::ProfileRecord& r) {
 }
 
 profile::ProfilerOptions profilerOptions(int warmup, int repetitions, int64_t memory_limit,
-                                         bool fake_timer) {
+                                         bool fake_timer, double time_budget = 0.5) {
   profile::ProfilerOptions o;
+  o.time_budget = time_budget;
   o.warmup = warmup;
   o.repetitions = repetitions;
   o.memory_limit = memory_limit;
@@ -167,10 +168,10 @@ void bindProfiler(py::module& m) {
       [](std::shared_ptr<frontend::TracedModel> model, const std::vector<at::Tensor>& example,
          const partition::DeviceSpec& device, const partition::PlannerOptions& options,
          std::shared_ptr<profile::ProfileCache> cache, bool parallel, int warmup, int repetitions,
-         int64_t memory_limit, bool fake_timer, py::object progress) -> py::object {
+         int64_t memory_limit, bool fake_timer, double time_budget, py::object progress) -> py::object {
         auto inputs = std::make_shared<profile::BoundaryInputs>(model, example);
         auto profiler = std::make_shared<profile::Profiler>(
-            model, inputs, profilerOptions(warmup, repetitions, memory_limit, fake_timer));
+            model, inputs, profilerOptions(warmup, repetitions, memory_limit, fake_timer, time_budget));
         std::shared_ptr<comm::Communicator> comm;
         if (parallel && comm::World::get().size() > 1) comm = comm::worldCpuCommunicator();
         profile::ProfilingCostModel costs(model, profiler, cache, device, comm);
@@ -196,7 +197,7 @@ void bindProfiler(py::module& m) {
       py::arg("model"), py::arg("example"), py::arg("device"), py::arg("options"),
       py::arg("cache"), py::arg("parallel") = true, py::arg("warmup") = 1,
       py::arg("repetitions") = 3, py::arg("memory_limit") = 0, py::arg("fake_timer") = false,
-      py::arg("progress") = py::none(),
+      py::arg("time_budget") = 0.5, py::arg("progress") = py::none(),
       "Plans with measured costs. Collective when `parallel` and the world has several ranks: "
       "rank 0 plans and returns the Deployment, the others profile their shares and return None.");
 

@@ -115,8 +115,10 @@ ProfileRecord Profiler::measureOnce(const ir::Subgraph& piece, int64_t rows, boo
     if (model_->graph.value(ids[i]).isModelState()) state_grad_bytes += tensorBytes(inputs[i]);
   }
   std::vector<double> fwd, bwd;
+  double spent = 0.0;
   ProfileRecord r;
   for (int run = 0; run < runs; ++run) {
+    if (!fwd.empty() && options_.time_budget > 0 && spent >= options_.time_budget) break;
     const bool timed = run >= options_.warmup;
     for (auto& leaf : leaves) leaf.mutable_grad() = at::Tensor();
     const int64_t base = counter.current();
@@ -159,6 +161,7 @@ ProfileRecord Profiler::measureOnce(const ir::Subgraph& piece, int64_t rows, boo
     if (timed) {
       fwd.push_back(seconds(t0, t1));
       bwd.push_back(backward);
+      spent += fwd.back() + backward;
     }
   }
   for (auto& leaf : leaves) leaf.mutable_grad() = at::Tensor();

@@ -22,7 +22,10 @@ namespace rannc::profile {
 
 struct ProfilerOptions {
   int warmup = 1;            // untimed runs before measuring
-  int repetitions = 3;       // timed runs; the median is kept
+  int repetitions = 3;       // timed runs at most; the median is kept
+  // Stop timing a piece once its timed runs took this many seconds (at least one run):
+  // large pieces on a slow device need no more repetitions to beat the noise. 0: off.
+  double time_budget = 0.5;
   int64_t memory_limit = 0;  // bytes a piece may allocate (0: no limit)
   // Deterministic times computed from the piece's shapes instead of the clock (tests of
   // parallel profiling compare plans that must not depend on timing noise).

@@ -40,6 +40,7 @@ _OPTIONS = {
     "batch_size": (0, "global batch (0: the example's batch x world_size)"),
     "profile_warmup": (1, "untimed runs before measuring a piece"),
     "profile_repetitions": (3, "timed runs per piece (the median is kept)"),
+    "profile_time_budget": (0.5, "seconds of timed runs per piece after which timing stops"),
     "profile_parallel": (True, "spread profiling over the MPI world's ranks"),
     "profile_fake_timer": (False, "deterministic times from shapes (tests)"),
     "probe_bandwidth": (True, "measure link bandwidth between ranks (else DeviceSpec defaults)"),
@@ -281,7 +282,7 @@ def plan_graph(graph: TracedGraph, flat_inputs: list, *, world_size: int, device
             graph._trace.traced, flat_inputs, device, popts, cache, parallel=parallel,
             warmup=int(o["profile_warmup"]), repetitions=int(o["profile_repetitions"]),
             memory_limit=limit, fake_timer=bool(o["profile_fake_timer"]),
-            progress=_Progress(bool(progress)))
+            time_budget=float(o["profile_time_budget"]), progress=_Progress(bool(progress)))
     except Exception as e:
         if parallel and broadcast and _C.get_rank() == 0:
             _broadcast_plan(None, graph, failure=f"{type(e).__name__}: {e}")
