@@ -5,5 +5,6 @@
 namespace rannc::bind {
 
 void bindPlanner(pybind11::module& m);
+void bindProfiler(pybind11::module& m);
 
 }  // namespace rannc::bind

@@ -182,6 +182,7 @@ PYBIND11_MODULE(_C, m) {
   m.attr("has_nccl") = false;
 #endif
   bind::bindPlanner(m);
+  bind::bindProfiler(m);
 
   py::class_<ir::Subgraph>(m, "Piece", "A convex piece of a graph: tasks and boundary values.")
       .def_readonly("tasks", &ir::Subgraph::tasks)

@@ -18,9 +18,10 @@ from ._C import (  # noqa: F401
 )
 from .graph import SplitGraph, TracedGraph, load_ir, trace  # noqa: F401
 from .module import RaNNCModule  # noqa: F401
+from .planning import Plan, ProfileCache, plan  # noqa: F401
 
 __all__ = [
-    "RaNNCModule", "trace", "load_ir", "TracedGraph", "SplitGraph", "set_log_level",
+    "RaNNCModule", "trace", "plan", "Plan", "ProfileCache", "load_ir", "TracedGraph", "SplitGraph", "set_log_level",
     "Error", "TraceError", "InvalidGraphError", "SerializationError", "InfeasiblePlanError",
     "InternalError", "CommError", "CommTimeoutError",
     "get_rank", "get_world_size", "get_local_rank", "barrier",

@@ -68,7 +68,9 @@ class _Deployed:
         ir = self.graph.ir
         rank, world = _C.get_rank(), _C.get_world_size()
         self._check_agreement(ir)
+        self.example_inputs = self.graph._flat_inputs(args, kwargs)
         deployment = self._plan(ir, world, opts)
+        self.example_inputs = None
         if opts.verify_plan:
             deployment.validate(ir)
         self.deployment = deployment
@@ -113,6 +115,8 @@ class _Deployed:
                 raise _C.Error(f"plan {opts.load_plan} was made for {deployment.world_size} ranks, "
                                f"this job has {world}")
             return deployment
+        if _C.get_rank() != 0 and opts.cost_model == "profile" and world > 1:
+            self._make_plan(ir, world, opts)  # profiles a share of the pieces for rank 0
         if _C.get_rank() == 0:
             try:
                 data = self._make_plan(ir, world, opts).to_bytes()
@@ -132,19 +136,40 @@ class _Deployed:
         return deployment
 
     def _make_plan(self, ir, world, opts):
+        """Rank 0's plan; with the profiler and several ranks, the other ranks take part
+        (profiling their share of the pieces) and get None."""
+        if opts.cost_model == "profile":
+            from . import planning
+            device = _C.DeviceSpec()
+            device.memory_bytes = opts.device_memory
+            device.devices_per_node = max(1, _C.get_local_size())
+            deployment = planning.plan_graph(
+                self.graph, self.example_inputs, world_size=world, device=device,
+                optimizer=opts.optimizer_kind or _optimizer_kind(self.owner.optimizer),
+                cost_model="profile", broadcast=False, batch_size=self.graph.batch_size * world,
+                num_blocks=opts.num_blocks, memory_margin=opts.memory_margin,
+                recompute="never" if opts.recompute == "never" else "auto",
+                num_stages=opts.num_stages, num_microbatches=opts.num_microbatches,
+                replicas=opts.replicas, profile_repetitions=opts.profile_repetitions, profile_warmup=opts.profile_warmup,
+                profile_cache=self.owner.profile_cache)
+            if opts.profile_cache and _C.get_rank() == 0:
+                self.owner.profile_cache.save(opts.profile_cache)
+            return deployment
+        from . import planning
         device = _C.DeviceSpec()
         device.memory_bytes = opts.device_memory
         device.devices_per_node = max(1, _C.get_local_size())
         # CPU ranks: modest peak and bandwidth; only the ratios matter for the plan.
         device.peak_flops, device.memory_bandwidth = 50e9, 10e9
         device.intra_node_bandwidth = device.inter_node_bandwidth = 5e9
-        return _C.plan_analytic(
-            ir, device, world, batch_size=self.graph.batch_size * world,
-            num_blocks=opts.num_blocks, memory_margin=opts.memory_margin,
+        return planning.plan_graph(
+            self.graph, self.example_inputs, world_size=world, device=device,
             optimizer=opts.optimizer_kind or _optimizer_kind(self.owner.optimizer),
-            allow_recompute=opts.recompute != "never", fixed_stages=opts.num_stages,
-            fixed_micro_batches=opts.num_microbatches,
-            fixed_replicas=[int(r) for r in opts.replicas.replace(" ", "").split(",") if r])
+            cost_model="analytic", batch_size=self.graph.batch_size * world,
+            num_blocks=opts.num_blocks, memory_margin=opts.memory_margin,
+            recompute="never" if opts.recompute == "never" else "auto",
+            num_stages=opts.num_stages, num_microbatches=opts.num_microbatches,
+            replicas=opts.replicas)
 
     # ---- running ------------------------------------------------------------------------
     def run(self, args, kwargs):
@@ -250,6 +275,11 @@ class RaNNCModule(torch.nn.Module):
         _C.set_comm_timeout(self.options.comm_timeout)
         self.module = model
         self.optimizer = optimizer
+        from . import planning
+        self.profile_cache = planning.default_profile_cache()
+        if self.options.profile_cache:
+            self.profile_cache = _C.ProfileCache()
+            self.profile_cache.load(self.options.profile_cache)
         self._deployed = {}
         self._anchor = torch.zeros((), requires_grad=True)
         self._patched = False

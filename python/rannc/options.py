@@ -39,6 +39,10 @@ class Options:
     comm_timeout: float = 600.0        # seconds a rank waits for a peer before failing
     log_level: str = ""                # trace, debug, info, warn, error, off
     verify_plan: bool = True           # check every stage and task of the plan before deploying
+    cost_model: str = "profile"        # "profile" (measure pieces on the device) or "analytic" (shapes)
+    profile_cache: str = ""            # load measured pieces from / save them to this file
+    profile_warmup: int = 1            # untimed runs before measuring a piece
+    profile_repetitions: int = 3       # timed runs per piece (the median is kept)
 
     @staticmethod
     def resolve(kwargs: dict, environ=os.environ) -> "Options":
@@ -57,6 +61,8 @@ class Options:
         if opts.replicas and not re.fullmatch(r"\d+(,\d+)*", opts.replicas.replace(" ", "")):
             raise _C.Error(f"option replicas is {opts.replicas!r}; expected counts per stage "
                            "such as \"2,1,1\" or [2, 1, 1]")
+        if opts.cost_model not in ("profile", "analytic"):
+            raise _C.Error(f"option cost_model is {opts.cost_model!r}; expected profile or analytic")
         if opts.recompute not in ("auto", "always", "never"):
             raise _C.Error(f"option recompute is {opts.recompute!r}; expected auto, always or never")
         return opts

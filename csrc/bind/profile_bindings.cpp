@@ -1,0 +1,208 @@
+// Bindings of the device profiler: the profile cache, one-piece measurements, the
+// bandwidth probe and planning with measured costs (parallel over the world's ranks).
+#include <limits>
+
+#include "bind/bindings.h"
+
+#include "comm/communicator.h"
+#include "comm/world.h"
+#include "common/error.h"
+#include "partition/plan.h"
+#include "partition/planner.h"
+#include "profile/bandwidth.h"
+#include "profile/boundary_inputs.h"
+#include "profile/memory_counter.h"
+#include "profile/profile_cache.h"
+#include "profile/profiler.h"
+#include "profile/profiling_cost_model.h"
+
+namespace py = pybind11;
+
+namespace rannc::bind {
+namespace {
+
+py::dict recordToDict(const profile::ProfileRecord& r) {
+  py::dict d;
+  d["forward_time"] = r.forward_time;
+  d["backward_time"] = r.backward_time;
+  d["activation_bytes"] = r.activation_bytes;
+  d["peak_bytes"] = r.peak_bytes;
+  d["out_of_memory"] = r.out_of_memory;
+  return d;
+}
+
+profile::ProfilerOptions profilerOptions(int warmup, int repetitions, int64_t memory_limit,
+                                         bool fake_timer, double time_budget = 0.5) {
+  profile::ProfilerOptions o;
+  o.time_budget = time_budget;
+  o.warmup = warmup;
+  o.repetitions = repetitions;
+  o.memory_limit = memory_limit;
+  o.fake_timer = fake_timer;
+  return o;
+}
+
+// A progress callback that may be called without the GIL.
+profile::ProgressFn progressFrom(py::object callback) {
+  if (callback.is_none()) return nullptr;
+  auto shared = std::make_shared<py::object>(std::move(callback));
+  return [shared](int64_t done, int64_t total) {
+    py::gil_scoped_acquire gil;
+    (*shared)(done, total);
+  };
+}
+
+}  // namespace
+
+void bindProfiler(py::module& m) {
+  // InfeasiblePlanError in Python carries bytes_needed (registered after module.cpp's
+  // plain translation, so this one is tried first).
+  static py::handle infeasible_type = m.attr("InfeasiblePlanError");
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const InfeasiblePlanError& e) {
+      py::gil_scoped_acquire gil;
+      py::object exc = infeasible_type(e.what());
+      exc.attr("bytes_needed") = e.bytesNeeded();
+      PyErr_SetObject(infeasible_type.ptr(), exc.ptr());
+    }
+  });
+
+  py::class_<partition::PlannerOptions>(m, "PlannerOptions", "Options of the planner (partition/planner.h).")
+      .def(py::init<>())
+      .def_readwrite("world_size", &partition::PlannerOptions::world_size)
+      .def_readwrite("batch_size", &partition::PlannerOptions::batch_size)
+      .def_readwrite("num_blocks", &partition::PlannerOptions::num_blocks)
+      .def_readwrite("memory_margin", &partition::PlannerOptions::memory_margin)
+      .def_readwrite("memory_limit", &partition::PlannerOptions::memory_limit)
+      .def_readwrite("allow_recompute", &partition::PlannerOptions::allow_recompute)
+      .def_readwrite("fixed_stages", &partition::PlannerOptions::fixed_stages)
+      .def_readwrite("fixed_micro_batches", &partition::PlannerOptions::fixed_micro_batches)
+      .def_readwrite("max_micro_batches", &partition::PlannerOptions::max_micro_batches)
+      .def_readwrite("fixed_replicas", &partition::PlannerOptions::fixed_replicas)
+      .def_readwrite("search_patience", &partition::PlannerOptions::search_patience)
+      .def_readwrite("refine_boundaries", &partition::PlannerOptions::refine_boundaries)
+      .def_property(
+          "optimizer",
+          [](const partition::PlannerOptions& o) { return std::string(partition::optimizerName(o.optimizer)); },
+          [](partition::PlannerOptions& o, const std::string& name) {
+            if (name == "adam" || name == "adamw") {
+              o.optimizer = partition::Optimizer::Adam;
+            } else if (name == "sgd_momentum" || name == "sgd-momentum") {
+              o.optimizer = partition::Optimizer::SgdMomentum;
+            } else if (name == "sgd") {
+              o.optimizer = partition::Optimizer::Sgd;
+            } else {
+              throw Error("unknown optimizer kind '" + name + "' (expected adam, adamw, sgd_momentum or sgd)");
+            }
+          })
+      .def_property(
+          "schedule",
+          [](const partition::PlannerOptions& o) { return std::string(partition::scheduleName(o.schedule)); },
+          [](partition::PlannerOptions& o, const std::string& name) {
+            if (name == "1f1b") {
+              o.schedule = partition::ScheduleKind::OneFOneB;
+            } else if (name == "fill_drain" || name == "fill-drain") {
+              o.schedule = partition::ScheduleKind::FillDrain;
+            } else {
+              throw Error("unknown schedule '" + name + "' (expected 1f1b or fill_drain)");
+            }
+          });
+
+  py::class_<profile::ProfileCache, std::shared_ptr<profile::ProfileCache>>(
+      m, "ProfileCache", "Measured pieces by content hash, rows, dtype, device and recompute flag.")
+      .def(py::init<>())
+      .def("__len__", &profile::ProfileCache::size)
+      .def("clear", &profile::ProfileCache::clear)
+      .def_property_readonly("hits", &profile::ProfileCache::hits)
+      .def_property_readonly("misses", &profile::ProfileCache::misses)
+      .def("save", &profile::ProfileCache::save, py::arg("path"))
+      .def("load", &profile::ProfileCache::load, py::arg("path"),
+           "Merges the entries of a saved cache; False when the file does not exist.")
+      .def("to_bytes", [](const profile::ProfileCache& c) { return py::bytes(c.serialize()); })
+      .def("merge_bytes", [](profile::ProfileCache& c, const py::bytes& b) {
+        c.merge(std::string(b), "<bytes>");
+      });
+
+  m.def(
+      "profile_piece",
+      [](std::shared_ptr<frontend::TracedModel> model, const std::vector<at::Tensor>& example,
+         const ir::Subgraph& piece, int64_t rows, bool recompute, int warmup, int repetitions,
+         int64_t memory_limit, bool fake_timer) {
+        py::gil_scoped_release release;
+        auto inputs = std::make_shared<profile::BoundaryInputs>(model, example);
+        profile::Profiler profiler(model, inputs,
+                                   profilerOptions(warmup, repetitions, memory_limit, fake_timer));
+        auto r = profiler.measure(piece, rows, recompute);
+        py::gil_scoped_acquire gil;
+        return recordToDict(r);
+      },
+      py::arg("model"), py::arg("example"), py::arg("piece"), py::arg("rows"),
+      py::arg("recompute") = false, py::arg("warmup") = 1, py::arg("repetitions") = 3,
+      py::arg("memory_limit") = 0, py::arg("fake_timer") = false,
+      "Measures one piece (forward, backward, memory) at `rows` rows.");
+
+  m.def(
+      "probe_bandwidth",
+      [](double fallback_inter, int64_t max_bytes) {
+        auto comm = comm::worldCpuCommunicator();
+        const auto& nodes = comm::World::get().nodeOfRank();
+        profile::Bandwidth bw;
+        {
+          py::gil_scoped_release release;
+          bw = profile::probeBandwidth(comm, nodes, fallback_inter, max_bytes);
+        }
+        py::dict d;
+        d["intra_node"] = bw.intra_node;
+        d["inter_node"] = bw.inter_node;
+        d["latency"] = bw.latency;
+        d["intra_measured"] = bw.intra_measured;
+        d["inter_measured"] = bw.inter_measured;
+        return d;
+      },
+      py::arg("fallback_inter"), py::arg("max_bytes") = 8 << 20,
+      "Collective: intra-/inter-node bandwidth (bytes/s) from a ping-pong probe (rank 0's).");
+
+  m.def(
+      "plan_profiled",
+      [](std::shared_ptr<frontend::TracedModel> model, const std::vector<at::Tensor>& example,
+         const partition::DeviceSpec& device, const partition::PlannerOptions& options,
+         std::shared_ptr<profile::ProfileCache> cache, bool parallel, int warmup, int repetitions,
+         int64_t memory_limit, bool fake_timer, double time_budget, py::object progress) -> py::object {
+        auto inputs = std::make_shared<profile::BoundaryInputs>(model, example);
+        auto profiler = std::make_shared<profile::Profiler>(
+            model, inputs, profilerOptions(warmup, repetitions, memory_limit, fake_timer, time_budget));
+        std::shared_ptr<comm::Communicator> comm;
+        if (parallel && comm::World::get().size() > 1) comm = comm::worldCpuCommunicator();
+        profile::ProfilingCostModel costs(model, profiler, cache, device, comm);
+        costs.setProgress(progressFrom(progress));
+        if (comm && comm->rank() != 0) {
+          py::gil_scoped_release release;
+          costs.serve();
+          return py::none();
+        }
+        partition::Deployment d;
+        {
+          py::gil_scoped_release release;
+          try {
+            d = partition::plan(model->graph, costs, options);
+          } catch (...) {
+            costs.finish();
+            throw;
+          }
+          costs.finish();
+        }
+        return py::cast(d);
+      },
+      py::arg("model"), py::arg("example"), py::arg("device"), py::arg("options"),
+      py::arg("cache"), py::arg("parallel") = true, py::arg("warmup") = 1,
+      py::arg("repetitions") = 3, py::arg("memory_limit") = 0, py::arg("fake_timer") = false,
+      py::arg("time_budget") = 0.5, py::arg("progress") = py::none(),
+      "Plans with measured costs. Collective when `parallel` and the world has several ranks: "
+      "rank 0 plans and returns the Deployment, the others profile their shares and return None.");
+
+  m.def("memory_counter_current", [] { return profile::MemoryCounter::get().current(); });
+}
+
+}  // namespace rannc::bind

@@ -1,0 +1,231 @@
+#include "profile/profiling_cost_model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <sstream>
+
+#include <ATen/ATen.h>
+
+#include "comm/communicator.h"
+#include "common/error.h"
+#include "common/log.h"
+
+namespace rannc::profile {
+namespace {
+
+enum Command : int64_t { kFinish = 0, kBatch = 1 };
+enum Status : int64_t { kOk = 0, kOutOfMemory = 1, kFailed = 2 };
+constexpr int kRecordWidth = 5;  // forward, backward, activation bytes, peak bytes, status
+
+std::string modelDtype(const ir::Graph& g) {
+  for (const ir::Value& v : g.values()) {
+    if (v.isModelState() && (v.dtype == ir::DType::Float32 || v.dtype == ir::DType::Float64 ||
+                             v.dtype == ir::DType::Float16 || v.dtype == ir::DType::BFloat16)) {
+      return std::string(ir::dtypeName(v.dtype));
+    }
+  }
+  return "Float32";
+}
+
+}  // namespace
+
+partition::PieceCost pieceCostFrom(const ir::Graph& g, const ir::Subgraph& piece, int64_t rows,
+                                   const ProfileRecord& record) {
+  partition::PieceCost c;
+  c.forward_time = record.forward_time;
+  c.backward_time = record.backward_time;
+  for (ir::ValueId id : piece.inputs) {
+    const ir::Value& v = g.value(id);
+    if (!v.isTensor() || v.isConstant()) continue;
+    const int64_t bytes = partition::valueBytesAt(g, v, rows);
+    if (v.role == ir::ValueRole::Param) {
+      c.param_bytes += bytes;
+    } else if (v.role == ir::ValueRole::Buffer) {
+      c.buffer_bytes += bytes;
+    } else {
+      c.input_bytes += bytes;
+    }
+  }
+  for (ir::ValueId id : piece.outputs) {
+    const ir::Value& v = g.value(id);
+    if (v.isTensor()) c.output_bytes += partition::valueBytesAt(g, v, rows);
+  }
+  c.activation_bytes = std::max(record.activation_bytes + c.input_bytes, record.peak_bytes);
+  return c;
+}
+
+ProfilingCostModel::ProfilingCostModel(std::shared_ptr<const frontend::TracedModel> model,
+                                       std::shared_ptr<Profiler> profiler,
+                                       std::shared_ptr<ProfileCache> cache,
+                                       partition::DeviceSpec device,
+                                       std::shared_ptr<comm::Communicator> comm)
+    : partition::CostModel(model->graph, device),
+      model_(std::move(model)),
+      profiler_(std::move(profiler)),
+      cache_(cache ? std::move(cache) : std::make_shared<ProfileCache>()),
+      comm_(std::move(comm)),
+      dtype_(modelDtype(model_->graph)) {
+  if (comm_ && comm_->size() <= 1) comm_.reset();
+}
+
+ProfilingCostModel::~ProfilingCostModel() {
+  // Releases the serving ranks if rank 0 is unwinding from an error before finish().
+  if (comm_ && comm_->rank() == 0 && !finished_) {
+    try {
+      finish();
+    } catch (...) {
+    }
+  }
+}
+
+ProfileKey ProfilingCostModel::key(const ir::Subgraph& piece, int64_t rows, bool recompute) const {
+  return ProfileKey{ir::contentHash(graph(), piece), rows, dtype_, profiler_->deviceKind(), recompute};
+}
+
+ProfileRecord ProfilingCostModel::record(const ir::Subgraph& piece, int64_t rows, bool recompute) {
+  const ProfileKey k = key(piece, rows, recompute);
+  if (auto hit = cache_->find(k)) return *hit;
+  ProfileRecord r = profiler_->measure(piece, rows, recompute);
+  ++measured_;
+  cache_->insert(k, r);
+  return r;
+}
+
+partition::PieceCost ProfilingCostModel::computeCost(const ir::Subgraph& piece, int64_t rows) {
+  return pieceCostFrom(graph(), piece, rows, record(piece, rows, /*recompute=*/false));
+}
+
+void ProfilingCostModel::prefetch(const std::vector<std::vector<ir::TaskId>>& pieces, int64_t rows) {
+  std::vector<ir::Subgraph> todo;
+  std::unordered_map<ProfileKey, bool, ProfileKeyHash> seen;
+  for (const auto& tasks : pieces) {
+    if (tasks.empty()) continue;
+    ir::Subgraph piece = partition::makePiece(graph(), tasks, topoPosition(), pureConstant());
+    ProfileKey k = key(piece, rows, false);
+    if (seen.count(k) || cache_->find(k)) continue;
+    seen.emplace(k, true);
+    todo.push_back(std::move(piece));
+  }
+  if (todo.empty()) return;
+  std::ostringstream os;
+  os << "profiling " << todo.size() << " pieces at " << rows << " rows"
+     << (comm_ ? " over " + std::to_string(comm_->size()) + " ranks" : std::string());
+  logDebug(os.str());
+  if (!comm_) {
+    int64_t done = 0;
+    for (const auto& piece : todo) {
+      record(piece, rows, false);
+      if (progress_) progress_(++done, static_cast<int64_t>(todo.size()));
+    }
+    return;
+  }
+  RANNC_CHECK(comm_->rank() == 0, "prefetch with a communicator runs on rank 0 only");
+  RANNC_CHECK(!finished_, "prefetch after finish()");
+  std::vector<int64_t> flat;
+  for (const auto& piece : todo) {
+    flat.push_back(static_cast<int64_t>(piece.tasks.size()));
+    flat.insert(flat.end(), piece.tasks.begin(), piece.tasks.end());
+  }
+  at::Tensor header = at::tensor(std::vector<int64_t>{kBatch, rows, static_cast<int64_t>(todo.size()),
+                                                      static_cast<int64_t>(flat.size())});
+  comm_->broadcast(header, 0)->wait();
+  comm_->broadcast(at::tensor(flat), 0)->wait();
+  runBatch(todo, rows);
+}
+
+void ProfilingCostModel::runBatch(const std::vector<ir::Subgraph>& pieces, int64_t rows) {
+  const int size = comm_->size(), me = comm_->rank();
+  const int64_t n = static_cast<int64_t>(pieces.size());
+  const int64_t per = (n + size - 1) / size;
+  at::Tensor mine = at::zeros({per, kRecordWidth}, at::kDouble);
+  auto acc = mine.accessor<double, 2>();
+  std::string failure;
+  int64_t done = 0, share = 0;
+  for (int64_t i = me; i < n; i += size) ++share;
+  for (int64_t i = me, slot = 0; i < n; i += size, ++slot) {
+    ProfileRecord r;
+    int64_t status = kOk;
+    try {
+      r = profiler_->measure(pieces[i], rows, false);
+      ++measured_;
+      if (r.out_of_memory) status = kOutOfMemory;
+    } catch (const std::exception& e) {
+      status = kFailed;
+      if (failure.empty()) failure = e.what();
+    }
+    acc[slot][0] = r.forward_time;
+    acc[slot][1] = r.backward_time;
+    acc[slot][2] = static_cast<double>(r.activation_bytes);
+    acc[slot][3] = static_cast<double>(r.peak_bytes);
+    acc[slot][4] = static_cast<double>(status);
+    if (progress_) progress_(++done, share);
+  }
+  at::Tensor all = at::zeros({per * size, kRecordWidth}, at::kDouble);
+  comm_->allGather(mine, all)->wait();
+  auto got = all.accessor<double, 2>();
+  int64_t failed_at = -1;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t row = (i % size) * per + i / size;
+    const auto status = static_cast<int64_t>(got[row][4]);
+    if (status == kFailed) {
+      if (failed_at < 0) failed_at = i;
+      continue;
+    }
+    ProfileRecord r;
+    r.forward_time = got[row][0];
+    r.backward_time = got[row][1];
+    r.activation_bytes = static_cast<int64_t>(got[row][2]);
+    r.peak_bytes = static_cast<int64_t>(got[row][3]);
+    r.out_of_memory = status == kOutOfMemory;
+    cache_->insert(key(pieces[i], rows, false), r);
+  }
+  if (failed_at >= 0) {
+    std::ostringstream os;
+    os << "rank " << comm_->worldRank(static_cast<int>(failed_at % size))
+       << " could not profile a piece of " << pieces[failed_at].tasks.size() << " tasks at " << rows
+       << " rows" << (failure.empty() ? std::string() : ": " + failure);
+    throw Error(os.str());
+  }
+}
+
+void ProfilingCostModel::finish() {
+  if (!comm_ || finished_) return;
+  finished_ = true;
+  at::Tensor header = at::tensor(std::vector<int64_t>{kFinish, 0, 0, 0});
+  comm_->broadcast(header, 0)->wait();
+}
+
+void ProfilingCostModel::serve() {
+  if (!comm_) return;
+  RANNC_CHECK(comm_->rank() != 0, "rank 0 plans; it does not serve");
+  for (;;) {
+    at::Tensor header = at::zeros({4}, at::kLong);
+    comm_->broadcast(header, 0)->wait();
+    auto h = header.accessor<int64_t, 1>();
+    if (h[0] == kFinish) return;
+    if (h[0] != kBatch) throw Error("unknown profiling command " + std::to_string(h[0]) + " from rank 0");
+    const int64_t rows = h[1], n = h[2];
+    at::Tensor flat = at::zeros({h[3]}, at::kLong);
+    comm_->broadcast(flat, 0)->wait();
+    auto f = flat.accessor<int64_t, 1>();
+    std::vector<ir::Subgraph> pieces;
+    int64_t pos = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t len = f[pos++];
+      std::vector<ir::TaskId> tasks;
+      for (int64_t j = 0; j < len; ++j) {
+        const int64_t t = f[pos++];
+        if (t < 0 || t >= graph().numTasks()) {
+          throw Error("rank 0 asked to profile task " + std::to_string(t) +
+                      ", which this rank's graph does not have (the ranks traced different models)");
+        }
+        tasks.push_back(static_cast<ir::TaskId>(t));
+      }
+      pieces.push_back(partition::makePiece(graph(), tasks, topoPosition(), pureConstant()));
+    }
+    runBatch(pieces, rows);
+  }
+}
+
+}  // namespace rannc::profile

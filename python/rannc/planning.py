@@ -1,0 +1,358 @@
+"""Planning a traced model without its devices: `rannc.plan(model, args, world_size=...)`.
+
+Costs come from the device profiler by default (cost_model="profile"): every candidate
+piece is run forward and backward at its real micro-batch size on this machine's device,
+measured pieces are kept in a cache keyed by content (so identical layers, and a second
+plan of the same model, cost nothing), and the work is spread over the ranks of the MPI
+world when there are several (rank 0 plans, the others profile their share; see
+[Note: parallel profiling] in csrc/profile/profiling_cost_model.h). cost_model="analytic"
+plans from shapes alone (FLOPs and bytes against DeviceSpec's peaks); models whose
+parameters live on the meta device are always planned that way.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from . import _C
+from .graph import TracedGraph, trace
+from .options import parse_bytes
+
+ProfileCache = _C.ProfileCache
+
+# One cache per process: a second plan of the same model only traces and plans.
+_DEFAULT_CACHE = _C.ProfileCache()
+_BANDWIDTH = {}
+
+_OPTIONS = {
+    # name: (default, meaning)
+    "memory_margin": (0.1, "fraction of device_memory kept free"),
+    "num_blocks": (32, "k of block partitioning"),
+    "num_stages": (0, "> 0: fix the number of pipeline stages"),
+    "num_microbatches": (0, "> 0: fix the number of micro-batches"),
+    "replicas": ("", "with num_stages: replicas per stage of one pipeline copy, \"2,1,1\""),
+    "max_microbatches": (64, "upper end of the micro-batch search"),
+    "recompute": ("auto", "auto (where memory needs it) or never"),
+    "schedule": ("1f1b", "1f1b or fill_drain"),
+    "batch_size": (0, "global batch (0: the example's batch x world_size)"),
+    "profile_warmup": (1, "untimed runs before measuring a piece"),
+    "profile_repetitions": (3, "timed runs per piece (the median is kept)"),
+    "profile_time_budget": (0.5, "seconds of timed runs per piece after which timing stops"),
+    "profile_parallel": (True, "spread profiling over the MPI world's ranks"),
+    "profile_fake_timer": (False, "deterministic times from shapes (tests)"),
+    "probe_bandwidth": (True, "measure link bandwidth between ranks (else DeviceSpec defaults)"),
+    "progress": (None, "show profiling progress (None: when stderr is a terminal)"),
+}
+
+
+def default_profile_cache():
+    """The process-wide profile cache rannc.plan and RaNNCModule use by default."""
+    return _DEFAULT_CACHE
+
+
+def option_docs() -> str:
+    return "\n".join(f"  {k:22s} default {v[0]!r:8s} {v[1]}" for k, v in _OPTIONS.items())
+
+
+def _resolve(options: dict) -> dict:
+    unknown = sorted(set(options) - set(_OPTIONS))
+    if unknown:
+        raise _C.Error(f"unknown option(s) {', '.join(unknown)} of rannc.plan; known options:\n"
+                       + option_docs())
+    out = {k: v[0] for k, v in _OPTIONS.items()}
+    out.update(options)
+    if out["recompute"] not in ("auto", "never", "always"):
+        raise _C.Error(f"option recompute is {out['recompute']!r}; expected auto or never")
+    return out
+
+
+class _Progress:
+    """tqdm or rich when installed, else one rewritten line on stderr."""
+
+    def __init__(self, enabled: bool):
+        self.enabled, self.bar, self.last, self.kind = enabled, None, 0.0, None
+        self.batch = 0
+
+    def __call__(self, done: int, total: int):
+        if not self.enabled:
+            return
+        if done == 1:
+            self.batch += 1
+            self._open(total)
+        if self.kind == "tqdm":
+            self.bar.update(1)
+            if done == total:
+                self.bar.close()
+        elif time.monotonic() - self.last > 0.5 or done == total:
+            self.last = time.monotonic()
+            sys.stderr.write(f"\rrannc: profiling batch {self.batch}: {done}/{total} pieces"
+                             + ("\n" if done == total else ""))
+            sys.stderr.flush()
+
+    def _open(self, total):
+        try:
+            from tqdm import tqdm
+            self.kind, self.bar = "tqdm", tqdm(total=total, desc=f"rannc profiling {self.batch}",
+                                               leave=False)
+        except ImportError:
+            self.kind = "line"
+
+
+@dataclass
+class StageSummary:
+    index: int
+    tasks: int
+    param_bytes: int
+    forward_time: float
+    backward_time: float
+    memory_bytes: int
+    replicas: int
+    micro_batch_rows: int
+    recompute: bool
+
+
+class Plan:
+    """A plan for a traced model: the Deployment and what it predicts."""
+
+    def __init__(self, graph: TracedGraph, deployment, cost_model: str, planning_time: float):
+        self.graph = graph
+        self.deployment = deployment
+        self.cost_model = cost_model
+        self.planning_time = planning_time
+
+    @property
+    def num_stages(self) -> int:
+        return self.deployment.num_stages
+
+    @property
+    def micro_batches(self) -> int:
+        return self.deployment.micro_batches
+
+    @property
+    def iteration_time(self) -> float:
+        return self.deployment.iteration_time
+
+    def stages(self) -> list[StageSummary]:
+        d = self.deployment
+        out = []
+        for i, s in enumerate(d.stages):
+            out.append(StageSummary(i, len(s.tasks), s.param_bytes, s.forward_time, s.backward_time,
+                                    s.memory_bytes, len(s.ranks) // max(1, d.pipelines),
+                                    s.micro_batch_rows, s.recompute))
+        return out
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Share of the iteration the stages spend idle (mean over stages of
+        1 - busy / iteration, busy = micro-batches x (forward + backward))."""
+        d = self.deployment
+        T = d.iteration_time
+        if T <= 0 or not d.stages:
+            return 0.0
+        busy = [d.micro_batches * (s.forward_time + s.backward_time) for s in d.stages]
+        return max(0.0, 1.0 - sum(busy) / (len(busy) * T))
+
+    def validate(self) -> None:
+        """Every stage convex over its non-constant tasks, every task in exactly one stage."""
+        self.deployment.validate(self.graph.ir)
+
+    def stage_pieces(self) -> list:
+        return [self.deployment.stage_piece(self.graph.ir, i) for i in range(self.num_stages)]
+
+    def save(self, path: str) -> None:
+        self.deployment.save(path)
+
+    def summary(self) -> str:
+        d = self.deployment
+        lines = [
+            f"rannc plan ({self.cost_model} costs, planned in {self.planning_time:.2f} s): "
+            f"{d.num_stages} stage(s) x {d.pipelines} pipeline cop{'y' if d.pipelines == 1 else 'ies'} "
+            f"on {d.world_size} device(s), {d.micro_batches} micro-batch(es) of global batch "
+            f"{d.batch_size}, {d.schedule}",
+            f"predicted iteration {d.iteration_time * 1e3:.3f} ms, bubble fraction "
+            f"{self.bubble_fraction:.1%}, memory limit {_human(d.memory_limit)}"
+            + ("" if d.feasible else " (EXCEEDED)"),
+            f"{'stage':>5} {'tasks':>6} {'params':>10} {'fwd ms':>9} {'bwd ms':>9} "
+            f"{'memory':>10} {'/ limit':>8} {'replicas':>8} {'rows':>5} {'recomp':>6}",
+        ]
+        for s in self.stages():
+            frac = s.memory_bytes / d.memory_limit if d.memory_limit else 0.0
+            lines.append(f"{s.index:>5} {s.tasks:>6} {_human(s.param_bytes):>10} "
+                         f"{s.forward_time * 1e3:>9.3f} {s.backward_time * 1e3:>9.3f} "
+                         f"{_human(s.memory_bytes):>10} {frac:>8.1%} {s.replicas:>8} "
+                         f"{s.micro_batch_rows:>5} {'yes' if s.recompute else 'no':>6}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return self.summary()
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+    return str(n)
+
+
+def _on_meta(model: torch.nn.Module) -> bool:
+    return any(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
+
+
+def _materialise(model, args, kwargs):
+    import copy
+
+    import torch.utils._pytree as pytree
+
+    cpu = copy.deepcopy(model).to_empty(device="cpu")
+    with torch.no_grad():
+        for t in list(cpu.parameters()) + list(cpu.buffers()):
+            t.zero_() if not t.is_floating_point() else t.normal_(0.0, 0.02)
+
+    def real(x):
+        if isinstance(x, torch.Tensor) and x.is_meta:
+            return torch.zeros(x.shape, dtype=x.dtype) if not x.is_floating_point() else torch.randn(x.shape, dtype=x.dtype)
+        return x
+
+    return cpu, pytree.tree_map(real, args), pytree.tree_map(real, kwargs)
+
+
+def _device_spec(world_size, devices_per_node, device_memory):
+    device = _C.DeviceSpec()
+    device.memory_bytes = parse_bytes(device_memory)
+    device.devices_per_node = max(1, min(devices_per_node or world_size, world_size))
+    return device
+
+
+def probe_bandwidth(fallback_inter: float) -> dict:
+    """Link bandwidths from a ping-pong probe between ranks (collective), once per process.
+    With one rank: intra-node = this host's memory-copy bandwidth, inter-node = fallback."""
+    if "result" not in _BANDWIDTH:
+        _BANDWIDTH["result"] = _C.probe_bandwidth(float(fallback_inter))
+    return _BANDWIDTH["result"]
+
+
+def planner_options(graph: TracedGraph, world_size, device, optimizer, o) -> "_C.PlannerOptions":
+    p = _C.PlannerOptions()
+    p.world_size = int(world_size)
+    p.batch_size = int(o["batch_size"]) or graph.batch_size * int(world_size)
+    p.num_blocks = int(o["num_blocks"])
+    p.memory_margin = float(o["memory_margin"])
+    p.optimizer = optimizer
+    p.schedule = o["schedule"]
+    p.allow_recompute = o["recompute"] != "never"
+    p.fixed_stages = int(o["num_stages"])
+    p.fixed_micro_batches = int(o["num_microbatches"])
+    p.max_micro_batches = int(o["max_microbatches"])
+    p.fixed_replicas = _replica_list(o["replicas"])
+    return p
+
+
+def _replica_list(replicas) -> list:
+    """"2,1,1", [2, 1, 1] or "" -> list of ints."""
+    if isinstance(replicas, (list, tuple)):
+        return [int(r) for r in replicas]
+    return [int(r) for r in str(replicas).replace(" ", "").split(",") if r]
+
+
+def plan_graph(graph: TracedGraph, flat_inputs: list, *, world_size: int, device,
+               optimizer: str = "adam", cost_model: str = "profile", profile_cache=None,
+               broadcast: bool = True, **options):
+    """Plans an already traced graph. With cost_model="profile" and several MPI ranks this
+    is collective: rank 0 plans while the others profile their share; with `broadcast`
+    every rank gets rank 0's Deployment, else the others get None."""
+    o = _resolve(options)
+    popts = planner_options(graph, world_size, device, optimizer, o)
+    if cost_model == "analytic":
+        return _C.plan_analytic(
+            graph.ir, device, popts.world_size, batch_size=popts.batch_size,
+            num_blocks=popts.num_blocks, memory_margin=popts.memory_margin,
+            optimizer=optimizer, schedule=o["schedule"], allow_recompute=popts.allow_recompute,
+            fixed_stages=popts.fixed_stages, fixed_micro_batches=popts.fixed_micro_batches,
+            max_micro_batches=popts.max_micro_batches, fixed_replicas=popts.fixed_replicas)
+    if cost_model != "profile":
+        raise _C.Error(f"cost_model is {cost_model!r}; expected 'profile' or 'analytic'")
+    if o["probe_bandwidth"]:
+        bw = probe_bandwidth(device.inter_node_bandwidth)
+        device.intra_node_bandwidth = bw["intra_node"]
+        device.inter_node_bandwidth = bw["inter_node"]
+    cache = profile_cache if profile_cache is not None else _DEFAULT_CACHE
+    parallel = bool(o["profile_parallel"]) and _C.get_world_size() > 1
+    progress = o["progress"]
+    if progress is None:
+        progress = sys.stderr.isatty() and _C.get_rank() == 0
+    limit = int(device.memory_bytes * (1.0 - popts.memory_margin))
+    try:
+        deployment = _C.plan_profiled(
+            graph._trace.traced, flat_inputs, device, popts, cache, parallel=parallel,
+            warmup=int(o["profile_warmup"]), repetitions=int(o["profile_repetitions"]),
+            memory_limit=limit, fake_timer=bool(o["profile_fake_timer"]),
+            time_budget=float(o["profile_time_budget"]), progress=_Progress(bool(progress)))
+    except Exception as e:
+        if parallel and broadcast and _C.get_rank() == 0:
+            _broadcast_plan(None, graph, failure=f"{type(e).__name__}: {e}")
+        raise
+    if parallel and broadcast:
+        deployment = _broadcast_plan(deployment, graph)
+    return deployment
+
+
+def _broadcast_plan(deployment, graph, failure: str = ""):
+    """Rank 0's plan to every rank; a size of -1 tells the others that rank 0 failed."""
+    comm = _C.Communicator.world_cpu()
+    if _C.get_rank() == 0:
+        data = b"" if failure else deployment.to_bytes()
+        size = torch.tensor([-1 if failure else len(data)], dtype=torch.int64)
+    else:
+        size = torch.zeros(1, dtype=torch.int64)
+    comm.broadcast(size, 0).wait()
+    if failure:
+        return None
+    if int(size.item()) < 0:
+        raise _C.Error("rank 0 could not plan (its error says why)")
+    buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if _C.get_rank() == 0
+           else torch.empty(int(size.item()), dtype=torch.uint8))
+    comm.broadcast(buf, 0).wait()
+    return _C.deployment_from_bytes(bytes(buf.numpy().tobytes()), graph.ir, "the plan from rank 0")
+
+
+def plan(model: torch.nn.Module, args, kwargs: dict | None = None, *, world_size: int,
+         devices_per_node: int = 8, device_memory="32GiB", optimizer: str = "adam",
+         cost_model: str = "profile", profile_cache=None, **options) -> Plan:
+    """Plans `model(*args, **kwargs)` for `world_size` devices of `device_memory` bytes
+    each (an int or "32GiB"), `devices_per_node` to a node, without needing those devices.
+
+    Costs are measured on this machine's device at the real micro-batch sizes
+    (cost_model="profile", cached in `profile_cache`, a rannc ProfileCache or a file path;
+    default: one cache per process) or derived from shapes (cost_model="analytic", always
+    used for models on the meta device). `optimizer` (adam, adamw, sgd_momentum, sgd) sets
+    the optimizer state in the memory model. Other options: see `option_docs()`.
+    Raises rannc.InfeasiblePlanError (with .bytes_needed) when no plan fits.
+    """
+    start = time.perf_counter()
+    args = args if isinstance(args, tuple) else (args,)
+    kwargs = kwargs or {}
+    if _on_meta(model):
+        # [meta models] torch.jit.trace runs on meta tensors, but observing the graph
+        # needs values (sizes read with .item()); so the model is materialised without
+        # initialisation on the CPU (its parameter bytes, once) and traced with zeros for
+        # meta arguments, then planned from shapes (analytic costs). See docs/profile.md.
+        cost_model = "analytic"
+        model, args, kwargs = _materialise(model, args, kwargs)
+    graph = trace(model, args, kwargs)
+    device = _device_spec(world_size, devices_per_node, device_memory)
+    cache, path = profile_cache, None
+    if isinstance(profile_cache, (str, os.PathLike)):
+        path, cache = os.fspath(profile_cache), _C.ProfileCache()
+        cache.load(path)
+    flat = graph._flat_inputs(args, kwargs) if cost_model == "profile" else []
+    deployment = plan_graph(graph, flat, world_size=world_size, device=device,
+                            optimizer=optimizer, cost_model=cost_model, profile_cache=cache,
+                            **options)
+    if path and _C.get_rank() == 0:
+        cache.save(path)
+    return Plan(graph, deployment, cost_model, time.perf_counter() - start)
