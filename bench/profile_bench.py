@@ -12,7 +12,8 @@ machine's cores are shared: more ranks than cores cannot speed up). For every mo
   speedup       plan_s / cached_s
 and with one rank the error table: per stage, predicted forward+backward (the plan's
 StagePlan) against forward+backward of that stage measured with the runtime's
-StageExecutor, one micro-batch of the planned rows, median of 5 after a warm-up.
+StageExecutor, each stage alone (its inputs captured from one chained forward), one
+micro-batch of the planned rows, median of 5 after a warm-up.
 Writes bench/results/profile_bench.json and profile_bench.md.
 """
 import argparse
@@ -83,27 +84,29 @@ def stage_errors(plan, name, seq, repeats=5):
     pieces = plan.stage_pieces()
     stages = [_C.StageExecutor(traced, p, {v: state[v] for v in p.inputs if v in state})
               for p in pieces]
+    # The inputs of every stage from one chained forward (no grad), then each stage alone:
+    # forward (stashing, recomputing where planned) and backward with dense gradients.
+    inputs = []
+    avail = {v: t for v, t in values.items() if v not in state}
+    with torch.no_grad():
+        for s in stages:
+            ins = [avail[v] for v in s.input_ids]
+            inputs.append(ins)
+            avail.update(zip(s.output_ids, s.forward(0, ins, False, False)))
     fwd = [[] for _ in stages]
     bwd = [[] for _ in stages]
-    (loss_id,) = ir.outputs
-    for rep in range(repeats + 1):
-        avail = {v: t for v, t in values.items() if v not in state}
-        for i, s in enumerate(stages):
+    for i, s in enumerate(stages):
+        for rep in range(repeats + 1):
             t0 = time.perf_counter()
-            outs = s.forward(0, [avail[v] for v in s.input_ids], True, d.stages[i].recompute)
+            outs = s.forward(0, inputs[i], True, d.stages[i].recompute)
             fwd[i].append(time.perf_counter() - t0)
-            avail.update(zip(s.output_ids, outs))
-        grads = {loss_id: torch.tensor(1.0)}
-        for i in reversed(range(len(stages))):
-            s = stages[i]
+            grads = [torch.ones_like(o) if isinstance(o, torch.Tensor) and o.is_floating_point() else None
+                     for o in outs]
             t0 = time.perf_counter()
-            in_grads = s.backward(0, [grads.get(v) for v in s.output_ids])
+            s.backward(0, grads)
             bwd[i].append(time.perf_counter() - t0)
-            for v, gr in zip(s.input_ids, in_grads):
-                if gr is not None:
-                    grads[v] = grads[v] + gr if v in grads else gr
-        for t in state.values():
-            t.grad = None
+            for t in state.values():
+                t.grad = None
     table = []
     for i, st in enumerate(d.stages):
         measured = statistics.median(fwd[i][1:]) + statistics.median(bwd[i][1:])
@@ -134,6 +137,10 @@ def worker(a):
                summary=plan.summary())
     if _C.get_world_size() == 1 and a.errors:
         out["stage_errors"] = stage_errors(plan, a.model, a.seq)
+        # A pipeline too (the searched plan may be pure data parallelism at this batch).
+        four = rannc.plan(model, args, profile_cache=cache, **dict(opts, num_stages=4))
+        out["stage_errors_4"] = stage_errors(four, a.model, a.seq)
+        out["summary_4"] = four.summary()
     if _C.get_rank() == 0:
         print("RESULT " + json.dumps(out), flush=True)
 
@@ -165,6 +172,7 @@ def main():
     p.add_argument("--worker", action="store_true")
     p.add_argument("--errors", action="store_true")
     p.add_argument("--model", default="")
+    p.add_argument("--out", default="profile_bench", help="results file name (without extension)")
     a = p.parse_args()
     if a.worker:
         return worker(a)
@@ -176,32 +184,35 @@ def main():
             print(f"{model:5s} ranks {ranks}: plan {res['plan_s']:.1f} s, cached {res['cached_s']:.2f} s "
                   f"(x{res['plan_s'] / res['cached_s']:.1f}), {res['stages']} stages, "
                   f"{res['micro_batches']} micro-batches", flush=True)
-            for e in res.get("stage_errors", []):
+            for e in res.get("stage_errors", []) + res.get("stage_errors_4", []):
                 print(f"   stage {e['stage']}: predicted {e['predicted_ms']:.1f} ms, measured "
                       f"{e['measured_ms']:.1f} ms, error {e['error']:.1%}", flush=True)
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
     meta = dict(args=vars(a), torch=torch.__version__, cpus=os.cpu_count(),
                 date=time.strftime("%Y-%m-%d %H:%M"))
-    with open(os.path.join(HERE, "results", "profile_bench.json"), "w") as f:
+    with open(os.path.join(HERE, "results", a.out + ".json"), "w") as f:
         json.dump(dict(meta=meta, results=results), f, indent=1)
-    with open(os.path.join(HERE, "results", "profile_bench.md"), "w") as f:
+    with open(os.path.join(HERE, "results", a.out + ".md"), "w") as f:
         f.write(f"# profile_bench ({meta['date']}, {meta['cpus']} CPUs shared, torch {meta['torch']})\n\n")
         f.write(f"`python bench/profile_bench.py --models {a.models} --ranks {a.ranks} --seq {a.seq} "
-                f"--blocks {a.blocks} --batch {a.batch} --world-size {a.world_size}`\n\n")
+                f"--blocks {a.blocks} --batch {a.batch} --world-size {a.world_size} --out {a.out}`\n\n")
         f.write("| model | ranks | plan s (no cache) | plan s (cached) | speed-up | stages | micro-batches |\n")
         f.write("|---|---|---|---|---|---|---|\n")
         for r in results:
             f.write(f"| {r['model']} | {r['ranks']} | {r['plan_s']:.1f} | {r['cached_s']:.2f} | "
                     f"{r['plan_s'] / r['cached_s']:.1f}x | {r['stages']} | {r['micro_batches']} |\n")
         for r in results:
-            if "stage_errors" in r:
-                f.write(f"\n## {r['model']}: predicted vs measured stage forward+backward (1 rank)\n\n")
+            for key, skey, what in (("stage_errors", "summary", "searched plan"),
+                                    ("stage_errors_4", "summary_4", "plan with num_stages=4")):
+                if key not in r:
+                    continue
+                f.write(f"\n## {r['model']}, {what}: predicted vs measured stage forward+backward (1 rank)\n\n")
                 f.write("| stage | tasks | rows | recompute | predicted ms | measured ms | error |\n")
                 f.write("|---|---|---|---|---|---|---|\n")
-                for e in r["stage_errors"]:
+                for e in r[key]:
                     f.write(f"| {e['stage']} | {e['tasks']} | {e['rows']} | {e['recompute']} | "
                             f"{e['predicted_ms']:.1f} | {e['measured_ms']:.1f} | {e['error']:.1%} |\n")
-                f.write("\n```\n" + r["summary"] + "\n```\n")
+                f.write("\n```\n" + r[skey] + "\n```\n")
 
 
 if __name__ == "__main__":
