@@ -12,11 +12,10 @@
 namespace py = pybind11;
 
 namespace rannc::bind {
-namespace {
 
 partition::Optimizer optimizerFromName(const std::string& name) {
   if (name == "adam" || name == "adamw") return partition::Optimizer::Adam;
-  if (name == "sgd_momentum") return partition::Optimizer::SgdMomentum;
+  if (name == "sgd_momentum" || name == "sgd-momentum") return partition::Optimizer::SgdMomentum;
   if (name == "sgd") return partition::Optimizer::Sgd;
   throw Error("unknown optimizer kind '" + name + "' (expected adam, adamw, sgd_momentum or sgd)");
 }
@@ -26,8 +25,6 @@ partition::ScheduleKind scheduleFromName(const std::string& name) {
   if (name == "fill_drain" || name == "fill-drain") return partition::ScheduleKind::FillDrain;
   throw Error("unknown schedule '" + name + "' (expected 1f1b or fill_drain)");
 }
-
-}  // namespace
 
 void bindPlanner(py::module& m) {
   py::class_<partition::DeviceSpec>(m, "DeviceSpec", "The device the analytic cost model assumes.")

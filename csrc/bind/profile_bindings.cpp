@@ -86,29 +86,11 @@ void bindProfiler(py::module& m) {
       .def_property(
           "optimizer",
           [](const partition::PlannerOptions& o) { return std::string(partition::optimizerName(o.optimizer)); },
-          [](partition::PlannerOptions& o, const std::string& name) {
-            if (name == "adam" || name == "adamw") {
-              o.optimizer = partition::Optimizer::Adam;
-            } else if (name == "sgd_momentum" || name == "sgd-momentum") {
-              o.optimizer = partition::Optimizer::SgdMomentum;
-            } else if (name == "sgd") {
-              o.optimizer = partition::Optimizer::Sgd;
-            } else {
-              throw Error("unknown optimizer kind '" + name + "' (expected adam, adamw, sgd_momentum or sgd)");
-            }
-          })
+          [](partition::PlannerOptions& o, const std::string& name) { o.optimizer = optimizerFromName(name); })
       .def_property(
           "schedule",
           [](const partition::PlannerOptions& o) { return std::string(partition::scheduleName(o.schedule)); },
-          [](partition::PlannerOptions& o, const std::string& name) {
-            if (name == "1f1b") {
-              o.schedule = partition::ScheduleKind::OneFOneB;
-            } else if (name == "fill_drain" || name == "fill-drain") {
-              o.schedule = partition::ScheduleKind::FillDrain;
-            } else {
-              throw Error("unknown schedule '" + name + "' (expected 1f1b or fill_drain)");
-            }
-          });
+          [](partition::PlannerOptions& o, const std::string& name) { o.schedule = scheduleFromName(name); });
 
   py::class_<profile::ProfileCache, std::shared_ptr<profile::ProfileCache>>(
       m, "ProfileCache", "Measured pieces by content hash, rows, dtype, device and recompute flag.")

@@ -5,20 +5,11 @@ import copy
 
 import pytest
 import torch
-import torch.nn as nn
 
 import rannc
 from rannc import _C
 import zoo
 
-
-def no_dropout(model):
-    for m in model.modules():
-        if isinstance(m, nn.Dropout):
-            m.p = 0.0
-        if isinstance(m, nn.MultiheadAttention):
-            m.dropout = 0.0
-    return model
 
 
 def run_pipeline(g, model, k, microbatches, args, kwargs, recompute=False):
@@ -71,7 +62,7 @@ LAYOUTS = [(1, 1), (2, 2), (3, 4), (4, 3)]
                          + [("resnet", k, 1) for k in (1, 2, 3, 4)])
 def test_pipelined_stages_equal_the_model(name, k, microbatches):
     model, args, kwargs = zoo.make(name, batch=6)
-    no_dropout(model)
+    zoo.no_dropout(model)
     reference = copy.deepcopy(model)
     g = rannc.trace(model, args, kwargs)
     loss = run_pipeline(g, model, k, microbatches, args, kwargs)

@@ -55,6 +55,17 @@ class MultiIO(nn.Module):
         return {"hidden": h, "score": h.pow(2).mean(), "aux": (x.sum(dim=1), y * 2)}
 
 
+def no_dropout(model):
+    """Switches dropout off (in place; returns the model): its masks differ between a
+    pipelined run and a single process."""
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+        if isinstance(m, nn.MultiheadAttention):
+            m.dropout = 0.0
+    return model
+
+
 def make(name, batch=4, seed=0):
     """Returns (model, args, kwargs) for a zoo entry at the given batch size."""
     g = torch.Generator().manual_seed(seed)

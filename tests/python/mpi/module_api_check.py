@@ -19,9 +19,7 @@ torch.set_num_threads(1)
 fail_all.install()
 local_batch = 4
 model, (ids, targets), _ = zoo.make("gpt", batch=local_batch * world)
-for m in model.modules():
-    if isinstance(m, torch.nn.Dropout):
-        m.p = 0.0
+zoo.no_dropout(model)
 reference = copy.deepcopy(model)
 rows = slice(rank * local_batch, (rank + 1) * local_batch)
 

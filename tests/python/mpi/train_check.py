@@ -14,7 +14,6 @@ import copy
 import sys
 
 import torch
-import torch.nn as nn
 import torch.utils._pytree as pytree
 
 import fail_all
@@ -40,11 +39,7 @@ fail_all.install()
 local_batch = 4
 global_batch = local_batch * world
 model, _, _ = zoo.make(a.model, batch=global_batch, seed=0)
-for m in model.modules():  # dropout masks cannot match a single process: switch it off
-    if isinstance(m, nn.Dropout):
-        m.p = 0.0
-    if isinstance(m, nn.MultiheadAttention):
-        m.dropout = 0.0
+zoo.no_dropout(model)  # dropout masks cannot match a single process
 reference = copy.deepcopy(model)
 # eps well above float noise: some gradients are exactly zero in exact arithmetic (the key
 # bias of attention), and Adam would turn their rounding noise into full-size steps.
