@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "ir/graph.h"
+#include "partition/cost/cost_model.h"
 
 namespace rannc::partition::testing {
 
@@ -63,6 +64,17 @@ inline ir::Graph linearChain(const std::vector<int64_t>& widths, int64_t batch =
 
 inline ir::Graph uniformChain(int n, int64_t width = 64, int64_t batch = 8) {
   return linearChain(std::vector<int64_t>(n, width), batch, width);
+}
+
+// A small device for planner tests: fast enough that stage times are milliseconds.
+inline DeviceSpec device(int per_node = 8) {
+  DeviceSpec d;
+  d.peak_flops = 1e12;
+  d.memory_bandwidth = 1e11;
+  d.intra_node_bandwidth = 1e10;
+  d.inter_node_bandwidth = 1e9;
+  d.devices_per_node = per_node;
+  return d;
 }
 
 }  // namespace rannc::partition::testing

@@ -11,15 +11,7 @@
 namespace rannc::partition {
 namespace {
 
-DeviceSpec device(int per_node = 8) {
-  DeviceSpec d;
-  d.peak_flops = 1e12;
-  d.memory_bandwidth = 1e11;
-  d.intra_node_bandwidth = 1e10;
-  d.inter_node_bandwidth = 1e9;
-  d.devices_per_node = per_node;
-  return d;
-}
+using testing::device;
 
 PlannerOptions fixedLayout(int world, std::vector<int> replicas) {
   PlannerOptions o;

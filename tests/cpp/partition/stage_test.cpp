@@ -19,15 +19,7 @@ using testing::linearChain;
 using testing::param;
 using testing::uniformChain;
 
-DeviceSpec device(int per_node = 8) {
-  DeviceSpec d;
-  d.peak_flops = 1e12;
-  d.memory_bandwidth = 1e11;
-  d.intra_node_bandwidth = 1e10;
-  d.inter_node_bandwidth = 1e9;
-  d.devices_per_node = per_node;
-  return d;
-}
+using testing::device;
 
 // One block per layer of a chain.
 BlockPartition layerBlocks(const ir::Graph& g, CostModel& m) {
