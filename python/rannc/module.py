@@ -282,20 +282,24 @@ class RaNNCModule(torch.nn.Module):
             self.profile_cache.load(self.options.profile_cache)
         self._deployed = {}
         self._anchor = torch.zeros((), requires_grad=True)
+        self._weights_stale = False  # trained since the last sync of all parameters
         self._patched = False
 
     def forward(self, *args, **kwargs):
         mode = self.module.training
         deployed = self._deployed.get(mode)
         try:
+            # Training updates each parameter on the ranks of its stage only; before a mode
+            # whose plan may place it elsewhere runs, the owners share the current weights.
+            if not mode and self._weights_stale:
+                self._sync_parameters()
+                self._weights_stale = False
             if deployed is None:
-                if self._deployed:  # another mode ran before: owners share current weights
-                    self._sync_parameters()
                 deployed = self._deployed[mode] = _Deployed(self, args, kwargs)
                 if mode:
                     self._patch_optimizer(deployed)
-            elif not mode and True in self._deployed:
-                self._sync_parameters()
+            if mode:
+                self._weights_stale = True
             return deployed.run(args, kwargs)
         except _C.CommError:
             raise
