@@ -80,20 +80,22 @@ std::string Deployment::report() const {
   return os.str();
 }
 
+SimStage simStage(const StagePlan& st) {
+  SimStage s;
+  s.forward_time = st.forward_time;
+  s.backward_time = st.backward_time;
+  s.send_forward_time = st.send_forward_time;
+  s.send_backward_time = st.send_backward_time;
+  s.allreduce_time = st.allreduce_time;
+  s.static_bytes = st.static_bytes;
+  s.stash_bytes = st.stash_bytes;
+  s.working_bytes = st.working_bytes;
+  return s;
+}
+
 SimResult simulateDeployment(const Deployment& d, ScheduleKind schedule) {
   std::vector<SimStage> stages;
-  for (const StagePlan& st : d.stages) {
-    SimStage s;
-    s.forward_time = st.forward_time;
-    s.backward_time = st.backward_time;
-    s.send_forward_time = st.send_forward_time;
-    s.send_backward_time = st.send_backward_time;
-    s.allreduce_time = st.allreduce_time;
-    s.static_bytes = st.static_bytes;
-    s.stash_bytes = st.stash_bytes;
-    s.working_bytes = st.working_bytes;
-    stages.push_back(s);
-  }
+  for (const StagePlan& st : d.stages) stages.push_back(simStage(st));
   return simulate(stages, schedule, d.micro_batches);
 }
 

@@ -70,6 +70,9 @@ struct Deployment {
 // `schedule` (say, to compare fill-drain with the planned 1F1B).
 SimResult simulateDeployment(const Deployment& deployment, ScheduleKind schedule);
 
+// What the simulator needs of a stage: its per-micro-batch times and memory parts.
+SimStage simStage(const StagePlan& stage);
+
 // The piece a stage runs, without ir::extractSubgraph's convexity check (a constant clone
 // may make the full set look non-convex although its non-constant tasks are convex):
 // tasks in topological order, inputs, and outputs read by other stages or the graph's

@@ -124,6 +124,9 @@ class Engine:
             for v in p.outputs:
                 self.producer[v] = s
         self.graph_inputs = set(self.ir.inputs)
+        # This stage's actions of the planned schedule (the same lists the simulator ran).
+        self.train_actions = _C.build_schedule(deployment.schedule, deployment.num_stages,
+                                               self.layout.micro_batches)[self.stage]
         self._plan_transfers()
 
     # ---- transfer planning (pure; every rank computes the same lists) ------------------
@@ -298,10 +301,7 @@ class Engine:
         for p in self.input_sends:
             t = _narrow(local[p.vid], self.value(p.vid), p.rows, p.src_start).contiguous()
             sends.append(self.comm.send(t, p.dst, self._tag(p.vid, p.m, 0)))
-        if train:
-            schedule = _C.build_schedule(self.deployment.schedule, self.deployment.num_stages, M)[self.stage]
-        else:
-            schedule = [("F", m) for m in range(M)]
+        schedule = self.train_actions if train else [("F", m) for m in range(M)]
         produced = {}      # m -> {vid: tensor} of graph outputs made here
         shapes = {}        # m -> {vid: (shape, dtype)} of this stage's outputs
         outputs = set(self.ir.outputs)

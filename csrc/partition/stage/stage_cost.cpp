@@ -135,25 +135,16 @@ Deployment assembleDeployment(CostModel& costs, const PlanContext& ctx,
     p.send_backward_time = e.send_backward_time;
     p.allreduce_time = e.allreduce_time;
     p.param_bytes = e.cost.param_bytes;
-    d.stages.push_back(std::move(p));
-    SimStage s;
-    s.forward_time = e.forward_time;
-    s.backward_time = e.backward_time;
-    s.send_forward_time = e.send_forward_time;
-    s.send_backward_time = e.send_backward_time;
-    s.allreduce_time = e.allreduce_time;
-    s.static_bytes = e.static_bytes;
-    s.stash_bytes = e.stash_bytes;
-    s.working_bytes = e.working_bytes;
+    p.static_bytes = e.static_bytes;
+    p.stash_bytes = e.stash_bytes;
+    p.working_bytes = e.working_bytes;
     if (!e.feasible) {
       // Not runnable as planned; still report what it would need.
-      s.static_bytes = e.min_memory_bytes;
-      s.stash_bytes = s.working_bytes = 0;
+      p.static_bytes = e.min_memory_bytes;
+      p.stash_bytes = p.working_bytes = 0;
     }
-    sim.push_back(s);
-    d.stages.back().static_bytes = s.static_bytes;
-    d.stages.back().stash_bytes = s.stash_bytes;
-    d.stages.back().working_bytes = s.working_bytes;
+    sim.push_back(simStage(p));
+    d.stages.push_back(std::move(p));
     offset += c.devices;
   }
   SimResult r = simulate(sim, ctx.schedule, micro_batches);

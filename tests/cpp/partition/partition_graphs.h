@@ -6,6 +6,7 @@
 
 #include "ir/graph.h"
 #include "partition/cost/cost_model.h"
+#include "partition/synthetic.h"
 
 namespace rannc::partition::testing {
 
@@ -75,6 +76,16 @@ inline DeviceSpec device(int per_node = 8) {
   d.inter_node_bandwidth = 1e9;
   d.devices_per_node = per_node;
   return d;
+}
+
+// A small, wide ResNet (blocks 1/2/2/1, width x4, 64-pixel images): cheap to plan, with the
+// parameter-heavy tail that makes replica choices matter.
+inline ir::Graph smallWideResNet() {
+  SyntheticResNetOptions r;
+  r.blocks = {1, 2, 2, 1};
+  r.width_factor = 4;
+  r.image = 64;
+  return syntheticResNet(r);
 }
 
 }  // namespace rannc::partition::testing

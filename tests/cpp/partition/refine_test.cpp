@@ -117,11 +117,7 @@ TEST(AStageSearch, OffersTheDeepPipelinesPastThePatienceAsCandidates) {
 // Refining several candidates can only help: the plan is never slower than refining the
 // block-level winner alone.
 TEST(APlanner, IsNoSlowerWhenItRefinesSeveralCandidates) {
-  SyntheticResNetOptions r;
-  r.blocks = {1, 2, 2, 1};
-  r.width_factor = 4;
-  r.image = 64;
-  ir::Graph g = syntheticResNet(r);
+  ir::Graph g = testing::smallWideResNet();
   DeviceSpec d;
   d.memory_bytes = 2LL << 30;
   d.devices_per_node = 4;

@@ -90,11 +90,7 @@ TEST(AStageSearch, LetsAFewStageCopySpanningNodesCompeteWithMoreCopies) {
 // count's plan is better than its first candidates: the default patience finds the plan
 // the exhaustive search finds on a small, wide ResNet.
 TEST(AStageSearch, FindsTheExhaustivePlanOnASmallResNetWithDefaultPatience) {
-  SyntheticResNetOptions r;
-  r.blocks = {1, 2, 2, 1};
-  r.width_factor = 4;
-  r.image = 64;
-  ir::Graph g = syntheticResNet(r);
+  ir::Graph g = testing::smallWideResNet();
   DeviceSpec d;
   d.memory_bytes = 2LL << 30;
   d.devices_per_node = 4;
