@@ -44,7 +44,12 @@ void checkCpu(const at::Tensor& t, const char* op) {
 class MpiWork : public Work {
  public:
   MpiWork(std::string what, std::vector<at::Tensor> keep, std::function<void()> finish)
-      : what_(std::move(what)), keep_(std::move(keep)), finish_(std::move(finish)) {}
+      : what_(std::move(what)), keep_(std::move(keep)), finish_(std::move(finish)) {
+    World::get().beginOperation();
+  }
+  ~MpiWork() override {
+    if (!done_) World::get().endOperation();
+  }
 
   MPI_Request* request() { return &request_; }
 
@@ -66,6 +71,7 @@ class MpiWork : public Work {
  private:
   void complete() {
     done_ = true;
+    World::get().endOperation();
     if (finish_) finish_();
     keep_.clear();
   }

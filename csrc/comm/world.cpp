@@ -34,10 +34,12 @@ World& World::get() {
 World::World() {
   int initialized = 0;
   MPI_Initialized(&initialized);
+  int provided = MPI_THREAD_SINGLE;
   if (!initialized) {
-    int provided = 0;
-    check(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided), "MPI_Init_thread");
+    check(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided), "MPI_Init_thread");
     owns_mpi_ = true;
+  } else {
+    MPI_Query_thread(&provided);
   }
   // Errors come back as codes (and become exceptions) instead of aborting the job.
   MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
@@ -76,6 +78,13 @@ World::World() {
     if (r < rank_) ++local_rank_;
     ++local_size_;
   }
+  const char* progress = std::getenv("RANNC_MPI_PROGRESS");
+  if (provided == MPI_THREAD_MULTIPLE && !(progress && std::string(progress) == "0")) {
+    check(MPI_Comm_dup(MPI_COMM_WORLD, &progress_comm_), "MPI_Comm_dup");
+    progress_ = std::thread([this] { progressLoop(); });
+  } else if (size_ > 1) {
+    logDebug("MPI transfers progress only inside waits (no MPI_THREAD_MULTIPLE or RANNC_MPI_PROGRESS=0)");
+  }
   if (const char* t = std::getenv("RANNC_COMM_TIMEOUT")) {
     timeout_ = std::chrono::milliseconds(static_cast<int64_t>(std::atof(t) * 1000));
   }
@@ -85,6 +94,7 @@ World::World() {
 }
 
 World::~World() {
+  stopProgress();
   // Finalize only what we started; a peer that failed may leave messages unmatched.
   if (owns_mpi_) {
     int finalized = 0;
@@ -96,6 +106,41 @@ World::~World() {
       MPI_Finalize();
     }
   }
+}
+
+void World::beginOperation() {
+  if (!progress_.joinable()) return;
+  std::lock_guard<std::mutex> lock(progress_mutex_);
+  if (in_flight_++ == 0) progress_cv_.notify_one();
+}
+
+void World::endOperation() {
+  if (!progress_.joinable()) return;
+  std::lock_guard<std::mutex> lock(progress_mutex_);
+  --in_flight_;
+}
+
+void World::progressLoop() {
+  while (true) {
+    {
+      std::unique_lock<std::mutex> lock(progress_mutex_);
+      progress_cv_.wait(lock, [this] { return stop_progress_ || in_flight_ > 0; });
+      if (stop_progress_) return;
+    }
+    int flag = 0;
+    MPI_Iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, progress_comm_, &flag, MPI_STATUS_IGNORE);
+    std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
+}
+
+void World::stopProgress() {
+  if (!progress_.joinable()) return;
+  {
+    std::lock_guard<std::mutex> lock(progress_mutex_);
+    stop_progress_ = true;
+  }
+  progress_cv_.notify_one();
+  progress_.join();
 }
 
 void World::reportFailure(const std::string& message) {

@@ -2,10 +2,22 @@
 // The MPI world: start-up, ranks, hosts, and the control channel through which a failing
 // rank tells the others, so that no rank waits forever on a peer that has failed.
 //
-// MPI starts lazily on first use (MPI_Init_thread with MPI_THREAD_SERIALIZED) and works
-// without mpirun (a singleton world of one rank). Calls are made from one thread at a time.
+// MPI starts lazily on first use (MPI_Init_thread asking for MPI_THREAD_MULTIPLE) and
+// works without mpirun (a singleton world of one rank).
+//
+// [Note: progress thread] MPI moves a large message (rendezvous protocol) only while both
+// ends are inside MPI calls. A stage that posts a send and then computes for a while would
+// hold back its peer, which waits for the data: the pipeline serialises. So while any
+// non-blocking operation is in flight, a thread of the world pokes the MPI progress engine
+// (MPI_Iprobe on a communicator nobody sends on) every few tens of microseconds, and
+// transfers run alongside compute. It needs MPI_THREAD_MULTIPLE; without it (or with
+// RANNC_MPI_PROGRESS=0) transfers progress only inside waits.
+#include <atomic>
 #include <chrono>
+#include <condition_variable>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <mpi.h>
@@ -38,6 +50,12 @@ class World {
   // `timeout` naming `what`. Blocks the calling thread.
   void wait(MPI_Request& request, const std::string& what, std::chrono::milliseconds timeout);
 
+  // Non-blocking operations in flight, counted for the progress thread ([Note: progress
+  // thread]): begin when one is posted, end when it completes.
+  void beginOperation();
+  void endOperation();
+  bool progressThreadRunning() const { return progress_.joinable(); }
+
   // A barrier over all ranks that fails instead of hanging (see wait).
   void barrier(std::chrono::milliseconds timeout);
 
@@ -51,12 +69,20 @@ class World {
  private:
   World();
   ~World();
+  void progressLoop();
+  void stopProgress();
 
   int rank_ = 0, size_ = 1, local_rank_ = 0, local_size_ = 1, node_ = 0, num_nodes_ = 1;
   std::string hostname_;
   std::vector<int> node_of_rank_;
   MPI_Comm data_comm_ = MPI_COMM_NULL;     // data plane (point-to-point, collectives)
   MPI_Comm control_comm_ = MPI_COMM_NULL;  // failure notices only
+  MPI_Comm progress_comm_ = MPI_COMM_NULL; // never used for messages: only to make progress
+  std::thread progress_;
+  std::mutex progress_mutex_;
+  std::condition_variable progress_cv_;
+  int in_flight_ = 0;
+  bool stop_progress_ = false;
   bool owns_mpi_ = false;
   bool failed_reported_ = false;
   std::chrono::milliseconds timeout_{600000};

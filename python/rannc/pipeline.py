@@ -12,7 +12,8 @@ between stages with different replica counts. Values without a batch dimension g
 from replica (j mod r) of the producing stage to replica j of the consumer.
 
 [Note: send/receive ordering] Sends are non-blocking and are waited for at the end of the
-step; receives block in schedule order. A tag encodes (value, micro-batch, direction), so
+step; the receives of the next action are posted before the current action computes and
+are waited for when it needs them. A tag encodes (value, micro-batch, direction), so
 the messages between two ranks never need to arrive in a particular order.
 """
 from __future__ import annotations
@@ -271,31 +272,58 @@ class Engine:
             shape[v["batch_dim"]] = len(rows) * v["batch_multiple"]
         return torch.empty(shape, dtype=_DTYPES[v["dtype"]])
 
-    def _gather(self, vid: int, m: int, local: dict) -> torch.Tensor:
+    def _post_inputs(self, m: int) -> dict:
+        """Posts the receives of micro-batch m's forward inputs: {vid: [(piece, buffer, work)]}
+        (buffer and work None for rows this rank holds itself)."""
+        posted = {}
+        for vid in self.executor.input_ids:
+            if self._is_shape_value(vid):
+                continue
+            pieces = self.recv[m].get(vid, [])
+            if not pieces:
+                raise _C.InternalError(f"rank {self.rank}: no source for input {vid} of micro-batch {m}")
+            posted[vid] = [(p, None, None) if p.src == self.rank else
+                           self._post_recv(p.vid, p.rows, p.src, self._tag(vid, m, 0), p)
+                           for p in pieces]
+        return posted
+
+    def _post_output_grads(self, m: int) -> dict:
+        """Posts the receives of the gradients that micro-batch m's consumers send back."""
+        return {vid: [self._post_recv(vid, p.rows, p.dst, self._tag(vid, m, 1), p)
+                      for p in self.send[m][vid]]
+                for vid in self.executor.output_ids
+                if self._carries_grad(vid) and self.send[m].get(vid)}
+
+    def _post_recv(self, vid, rows, src, tag, piece):
+        buf = self._empty(vid, rows)
+        return piece, buf, self.comm.recv(buf, src, tag)
+
+    def _post(self, action):
+        kind, m = action
+        return self._post_inputs(m) if kind == "F" else self._post_output_grads(m)
+
+    def _gather(self, vid: int, m: int, local: dict, posted: dict) -> torch.Tensor:
         """This replica's rows of an input value for micro-batch m."""
         if self._is_shape_value(vid):
             return self._shape_value(vid, m)
-        pieces = self.recv[m].get(vid, [])
         v = self.value(vid)
-        if not pieces:
-            raise _C.InternalError(f"rank {self.rank}: no source for input {vid} of micro-batch {m}")
-        parts, works = [], []
-        for p in pieces:
-            if p.src == self.rank:
+        parts = []
+        for p, buf, work in posted[vid]:
+            if work is None:
                 parts.append(_narrow(local[vid], v, p.rows, p.src_start))
             else:
-                buf = self._empty(vid, p.rows)
-                works.append(self.comm.recv(buf, p.src, self._tag(vid, m, 0)))
+                work.wait()
                 parts.append(buf)
-        for w in works:
-            w.wait()
         if len(parts) == 1:
             return parts[0]
         return torch.cat(parts, dim=v["batch_dim"])
 
     def step(self, local: dict, train: bool):
         """Runs one iteration. `local` maps graph-input value ids to this rank's tensors.
-        Returns ({output vid: tensor produced here, per micro-batch}, local batch outputs)."""
+        Returns ({output vid: tensor produced here, per micro-batch}, local batch outputs).
+
+        The receives of the next action are posted before the current one computes, so
+        its data arrive during the compute ([Note: progress thread] in csrc/comm/world.h)."""
         L, M = self.layout, self.layout.micro_batches
         sends = []
         for p in self.input_sends:
@@ -306,9 +334,12 @@ class Engine:
         shapes = {}        # m -> {vid: (shape, dtype)} of this stage's outputs
         outputs = set(self.ir.outputs)
         loss_vid = self.loss_vid
-        for kind, m in schedule:
+        upcoming = self._post(schedule[0]) if schedule else {}
+        for i, (kind, m) in enumerate(schedule):
+            posted = upcoming
+            upcoming = self._post(schedule[i + 1]) if i + 1 < len(schedule) else {}
             if kind == "F":
-                ins = [self._gather(vid, m, local) for vid in self.executor.input_ids]
+                ins = [self._gather(vid, m, local, posted) for vid in self.executor.input_ids]
                 outs = self.executor.forward(m, ins, train, self.recompute)
                 out_map = dict(zip(self.executor.output_ids, outs))
                 shapes[m] = {vid: (t.shape, t.dtype) for vid, t in out_map.items()
@@ -321,7 +352,7 @@ class Engine:
                                                         self._tag(vid, m, direction)))
                 produced[m] = {vid: t for vid, t in out_map.items() if vid in outputs}
             else:
-                grads = [self._output_grad(vid, m, shapes[m], loss_vid)
+                grads = [self._output_grad(vid, m, shapes[m], loss_vid, posted)
                          for vid in self.executor.output_ids]
                 in_grads = self.executor.backward(m, grads)
                 for vid, g in zip(self.executor.input_ids, in_grads):
@@ -342,25 +373,19 @@ class Engine:
         v = self.value(vid)
         return v["kind"] == "Tensor" and v["requires_grad"]
 
-    def _output_grad(self, vid, m, shapes, loss_vid):
+    def _output_grad(self, vid, m, shapes, loss_vid, posted):
         """Gradient of one of this stage's outputs for micro-batch m: the loss seed and the
-        pieces its consumers send back, added at their rows."""
+        pieces its consumers send back (posted receives), added at their rows."""
         grad = None
         if vid == loss_vid:
             rows = self.layout.share(self.stage, self.copy, m, self.replica)
             grad = torch.tensor(len(rows) / self.layout.global_batch,
                                 dtype=shapes[vid][1]).reshape(shapes[vid][0])
-        if self._carries_grad(vid) and self.send[m].get(vid):
+        if vid in posted:
             if grad is None:
                 grad = torch.zeros(shapes[vid][0], dtype=shapes[vid][1])
-            works, parts = [], []
-            for p in self.send[m][vid]:
-                buf = self._empty(vid, p.rows)
-                works.append(self.comm.recv(buf, p.dst, self._tag(vid, m, 1)))
-                parts.append((p, buf))
-            for w in works:
-                w.wait()
-            for p, buf in parts:
+            for p, buf, work in posted[vid]:
+                work.wait()
                 _narrow(grad, self.value(vid), p.rows, p.src_start).add_(buf)
         return grad
 
