@@ -264,6 +264,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("input_ids", &runtime::StageExecutor::inputIds)
       .def_property_readonly("output_ids", &runtime::StageExecutor::outputIds)
       .def_property_readonly("stashed", &runtime::StageExecutor::stashed)
+      .def("discard", &runtime::StageExecutor::discard)
       .def("forward",
            [](runtime::StageExecutor& s, int64_t mb, const py::list& inputs, bool keep, bool recompute) {
              auto ins = fromPython(inputs);

@@ -42,6 +42,10 @@ class StageExecutor {
   // returns the gradients of inputIds() (undefined where none flows).
   std::vector<at::Tensor> backward(int64_t mb, const std::vector<at::Tensor>& output_grads);
 
+  // Drops every stash (a forward whose backward will not come: the user ran a training
+  // forward without backpropagating).
+  void discard() { stash_.clear(); }
+
   // Number of micro-batches stashed for backward.
   size_t stashed() const { return stash_.size(); }
 

@@ -21,6 +21,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from . import _C
+from .grad_sync import GradBuckets
 from .graph import TracedGraph
 from .options import Options
 from .pipeline import Engine
@@ -54,8 +55,25 @@ class _NoGradientPath(torch.autograd.Function):
         raise _C.Error(
             f"the output {ctx.name} has no gradient path: rannc trains from the scalar loss "
             "inside forward (synchronous 1F1B) and returns the other outputs without one. "
-            "Backpropagate from the loss output only; backward from other outputs (a "
-            "fill-drain schedule with external output gradients) is not available yet.")
+            "Backpropagate from the loss output only, or select the fill-drain schedule "
+            "(option schedule='fill_drain', or RANNC_SCHEDULE=fill_drain), whose backward "
+            "takes gradients of any output.")
+
+
+class _FillDrainOutputs(torch.autograd.Function):
+    """Carries the outputs of a fill-drain forward to the user; its backward gets their
+    gradients (None where an output was not used) and runs the pipeline's backwards."""
+
+    @staticmethod
+    def forward(ctx, anchor, deployed, *tensors):
+        ctx.deployed = deployed
+        ctx.set_materialize_grads(False)
+        return tuple(t.detach().clone() for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.deployed.backward_from_outputs(grads)
+        return (None, None) + (None,) * len(grads)
 
 
 class _Deployed:
@@ -69,6 +87,10 @@ class _Deployed:
         rank, world = _C.get_rank(), _C.get_world_size()
         self._check_agreement(ir)
         self.example_inputs = self.graph._flat_inputs(args, kwargs)
+        # Training without a single scalar loss to seed 1F1B takes gradients from outside.
+        has_loss = sum(1 for v in ir.outputs if ir.value(v)["is_loss"]) == 1
+        self.fill_drain = model.training and (opts.schedule == "fill_drain" or not has_loss)
+        self.schedule = "fill_drain" if self.fill_drain else "1f1b"
         deployment = self._plan(ir, world, opts)
         self.example_inputs = None
         if opts.verify_plan:
@@ -88,6 +110,8 @@ class _Deployed:
             if rank in ranks:
                 sub = comm.subgroup(list(ranks)) if len(ranks) > 1 else None
                 self.groups.append((sub, [v for v in vids if v in self.own]))
+        self.buckets = GradBuckets(self.groups, self.own)
+        self.engine.before_last_backward = self.buckets.arm
         self.step_grads = {}
         if rank == 0:
             print(deployment.report(), flush=True)
@@ -150,7 +174,8 @@ class _Deployed:
                 num_blocks=opts.num_blocks, memory_margin=opts.memory_margin,
                 recompute="never" if opts.recompute == "never" else "auto",
                 num_stages=opts.num_stages, num_microbatches=opts.num_microbatches,
-                replicas=opts.replicas, profile_repetitions=opts.profile_repetitions, profile_warmup=opts.profile_warmup,
+                replicas=opts.replicas, schedule=self.schedule,
+                profile_repetitions=opts.profile_repetitions, profile_warmup=opts.profile_warmup,
                 profile_cache=self.owner.profile_cache)
             if opts.profile_cache and _C.get_rank() == 0:
                 self.owner.profile_cache.save(opts.profile_cache)
@@ -169,46 +194,94 @@ class _Deployed:
             num_blocks=opts.num_blocks, memory_margin=opts.memory_margin,
             recompute="never" if opts.recompute == "never" else "auto",
             num_stages=opts.num_stages, num_microbatches=opts.num_microbatches,
-            replicas=opts.replicas)
+            replicas=opts.replicas, schedule=self.schedule)
 
     # ---- running ------------------------------------------------------------------------
     def run(self, args, kwargs):
         g = self.graph
         flat = g._flat_inputs(args, kwargs)[len(self.state_ids):]
         local = dict(zip(self.input_ids, flat))
-        train = (torch.is_grad_enabled() and self.owner.module.training
-                 and self.engine.loss_vid is not None)
+        training = torch.is_grad_enabled() and self.owner.module.training
+        if training and self.fill_drain:
+            produced, batch_outputs = self.engine.forward_for_backward(local)
+            return self._outputs(produced, batch_outputs, "fill_drain")
+        train = training and self.engine.loss_vid is not None
         if train:
-            saved = {v: t.grad for v, t in self.own.items()}
-            for t in self.own.values():
-                t.grad = None
-        produced, batch_outputs = self.engine.step(local, train)
-        if train:
+            self._run_backwards(lambda: self.engine.step(local, True))
+            produced, batch_outputs = self._step_result
+        else:
+            produced, batch_outputs = self.engine.step(local, False)
+        return self._outputs(produced, batch_outputs, "1f1b" if train else None)
+
+    def _run_backwards(self, work):
+        """Runs `work` (pipeline actions with backwards) with this rank's .grad set aside:
+        what the backwards accumulate becomes step_grads, summed over each gradient group
+        ([Note: bucketed all-reduce] in grad_sync.py)."""
+        saved = {v: t.grad for v, t in self.own.items()}
+        for t in self.own.values():
+            t.grad = None
+        try:
+            self._step_result = work()
             self.step_grads = {v: (t.grad if t.grad is not None else torch.zeros_like(t))
                                for v, t in self.own.items()}
+            self.buckets.finish(self.step_grads)
+        finally:
+            self.buckets.disarm()
             for v, t in self.own.items():
                 t.grad = saved[v]
-            self._allreduce_grads()
-        return self._outputs(produced, batch_outputs, train)
 
-    def _allreduce_grads(self):
-        for sub, vids in self.groups:
-            if sub is None or not vids:
-                continue
-            flat = torch.cat([self.step_grads[v].reshape(-1) for v in vids])
-            sub.all_reduce(flat).wait()
-            offset = 0
-            for v in vids:
-                n = self.step_grads[v].numel()
-                self.step_grads[v] = flat[offset:offset + n].view_as(self.step_grads[v])
-                offset += n
+    def backward_from_outputs(self, grads):
+        """Backward of a fill-drain forward: `grads` are the user's gradients of the float
+        outputs (None where unused). As with DistributedDataParallel, the parameter
+        gradients are averaged over the ranks: a loss that is a mean over each rank's rows
+        gives the gradient of the mean over the global batch."""
+        engine, layout = self.engine, self.engine.layout
+        comm = _C.Communicator.world_cpu()
+        world = float(comm.size)
+        by_vid = {}
+        for vid, g in zip(self._float_outputs, grads):  # an output returned twice: add
+            if g is not None and by_vid.get(vid) is not None:
+                g = by_vid[vid] + g
+            by_vid[vid] = g if g is not None else by_vid.get(vid)
+        batch = {vid: (g / world if g is not None else None) for vid, g in by_vid.items()
+                 if vid in engine.out_recv}
+        seeds = engine.scatter_output_grads(batch)
+        # Scalars and other whole outputs: every rank's gradient, averaged over the ranks.
+        whole = [vid for vid in dict.fromkeys(self._float_outputs)
+                 if vid not in engine.out_recv and vid in engine.producer]
+        sums = {}
+        for vid in whole:
+            g = by_vid[vid]
+            t = (g.detach().double().clone() if g is not None
+                 else torch.zeros(engine.value(vid)["shape"], dtype=torch.float64))
+            comm.all_reduce(t).wait()
+            sums[vid] = t / world
+        for m in range(layout.micro_batches):
+            rows = layout.share(engine.stage, engine.copy, m, engine.replica)
+            for vid in whole:
+                if vid not in engine.executor.output_ids:
+                    continue
+                v = engine.value(vid)
+                dtype = engine._shapes[m][vid][1]
+                if v["batch_dependent"] and v["shape"] == []:
+                    # the output is the row-weighted mean of the shares
+                    seeds.setdefault(m, {})[vid] = (sums[vid] * len(rows) / layout.global_batch).to(dtype)
+                elif m == 0 and engine.copy == 0 and engine.replica == 0:
+                    # returned from micro-batch 0 of the first replica: its gradient goes there
+                    seeds.setdefault(m, {})[vid] = sums[vid].to(dtype)
+        self._run_backwards(lambda: engine.backward_from(seeds))
+        self.apply_grads(1.0)
 
     def apply_grads(self, scale):
         for v, t in self.own.items():
             g = self.step_grads[v] * scale
             t.grad = g if t.grad is None else t.grad + g
 
-    def _outputs(self, produced, batch_outputs, train):
+    def _outputs(self, produced, batch_outputs, schedule):
+        """The user's outputs from what the stages produced; `schedule` says how training
+        went (None: no training, "1f1b": seeded by the loss, "fill_drain": gradients of the
+        outputs come from outside)."""
+        train = schedule == "1f1b"
         comm = _C.Communicator.world_cpu()
         ir, layout, engine = self.graph.ir, self.engine.layout, self.engine
         tensors = []
@@ -235,8 +308,14 @@ class _Deployed:
                        else engine._empty(vid, None))
                 comm.broadcast(buf, root).wait()
                 tensors.append(buf)
+        anchor = next(iter(self.own.values()), self.owner._anchor)
+        if schedule == "fill_drain":
+            floats = [i for i, t in enumerate(tensors) if t.is_floating_point()]
+            self._float_outputs = [ir.outputs[i] for i in floats]
+            carried = _FillDrainOutputs.apply(anchor, self, *[tensors[i] for i in floats])
+            for i, t in zip(floats, carried):
+                tensors[i] = t
         if train:  # other float outputs: a clear error if the user backpropagates through them
-            anchor = next(iter(self.own.values()), self.owner._anchor)
             for i, (vid, t) in enumerate(zip(ir.outputs, tensors)):
                 if vid != engine.loss_vid and t.is_floating_point():
                     tensors[i] = _NoGradientPath.apply(anchor, t, f"#{i} ({engine.value(vid)['name'] or vid})")

@@ -33,6 +33,8 @@ class Options:
     num_microbatches: int = 0          # > 0: fix the number of micro-batches
     replicas: str = ""                 # with num_stages: replicas per stage, "2,1,1"
     recompute: str = "auto"            # "auto" (where memory needs it), "always", "never"
+    schedule: str = "1f1b"             # training schedule: "1f1b" (seeded by the scalar loss)
+                                       # or "fill_drain" (backward with gradients from outside)
     optimizer_kind: str = ""           # memory model: adam, sgd_momentum, sgd ("" = from the optimizer)
     save_plan: str = ""                # write the plan to this file
     load_plan: str = ""                # use the plan in this file (checked against the model)
@@ -63,6 +65,8 @@ class Options:
                            "such as \"2,1,1\" or [2, 1, 1]")
         if opts.cost_model not in ("profile", "analytic"):
             raise _C.Error(f"option cost_model is {opts.cost_model!r}; expected profile or analytic")
+        if opts.schedule not in ("1f1b", "fill_drain"):
+            raise _C.Error(f"option schedule is {opts.schedule!r}; expected 1f1b or fill_drain")
         if opts.recompute not in ("auto", "always", "never"):
             raise _C.Error(f"option recompute is {opts.recompute!r}; expected auto, always or never")
         return opts

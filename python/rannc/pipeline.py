@@ -129,6 +129,7 @@ class Engine:
         self.train_actions = _C.build_schedule(deployment.schedule, deployment.num_stages,
                                                self.layout.micro_batches)[self.stage]
         self._plan_transfers()
+        self.before_last_backward = None  # called before the step's last backward action
 
     # ---- transfer planning (pure; every rank computes the same lists) ------------------
     def value(self, vid: int) -> dict:
@@ -263,7 +264,8 @@ class Engine:
 
     # ---- execution ------------------------------------------------------------------------
     def _tag(self, vid: int, m: int, direction: int) -> int:
-        return (vid * self.layout.micro_batches + m) * 3 + direction
+        """direction: 0 forward, 1 gradient, 2 batch output, 3 batch output's gradient."""
+        return (vid * self.layout.micro_batches + m) * 4 + direction
 
     def _empty(self, vid: int, rows: Rows | None) -> torch.Tensor:
         v = self.value(vid)
@@ -319,41 +321,66 @@ class Engine:
         return torch.cat(parts, dim=v["batch_dim"])
 
     def step(self, local: dict, train: bool):
-        """Runs one iteration. `local` maps graph-input value ids to this rank's tensors.
-        Returns ({output vid: tensor produced here, per micro-batch}, local batch outputs).
+        """Runs one iteration: with `train`, the planned schedule seeded by the scalar loss
+        (1F1B), else forwards only. `local` maps graph-input value ids to this rank's
+        tensors. Returns ({m: {output vid: tensor produced here}}, local batch outputs)."""
+        M = self.layout.micro_batches
+        actions = self.train_actions if train else [("F", m) for m in range(M)]
+        self._seeds = {}
+        if train:
+            L = self.layout
+            for m in range(M):
+                rows = L.share(self.stage, self.copy, m, self.replica)
+                self._seeds[m] = {self.loss_vid: len(rows) / L.global_batch}
+        return self._execute(actions, local, train)
 
-        The receives of the next action are posted before the current one computes, so
-        its data arrive during the compute ([Note: progress thread] in csrc/comm/world.h)."""
-        L, M = self.layout, self.layout.micro_batches
+    def forward_for_backward(self, local: dict):
+        """The forwards of a fill-drain iteration, stashing for backward_from(); returns
+        what step() returns."""
+        self.executor.discard()  # a training forward whose backward never came
+        return self._execute([a for a in self.train_actions if a[0] == "F"], local, True)
+
+    def backward_from(self, seeds: dict):
+        """The backwards of the fill-drain iteration begun by forward_for_backward().
+        `seeds` maps m -> {output vid: gradient seed of this replica's share} (a float for
+        scalars, a tensor for others), see RaNNCModule."""
+        self._seeds = seeds
+        self._execute([a for a in self.train_actions if a[0] == "B"], None, True)
+
+    def _execute(self, actions, local, train):
+        """Runs a list of actions. The receives of the next action are posted before the
+        current one computes, so its data arrive during the compute ([Note: progress
+        thread] in csrc/comm/world.h)."""
         sends = []
-        for p in self.input_sends:
-            t = _narrow(local[p.vid], self.value(p.vid), p.rows, p.src_start).contiguous()
-            sends.append(self.comm.send(t, p.dst, self._tag(p.vid, p.m, 0)))
-        schedule = self.train_actions if train else [("F", m) for m in range(M)]
-        produced = {}      # m -> {vid: tensor} of graph outputs made here
-        shapes = {}        # m -> {vid: (shape, dtype)} of this stage's outputs
+        has_forwards = any(kind == "F" for kind, _ in actions)
+        if has_forwards:
+            self._shapes, self._produced = {}, {}
+            for p in self.input_sends:
+                t = _narrow(local[p.vid], self.value(p.vid), p.rows, p.src_start).contiguous()
+                sends.append(self.comm.send(t, p.dst, self._tag(p.vid, p.m, 0)))
         outputs = set(self.ir.outputs)
-        loss_vid = self.loss_vid
-        upcoming = self._post(schedule[0]) if schedule else {}
-        for i, (kind, m) in enumerate(schedule):
+        last_backward = max((i for i, (kind, _) in enumerate(actions) if kind == "B"), default=-1)
+        upcoming = self._post(actions[0]) if actions else {}
+        for i, (kind, m) in enumerate(actions):
+            if i == last_backward and self.before_last_backward is not None:
+                self.before_last_backward()
             posted = upcoming
-            upcoming = self._post(schedule[i + 1]) if i + 1 < len(schedule) else {}
+            upcoming = self._post(actions[i + 1]) if i + 1 < len(actions) else {}
             if kind == "F":
                 ins = [self._gather(vid, m, local, posted) for vid in self.executor.input_ids]
                 outs = self.executor.forward(m, ins, train, self.recompute)
                 out_map = dict(zip(self.executor.output_ids, outs))
-                shapes[m] = {vid: (t.shape, t.dtype) for vid, t in out_map.items()
-                             if isinstance(t, torch.Tensor)}
+                self._shapes[m] = {vid: (t.shape, t.dtype) for vid, t in out_map.items()
+                                   if isinstance(t, torch.Tensor)}
                 for table, direction in ((self.send[m], 0), (self.out_send[m], 2)):
                     for vid, ps in table.items():
                         for p in ps:
                             t = _narrow(out_map[vid], self.value(vid), p.rows, p.src_start)
                             sends.append(self.comm.send(t.contiguous(), p.dst,
                                                         self._tag(vid, m, direction)))
-                produced[m] = {vid: t for vid, t in out_map.items() if vid in outputs}
+                self._produced[m] = {vid: t for vid, t in out_map.items() if vid in outputs}
             else:
-                grads = [self._output_grad(vid, m, shapes[m], loss_vid, posted)
-                         for vid in self.executor.output_ids]
+                grads = [self._output_grad(vid, m, posted) for vid in self.executor.output_ids]
                 in_grads = self.executor.backward(m, grads)
                 for vid, g in zip(self.executor.input_ids, in_grads):
                     if (vid in self.graph_inputs or not self._carries_grad(vid)
@@ -364,26 +391,57 @@ class Engine:
                                  else _narrow(g, self.value(vid), p.rows, p.dst_start))
                         sends.append(self.comm.send(piece.contiguous(), p.src,
                                                     self._tag(vid, m, 1)))
-        batch_outputs = self._collect_batch_outputs()
+        batch_outputs = self._collect_batch_outputs() if has_forwards else {}
         for w in sends:
             w.wait()
-        return produced, batch_outputs
+        return (self._produced, batch_outputs) if has_forwards else None
+
+    # ---- gradients of outputs from outside (fill-drain) --------------------------------
+    def scatter_output_grads(self, grads: dict) -> dict:
+        """Sends the gradients of this rank's rows of the batch outputs (`grads`: vid ->
+        tensor shaped like the local output, or None for zeros) to the replicas that
+        produced those rows, and returns m -> {vid: summed gradient of my share} for the
+        batch outputs this stage produces (the reverse of the outputs' transfers)."""
+        sends, posted = [], []
+        for vid, pieces in self.out_recv.items():
+            g = grads.get(vid)
+            for p in pieces:
+                t = (_narrow(g, self.value(vid), p.rows, p.dst_start).contiguous() if g is not None
+                     else self._empty(vid, p.rows).zero_())
+                sends.append(self.comm.send(t, p.src, self._tag(vid, p.m, 3)))
+        for m, table in self.out_send.items():
+            for vid, pieces in table.items():
+                for p in pieces:
+                    posted.append((m, self._post_recv(vid, p.rows, p.dst, self._tag(vid, m, 3), p)))
+        seeds = {}
+        for m, (p, buf, work) in posted:
+            work.wait()
+            shape, dtype = self._shapes[m][p.vid]
+            seed = seeds.setdefault(m, {}).get(p.vid)
+            if seed is None:
+                seed = seeds[m][p.vid] = torch.zeros(shape, dtype=dtype)
+            _narrow(seed, self.value(p.vid), p.rows, p.src_start).add_(buf)
+        for w in sends:
+            w.wait()
+        return seeds
 
     def _carries_grad(self, vid: int) -> bool:
         v = self.value(vid)
         return v["kind"] == "Tensor" and v["requires_grad"]
 
-    def _output_grad(self, vid, m, shapes, loss_vid, posted):
-        """Gradient of one of this stage's outputs for micro-batch m: the loss seed and the
-        pieces its consumers send back (posted receives), added at their rows."""
+    def _output_grad(self, vid, m, posted):
+        """Gradient of one of this stage's outputs for micro-batch m: its seed (the loss's
+        share, or a gradient from outside) and the pieces its consumers send back (posted
+        receives), added at their rows."""
+        shape, dtype = self._shapes[m][vid] if vid in self._shapes[m] else (None, None)
+        seed = self._seeds.get(m, {}).get(vid)
         grad = None
-        if vid == loss_vid:
-            rows = self.layout.share(self.stage, self.copy, m, self.replica)
-            grad = torch.tensor(len(rows) / self.layout.global_batch,
-                                dtype=shapes[vid][1]).reshape(shapes[vid][0])
+        if seed is not None:
+            grad = (seed.clone() if isinstance(seed, torch.Tensor)
+                    else torch.full(shape, seed, dtype=dtype))
         if vid in posted:
             if grad is None:
-                grad = torch.zeros(shapes[vid][0], dtype=shapes[vid][1])
+                grad = torch.zeros(shape, dtype=dtype)
             for p, buf, work in posted[vid]:
                 work.wait()
                 _narrow(grad, self.value(vid), p.rows, p.src_start).add_(buf)

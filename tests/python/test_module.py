@@ -45,6 +45,22 @@ def test_backward_semantics(mode, ranks, model, stages, micro):
     assert "OK rank 0" in res.stdout
 
 
+@pytest.mark.parametrize("ranks,model,stages,micro,extra", [
+    (4, "transformer", 2, 2, ["--opt", "replicas=2,2"]),   # logits out, loss made outside
+    (3, "multi_io", 2, 3, ["--eval", "--opt", "schedule=fill_drain", "replicas=1,2"]),
+    (2, "transformer", 2, 2, ["--mode", "outside_accum"]),  # accumulation over two calls
+])
+def test_fill_drain_with_gradients_from_outside(ranks, model, stages, micro, extra):
+    """Outputs that need gradients from outside: forwards in forward(), backwards in
+    backward() with the user's output gradients; equal to PyTorch on the global batch."""
+    mode = [] if "--mode" in extra else ["--mode", "outside"]
+    res = mpirun("train_check.py", ranks, model, "--stages", stages, "--micro", micro,
+                 "--steps", 3, *mode, *extra, timeout=300, env={"RANNC_COMM_TIMEOUT": "60"})
+    assert res.returncode == 0, res.stdout[-4000:]
+    for r in range(ranks):
+        assert f"OK rank {r}" in res.stdout, res.stdout[-4000:]
+
+
 def test_recomputation_equals_pytorch():
     res = mpirun("train_check.py", 3, "gpt", "--stages", 3, "--micro", 3, "--steps", 3,
                  "--opt", "recompute=always", timeout=300, env={"RANNC_COMM_TIMEOUT": "60"})

@@ -8,6 +8,9 @@ eval()/no_grad outputs. Exits non-zero on the first mismatch (on every rank).
 
     accum: gradients accumulated over two forward/backward calls before each step
     scale2: (2 * loss).backward()
+    outside: the loss is computed outside the model from its outputs (fill-drain with
+             gradients from outside; the reference is the same loss on the global batch)
+    outside_accum: both
 """
 import argparse
 import copy
@@ -25,7 +28,7 @@ ap.add_argument("model")
 ap.add_argument("--stages", type=int, default=0)
 ap.add_argument("--micro", type=int, default=0)
 ap.add_argument("--steps", type=int, default=5)
-ap.add_argument("--mode", default="plain", choices=["plain", "accum", "scale2"])
+ap.add_argument("--mode", default="plain", choices=["plain", "accum", "scale2", "outside", "outside_accum"])
 ap.add_argument("--eval", action="store_true")
 ap.add_argument("--opt", nargs="*", default=[])
 a = ap.parse_args()
@@ -59,6 +62,12 @@ def close(x, y, what):
                                msg=lambda m: f"rank {rank}: {what}: {m}")
 
 
+def same_output(out, ref_out, what):
+    """The loss (a scalar) or this rank's rows of a batch output equal the reference's."""
+    out, ref_out = loss_of(out).detach(), loss_of(ref_out).detach()
+    close(out, local(ref_out) if out.dim() > 0 else ref_out, what)
+
+
 def loss_of(out):
     return out["score"] if isinstance(out, dict) else out  # multi_io returns a dict
 
@@ -68,21 +77,42 @@ def batch(seed):
     return (g_args, g_kwargs), pytree.tree_map(local, (g_args, g_kwargs))
 
 
+def labels(seed, rows):
+    return torch.randint(0, 3, (global_batch,), generator=torch.Generator().manual_seed(seed))[rows]
+
+
+def outside_loss(out, y):
+    """A loss made outside the model: on each rank from its own rows, a mean over them."""
+    if isinstance(out, dict):
+        return out["score"] + out["hidden"].pow(2).mean()
+    return torch.nn.functional.cross_entropy(out, y)
+
+
 names = {id(p): n for n, p in model.named_parameters()}
 ref_params = dict(reference.named_parameters())
 scale = 2.0 if a.mode == "scale2" else 1.0
-calls = 2 if a.mode == "accum" else 1
+calls = 2 if a.mode.endswith("accum") else 1
+outside = a.mode.startswith("outside")
 for step in range(a.steps):
     opt.zero_grad()
     ref_opt.zero_grad()
     for call in range(calls):
         (g_args, g_kwargs), (l_args, l_kwargs) = batch(100 + 10 * step + call)
         out = wrapped(*l_args, **l_kwargs)
-        (scale * loss_of(out)).backward()
         ref_out = reference(*g_args, **g_kwargs)
-        (scale * loss_of(ref_out)).backward()
+        if outside:
+            seed = 100 + 10 * step + call
+            mine = slice(rank * local_batch, (rank + 1) * local_batch)
+            outside_loss(out, labels(seed, mine)).backward()
+            outside_loss(ref_out, labels(seed, slice(None))).backward()
+            if not isinstance(out, dict):
+                same_output(out, ref_out, f"output rows at step {step}")
+                continue
+        else:
+            (scale * loss_of(out)).backward()
+            (scale * loss_of(ref_out)).backward()
         close(loss_of(out).detach(), loss_of(ref_out).detach(), f"loss at step {step}")
-        if isinstance(out, dict):  # batch-shaped outputs: this rank's own rows
+        if isinstance(out, dict) and not outside:  # batch-shaped outputs: this rank's own rows
             close(out["hidden"].detach(), local(ref_out["hidden"]).detach(), "hidden rows")
             close(out["aux"][0].detach(), local(ref_out["aux"][0]).detach(), "aux rows")
             try:  # no gradient path through outputs other than the loss: a clear error
@@ -97,7 +127,7 @@ for step in range(a.steps):
     ref_opt.step()
     for p in own:
         close(p.detach(), ref_params[names[id(p)]].detach(), f"{names[id(p)]} after step {step}")
-    if rank == 0:
+    if rank == 0 and loss_of(out).dim() == 0:
         print(f"step {step}: loss {loss_of(out).item():.6f} "
               f"(reference {loss_of(ref_out).item():.6f})", flush=True)
 
@@ -116,7 +146,7 @@ if a.eval:
     with torch.no_grad():
         out = wrapped(*l_args, **l_kwargs)
         ref_out = reference(*g_args, **g_kwargs)
-    close(loss_of(out), loss_of(ref_out), "eval loss")
+    same_output(out, ref_out, "eval loss")
     if isinstance(out, dict):
         close(out["hidden"], local(ref_out["hidden"]), "eval hidden rows")
     wrapped.train()
@@ -125,6 +155,5 @@ if a.eval:
     (g_args, g_kwargs), (l_args, l_kwargs) = batch(1000)
     opt.zero_grad()
     out = wrapped(*l_args, **l_kwargs)
-    close(loss_of(out).detach(), loss_of(reference(*g_args, **g_kwargs)).detach(),
-          "loss after eval")
+    same_output(out, reference(*g_args, **g_kwargs), "loss after eval")
 print(f"OK rank {rank}", flush=True)
