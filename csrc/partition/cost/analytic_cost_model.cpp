@@ -28,16 +28,70 @@ int64_t outNumel(const ir::Graph& g, const ir::Task& t) {
   return n;
 }
 
+bool isMatmulLike(std::string_view op) {
+  return op == "linear" || op == "matmul" || op == "mm" || op == "bmm" || op == "einsum" ||
+         op == "addmm" || op == "baddbmm" || op == "addbmm";
+}
+
+// The op that sets a task's cost: the task's own, or for a task the frontend fused from
+// several ("aten::reshape+aten::linear+aten::view") its matmul-like part, if any.
+std::string_view costOp(std::string_view op) {
+  if (op.find('+') == std::string_view::npos) return baseName(op);
+  std::string_view last;
+  while (!op.empty()) {
+    const size_t plus = op.find('+');
+    last = baseName(op.substr(0, plus));
+    if (isMatmulLike(last)) return last;
+    op = plus == std::string_view::npos ? std::string_view() : op.substr(plus + 1);
+  }
+  return last;
+}
+
+// Ops whose output aliases their input (no kernel, nothing new to stash).
+bool isView(std::string_view op) {
+  static constexpr std::string_view kViews[] = {
+      "view", "_unsafe_view", "view_as", "transpose", "t", "permute", "select", "slice",
+      "narrow", "unsqueeze", "squeeze", "unflatten", "expand", "expand_as", "alias", "detach",
+      "as_strided", "split", "chunk", "unbind", "diagonal"};
+  for (std::string_view v : kViews) {
+    if (op == v) return true;
+  }
+  return false;
+}
+
+// Arithmetic on sizes (aten::size, prim::NumToTensor, aten::Int, prim::ListConstruct, the
+// mul of a size by the head count): every output is a non-tensor or a 0-dim integer
+// tensor. It runs on the host while the device works, so it costs nothing here.
+bool isHostOnly(const ir::Graph& g, const ir::Task& t) {
+  for (ir::ValueId v : t.outputs) {
+    const ir::Value& val = g.value(v);
+    if (val.isTensor() && (!val.shape.empty() || val.is_loss ||
+                           (val.dtype != ir::DType::Int64 && val.dtype != ir::DType::Int32))) {
+      return false;
+    }
+  }
+  return true;
+}
+
 // Forward FLOPs at the traced shapes; elementwise and data-movement ops count one FLOP
 // per output element (their time comes from bytes anyway).
 double flopsOf(const ir::Graph& g, const ir::Task& t) {
-  const std::string_view op = baseName(t.op);
+  const std::string_view op = costOp(t.op);
   const double out = static_cast<double>(outNumel(g, t));
   auto lastDim = [&](size_t i) -> double {
     const ir::Value* v = tensorInput(g, t, i);
     return v ? static_cast<double>(v->shape.back()) : 1.0;
   };
-  if (op == "linear" || op == "matmul" || op == "mm" || op == "bmm" || op == "einsum") {
+  if (op == "linear") {
+    // Input features from the weight: a fused task's first input may be a view of
+    // another shape.
+    for (ir::ValueId v : t.inputs) {
+      const ir::Value& w = g.value(v);
+      if (w.role == ir::ValueRole::Param && w.shape.size() == 2) return 2.0 * out * static_cast<double>(w.shape[1]);
+    }
+    return 2.0 * out * lastDim(0);
+  }
+  if (op == "matmul" || op == "mm" || op == "bmm" || op == "einsum") {
     return 2.0 * out * lastDim(0);
   }
   if (op == "addmm" || op == "baddbmm" || op == "addbmm") return 2.0 * out * lastDim(1);
@@ -66,6 +120,13 @@ AnalyticCostModel::AnalyticCostModel(const ir::Graph& graph, DeviceSpec device,
     : CostModel(graph, device), tasks_(graph.numTasks()), cache_by_content_(cache_by_content) {
   for (const ir::Task& t : graph.tasks()) {
     TaskCost& c = tasks_[t.id];
+    // [Note: free tasks] Views and size arithmetic launch no kernel and allocate nothing:
+    // no time, no stash (their outputs alias their inputs or are host scalars). A value
+    // of theirs that crosses a stage boundary is still sent at its full size.
+    if (isHostOnly(graph, t) || (t.op.find('+') == std::string::npos && isView(baseName(t.op)))) {
+      c.free = true;
+      continue;
+    }
     c.flops = flopsOf(graph, t);
     for (ir::ValueId v : t.outputs) c.flops_scale = c.flops_scale || graph.value(v).isBatch();
     auto addBytes = [&](ir::ValueId id) {
@@ -112,12 +173,13 @@ bool AnalyticCostModel::computeCostDirect(const std::vector<ir::TaskId>& tasks, 
         c.activation_bytes += bytes;
       }
     }
-    const bool pure = pureConstant()[t] != 0;
+    const bool stash = pureConstant()[t] == 0 && !tasks_[t].free;
     for (ir::ValueId v : task.outputs) {
       const ir::Value& val = g.value(v);
       if (!val.isTensor()) continue;
       const int64_t bytes = valueBytesAt(g, val, rows);
-      if (!pure) c.activation_bytes += bytes;
+      if (stash) c.activation_bytes += bytes;
+      const bool pure = pureConstant()[t] != 0;
       bool used_outside = graph_output_[v] != 0;
       if (!pure && !used_outside) {
         for (ir::TaskId u : val.consumers) {
@@ -135,6 +197,7 @@ bool AnalyticCostModel::computeCostDirect(const std::vector<ir::TaskId>& tasks, 
 }
 
 double AnalyticCostModel::forwardTime(const TaskCost& t, double scale) const {
+  if (t.free) return 0.0;
   const double flops = t.flops * (t.flops_scale ? scale : 1.0);
   const double bytes = t.batch_bytes * scale + t.fixed_bytes;
   return std::max(flops / device().peak_flops, bytes / device().memory_bandwidth) +
@@ -150,7 +213,7 @@ PieceCost AnalyticCostModel::computeCost(const ir::Subgraph& piece, int64_t rows
     const double f = forwardTime(tasks_[t], scale);
     c.forward_time += f;
     c.backward_time += 2.0 * f;  // grads w.r.t. inputs and weights: two products per forward
-    if (pureConstant()[t]) continue;  // recomputed from constants, never stashed
+    if (pureConstant()[t] || tasks_[t].free) continue;  // recomputed from constants, never stashed
     for (ir::ValueId v : g.task(t).outputs) {
       const ir::Value& val = g.value(v);
       if (val.isTensor()) c.activation_bytes += valueBytesAt(g, val, rows);
