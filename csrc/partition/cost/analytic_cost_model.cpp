@@ -137,6 +137,15 @@ AnalyticCostModel::AnalyticCostModel(const ir::Graph& graph, DeviceSpec device,
     for (ir::ValueId v : t.inputs) addBytes(v);
     for (ir::ValueId v : t.outputs) addBytes(v);
   }
+  values_.resize(graph.numValues());
+  for (const ir::Value& v : graph.values()) {
+    ValueInfo& info = values_[v.id];
+    info.producer = v.producer;
+    info.role = v.role;
+    info.tensor = v.isTensor();
+    info.batch = v.isBatch() && graph.batchSize() > 0;
+    info.bytes = v.bytes();
+  }
   in_piece_.assign(graph.numTasks(), 0);
   value_seen_.assign(graph.numValues(), 0);
   graph_output_.assign(graph.numValues(), 0);
@@ -159,30 +168,30 @@ bool AnalyticCostModel::computeCostDirect(const std::vector<ir::TaskId>& tasks, 
     c.backward_time += 2.0 * f;
     const ir::Task& task = g.task(t);
     for (ir::ValueId v : task.inputs) {
-      const ir::Value& val = g.value(v);
-      if ((val.producer != ir::kNoId && in_piece_[val.producer] == stamp_) || value_seen_[v] == stamp_) continue;
+      const ValueInfo& info = values_[v];
+      if ((info.producer != ir::kNoId && in_piece_[info.producer] == stamp_) || value_seen_[v] == stamp_) continue;
       value_seen_[v] = stamp_;
-      if (!val.isTensor()) continue;
-      const int64_t bytes = valueBytesAt(g, val, rows);
-      if (val.role == ir::ValueRole::Param) {
+      if (!info.tensor) continue;
+      const int64_t bytes = info.batch ? info.bytes * rows / g.batchSize() : info.bytes;
+      if (info.role == ir::ValueRole::Param) {
         c.param_bytes += bytes;
-      } else if (val.role == ir::ValueRole::Buffer) {
+      } else if (info.role == ir::ValueRole::Buffer) {
         c.buffer_bytes += bytes;
-      } else if (val.role != ir::ValueRole::Constant) {
+      } else if (info.role != ir::ValueRole::Constant) {
         c.input_bytes += bytes;
         c.activation_bytes += bytes;
       }
     }
     const bool stash = pureConstant()[t] == 0 && !tasks_[t].free;
     for (ir::ValueId v : task.outputs) {
-      const ir::Value& val = g.value(v);
-      if (!val.isTensor()) continue;
-      const int64_t bytes = valueBytesAt(g, val, rows);
+      const ValueInfo& info = values_[v];
+      if (!info.tensor) continue;
+      const int64_t bytes = info.batch ? info.bytes * rows / g.batchSize() : info.bytes;
       if (stash) c.activation_bytes += bytes;
       const bool pure = pureConstant()[t] != 0;
       bool used_outside = graph_output_[v] != 0;
       if (!pure && !used_outside) {
-        for (ir::TaskId u : val.consumers) {
+        for (ir::TaskId u : g.value(v).consumers) {
           if (in_piece_[u] != stamp_) {
             used_outside = true;
             break;

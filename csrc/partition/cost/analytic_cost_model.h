@@ -34,7 +34,17 @@ class AnalyticCostModel : public CostModel {
   };
   double forwardTime(const TaskCost& t, double scale) const;
 
+  // What the direct path reads of each value, flat (valueBytesAt without the lookups).
+  struct ValueInfo {
+    ir::TaskId producer = ir::kNoId;
+    ir::ValueRole role = ir::ValueRole::Intermediate;
+    bool tensor = false;
+    bool batch = false;  // bytes scale with the rows
+    int64_t bytes = 0;   // at the traced batch size
+  };
+
   std::vector<TaskCost> tasks_;
+  std::vector<ValueInfo> values_;
   bool cache_by_content_;
   // Scratch marks for the direct path (membership of tasks, values already counted).
   std::vector<int> in_piece_, value_seen_;
