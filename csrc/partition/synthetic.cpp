@@ -128,7 +128,7 @@ class Builder {
 // built from those sizes (mul, prim::ListConstruct), calls scaled_dot_product_attention,
 // and projects back in one fused task (the frontend merges reshape, linear and view
 // there). 86 tasks, 83 of them non-constant (three ListConstructs of constant ints are
-// cloned into their readers): 50 on sizes, 17 views, 16 kernels. The task ids in
+// cloned into their readers): 50 on sizes, 19 views, 14 kernels. The task ids in
 // comments are those of layer 0 in the trace.
 ir::Graph syntheticTransformer(const SyntheticTransformerOptions& o) {
   Builder b(o.batch_size);
