@@ -1,7 +1,8 @@
 #pragma once
 // Synthetic graphs shaped like traced models, for tests and the planner benchmark: no
-// torch needed, sizes chosen freely (a 256-layer BERT has ~7,200 atomic pieces). Every
-// activation carries the batch in dimension 0, so analytic costs scale with the rows.
+// torch needed, sizes chosen freely (a 256-layer BERT has 21,267 atomic pieces, as many
+// as the traced model would). Every activation carries the batch, so analytic costs scale
+// with the rows.
 #include <cstdint>
 #include <vector>
 
@@ -19,9 +20,14 @@ struct SyntheticTransformerOptions {
   bool with_mask = true;   // an attention mask computed once and read by every layer
 };
 
-// A BERT-like encoder: embedding, `layers` post-norm encoder layers (self-attention with
-// a shared mask, GELU feed-forward, residuals, layer norms), a vocabulary head and a mean
-// loss. Every activation carries the batch in dimension 0. About 26 tasks per layer.
+// examples/models.py's BERT as the frontend traces it: token and position embeddings and
+// a layer norm, `layers` nn.TransformerEncoderLayer's (post-norm, GELU; each traced into
+// 86 tasks, 83 non-constant, see [Note: traced encoder layer] in synthetic.cpp), an MLM
+// head (dense, GELU, layer norm, decoder tied to the token embedding) and a mean
+// cross-entropy over batch x sequence rows. Inputs: input_ids, labels and, with
+// `with_mask`, an attention mask (computed once, read by every layer's attention; the
+// example has none). Activations carry the batch in dimension 0, in dimension 1 inside
+// the sequence-first attention.
 ir::Graph syntheticTransformer(const SyntheticTransformerOptions& options);
 
 struct SyntheticGptOptions {

@@ -28,16 +28,70 @@ int64_t outNumel(const ir::Graph& g, const ir::Task& t) {
   return n;
 }
 
+bool isMatmulLike(std::string_view op) {
+  return op == "linear" || op == "matmul" || op == "mm" || op == "bmm" || op == "einsum" ||
+         op == "addmm" || op == "baddbmm" || op == "addbmm";
+}
+
+// The op that sets a task's cost: the task's own, or for a task the frontend fused from
+// several ("aten::reshape+aten::linear+aten::view") its matmul-like part, if any.
+std::string_view costOp(std::string_view op) {
+  if (op.find('+') == std::string_view::npos) return baseName(op);
+  std::string_view last;
+  while (!op.empty()) {
+    const size_t plus = op.find('+');
+    last = baseName(op.substr(0, plus));
+    if (isMatmulLike(last)) return last;
+    op = plus == std::string_view::npos ? std::string_view() : op.substr(plus + 1);
+  }
+  return last;
+}
+
+// Ops whose output aliases their input (no kernel, nothing new to stash).
+bool isView(std::string_view op) {
+  static constexpr std::string_view kViews[] = {
+      "view", "_unsafe_view", "view_as", "transpose", "t", "permute", "select", "slice",
+      "narrow", "unsqueeze", "squeeze", "unflatten", "expand", "expand_as", "alias", "detach",
+      "as_strided", "split", "chunk", "unbind", "diagonal"};
+  for (std::string_view v : kViews) {
+    if (op == v) return true;
+  }
+  return false;
+}
+
+// Arithmetic on sizes (aten::size, prim::NumToTensor, aten::Int, prim::ListConstruct, the
+// mul of a size by the head count): every output is a non-tensor or a 0-dim integer
+// tensor. It runs on the host while the device works, so it costs nothing here.
+bool isHostOnly(const ir::Graph& g, const ir::Task& t) {
+  for (ir::ValueId v : t.outputs) {
+    const ir::Value& val = g.value(v);
+    if (val.isTensor() && (!val.shape.empty() || val.is_loss ||
+                           (val.dtype != ir::DType::Int64 && val.dtype != ir::DType::Int32))) {
+      return false;
+    }
+  }
+  return true;
+}
+
 // Forward FLOPs at the traced shapes; elementwise and data-movement ops count one FLOP
 // per output element (their time comes from bytes anyway).
 double flopsOf(const ir::Graph& g, const ir::Task& t) {
-  const std::string_view op = baseName(t.op);
+  const std::string_view op = costOp(t.op);
   const double out = static_cast<double>(outNumel(g, t));
   auto lastDim = [&](size_t i) -> double {
     const ir::Value* v = tensorInput(g, t, i);
     return v ? static_cast<double>(v->shape.back()) : 1.0;
   };
-  if (op == "linear" || op == "matmul" || op == "mm" || op == "bmm" || op == "einsum") {
+  if (op == "linear") {
+    // Input features from the weight: a fused task's first input may be a view of
+    // another shape.
+    for (ir::ValueId v : t.inputs) {
+      const ir::Value& w = g.value(v);
+      if (w.role == ir::ValueRole::Param && w.shape.size() == 2) return 2.0 * out * static_cast<double>(w.shape[1]);
+    }
+    return 2.0 * out * lastDim(0);
+  }
+  if (op == "matmul" || op == "mm" || op == "bmm" || op == "einsum") {
     return 2.0 * out * lastDim(0);
   }
   if (op == "addmm" || op == "baddbmm" || op == "addbmm") return 2.0 * out * lastDim(1);
@@ -66,6 +120,13 @@ AnalyticCostModel::AnalyticCostModel(const ir::Graph& graph, DeviceSpec device,
     : CostModel(graph, device), tasks_(graph.numTasks()), cache_by_content_(cache_by_content) {
   for (const ir::Task& t : graph.tasks()) {
     TaskCost& c = tasks_[t.id];
+    // [Note: free tasks] Views and size arithmetic launch no kernel and allocate nothing:
+    // no time, no stash (their outputs alias their inputs or are host scalars). A value
+    // of theirs that crosses a stage boundary is still sent at its full size.
+    if (isHostOnly(graph, t) || (t.op.find('+') == std::string::npos && isView(baseName(t.op)))) {
+      c.free = true;
+      continue;
+    }
     c.flops = flopsOf(graph, t);
     for (ir::ValueId v : t.outputs) c.flops_scale = c.flops_scale || graph.value(v).isBatch();
     auto addBytes = [&](ir::ValueId id) {
@@ -75,6 +136,15 @@ AnalyticCostModel::AnalyticCostModel(const ir::Graph& graph, DeviceSpec device,
     };
     for (ir::ValueId v : t.inputs) addBytes(v);
     for (ir::ValueId v : t.outputs) addBytes(v);
+  }
+  values_.resize(graph.numValues());
+  for (const ir::Value& v : graph.values()) {
+    ValueInfo& info = values_[v.id];
+    info.producer = v.producer;
+    info.role = v.role;
+    info.tensor = v.isTensor();
+    info.batch = v.isBatch() && graph.batchSize() > 0;
+    info.bytes = v.bytes();
   }
   in_piece_.assign(graph.numTasks(), 0);
   value_seen_.assign(graph.numValues(), 0);
@@ -98,29 +168,30 @@ bool AnalyticCostModel::computeCostDirect(const std::vector<ir::TaskId>& tasks, 
     c.backward_time += 2.0 * f;
     const ir::Task& task = g.task(t);
     for (ir::ValueId v : task.inputs) {
-      const ir::Value& val = g.value(v);
-      if ((val.producer != ir::kNoId && in_piece_[val.producer] == stamp_) || value_seen_[v] == stamp_) continue;
+      const ValueInfo& info = values_[v];
+      if ((info.producer != ir::kNoId && in_piece_[info.producer] == stamp_) || value_seen_[v] == stamp_) continue;
       value_seen_[v] = stamp_;
-      if (!val.isTensor()) continue;
-      const int64_t bytes = valueBytesAt(g, val, rows);
-      if (val.role == ir::ValueRole::Param) {
+      if (!info.tensor) continue;
+      const int64_t bytes = info.batch ? info.bytes * rows / g.batchSize() : info.bytes;
+      if (info.role == ir::ValueRole::Param) {
         c.param_bytes += bytes;
-      } else if (val.role == ir::ValueRole::Buffer) {
+      } else if (info.role == ir::ValueRole::Buffer) {
         c.buffer_bytes += bytes;
-      } else if (val.role != ir::ValueRole::Constant) {
+      } else if (info.role != ir::ValueRole::Constant) {
         c.input_bytes += bytes;
         c.activation_bytes += bytes;
       }
     }
-    const bool pure = pureConstant()[t] != 0;
+    const bool stash = pureConstant()[t] == 0 && !tasks_[t].free;
     for (ir::ValueId v : task.outputs) {
-      const ir::Value& val = g.value(v);
-      if (!val.isTensor()) continue;
-      const int64_t bytes = valueBytesAt(g, val, rows);
-      if (!pure) c.activation_bytes += bytes;
+      const ValueInfo& info = values_[v];
+      if (!info.tensor) continue;
+      const int64_t bytes = info.batch ? info.bytes * rows / g.batchSize() : info.bytes;
+      if (stash) c.activation_bytes += bytes;
+      const bool pure = pureConstant()[t] != 0;
       bool used_outside = graph_output_[v] != 0;
       if (!pure && !used_outside) {
-        for (ir::TaskId u : val.consumers) {
+        for (ir::TaskId u : g.value(v).consumers) {
           if (in_piece_[u] != stamp_) {
             used_outside = true;
             break;
@@ -135,6 +206,7 @@ bool AnalyticCostModel::computeCostDirect(const std::vector<ir::TaskId>& tasks, 
 }
 
 double AnalyticCostModel::forwardTime(const TaskCost& t, double scale) const {
+  if (t.free) return 0.0;
   const double flops = t.flops * (t.flops_scale ? scale : 1.0);
   const double bytes = t.batch_bytes * scale + t.fixed_bytes;
   return std::max(flops / device().peak_flops, bytes / device().memory_bandwidth) +
@@ -150,7 +222,7 @@ PieceCost AnalyticCostModel::computeCost(const ir::Subgraph& piece, int64_t rows
     const double f = forwardTime(tasks_[t], scale);
     c.forward_time += f;
     c.backward_time += 2.0 * f;  // grads w.r.t. inputs and weights: two products per forward
-    if (pureConstant()[t]) continue;  // recomputed from constants, never stashed
+    if (pureConstant()[t] || tasks_[t].free) continue;  // recomputed from constants, never stashed
     for (ir::ValueId v : g.task(t).outputs) {
       const ir::Value& val = g.value(v);
       if (val.isTensor()) c.activation_bytes += valueBytesAt(g, val, rows);

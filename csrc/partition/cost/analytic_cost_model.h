@@ -1,6 +1,7 @@
 #pragma once
 // A cost model from shapes alone: FLOPs for matmul-like ops (linear, matmul, conv,
-// attention), bytes moved for the rest, each against the device's peak. Good enough to
+// attention), bytes moved for the rest, each against the device's peak; views and size
+// arithmetic are free (no kernel, no stash). Good enough to
 // plan without a device (dry runs, tests, benchmarks); the profiler replaces it on GPUs.
 #include <vector>
 
@@ -29,10 +30,21 @@ class AnalyticCostModel : public CostModel {
     bool flops_scale = false;  // FLOPs grow with the rows (some output carries the batch)
     double batch_bytes = 0.0;  // bytes read and written that scale with rows (at traced size)
     double fixed_bytes = 0.0;  // bytes read and written that do not
+    bool free = false;         // a view or size arithmetic: no time, nothing stashed
   };
   double forwardTime(const TaskCost& t, double scale) const;
 
+  // What the direct path reads of each value, flat (valueBytesAt without the lookups).
+  struct ValueInfo {
+    ir::TaskId producer = ir::kNoId;
+    ir::ValueRole role = ir::ValueRole::Intermediate;
+    bool tensor = false;
+    bool batch = false;  // bytes scale with the rows
+    int64_t bytes = 0;   // at the traced batch size
+  };
+
   std::vector<TaskCost> tasks_;
+  std::vector<ValueInfo> values_;
   bool cache_by_content_;
   // Scratch marks for the direct path (membership of tasks, values already counted).
   std::vector<int> in_piece_, value_seen_;

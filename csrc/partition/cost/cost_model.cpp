@@ -105,6 +105,14 @@ CostModel::CostModel(const ir::Graph& graph, DeviceSpec device)
   task_mark_.assign(graph.numTasks(), 0);
 }
 
+uint64_t CostModel::graphHash() const {
+  if (!graph_hashed_) {
+    graph_hash_ = graph_.contentHash();
+    graph_hashed_ = true;
+  }
+  return graph_hash_;
+}
+
 PieceCost CostModel::cost(const std::vector<ir::TaskId>& tasks, int64_t rows) {
   RANNC_CHECK(!tasks.empty(), "cost of an empty piece");
   RANNC_CHECK(rows >= 1, "cost at " << rows << " rows");

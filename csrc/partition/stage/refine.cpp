@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <limits>
 #include <map>
+#include <unordered_map>
 
 #include "partition/sim/simulator.h"
 
@@ -50,13 +51,19 @@ class Recutter {
       D += devices[s];
     }
     const double kInf = std::numeric_limits<double>::infinity();
+    // Scores asked again (every bisection step starts stage 0 at piece 0) skip building
+    // and hashing the piece.
+    std::unordered_map<int64_t, double> memo;
     auto score = [&](int s, int lo, int hi) {
       if (hi <= lo) return kInf;
+      const int64_t key = (static_cast<int64_t>(s) * (n + 1) + lo) * (n + 1) + hi;
+      auto [it, fresh] = memo.try_emplace(key, kInf);
+      if (!fresh) return it->second;
       StageSlot slot{s, S, offsets[s], devices[s], D, plan_.pipelines, micro_batches_};
       const int64_t rows = stageRows(ctx_, slot);
       if (rows == 0) return kInf;
       StageEstimate e = estimateStage(costs_, costs_.cost(tasksOf(lo, hi), rows), slot, ctx_);
-      return e.feasible ? e.score : kInf;
+      return it->second = e.feasible ? e.score : kInf;
     };
     // Min-max over all cuts at once: for a bound T, each stage greedily takes the longest
     // run whose score stays within T (scores about grow with the run, and a later start

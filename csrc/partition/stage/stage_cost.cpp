@@ -98,7 +98,7 @@ Deployment assembleDeployment(CostModel& costs, const PlanContext& ctx,
   RANNC_CHECK(static_cast<int64_t>(D) * pipelines <= ctx.world_size,
               D << " devices x " << pipelines << " pipelines exceed the world of " << ctx.world_size);
   Deployment d;
-  d.graph_hash = costs.graph().contentHash();
+  d.graph_hash = costs.graphHash();
   d.planner = planner;
   d.world_size = ctx.world_size;
   d.batch_size = ctx.batch_size;

@@ -1,6 +1,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <map>
+#include <string>
 
 #include "ir/subgraph.h"
 #include "partition/atomic/atomic.h"
@@ -68,6 +70,81 @@ SyntheticGptOptions smallGpt(int layers) {
   o.vocab = 100;
   o.batch_size = 2;
   return o;
+}
+
+SyntheticTransformerOptions smallBert(int layers, bool mask = true) {
+  SyntheticTransformerOptions o;
+  o.layers = layers;
+  o.hidden = 64;
+  o.heads = 4;
+  o.seq_len = 16;
+  o.vocab = 100;
+  o.batch_size = 4;
+  o.with_mask = mask;
+  return o;
+}
+
+// Traced with rannc.trace, examples/models.py's BERT (torch 2.x) has 86 tasks per
+// encoder layer, 83 of them atomic pieces (three constant shape lists are cloned), and 19
+// pieces around the layers.
+TEST(ABertGraph, HasTheTracedLayersEightyThreeAtomicPiecesPerLayer) {
+  const ir::Graph one = syntheticTransformer(smallBert(1, false));
+  const ir::Graph two = syntheticTransformer(smallBert(2, false));
+  EXPECT_EQ(two.numTasks() - one.numTasks(), 86);
+  const AtomicPartition a1 = partitionAtomic(one), a2 = partitionAtomic(two);
+  EXPECT_EQ(a2.pieces.size() - a1.pieces.size(), 83u);
+  EXPECT_EQ(a1.pieces.size(), 19u + 83u);
+  // The mask adds its three tasks: 256 layers give 21,270 atomic pieces.
+  EXPECT_EQ(partitionAtomic(syntheticTransformer(smallBert(2))).pieces.size(), 22u + 2 * 83u);
+}
+
+TEST(ABertGraph, HasTheTracedOpKindsPerLayer) {
+  const ir::Graph g = syntheticTransformer(smallBert(2));
+  std::map<std::string, int> ops;
+  for (const ir::Task& t : g.tasks()) {
+    if (t.scope.rfind("encoder.layers.1", 0) == 0) ++ops[t.op];
+  }
+  const std::map<std::string, int> traced{
+      {"aten::Int", 23}, {"prim::ListConstruct", 11}, {"aten::size", 7},
+      {"prim::NumToTensor", 7}, {"aten::transpose", 6}, {"aten::view", 6}, {"aten::mul", 4},
+      {"aten::linear", 3}, {"aten::select", 3}, {"aten::dropout", 3}, {"aten::add", 2},
+      {"aten::layer_norm", 2}, {"aten::div", 1}, {"aten::unflatten", 1},
+      {"aten::unsqueeze", 1}, {"aten::squeeze", 1}, {"aten::contiguous", 1},
+      {"aten::scaled_dot_product_attention", 1}, {"aten::permute", 1}, {"aten::gelu", 1},
+      {"aten::reshape+aten::linear+aten::size+prim::NumToTensor+aten::Int+"
+       "prim::ListConstruct+aten::view", 1}};
+  EXPECT_EQ(ops, traced);
+}
+
+TEST(ABertGraph, HasTheExamplesParameterCountWithATiedDecoder) {
+  SyntheticTransformerOptions o = smallBert(2);
+  const int64_t H = o.hidden, V = o.vocab, L = o.seq_len;
+  const int64_t layer = 4 * H * H + 4 * H + 2 * (4 * H * H) + 5 * H + 4 * H;  // attn, ffn, 2 norms
+  EXPECT_EQ(paramCount(syntheticTransformer(o)), V * H + L * H + 2 * H + 2 * layer + H * H + H + 2 * H + V);
+}
+
+TEST(ABertGraph, SplitsConvexlyAndCostsViewsAndSizesNothing) {
+  const ir::Graph g = syntheticTransformer(smallBert(3));
+  for (int parts : {2, 5, 13, 40}) expectTopologicalSplitConvex(g, parts);
+  AnalyticCostModel m(g, DeviceSpec{});
+  for (const ir::Task& t : g.tasks()) {
+    const bool free = t.op == "aten::view" || t.op == "aten::transpose" || t.op == "aten::size" ||
+                      t.op == "aten::Int" || t.op == "prim::NumToTensor" || t.op == "aten::select";
+    const PieceCost c = m.cost({t.id}, 4);
+    if (free) {
+      EXPECT_EQ(c.forward_time, 0.0) << t.op;
+      // A view's output aliases its input: only the input read counts as stashed.
+      EXPECT_EQ(c.activation_bytes, c.input_bytes) << t.op;
+    } else if (t.op.find("linear") != std::string::npos) {
+      EXPECT_GT(m.taskFlops(t.id), 0.0);
+    }
+  }
+  // The fused out-projection is costed as its linear: 2 x rows x L x H x H FLOPs.
+  for (const ir::Task& t : g.tasks()) {
+    if (t.op.rfind("aten::reshape+aten::linear", 0) == 0) {
+      EXPECT_DOUBLE_EQ(m.taskFlops(t.id), 2.0 * 4 * 16 * 64 * 64);
+    }
+  }
 }
 
 TEST(AGptGraph, HasTwentyNineTasksPerLayerAndEightAround) {
