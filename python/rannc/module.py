@@ -15,6 +15,8 @@ behave as in PyTorch.
 from __future__ import annotations
 
 import collections
+import copy
+import io
 import sys
 import traceback
 
@@ -253,6 +255,24 @@ def _dtype(value):
 _STATE_TAG = 7
 
 
+def _all_gather_objects(obj) -> list:
+    """Copies of every rank's `obj` (anything torch.save takes), in rank order, on every
+    rank; this rank's too, so nothing returned aliases live state."""
+    comm, rank = _C.Communicator.world_cpu(), _C.get_rank()
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    data = buf.getvalue()
+    sizes = torch.empty(comm.size, 1, dtype=torch.int64)
+    comm.all_gather(torch.tensor([len(data)], dtype=torch.int64), sizes).wait()
+    parts = []
+    for r, size in enumerate(sizes[:, 0].tolist()):
+        part = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if r == rank
+                else torch.empty(size, dtype=torch.uint8))
+        comm.broadcast(part, r).wait()
+        parts.append(torch.load(io.BytesIO(part.numpy().tobytes()), weights_only=False))
+    return parts
+
+
 def _optimizer_kind(optimizer) -> str:
     if optimizer is None:
         return "sgd"
@@ -291,6 +311,7 @@ class RaNNCModule(torch.nn.Module):
         self._patched = False
         self._users = {}        # mode -> per state tensor, the ranks whose stage uses it
         self._freed = {}        # state tensor position -> its shape, for tensors freed here
+        self._optimizer_groups = None  # the optimizer's groups before patching: (params, names)
 
     def forward(self, *args, **kwargs):
         mode = self.module.training
@@ -421,12 +442,14 @@ class RaNNCModule(torch.nn.Module):
 
     def _patch_optimizer(self, deployed):
         """The optimizer keeps only the parameters this rank's stage updates (and their
-        state)."""
+        state); the original groups are remembered for optimizer_state_dict()."""
         if self.optimizer is None or self._patched:
             return
         own = {id(t) for t in deployed.own.values()}
+        self._optimizer_groups = []
         for group in self.optimizer.param_groups:
             params, names = list(group["params"]), group.get("param_names")
+            self._optimizer_groups.append((params, None if names is None else list(names)))
             keep = [id(p) in own for p in params]
             group["params"] = [p for p, k in zip(params, keep) if k]
             if names is not None:
@@ -511,6 +534,72 @@ class RaNNCModule(torch.nn.Module):
             raise RuntimeError(f"Error(s) in loading state_dict for {type(self.module).__name__}:"
                                "\n\t" + "\n\t".join(errors))
         return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+    def optimizer_state_dict(self) -> dict:
+        """The optimizer's full state in the format of the original optimizer's state_dict()
+        ('state' keyed by each parameter's index in the original param_groups, 'param_groups'
+        with the original index lists), gathered from the ranks that update each parameter,
+        on every rank (a collective). It loads into a plain torch optimizer over the same
+        model's parameters."""
+        if self.optimizer is None:
+            raise _C.Error("optimizer_state_dict: this RaNNCModule was built without an optimizer")
+        if not self._patched:
+            return self.optimizer.state_dict()
+        rank = _C.get_rank()
+        position = {id(t): i for i, t in enumerate(self._state_tensors())}
+        sources = self._sources()
+        groups, mine, start = [], {}, 0
+        for group, (params, names) in zip(self.optimizer.param_groups, self._optimizer_groups):
+            packed = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+            packed["params"] = list(range(start, start + len(params)))
+            if names is not None:
+                packed["param_names"] = list(names)
+            for index, p in zip(packed["params"], params):
+                i = position.get(id(p))
+                if i is not None and sources[i][0] == rank and self.optimizer.state.get(p):
+                    mine[index] = self.optimizer.state[p]
+            start += len(params)
+            groups.append(packed)
+        state = {}
+        for part in _all_gather_objects(mine):
+            state.update(part)
+        return {"state": dict(sorted(state.items())), "param_groups": groups}
+
+    def load_optimizer_state_dict(self, state_dict: dict) -> None:
+        """Loads an optimizer state in the original optimizer's format (from
+        optimizer_state_dict(), from a plain torch optimizer over the same model, or from
+        another world size; every rank passes the whole dict): each rank takes the state of
+        the parameters it updates. Hyperparameters come from the dict, as in torch."""
+        if self.optimizer is None:
+            raise _C.Error("load_optimizer_state_dict: this RaNNCModule was built without an "
+                           "optimizer")
+        if not self._patched:
+            self.optimizer.load_state_dict({**state_dict,
+                                            "state": copy.deepcopy(state_dict["state"])})
+            return
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self._optimizer_groups):
+            raise ValueError("loaded state dict has a different number of parameter groups")
+        local = {"state": {}, "param_groups": []}
+        for saved, group, (params, _) in zip(saved_groups, self.optimizer.param_groups,
+                                             self._optimizer_groups):
+            if len(saved["params"]) != len(params):
+                raise ValueError("loaded state dict contains a parameter group that doesn't "
+                                 "match the size of optimizer's group")
+            keep = {id(p) for p in group["params"]}
+            chosen = [j for j, p in enumerate(params) if id(p) in keep]
+            mine = {k: v for k, v in saved.items() if k not in ("params", "param_names")}
+            mine["params"] = [saved["params"][j] for j in chosen]
+            if "param_names" in saved:
+                mine["param_names"] = [saved["param_names"][j] for j in chosen]
+            local["param_groups"].append(mine)
+            for index in mine["params"]:
+                if index in state_dict["state"]:
+                    local["state"][index] = state_dict["state"][index]
+        # torch keeps Adam's `step` tensors of the dict it loads; a copy keeps the caller's
+        # dict (perhaps another optimizer's live state) apart from this optimizer's.
+        local["state"] = copy.deepcopy(local["state"])
+        self.optimizer.load_state_dict(local)
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clips the gradients of all stages by their global norm; returns that norm."""
