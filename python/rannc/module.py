@@ -14,6 +14,9 @@ behave as in PyTorch.
 """
 from __future__ import annotations
 
+import collections
+import copy
+import io
 import sys
 import traceback
 
@@ -327,6 +330,28 @@ def _dtype(value):
     return _DTYPES[value["dtype"]]
 
 
+# Tag of the point-to-point copies of parameters and buffers between ranks (RaNNCModule._transfer).
+_STATE_TAG = 7
+
+
+def _all_gather_objects(obj) -> list:
+    """Copies of every rank's `obj` (anything torch.save takes), in rank order, on every
+    rank; this rank's too, so nothing returned aliases live state."""
+    comm, rank = _C.Communicator.world_cpu(), _C.get_rank()
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    data = buf.getvalue()
+    sizes = torch.empty(comm.size, 1, dtype=torch.int64)
+    comm.all_gather(torch.tensor([len(data)], dtype=torch.int64), sizes).wait()
+    parts = []
+    for r, size in enumerate(sizes[:, 0].tolist()):
+        part = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if r == rank
+                else torch.empty(size, dtype=torch.uint8))
+        comm.broadcast(part, r).wait()
+        parts.append(torch.load(io.BytesIO(part.numpy().tobytes()), weights_only=False))
+    return parts
+
+
 def _optimizer_kind(optimizer) -> str:
     if optimizer is None:
         return "sgd"
@@ -361,8 +386,11 @@ class RaNNCModule(torch.nn.Module):
             self.profile_cache.load(self.options.profile_cache)
         self._deployed = {}
         self._anchor = torch.zeros((), requires_grad=True)
-        self._weights_stale = False  # trained since the last sync of all parameters
+        self._weights_stale = False  # trained since the ranks that only evaluate a tensor got it
         self._patched = False
+        self._users = {}        # mode -> per state tensor, the ranks whose stage uses it
+        self._freed = {}        # state tensor position -> its shape, for tensors freed here
+        self._optimizer_groups = None  # the optimizer's groups before patching: (params, names)
 
     def forward(self, *args, **kwargs):
         mode = self.module.training
@@ -370,13 +398,11 @@ class RaNNCModule(torch.nn.Module):
         try:
             # Training updates each parameter on the ranks of its stage only; before a mode
             # whose plan may place it elsewhere runs, the owners share the current weights.
-            if not mode and self._weights_stale:
+            if deployed is None:
+                deployed = self._deploy(mode, args, kwargs)
+            elif not mode and self._weights_stale:
                 self._sync_parameters()
                 self._weights_stale = False
-            if deployed is None:
-                deployed = self._deployed[mode] = _Deployed(self, args, kwargs)
-                if mode:
-                    self._patch_optimizer(deployed)
             if mode:
                 self._weights_stale = True
             return deployed.run(args, kwargs)
@@ -392,41 +418,267 @@ class RaNNCModule(torch.nn.Module):
             _C.report_failure(message)
             raise
 
+    # ---- deployment; where each parameter and buffer lives ---------------------------------
+    # [Note: freed state] A rank keeps real storage only for the parameters and buffers that
+    # its stage of some deployed mode (train, eval) uses; the module's other state tensors
+    # are empty (numel 0, same objects; their shapes are in self._freed). Every rank computes
+    # the same placement from the plans, so the copies below need no negotiation. A tensor's
+    # owner, which holds its current value, is the first rank whose training stage updates it
+    # (else the first rank keeping it). Tracing a new mode runs the whole model, so it
+    # re-materialises every tensor first and frees again after deploying.
+
+    def _deploy(self, mode, args, kwargs):
+        """Traces, plans and deploys `mode` (a collective), then frees the state tensors that
+        no deployed stage on this rank uses."""
+        self._materialize()
+        # Profiling runs the pieces on the module's own buffers, and a batch norm in training
+        # mode updates its running statistics each time: keep the values from before.
+        buffers = [(b, b.detach().clone()) for b in self.module.buffers()]
+        deployed = _Deployed(self, args, kwargs)
+        with torch.no_grad():
+            for b, before in buffers:
+                b.copy_(before)
+        del buffers
+        self._deployed[mode] = deployed
+        self._users[mode] = self._stage_users(deployed)
+        if mode:
+            self._patch_optimizer(deployed)
+        self._release()
+        return deployed
+
+    @staticmethod
+    def _stage_users(deployed) -> list[set[int]]:
+        """Per state tensor (trace order): the ranks whose stage of `deployed` uses it."""
+        position = {v: i for i, v in enumerate(deployed.state_ids)}
+        users = [set() for _ in deployed.state_ids]
+        engine = deployed.engine
+        for s, piece in enumerate(engine.pieces):
+            for v in piece.inputs:
+                if v in position:
+                    users[position[v]].update(engine.layout.stage_ranks[s])
+        return users
+
+    def _state_tensors(self) -> list[torch.Tensor]:
+        """The module's parameters and buffers in trace order (the same in every mode)."""
+        return next(iter(self._deployed.values())).graph._trace.state.tensors(self.module)
+
+    def _sources(self) -> list[tuple]:
+        """Per state tensor: (owner, ranks whose copy is current). A tensor no stage uses is
+        kept everywhere and never changes: (None, all ranks)."""
+        world = set(range(_C.get_world_size()))
+        train = self._users.get(True)
+        result = []
+        for i in range(len(next(iter(self._users.values())))):
+            keepers = set().union(*(users[i] for users in self._users.values()))
+            trained = train[i] if train is not None else set()
+            if not keepers:
+                result.append((None, world))
+            else:  # after training, only the ranks that trained it are up to date
+                result.append((min(trained or keepers),
+                               trained if trained and self._weights_stale else keepers))
+        return result
+
+    def _materialize(self):
+        """Gives every state tensor real storage and its current value on every rank (a
+        collective), for tracing a new mode."""
+        if not self._users:
+            return
+        world = set(range(_C.get_world_size()))
+        copies = []
+        for i, (t, (owner, current)) in enumerate(zip(self._state_tensors(), self._sources())):
+            if i in self._freed:
+                t.data = torch.empty(self._freed.pop(i), dtype=t.dtype, device=t.device)
+            if current != world:
+                copies.append((owner, world - current, t.data))
+        self._transfer(copies)
+        self._weights_stale = False
+
+    def _release(self):
+        """Frees the storage of the state tensors that no deployed stage on this rank uses."""
+        rank = _C.get_rank()
+        for i, t in enumerate(self._state_tensors()):
+            keepers = set().union(*(users[i] for users in self._users.values()))
+            if keepers and rank not in keepers and i not in self._freed:
+                self._freed[i] = t.shape
+                t.grad = None
+                t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+
+    @staticmethod
+    def _transfer(copies):
+        """Point-to-point copies [(owner, receivers, tensor)], listed in the same order on
+        every rank: the owner sends its tensor to each receiver, which receives into its own.
+        [Note: the engine's transfers are all finished between calls, so one tag suffices:
+        MPI keeps the order of messages between a pair.]"""
+        comm, rank = _C.Communicator.world_cpu(), _C.get_rank()
+        works = []
+        for owner, receivers, t in copies:
+            if rank == owner:
+                works += [comm.send(t, r, _STATE_TAG) for r in sorted(receivers) if r != rank]
+            elif rank in receivers:
+                works.append(comm.recv(t, owner, _STATE_TAG))
+        for w in works:
+            w.wait()
+
     def _patch_optimizer(self, deployed):
-        """The optimizer keeps only the parameters this rank's stage updates."""
+        """The optimizer keeps only the parameters this rank's stage updates (and their
+        state); the original groups are remembered for optimizer_state_dict()."""
         if self.optimizer is None or self._patched:
             return
         own = {id(t) for t in deployed.own.values()}
+        self._optimizer_groups = []
         for group in self.optimizer.param_groups:
-            group["params"] = [p for p in group["params"] if id(p) in own]
+            params, names = list(group["params"]), group.get("param_names")
+            self._optimizer_groups.append((params, None if names is None else list(names)))
+            keep = [id(p) in own for p in params]
+            group["params"] = [p for p, k in zip(params, keep) if k]
+            if names is not None:
+                group["param_names"] = [n for n, k in zip(names, keep) if k]
+            for p, k in zip(params, keep):
+                if not k:
+                    self.optimizer.state.pop(p, None)
         self._patched = True
 
     def _sync_parameters(self):
-        """Every parameter and buffer from a rank whose stage updates it, to every rank
-        (before running a mode whose plan may place it elsewhere, or saving)."""
-        train = self._deployed.get(True)
-        if train is None:
+        """Before eval after training: each tensor that training updated goes from its owner
+        to the ranks whose eval stage uses it and whose copy is stale (point-to-point)."""
+        users = self._users.get(False)
+        if users is None or True not in self._users:
             return
-        comm = _C.Communicator.world_cpu()
-        owner_of = {}
-        for s, stage in enumerate(train.deployment.stages):
-            for v in train.engine.pieces[s].inputs:
-                owner_of.setdefault(v, stage.ranks[0])
-        for vid, t in zip(train.state_ids, train.graph._trace.state.tensors(self.module)):
-            if vid in owner_of:
-                with torch.no_grad():
-                    comm.broadcast(t.data, owner_of[vid]).wait()
+        copies = []
+        for t, eval_users, (owner, current) in zip(self._state_tensors(), users, self._sources()):
+            if owner is not None and eval_users - current:
+                copies.append((owner, eval_users - current, t.data))
+        self._transfer(copies)
 
-    def state_dict(self, *args, **kwargs):
-        """The full model state under the original names, on every rank (a collective:
-        every rank must call it)."""
-        self._sync_parameters()
-        return self.module.state_dict(*args, **kwargs)
+    # ---- checkpoints --------------------------------------------------------------------------
+    def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
+        """The full model state (parameters and persistent buffers) under the original names,
+        as `module.state_dict()` of plain PyTorch gives it, on every rank (a collective:
+        every rank must call it). The tensors are fresh copies; the model keeps only its
+        stage's state."""
+        if not self._users:
+            return self.module.state_dict(*args, destination=destination, prefix=prefix,
+                                          keep_vars=keep_vars)
+        comm, rank = _C.Communicator.world_cpu(), _C.get_rank()
+        world = set(range(_C.get_world_size()))
+        gathered = {}
+        for i, (t, (owner, current)) in enumerate(zip(self._state_tensors(), self._sources())):
+            if current == world:
+                value = t.detach().clone()
+            else:
+                value = (t.detach().clone(memory_format=torch.contiguous_format) if rank == owner
+                         else torch.empty(self._freed.get(i, t.shape), dtype=t.dtype, device=t.device))
+                comm.broadcast(value, owner).wait()
+            gathered[id(t)] = value
+        out = self.module.state_dict(*args, destination=destination, prefix=prefix, keep_vars=True)
+        for k, v in out.items():
+            if isinstance(v, torch.Tensor) and id(v) in gathered:
+                out[k] = gathered[id(v)]
+        return out
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """Loads a full model state (from plain PyTorch or another world size) on every
-        rank; each rank's stage then runs with it."""
-        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+        """Loads a full model state (from plain PyTorch or another world size; every rank
+        passes the whole dict) into the tensors this rank keeps. Keys and shapes are checked
+        as torch does, the freed tensors' included."""
+        if assign and self._deployed:
+            raise _C.Error("load_state_dict(assign=True) would replace the tensors the deployed "
+                           "stages run with; load with assign=False (the default)")
+        if not self._freed:
+            return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+        tensors = self._state_tensors()
+        freed = {id(tensors[i]): shape for i, shape in self._freed.items()}
+        shapes = {k: freed[id(v)] for k, v in self.module.state_dict(keep_vars=True).items()
+                  if isinstance(v, torch.Tensor) and id(v) in freed}  # the freed tensors' keys
+        errors = [f"size mismatch for {k}: copying a param with shape {state_dict[k].shape} from "
+                  f"checkpoint, the shape in current model is {shapes[k]}."
+                  for k in shapes if k in state_dict and isinstance(state_dict[k], torch.Tensor)
+                  and state_dict[k].shape != shapes[k]]
+        if errors:
+            raise RuntimeError(f"Error(s) in loading state_dict for {type(self.module).__name__}:"
+                               "\n\t" + "\n\t".join(errors))
+        kept = collections.OrderedDict((k, v) for k, v in state_dict.items() if k not in shapes)
+        if getattr(state_dict, "_metadata", None) is not None:
+            kept._metadata = state_dict._metadata
+        result = self.module.load_state_dict(kept, strict=False)
+        missing = [k for k in result.missing_keys if k not in state_dict]
+        unexpected = list(result.unexpected_keys)
+        if strict and (missing or unexpected):
+            errors = []
+            if missing:
+                errors.append("Missing key(s) in state_dict: "
+                              + ", ".join(f'"{k}"' for k in missing) + ". ")
+            if unexpected:
+                errors.append("Unexpected key(s) in state_dict: "
+                              + ", ".join(f'"{k}"' for k in unexpected) + ". ")
+            raise RuntimeError(f"Error(s) in loading state_dict for {type(self.module).__name__}:"
+                               "\n\t" + "\n\t".join(errors))
+        return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+    def optimizer_state_dict(self) -> dict:
+        """The optimizer's full state in the format of the original optimizer's state_dict()
+        ('state' keyed by each parameter's index in the original param_groups, 'param_groups'
+        with the original index lists), gathered from the ranks that update each parameter,
+        on every rank (a collective). It loads into a plain torch optimizer over the same
+        model's parameters."""
+        if self.optimizer is None:
+            raise _C.Error("optimizer_state_dict: this RaNNCModule was built without an optimizer")
+        if not self._patched:
+            return self.optimizer.state_dict()
+        rank = _C.get_rank()
+        position = {id(t): i for i, t in enumerate(self._state_tensors())}
+        sources = self._sources()
+        groups, mine, start = [], {}, 0
+        for group, (params, names) in zip(self.optimizer.param_groups, self._optimizer_groups):
+            packed = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+            packed["params"] = list(range(start, start + len(params)))
+            if names is not None:
+                packed["param_names"] = list(names)
+            for index, p in zip(packed["params"], params):
+                i = position.get(id(p))
+                if i is not None and sources[i][0] == rank and self.optimizer.state.get(p):
+                    mine[index] = self.optimizer.state[p]
+            start += len(params)
+            groups.append(packed)
+        state = {}
+        for part in _all_gather_objects(mine):
+            state.update(part)
+        return {"state": dict(sorted(state.items())), "param_groups": groups}
+
+    def load_optimizer_state_dict(self, state_dict: dict) -> None:
+        """Loads an optimizer state in the original optimizer's format (from
+        optimizer_state_dict(), from a plain torch optimizer over the same model, or from
+        another world size; every rank passes the whole dict): each rank takes the state of
+        the parameters it updates. Hyperparameters come from the dict, as in torch."""
+        if self.optimizer is None:
+            raise _C.Error("load_optimizer_state_dict: this RaNNCModule was built without an "
+                           "optimizer")
+        if not self._patched:
+            self.optimizer.load_state_dict({**state_dict,
+                                            "state": copy.deepcopy(state_dict["state"])})
+            return
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self._optimizer_groups):
+            raise ValueError("loaded state dict has a different number of parameter groups")
+        local = {"state": {}, "param_groups": []}
+        for saved, group, (params, _) in zip(saved_groups, self.optimizer.param_groups,
+                                             self._optimizer_groups):
+            if len(saved["params"]) != len(params):
+                raise ValueError("loaded state dict contains a parameter group that doesn't "
+                                 "match the size of optimizer's group")
+            keep = {id(p) for p in group["params"]}
+            chosen = [j for j, p in enumerate(params) if id(p) in keep]
+            mine = {k: v for k, v in saved.items() if k not in ("params", "param_names")}
+            mine["params"] = [saved["params"][j] for j in chosen]
+            if "param_names" in saved:
+                mine["param_names"] = [saved["param_names"][j] for j in chosen]
+            local["param_groups"].append(mine)
+            for index in mine["params"]:
+                if index in state_dict["state"]:
+                    local["state"][index] = state_dict["state"][index]
+        # torch keeps Adam's `step` tensors of the dict it loads; a copy keeps the caller's
+        # dict (perhaps another optimizer's live state) apart from this optimizer's.
+        local["state"] = copy.deepcopy(local["state"])
+        self.optimizer.load_state_dict(local)
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clips the gradients of all stages by their global norm; returns that norm."""

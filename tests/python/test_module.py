@@ -85,3 +85,13 @@ def test_module_api(ranks):
     assert res.returncode == 0, res.stdout[-4000:]
     for r in range(ranks):
         assert f"OK rank {r}" in res.stdout, res.stdout[-4000:]
+
+
+@pytest.mark.parametrize("ranks,model,micro", [(2, "gpt", 2), (4, "gpt", 2), (2, "resnet", 1)],
+                         ids=["2ranks-gpt", "4ranks-gpt", "2ranks-resnet-buffers"])
+def test_checkpoints_are_whole_though_each_rank_keeps_only_its_stage(ranks, model, micro):
+    res = mpirun("checkpoint_check.py", ranks, model, "--stages", 2, "--micro", micro,
+                 timeout=300, env={"RANNC_COMM_TIMEOUT": "60"})
+    assert res.returncode == 0, res.stdout[-4000:]
+    for r in range(ranks):
+        assert f"OK rank {r}" in res.stdout, res.stdout[-4000:]
