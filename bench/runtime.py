@@ -82,9 +82,9 @@ def worker(repeats, stages):
             flush=True)
 
 
-def launch(ranks, stages, repeats):
+def launch(ranks, stages, repeats, **extra_env):
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               OMP_NUM_THREADS="1")
+               OMP_NUM_THREADS="1", **extra_env)
     out = subprocess.run(
         ["mpirun", "--oversubscribe", "-np", str(ranks), "--mca", "btl", "self,vader",
          "--mca", "btl_vader_single_copy_mechanism", "none", sys.executable, __file__,
@@ -110,14 +110,19 @@ def main():
     # one rank as the baseline of the pipeline: the same local batch per rank
     base = launch(1, 1, a.repeats)
     pipe = launch(2, 2, a.repeats)
+    # the same without the MPI progress thread ([Note: progress thread] in csrc/comm/world.h)
+    no_progress = launch(2, 2, a.repeats, RANNC_MPI_PROGRESS="0")
     err = pipe["measured_step_s"] / pipe["predicted_iteration_s"] - 1
     print(f"2 ranks, 2 stages, {pipe['micro_batches']} micro-batches: measured "
           f"{pipe['measured_step_s'] * 1e3:.1f} ms, predicted {pipe['predicted_iteration_s'] * 1e3:.1f} ms "
           f"({err:+.0%}; goal within 15%); one rank on its local batch: {base['measured_step_s'] * 1e3:.1f} ms")
+    print(f"  without the MPI progress thread: measured {no_progress['measured_step_s'] * 1e3:.1f} ms, "
+          f"predicted {no_progress['predicted_iteration_s'] * 1e3:.1f} ms")
     out = os.path.join(HERE, "results", "runtime.json")
     with open(out, "w") as f:
         json.dump(dict(model=CFG, local_batch=BATCH, one_rank=single, pipeline_1rank=base,
-                       pipeline_2ranks=pipe), f, indent=2)
+                       pipeline_2ranks=pipe, pipeline_2ranks_no_progress_thread=no_progress),
+                  f, indent=2)
     print(f"wrote {out}")
 
 
