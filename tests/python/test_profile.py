@@ -206,3 +206,30 @@ def test_parallel_profiling_gives_the_single_rank_plan(np_):
     assert sorted(int(f[0]) for f in found) == list(range(np_)), r.stdout
     assert len({f[1] for f in found}) == 1, r.stdout  # one plan on every rank
     assert all(f[2] == "True" for f in found), r.stdout
+
+
+def test_profile_device_option_picks_the_device_and_rejects_unknown_ones():
+    from rannc import planning
+    assert planning.profile_device("cuda:1") == "cuda:1"
+    assert planning.profile_device(torch.device("cpu")) == "cpu"
+    if not torch.cuda.is_available():
+        assert planning.profile_device() == "cpu"
+    assert _C.profile_device_kind("cpu") == "cpu"
+    with pytest.raises(rannc.Error, match="expected cpu, cuda or cuda:N"):
+        _C.profile_device_kind("tpu:0")
+    if not _C.has_cuda_profiler:
+        # A CPU build says so instead of measuring somewhere else.
+        with pytest.raises(rannc.Error, match="no CUDA support"):
+            _C.profile_device_kind("cuda")
+    model, args, kwargs = zoo.make("mlp", batch=4)
+    g = rannc.trace(model, args, kwargs)
+    flat = g._flat_inputs(args, kwargs)
+    r = _C.profile_piece(g._trace.traced, flat, g.ir.split(1)[0], 4, warmup=0, repetitions=1,
+                         device="cpu")
+    assert r["forward_time"] > 0 and not r["out_of_memory"]
+    plan = rannc.plan(model, args, kwargs, world_size=2, device_memory="64MiB",
+                      profile_cache=rannc.ProfileCache(), profile_device="cpu", **FAST)
+    plan.validate()
+    with pytest.raises(rannc.Error, match="profiling device"):
+        rannc.plan(model, args, kwargs, world_size=2, device_memory="64MiB",
+                   profile_cache=rannc.ProfileCache(), profile_device="tpu", **FAST)
