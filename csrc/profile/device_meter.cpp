@@ -1,7 +1,11 @@
 #include "profile/device_meter.h"
 
+#include <time.h>
+
 #include <chrono>
 #include <optional>
+
+#include <ATen/Parallel.h>
 
 #include "common/error.h"
 #include "profile/memory_counter.h"
@@ -9,16 +13,23 @@
 namespace rannc::profile {
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
-double secondsBetween(Clock::time_point a, Clock::time_point b) {
-  return std::chrono::duration<double>(b - a).count();
+// Seconds on `clock` (Wall or Thread) from an arbitrary origin.
+double now(CpuClock clock) {
+  if (clock == CpuClock::Thread) {
+    timespec ts{};
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+  }
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 class CpuMeter : public DeviceMeter {
  public:
-  explicit CpuMeter(int64_t limit)
-      : counter_(MemoryCounter::get()), saved_limit_(counter_.limit()), refusals_(counter_.refusals()) {
+  CpuMeter(int64_t limit, CpuClock clock)
+      : counter_(MemoryCounter::get()),
+        saved_limit_(counter_.limit()),
+        refusals_(counter_.refusals()),
+        clock_(resolveCpuClock(clock)) {
     scope_.emplace();
     counter_.setLimit(limit > 0 ? counter_.current() + limit : 0);
   }
@@ -32,23 +43,46 @@ class CpuMeter : public DeviceMeter {
   void resetPeak() override { counter_.resetPeak(); }
   bool refused() const override { return counter_.refusals() != refusals_; }
 
-  void start() override { t0_ = Clock::now(); }
-  void forwardDone() override { t1_ = Clock::now(); }
-  void backwardDone() override { t2_ = Clock::now(); }
-  Seconds seconds() override { return {secondsBetween(t0_, t1_), secondsBetween(t1_, t2_)}; }
+  void start() override { t0_ = now(clock_); }
+  void forwardDone() override { t1_ = now(clock_); }
+  void backwardDone() override { t2_ = now(clock_); }
+  Seconds seconds() override { return {t1_ - t0_, t2_ - t1_}; }
 
  private:
   MemoryCounter& counter_;
   std::optional<MemoryCounter::Scope> scope_;
   int64_t saved_limit_;
   int64_t refusals_;
-  Clock::time_point t0_, t1_, t2_;
+  CpuClock clock_;
+  double t0_ = 0.0, t1_ = 0.0, t2_ = 0.0;
 };
 
 }  // namespace
 
-std::unique_ptr<DeviceMeter> makeDeviceMeter(const c10::Device& device, int64_t limit) {
-  if (device.is_cpu()) return std::make_unique<CpuMeter>(limit);
+CpuClock cpuClockFromName(const std::string& name) {
+  if (name == "auto") return CpuClock::Auto;
+  if (name == "wall") return CpuClock::Wall;
+  if (name == "thread") return CpuClock::Thread;
+  throw Error("CPU profiling clock is '" + name + "'; expected auto, wall or thread");
+}
+
+const char* cpuClockName(CpuClock clock) {
+  switch (clock) {
+    case CpuClock::Auto: return "auto";
+    case CpuClock::Wall: return "wall";
+    case CpuClock::Thread: return "thread";
+  }
+  return "?";
+}
+
+CpuClock resolveCpuClock(CpuClock clock) {
+  if (clock != CpuClock::Auto) return clock;
+  return at::get_num_threads() == 1 ? CpuClock::Thread : CpuClock::Wall;
+}
+
+std::unique_ptr<DeviceMeter> makeDeviceMeter(const c10::Device& device, int64_t limit,
+                                             CpuClock cpu_clock) {
+  if (device.is_cpu()) return std::make_unique<CpuMeter>(limit, cpu_clock);
 #ifdef RANNC_HAVE_CUDA
   if (device.is_cuda()) return makeCudaMeter(device);
 #endif

@@ -1,8 +1,9 @@
 #pragma once
 // The clock and the memory counters the profiler reads on one device (profiler.cpp).
 //
-// CPU: the wall clock and the counting allocator (memory_counter.h), installed while the
-// meter lives, refusing allocations past the limit.
+// CPU: the counting allocator (memory_counter.h), installed while the meter lives and
+// refusing allocations past the limit, and a clock (CpuClock): the calling thread's CPU
+// time when torch runs single-threaded, else the wall clock ([Note: CPU clock]).
 // CUDA (only when the build has CUDA torch, RANNC_HAVE_CUDA): CUDA events on the current
 // stream, read after synchronising, and the caching allocator's statistics
 // (allocated bytes, current and peak since resetPeak). The caching allocator cannot be
@@ -17,6 +18,26 @@
 #include <c10/core/Device.h>
 
 namespace rannc::profile {
+
+// [Note: CPU clock] On a CPU shared with other processes, wall time includes the time the
+// OS gave them: a piece measured while the machine is busy looks slower than the same
+// work measured a minute later (bench/results/profile_vs_stage_cpu.md: +50% wall against
+// 4% in CPU time across trials). With one intra-op thread every op of a piece, forward
+// and backward (the autograd engine runs CPU work on the calling thread), runs on the
+// calling thread, so that thread's CPU time is the wall time the piece takes on a core of
+// its own, which is what the planner asks. With several intra-op threads it would miss
+// the workers' time, so `Auto` then falls back to the wall clock.
+enum class CpuClock {
+  Auto,    // Thread when at::get_num_threads() == 1, else Wall
+  Wall,    // steady clock
+  Thread,  // CPU time of the calling thread (CLOCK_THREAD_CPUTIME_ID)
+};
+
+// "auto", "wall", "thread"; throws rannc::Error for another name.
+CpuClock cpuClockFromName(const std::string& name);
+const char* cpuClockName(CpuClock clock);
+// The clock `clock` stands for now (Auto resolved for the calling thread).
+CpuClock resolveCpuClock(CpuClock clock);
 
 class DeviceMeter {
  public:
@@ -45,9 +66,10 @@ class DeviceMeter {
 
 // A meter for `device` ("cpu", or a CUDA device with an index). `limit`: bytes the
 // measurement may allocate on top of what is allocated now (0: none); enforced by the
-// CPU meter's allocator, on CUDA by the caller against peak(). Throws rannc::Error for a
-// device this build cannot measure.
-std::unique_ptr<DeviceMeter> makeDeviceMeter(const c10::Device& device, int64_t limit);
+// CPU meter's allocator, on CUDA by the caller against peak(). `cpu_clock`: the CPU
+// meter's clock. Throws rannc::Error for a device this build cannot measure.
+std::unique_ptr<DeviceMeter> makeDeviceMeter(const c10::Device& device, int64_t limit,
+                                             CpuClock cpu_clock = CpuClock::Auto);
 
 // The profiler's device from "cpu", "cuda" (the current CUDA device) or "cuda:N".
 // Throws rannc::Error for another name, for CUDA in a build without it or on a machine

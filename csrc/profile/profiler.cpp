@@ -111,7 +111,7 @@ ProfileRecord Profiler::measure(const ir::Subgraph& piece, int64_t rows, bool re
   RANNC_CHECK(rows >= 1, "profiling at " << rows << " rows");
   ProfileRecord r;
   {
-    std::unique_ptr<DeviceMeter> meter = makeDeviceMeter(device_, options_.memory_limit);
+    std::unique_ptr<DeviceMeter> meter = makeDeviceMeter(device_, options_.memory_limit, options_.cpu_clock);
     try {
       r = measureOnce(*meter, piece, rows, recompute, options_.warmup + options_.repetitions);
     } catch (const c10::OutOfMemoryError&) {

@@ -4,7 +4,8 @@
 // the memory the piece holds between its forward and its backward (peak bytes on top).
 //
 // The clock and the memory counters come from a DeviceMeter (device_meter.h):
-// CPU: wall clock and the counting allocator (memory_counter.h). An allocation past
+// CPU: the calling thread's CPU time when torch runs one intra-op thread, else the wall
+// clock ([Note: CPU clock]), and the counting allocator (memory_counter.h). An allocation past
 // ProfilerOptions::memory_limit (the device memory the plan may use) raises c10's
 // OutOfMemoryError inside the run.
 // CUDA (builds against CUDA torch): the piece's parameters and inputs are copied to the
@@ -38,6 +39,8 @@ struct ProfilerOptions {
   bool fake_timer = false;
   // Where pieces run: "cpu", "cuda" (the current CUDA device) or "cuda:N".
   std::string device = "cpu";
+  // The clock of CPU measurements ([Note: CPU clock] in device_meter.h).
+  CpuClock cpu_clock = CpuClock::Auto;
 };
 
 // What one measurement found. Times in seconds for one micro-batch.

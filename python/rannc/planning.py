@@ -45,6 +45,7 @@ _OPTIONS = {
     "profile_parallel": (True, "spread profiling over the MPI world's ranks"),
     "profile_fake_timer": (False, "deterministic times from shapes (tests)"),
     "profile_device": (None, "cpu, cuda or cuda:N (None: cuda when torch.cuda.is_available(), else cpu)"),
+    "profile_cpu_clock": ("auto", "CPU clock: thread (CPU time), wall, auto (thread if 1 intra-op thread)"),
     "probe_bandwidth": (True, "measure link bandwidth between ranks (else DeviceSpec defaults)"),
     "progress": (None, "show profiling progress (None: when stderr is a terminal)"),
 }
@@ -306,7 +307,8 @@ def plan_graph(graph: TracedGraph, flat_inputs: list, *, world_size: int, device
             graph._trace.traced, flat_inputs, device, popts, cache, parallel=parallel,
             warmup=int(o["profile_warmup"]), repetitions=int(o["profile_repetitions"]),
             memory_limit=limit, fake_timer=bool(o["profile_fake_timer"]),
-            time_budget=float(o["profile_time_budget"]), profile_device=profile_device(o["profile_device"]),
+            time_budget=float(o["profile_time_budget"]),
+            profile_device=profile_device(o["profile_device"]), cpu_clock=str(o["profile_cpu_clock"]),
             progress=_Progress(bool(progress)))
     except Exception as e:
         if parallel and broadcast and _C.get_rank() == 0:
