@@ -2,7 +2,7 @@
 # The GPU tests (tests/gpu) on a machine with a CUDA device: builds the extension in
 # place against this machine's (CUDA) torch, then runs them. Fails, never skips, when there
 # is no CUDA device or the build has no CUDA support. Not part of scripts/test.sh (CI has
-# no GPU). Also writes the CUDA predicted-vs-measured table (bench/profile_vs_stage.py).
+# no GPU). The CUDA error table: python bench/profile_vs_stage.py --device cuda.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
