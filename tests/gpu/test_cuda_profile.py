@@ -121,8 +121,11 @@ def test_cpu_and_gpu_profiles_are_cached_apart():
     model, args, kwargs = zoo.make("mlp", batch=4)
     cache = rannc.ProfileCache()
     opts = dict(world_size=2, device_memory="1GiB", profile_cache=cache, profile_warmup=0,
-                profile_repetitions=1)
+                profile_repetitions=1, profile_fake_timer=True)
     rannc.plan(model, args, kwargs, profile_device="cpu", **opts)
     cpu_entries = len(cache)
+    # Deterministic times (profile_fake_timer): both plans ask for the same pieces, which
+    # the GPU must measure again (another device kind), not read from the CPU's entries.
     rannc.plan(model, args, kwargs, profile_device=DEVICE, **opts)
     assert len(cache) == 2 * cpu_entries
+    assert _C.profile_device_kind(DEVICE) != _C.profile_device_kind("cpu")
