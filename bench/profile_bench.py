@@ -14,7 +14,8 @@ machine's cores are shared: more ranks than cores cannot speed up). For every mo
 and with one rank the error table: per stage, predicted forward+backward (the plan's
 StagePlan) against forward+backward of that stage measured with the runtime's
 StageExecutor, each stage alone (its inputs captured from one chained forward), one
-micro-batch of the planned rows, median of 5 after a warm-up, timed with the profiler's
+micro-batch of the planned rows, median of 5 after a warm-up (median of 3 such trials
+interleaved over the stages), timed with the profiler's
 clock (CPU: the thread's CPU time when single-threaded, see [Note: CPU clock] in
 csrc/profile/device_meter.h; CUDA: events), and with the wall clock alongside.
 Writes bench/results/profile_bench_<device>.json and .md (--out to rename).
@@ -61,8 +62,9 @@ def build(name, seq, batch, layers=12, device="cpu"):
     if name == "bert":
         model, vocab = Bert(layers=layers), 30522
     else:
-        from models import GPT, GPTConfig
-        model, vocab = GPT(GPTConfig(vocab=50257, hidden=768, heads=12, layers=layers, max_len=seq)), 50257
+        from models import GPT, TransformerConfig
+        model, vocab = GPT(TransformerConfig(vocab=50257, hidden=768, heads=12, layers=layers,
+                                             max_len=seq)), 50257
     g = torch.Generator().manual_seed(1)
     args = (torch.randint(0, vocab, (batch, seq), generator=g),
             torch.randint(0, vocab, (batch, seq), generator=g))
@@ -158,20 +160,29 @@ class StageRunner:
                                 device=str(self.device), **kw)
 
 
-def stage_errors(plan, name, seq, repeats=5, device="cpu"):
+def stage_errors(plan, name, seq, repeats=5, device="cpu", trials=3):
     """Per stage: predicted fwd+bwd vs measured with StageExecutor at the planned rows, with
-    the profiler's clock (and the wall clock alongside)."""
+    the profiler's clock (and the wall clock alongside): the median over `trials` trials
+    interleaved over the stages, so that a burst of load on a shared machine spoils one
+    trial of a stage, not its result."""
     _, _, vocab = build(name, seq, 1, layers=1)
     runner = StageRunner(plan, vocab, seq, device)
+    stages = runner.deployment.stages
+    measured = [[] for _ in stages]
+    wall = [[] for _ in stages]
+    for _ in range(trials):
+        for i in range(len(stages)):
+            measured[i].append(sum(runner.measure(i, repeats)))
+            wall[i].append(sum(runner.measure(i, repeats, wall=True)))
     table = []
-    for i, st in enumerate(runner.deployment.stages):
-        measured = sum(runner.measure(i, repeats))
-        wall = sum(runner.measure(i, repeats, wall=True))
+    for i, st in enumerate(stages):
+        m = statistics.median(measured[i])
         predicted = st.forward_time + st.backward_time
         table.append(dict(stage=i, tasks=len(st.tasks), rows=st.micro_batch_rows,
                           recompute=st.recompute, predicted_ms=predicted * 1e3,
-                          measured_ms=measured * 1e3, measured_wall_ms=wall * 1e3,
-                          error=abs(predicted - measured) / measured))
+                          measured_ms=m * 1e3, measured_wall_ms=statistics.median(wall[i]) * 1e3,
+                          trials_ms=[x * 1e3 for x in measured[i]],
+                          error=abs(predicted - m) / m))
     return table
 
 
