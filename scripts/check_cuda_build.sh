@@ -2,7 +2,8 @@
 # Compiles the CUDA/NCCL path on a machine without a GPU: a virtual environment with a
 # CUDA build of torch (and NVIDIA's NCCL wheel, which it pulls in), then the extension
 # against it in build/cuda. Nothing built here runs without a GPU; this checks that the
-# NCCL data plane and the rest compile against CUDA torch. Needs nvcc (CUDA_HOME or
+# NCCL data plane, the CUDA profiler (csrc/profile/cuda_meter.cpp) and the rest compile
+# against CUDA torch. Needs nvcc (CUDA_HOME or
 # /usr/local/cuda). Not part of CI (several GB of wheels).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,3 +23,4 @@ TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" cmake -S . -B build/cuda -G 
   -DCMAKE_CUDA_COMPILER="$CUDA_HOME/bin/nvcc" "${EXTRA[@]}"
 cmake --build build/cuda --target _C -j "${RANNC_BUILD_JOBS:-$(nproc)}"
 grep -q "RANNC_HAVE_NCCL" build/cuda/build.ninja && echo "CUDA build with the NCCL data plane: OK"
+grep -q "RANNC_HAVE_CUDA" build/cuda/build.ninja && echo "CUDA build with the CUDA profiler: OK"

@@ -11,6 +11,7 @@
 #include "partition/planner.h"
 #include "profile/bandwidth.h"
 #include "profile/boundary_inputs.h"
+#include "profile/device_meter.h"
 #include "profile/memory_counter.h"
 #include "profile/profile_cache.h"
 #include "profile/profiler.h"
@@ -32,8 +33,11 @@ py::dict recordToDict(const profile::ProfileRecord& r) {
 }
 
 profile::ProfilerOptions profilerOptions(int warmup, int repetitions, int64_t memory_limit,
-                                         bool fake_timer, double time_budget = 0.5) {
+                                         bool fake_timer, double time_budget,
+                                         const std::string& device, const std::string& cpu_clock) {
   profile::ProfilerOptions o;
+  o.device = device;
+  o.cpu_clock = profile::cpuClockFromName(cpu_clock);
   o.time_budget = time_budget;
   o.warmup = warmup;
   o.repetitions = repetitions;
@@ -111,19 +115,44 @@ void bindProfiler(py::module& m) {
       "profile_piece",
       [](std::shared_ptr<frontend::TracedModel> model, const std::vector<at::Tensor>& example,
          const ir::Subgraph& piece, int64_t rows, bool recompute, int warmup, int repetitions,
-         int64_t memory_limit, bool fake_timer) {
+         int64_t memory_limit, bool fake_timer, double time_budget, const std::string& device,
+         const std::string& cpu_clock) {
         py::gil_scoped_release release;
         auto inputs = std::make_shared<profile::BoundaryInputs>(model, example);
         profile::Profiler profiler(model, inputs,
-                                   profilerOptions(warmup, repetitions, memory_limit, fake_timer));
+                                   profilerOptions(warmup, repetitions, memory_limit, fake_timer,
+                                                   time_budget, device, cpu_clock));
         auto r = profiler.measure(piece, rows, recompute);
         py::gil_scoped_acquire gil;
         return recordToDict(r);
       },
       py::arg("model"), py::arg("example"), py::arg("piece"), py::arg("rows"),
       py::arg("recompute") = false, py::arg("warmup") = 1, py::arg("repetitions") = 3,
-      py::arg("memory_limit") = 0, py::arg("fake_timer") = false,
-      "Measures one piece (forward, backward, memory) at `rows` rows.");
+      py::arg("memory_limit") = 0, py::arg("fake_timer") = false, py::arg("time_budget") = 0.5,
+      py::arg("device") = "cpu", py::arg("cpu_clock") = "auto",
+      "Measures one piece (forward, backward, memory) at `rows` rows on `device` (cpu, cuda, "
+      "cuda:N); on the CPU with `cpu_clock` (auto, wall, thread).");
+
+  m.def(
+      "profile_cpu_clock", [](const std::string& clock) {
+        return std::string(profile::cpuClockName(profile::resolveCpuClock(profile::cpuClockFromName(clock))));
+      },
+      py::arg("clock") = "auto",
+      "The clock a CPU measurement with `clock` uses now: wall or thread (auto: thread when "
+      "torch runs one intra-op thread).");
+
+  m.def(
+      "profile_device_kind", [](const std::string& device) {
+        return profile::deviceKind(profile::parseProfileDevice(device));
+      },
+      py::arg("device"),
+      "The profile cache's device kind for a profiling device (\"cpu\", \"cuda:<name>\"); raises "
+      "rannc.Error for a device this build or machine cannot profile on.");
+#ifdef RANNC_HAVE_CUDA
+  m.attr("has_cuda_profiler") = true;
+#else
+  m.attr("has_cuda_profiler") = false;
+#endif
 
   m.def(
       "probe_bandwidth",
@@ -151,10 +180,14 @@ void bindProfiler(py::module& m) {
       [](std::shared_ptr<frontend::TracedModel> model, const std::vector<at::Tensor>& example,
          const partition::DeviceSpec& device, const partition::PlannerOptions& options,
          std::shared_ptr<profile::ProfileCache> cache, bool parallel, int warmup, int repetitions,
-         int64_t memory_limit, bool fake_timer, double time_budget, py::object progress) -> py::object {
+         int64_t memory_limit, bool fake_timer, double time_budget,
+         const std::string& profile_device, const std::string& cpu_clock,
+         py::object progress) -> py::object {
         auto inputs = std::make_shared<profile::BoundaryInputs>(model, example);
         auto profiler = std::make_shared<profile::Profiler>(
-            model, inputs, profilerOptions(warmup, repetitions, memory_limit, fake_timer, time_budget));
+            model, inputs,
+            profilerOptions(warmup, repetitions, memory_limit, fake_timer, time_budget,
+                            profile_device, cpu_clock));
         std::shared_ptr<comm::Communicator> comm;
         if (parallel && comm::World::get().size() > 1) comm = comm::worldCpuCommunicator();
         profile::ProfilingCostModel costs(model, profiler, cache, device, comm);
@@ -180,7 +213,8 @@ void bindProfiler(py::module& m) {
       py::arg("model"), py::arg("example"), py::arg("device"), py::arg("options"),
       py::arg("cache"), py::arg("parallel") = true, py::arg("warmup") = 1,
       py::arg("repetitions") = 3, py::arg("memory_limit") = 0, py::arg("fake_timer") = false,
-      py::arg("time_budget") = 0.5, py::arg("progress") = py::none(),
+      py::arg("time_budget") = 0.5, py::arg("profile_device") = "cpu",
+      py::arg("cpu_clock") = "auto", py::arg("progress") = py::none(),
       "Plans with measured costs. Collective when `parallel` and the world has several ranks: "
       "rank 0 plans and returns the Deployment, the others profile their shares and return None.");
 

@@ -1,7 +1,6 @@
 #include "profile/profiler.h"
 
 #include <algorithm>
-#include <chrono>
 #include <limits>
 #include <vector>
 
@@ -12,16 +11,10 @@
 #include "common/error.h"
 #include "frontend/interpreter.h"
 #include "partition/cost/cost_model.h"
-#include "profile/memory_counter.h"
+#include "profile/device_meter.h"
 
 namespace rannc::profile {
 namespace {
-
-using Clock = std::chrono::steady_clock;
-
-double seconds(Clock::time_point a, Clock::time_point b) {
-  return std::chrono::duration<double>(b - a).count();
-}
 
 double median(std::vector<double> v) {
   if (v.empty()) return 0.0;
@@ -36,13 +29,66 @@ int64_t tensorBytes(const c10::IValue& v) {
   return t.defined() ? static_cast<int64_t>(t.numel() * t.element_size()) : 0;
 }
 
+// [Note: traced devices] (profiler.h)
+bool moves(const at::Tensor& t, const c10::Device& device) {
+  return t.defined() && t.device() != device && (t.dim() > 0 || t.requires_grad());
+}
+
+bool moves(const c10::IValue& v, const c10::Device& device) {
+  if (v.isDevice()) return v.toDevice() != device;
+  if (v.isTensor()) return moves(v.toTensor(), device);
+  if (v.isTensorList()) {
+    for (const at::Tensor& t : v.toTensorVector()) {
+      if (moves(t, device)) return true;
+    }
+  }
+  return false;
+}
+
 }  // namespace
+
+c10::IValue toDevice(const c10::IValue& value, const c10::Device& device) {
+  if (!moves(value, device)) return value;
+  if (value.isDevice()) return c10::IValue(device);
+  if (value.isTensor()) {
+    const at::Tensor& t = value.toTensor();
+    return t.detach().to(device).requires_grad_(t.requires_grad());
+  }
+  if (value.isTensorList()) {
+    std::vector<at::Tensor> ts;
+    for (const at::Tensor& t : value.toTensorVector()) {
+      ts.push_back(moves(t, device) ? t.detach().to(device).requires_grad_(t.requires_grad()) : t);
+    }
+    return c10::IValue(ts);
+  }
+  return value;
+}
+
+std::shared_ptr<const frontend::TracedModel> onDevice(
+    std::shared_ptr<const frontend::TracedModel> model, const c10::Device& device) {
+  std::vector<c10::IValue> moved = model->constants;
+  bool changed = false;
+  for (c10::IValue& c : moved) {
+    if (!moves(c, device)) continue;
+    c = toDevice(c, device);
+    changed = true;
+  }
+  if (!changed) return model;
+  auto copy = std::make_shared<frontend::TracedModel>(*model);
+  copy->constants = std::move(moved);
+  return copy;
+}
 
 Profiler::Profiler(std::shared_ptr<const frontend::TracedModel> model,
                    std::shared_ptr<const BoundaryInputs> inputs, ProfilerOptions options)
-    : model_(std::move(model)), inputs_(std::move(inputs)), options_(options) {
+    : model_(std::move(model)),
+      inputs_(std::move(inputs)),
+      options_(std::move(options)),
+      device_(parseProfileDevice(options_.device)),
+      device_kind_(profile::deviceKind(device_)) {
   if (options_.repetitions < 1) throw Error("profiling needs at least one repetition");
   if (options_.warmup < 0) throw Error("profiling warm-up runs cannot be negative");
+  run_model_ = onDevice(model_, device_);
 }
 
 ProfileRecord Profiler::fakeTimes(const ir::Subgraph& piece, int64_t rows, bool recompute) const {
@@ -63,29 +109,24 @@ ProfileRecord Profiler::fakeTimes(const ir::Subgraph& piece, int64_t rows, bool 
 
 ProfileRecord Profiler::measure(const ir::Subgraph& piece, int64_t rows, bool recompute) {
   RANNC_CHECK(rows >= 1, "profiling at " << rows << " rows");
-  MemoryCounter& counter = MemoryCounter::get();
-  MemoryCounter::Scope scope;
-  const int64_t saved_limit = counter.limit();
-  const int64_t refusals = counter.refusals();
   ProfileRecord r;
-  try {
-    // The limit counts what the piece allocates on top of what is live now.
-    counter.setLimit(options_.memory_limit > 0 ? counter.current() + options_.memory_limit : 0);
-    r = measureOnce(piece, rows, recompute, options_.warmup + options_.repetitions);
-  } catch (const c10::OutOfMemoryError&) {
-    r = ProfileRecord();
-    r.out_of_memory = true;
-  } catch (const std::bad_alloc&) {
-    r = ProfileRecord();
-    r.out_of_memory = true;
-  } catch (...) {
-    counter.setLimit(saved_limit);
-    // The interpreter wraps the allocator's error in one naming the op.
-    if (counter.refusals() == refusals) throw;
-    r = ProfileRecord();
-    r.out_of_memory = true;
-  }
-  counter.setLimit(saved_limit);
+  {
+    std::unique_ptr<DeviceMeter> meter = makeDeviceMeter(device_, options_.memory_limit, options_.cpu_clock);
+    try {
+      r = measureOnce(*meter, piece, rows, recompute, options_.warmup + options_.repetitions);
+    } catch (const c10::OutOfMemoryError&) {
+      r = ProfileRecord();
+      r.out_of_memory = true;
+    } catch (const std::bad_alloc&) {
+      r = ProfileRecord();
+      r.out_of_memory = true;
+    } catch (...) {
+      // The interpreter wraps the allocator's error in one naming the op.
+      if (!meter->refused()) throw;
+      r = ProfileRecord();
+      r.out_of_memory = true;
+    }
+  }  // the meter restores the CPU allocator's limit / empties the CUDA cache after an OOM
   if (r.out_of_memory) {
     r.forward_time = r.backward_time = std::numeric_limits<double>::infinity();
     r.activation_bytes = r.peak_bytes = std::max<int64_t>(options_.memory_limit, 1) + 1;
@@ -99,14 +140,23 @@ ProfileRecord Profiler::measure(const ir::Subgraph& piece, int64_t rows, bool re
   return r;
 }
 
-ProfileRecord Profiler::measureOnce(const ir::Subgraph& piece, int64_t rows, bool recompute,
-                                    int runs) {
-  MemoryCounter& counter = MemoryCounter::get();
+ProfileRecord Profiler::measureOnce(DeviceMeter& meter, const ir::Subgraph& piece, int64_t rows,
+                                    bool recompute, int runs) {
   std::vector<c10::IValue> inputs = inputs_->make(piece, rows);
+  const auto ids = frontend::runPieceInputs(*model_, piece);
+  // On the device: the parameters and buffers first, so that the limit, like the CPU
+  // counter's, counts the other inputs and what the runs allocate (the planner charges
+  // the parameters itself).
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (model_->graph.value(ids[i]).isModelState()) inputs[i] = toDevice(inputs[i], device_);
+  }
+  const int64_t limit_base = meter.current();
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (!model_->graph.value(ids[i]).isModelState()) inputs[i] = toDevice(inputs[i], device_);
+  }
   // The parameters' gradients are charged by the planner's memory model (params x 2).
   int64_t state_grad_bytes = 0;
   std::vector<at::Tensor> leaves;
-  const auto ids = frontend::runPieceInputs(*model_, piece);
   for (size_t i = 0; i < inputs.size(); ++i) {
     if (!inputs[i].isTensor()) continue;
     const at::Tensor& t = inputs[i].toTensor();
@@ -121,25 +171,22 @@ ProfileRecord Profiler::measureOnce(const ir::Subgraph& piece, int64_t rows, boo
     if (!fwd.empty() && options_.time_budget > 0 && spent >= options_.time_budget) break;
     const bool timed = run >= options_.warmup;
     for (auto& leaf : leaves) leaf.mutable_grad() = at::Tensor();
-    const int64_t base = counter.current();
-    counter.resetPeak();
+    const int64_t base = meter.current();
+    meter.resetPeak();
 
-    auto t0 = Clock::now();
+    meter.start();
     std::vector<c10::IValue> outputs;
     {
       torch::AutoGradMode grad(!recompute);
-      outputs = frontend::runPiece(*model_, piece, inputs);
+      outputs = frontend::runPiece(*run_model_, piece, inputs);
     }
-    auto t1 = Clock::now();
-    const int64_t held = counter.current() - base;
-
-    double backward = 0.0;
+    meter.forwardDone();
+    const int64_t held = meter.current() - base;
     {
-      auto b0 = Clock::now();
       if (recompute) {
         outputs.clear();
         torch::AutoGradMode grad(true);
-        outputs = frontend::runPiece(*model_, piece, inputs);
+        outputs = frontend::runPiece(*run_model_, piece, inputs);
       }
       std::vector<at::Tensor> roots, grads;
       for (const auto& v : outputs) {
@@ -152,16 +199,28 @@ ProfileRecord Profiler::measureOnce(const ir::Subgraph& piece, int64_t rows, boo
       if (!roots.empty()) {
         torch::autograd::backward(roots, grads, /*retain_graph=*/false, /*create_graph=*/false);
       }
-      backward = seconds(b0, Clock::now());
     }
-    const int64_t peak = counter.peak() - base - state_grad_bytes;
+    meter.backwardDone();
+    const DeviceMeter::Seconds took = meter.seconds();
+    const int64_t peak_abs = meter.peak();
     outputs.clear();
-    r.activation_bytes = std::max(r.activation_bytes, held);
-    r.peak_bytes = std::max(r.peak_bytes, std::max(peak, held));
+    // The CPU counter refuses past the limit as it happens; the CUDA allocator has no
+    // byte limit, so the peak is checked here (the run itself fitted the real device).
+    if (options_.memory_limit > 0 && peak_abs - limit_base > options_.memory_limit) {
+      ProfileRecord over;
+      over.out_of_memory = true;
+      for (auto& leaf : leaves) leaf.mutable_grad() = at::Tensor();
+      return over;
+    }
     if (timed) {
-      fwd.push_back(seconds(t0, t1));
-      bwd.push_back(backward);
-      spent += fwd.back() + backward;
+      // Memory of the timed runs only, like their time: a warm-up run also makes what a
+      // process allocates once and keeps (the cuBLAS workspace), which is no piece's.
+      const int64_t peak = peak_abs - base - state_grad_bytes;
+      r.activation_bytes = std::max(r.activation_bytes, held);
+      r.peak_bytes = std::max(r.peak_bytes, std::max(peak, held));
+      fwd.push_back(took.forward);
+      bwd.push_back(took.backward);
+      spent += took.forward + took.backward;
     }
   }
   for (auto& leaf : leaves) leaf.mutable_grad() = at::Tensor();

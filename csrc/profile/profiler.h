@@ -3,20 +3,27 @@
 // when asked) at a micro-batch of `rows` rows, after warm-up, median of repetitions, and
 // the memory the piece holds between its forward and its backward (peak bytes on top).
 //
-// CPU: wall clock and the counting allocator (memory_counter.h). An allocation past
+// The clock and the memory counters come from a DeviceMeter (device_meter.h):
+// CPU: the calling thread's CPU time when torch runs one intra-op thread, else the wall
+// clock ([Note: CPU clock]), and the counting allocator (memory_counter.h). An allocation past
 // ProfilerOptions::memory_limit (the device memory the plan may use) raises c10's
-// OutOfMemoryError inside the run; measure() then returns a record marked out_of_memory
-// (infinite time), never an exception, so the planner treats the candidate as infeasible.
-// CUDA timing (events) and the caching allocator's peak statistics are not written yet
-// (the build has no CUDA torch to test them against): a CUDA model is measured with the
-// wall clock after synchronising, and its memory from the IR (docs/profile.md).
+// OutOfMemoryError inside the run.
+// CUDA (builds against CUDA torch): the piece's parameters and inputs are copied to the
+// device, times come from CUDA events, memory from the caching allocator's allocated-bytes
+// statistics (peak reset before each run); a peak past the limit, or the allocator's own
+// OutOfMemoryError, makes the piece out of memory (the cache is emptied after an OOM).
+// Either way measure() then returns a record marked out_of_memory (infinite time), never
+// an exception, so the planner treats the candidate as infeasible.
 #include <cstdint>
 #include <memory>
 #include <string>
 
+#include <c10/core/Device.h>
+
 #include "frontend/traced_model.h"
 #include "ir/subgraph.h"
 #include "profile/boundary_inputs.h"
+#include "profile/device_meter.h"
 
 namespace rannc::profile {
 
@@ -30,6 +37,10 @@ struct ProfilerOptions {
   // Deterministic times computed from the piece's shapes instead of the clock (tests of
   // parallel profiling compare plans that must not depend on timing noise).
   bool fake_timer = false;
+  // Where pieces run: "cpu", "cuda" (the current CUDA device) or "cuda:N".
+  std::string device = "cpu";
+  // The clock of CPU measurements ([Note: CPU clock] in device_meter.h).
+  CpuClock cpu_clock = CpuClock::Auto;
 };
 
 // What one measurement found. Times in seconds for one micro-batch.
@@ -44,6 +55,8 @@ struct ProfileRecord {
 
 class Profiler {
  public:
+  // Throws rannc::Error for a device this build or machine cannot measure on
+  // (device_meter.h: parseProfileDevice).
   Profiler(std::shared_ptr<const frontend::TracedModel> model,
            std::shared_ptr<const BoundaryInputs> inputs, ProfilerOptions options);
 
@@ -53,16 +66,36 @@ class Profiler {
 
   const ProfilerOptions& options() const { return options_; }
   ProfilerOptions& options() { return options_; }
-  // "cpu" (the cache's device kind).
-  std::string deviceKind() const { return "cpu"; }
+  const c10::Device& device() const { return device_; }
+  // The cache's device kind: "cpu" or "cuda:<device name>" (device_meter.h).
+  const std::string& deviceKind() const { return device_kind_; }
 
  private:
-  ProfileRecord measureOnce(const ir::Subgraph& piece, int64_t rows, bool recompute, int runs);
+  ProfileRecord measureOnce(DeviceMeter& meter, const ir::Subgraph& piece, int64_t rows,
+                            bool recompute, int runs);
   ProfileRecord fakeTimes(const ir::Subgraph& piece, int64_t rows, bool recompute) const;
 
   std::shared_ptr<const frontend::TracedModel> model_;
+  // model_ with its constant devices and tensors on device_ ([Note: traced devices]).
+  std::shared_ptr<const frontend::TracedModel> run_model_;
   std::shared_ptr<const BoundaryInputs> inputs_;
   ProfilerOptions options_;
+  c10::Device device_;
+  std::string device_kind_;
 };
+
+// [Note: traced devices] A trace records devices as constants (`torch.arange(n,
+// device=x.device)` becomes arange on a constant device) and tensors it captured as
+// constant tensors, on the device the model was traced on. To run a piece on another
+// device, those constants, and the kept boundary values (a Device that crossed a piece
+// boundary, tensors), are moved to it: every Device value becomes the profiling device,
+// and every tensor except 0-dim ones that need no grad (CPU scalars mix with any device,
+// and sizes turned into tensors stay on the CPU in a CUDA trace). A model that moves
+// data to the CPU on purpose is thus measured with that work on the profiling device.
+// The model itself is unchanged: `run_model_` is a copy when anything had to move.
+std::shared_ptr<const frontend::TracedModel> onDevice(
+    std::shared_ptr<const frontend::TracedModel> model, const c10::Device& device);
+// `value` on `device` by the rule above (a leaf that required grad stays one).
+c10::IValue toDevice(const c10::IValue& value, const c10::Device& device);
 
 }  // namespace rannc::profile

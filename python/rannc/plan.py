@@ -43,6 +43,8 @@ def main(argv=None) -> int:
     p.add_argument("--optimizer", default="adam", choices=["adam", "adamw", "sgd_momentum", "sgd"])
     p.add_argument("--cost-model", default="profile", choices=["profile", "analytic"])
     p.add_argument("--profile-cache", default="", help="load/save measured pieces in this file")
+    p.add_argument("--profile-device", default=None,
+                   help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
     p.add_argument("--save-plan", default="", help="write the plan to this file")
     p.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
                    help="any other option of rannc.plan (repeatable)")
@@ -61,6 +63,8 @@ def main(argv=None) -> int:
         elif isinstance(default, float):
             value = float(value)
         options[name] = value
+    if a.profile_device:
+        options["profile_device"] = a.profile_device
 
     made = _load_factory(a.target)()
     if not isinstance(made, tuple) or len(made) not in (2, 3):

@@ -44,6 +44,8 @@ _OPTIONS = {
     "profile_time_budget": (0.5, "seconds of timed runs per piece after which timing stops"),
     "profile_parallel": (True, "spread profiling over the MPI world's ranks"),
     "profile_fake_timer": (False, "deterministic times from shapes (tests)"),
+    "profile_device": (None, "cpu, cuda or cuda:N (None: cuda when torch.cuda.is_available(), else cpu)"),
+    "profile_cpu_clock": ("auto", "CPU clock: thread (CPU time), wall, auto (thread if 1 intra-op thread)"),
     "probe_bandwidth": (True, "measure link bandwidth between ranks (else DeviceSpec defaults)"),
     "progress": (None, "show profiling progress (None: when stderr is a terminal)"),
 }
@@ -52,6 +54,20 @@ _OPTIONS = {
 def default_profile_cache():
     """The process-wide profile cache rannc.plan and RaNNCModule use by default."""
     return _DEFAULT_CACHE
+
+
+def profile_device(device=None) -> str:
+    """The device pieces are profiled on: `device` when given ("cpu", "cuda", "cuda:N" or a
+    torch.device), else this rank's CUDA device when torch.cuda.is_available() (the local
+    rank's, modulo the devices visible, so that the ranks of a node measure on different
+    devices), else "cpu"."""
+    if device is not None:
+        return str(device)
+    if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        local = _C.get_local_rank() if _C.get_world_size() > 1 else torch.cuda.current_device()
+        return f"cuda:{local % count}"
+    return "cpu"
 
 
 def option_docs() -> str:
@@ -291,7 +307,9 @@ def plan_graph(graph: TracedGraph, flat_inputs: list, *, world_size: int, device
             graph._trace.traced, flat_inputs, device, popts, cache, parallel=parallel,
             warmup=int(o["profile_warmup"]), repetitions=int(o["profile_repetitions"]),
             memory_limit=limit, fake_timer=bool(o["profile_fake_timer"]),
-            time_budget=float(o["profile_time_budget"]), progress=_Progress(bool(progress)))
+            time_budget=float(o["profile_time_budget"]),
+            profile_device=profile_device(o["profile_device"]), cpu_clock=str(o["profile_cpu_clock"]),
+            progress=_Progress(bool(progress)))
     except Exception as e:
         if parallel and broadcast and _C.get_rank() == 0:
             _broadcast_plan(None, graph, failure=f"{type(e).__name__}: {e}")

@@ -203,3 +203,56 @@ def test_parallel_profiling_gives_the_single_rank_plan(np_):
     assert sorted(int(f[0]) for f in found) == list(range(np_)), r.stdout
     assert len({f[1] for f in found}) == 1, r.stdout  # one plan on every rank
     assert all(f[2] == "True" for f in found), r.stdout
+
+
+def test_profile_device_option_picks_the_device_and_rejects_unknown_ones():
+    from rannc import planning
+    assert planning.profile_device("cuda:1") == "cuda:1"
+    assert planning.profile_device(torch.device("cpu")) == "cpu"
+    if not torch.cuda.is_available():
+        assert planning.profile_device() == "cpu"
+    assert _C.profile_device_kind("cpu") == "cpu"
+    with pytest.raises(rannc.Error, match="expected cpu, cuda or cuda:N"):
+        _C.profile_device_kind("tpu:0")
+    if not _C.has_cuda_profiler:
+        # A CPU build says so instead of measuring somewhere else.
+        with pytest.raises(rannc.Error, match="no CUDA support"):
+            _C.profile_device_kind("cuda")
+    model, args, kwargs = zoo.make("mlp", batch=4)
+    g = rannc.trace(model, args, kwargs)
+    flat = g._flat_inputs(args, kwargs)
+    r = _C.profile_piece(g._trace.traced, flat, g.ir.split(1)[0], 4, warmup=0, repetitions=1,
+                         device="cpu")
+    assert r["forward_time"] > 0 and not r["out_of_memory"]
+    plan = rannc.plan(model, args, kwargs, world_size=2, device_memory="64MiB",
+                      profile_cache=rannc.ProfileCache(), profile_device="cpu", **FAST)
+    plan.validate()
+    with pytest.raises(rannc.Error, match="profiling device"):
+        rannc.plan(model, args, kwargs, world_size=2, device_memory="64MiB",
+                   profile_cache=rannc.ProfileCache(), profile_device="tpu", **FAST)
+
+
+def test_cpu_clock_is_the_threads_cpu_time_when_single_threaded():
+    # [Note: CPU clock]: CPU time of the measuring thread with one intra-op thread (the
+    # tests run single-threaded), the wall clock with several, or as asked.
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert _C.profile_cpu_clock("auto") == "thread"
+        torch.set_num_threads(2)
+        assert _C.profile_cpu_clock("auto") == "wall"
+    finally:
+        torch.set_num_threads(threads)
+    assert _C.profile_cpu_clock("wall") == "wall" and _C.profile_cpu_clock("thread") == "thread"
+    with pytest.raises(rannc.Error, match="expected auto, wall or thread"):
+        _C.profile_cpu_clock("sundial")
+    model, args, kwargs = zoo.make("mlp", batch=4)
+    g = rannc.trace(model, args, kwargs)
+    flat = g._flat_inputs(args, kwargs)
+    piece = g.ir.split(1)[0]
+    for clock in ("wall", "thread"):
+        r = _C.profile_piece(g._trace.traced, flat, piece, 4, warmup=0, repetitions=1, cpu_clock=clock)
+        assert r["forward_time"] > 0 and r["backward_time"] > 0
+    with pytest.raises(rannc.Error, match="profiling clock"):
+        rannc.plan(model, args, kwargs, world_size=2, device_memory="64MiB",
+                   profile_cache=rannc.ProfileCache(), profile_cpu_clock="sundial", **FAST)
