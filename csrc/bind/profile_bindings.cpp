@@ -34,8 +34,10 @@ py::dict recordToDict(const profile::ProfileRecord& r) {
 
 profile::ProfilerOptions profilerOptions(int warmup, int repetitions, int64_t memory_limit,
                                          bool fake_timer, double time_budget,
-                                         const std::string& device, const std::string& cpu_clock) {
+                                         const std::string& device, const std::string& cpu_clock,
+                                         bool forward_only = false) {
   profile::ProfilerOptions o;
+  o.forward_only = forward_only;
   o.device = device;
   o.cpu_clock = profile::cpuClockFromName(cpu_clock);
   o.time_budget = time_budget;
@@ -181,13 +183,13 @@ void bindProfiler(py::module& m) {
          const partition::DeviceSpec& device, const partition::PlannerOptions& options,
          std::shared_ptr<profile::ProfileCache> cache, bool parallel, int warmup, int repetitions,
          int64_t memory_limit, bool fake_timer, double time_budget,
-         const std::string& profile_device, const std::string& cpu_clock,
+         const std::string& profile_device, const std::string& cpu_clock, bool forward_only,
          py::object progress) -> py::object {
         auto inputs = std::make_shared<profile::BoundaryInputs>(model, example);
         auto profiler = std::make_shared<profile::Profiler>(
             model, inputs,
             profilerOptions(warmup, repetitions, memory_limit, fake_timer, time_budget,
-                            profile_device, cpu_clock));
+                            profile_device, cpu_clock, forward_only));
         std::shared_ptr<comm::Communicator> comm;
         if (parallel && comm::World::get().size() > 1) comm = comm::worldCpuCommunicator();
         profile::ProfilingCostModel costs(model, profiler, cache, device, comm);
@@ -214,7 +216,8 @@ void bindProfiler(py::module& m) {
       py::arg("cache"), py::arg("parallel") = true, py::arg("warmup") = 1,
       py::arg("repetitions") = 3, py::arg("memory_limit") = 0, py::arg("fake_timer") = false,
       py::arg("time_budget") = 0.5, py::arg("profile_device") = "cpu",
-      py::arg("cpu_clock") = "auto", py::arg("progress") = py::none(),
+      py::arg("cpu_clock") = "auto", py::arg("forward_only") = false,
+      py::arg("progress") = py::none(),
       "Plans with measured costs. Collective when `parallel` and the world has several ranks: "
       "rank 0 plans and returns the Deployment, the others profile their shares and return None.");
 

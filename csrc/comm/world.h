@@ -10,8 +10,9 @@
 // hold back its peer, which waits for the data: the pipeline serialises. So while any
 // non-blocking operation is in flight, a thread of the world pokes the MPI progress engine
 // (MPI_Iprobe on a communicator nobody sends on) every few tens of microseconds, and
-// transfers run alongside compute. It needs MPI_THREAD_MULTIPLE; without it (or with
-// RANNC_MPI_PROGRESS=0) transfers progress only inside waits.
+// transfers run alongside compute. It needs MPI_THREAD_MULTIPLE and, since it polls, runs
+// by default only when the host has more cores than local ranks (RANNC_MPI_PROGRESS=1 or
+// 0 decides instead); without it transfers progress only inside waits.
 #include <atomic>
 #include <chrono>
 #include <condition_variable>

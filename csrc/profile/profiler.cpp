@@ -85,7 +85,8 @@ Profiler::Profiler(std::shared_ptr<const frontend::TracedModel> model,
       inputs_(std::move(inputs)),
       options_(std::move(options)),
       device_(parseProfileDevice(options_.device)),
-      device_kind_(profile::deviceKind(device_)) {
+      // Forward-only records are other measurements: cached apart.
+      device_kind_(profile::deviceKind(device_) + (options_.forward_only ? "/forward" : "")) {
   if (options_.repetitions < 1) throw Error("profiling needs at least one repetition");
   if (options_.warmup < 0) throw Error("profiling warm-up runs cannot be negative");
   run_model_ = onDevice(model_, device_);
@@ -103,7 +104,7 @@ ProfileRecord Profiler::fakeTimes(const ir::Subgraph& piece, int64_t rows, bool 
   }
   ProfileRecord r;
   r.forward_time = fwd;
-  r.backward_time = 2.0 * fwd + (recompute ? fwd : 0.0);
+  r.backward_time = options_.forward_only ? 0.0 : 2.0 * fwd + (recompute ? fwd : 0.0);
   return r;
 }
 
@@ -162,7 +163,9 @@ ProfileRecord Profiler::measureOnce(DeviceMeter& meter, const ir::Subgraph& piec
     const at::Tensor& t = inputs[i].toTensor();
     if (!t.defined() || !t.requires_grad()) continue;
     leaves.push_back(t);
-    if (model_->graph.value(ids[i]).isModelState()) state_grad_bytes += tensorBytes(inputs[i]);
+    if (model_->graph.value(ids[i]).isModelState() && !options_.forward_only) {
+      state_grad_bytes += tensorBytes(inputs[i]);
+    }
   }
   std::vector<double> fwd, bwd;
   double spent = 0.0;
@@ -177,12 +180,12 @@ ProfileRecord Profiler::measureOnce(DeviceMeter& meter, const ir::Subgraph& piec
     meter.start();
     std::vector<c10::IValue> outputs;
     {
-      torch::AutoGradMode grad(!recompute);
+      torch::AutoGradMode grad(!recompute && !options_.forward_only);
       outputs = frontend::runPiece(*run_model_, piece, inputs);
     }
     meter.forwardDone();
-    const int64_t held = meter.current() - base;
-    {
+    const int64_t held = options_.forward_only ? 0 : meter.current() - base;
+    if (!options_.forward_only) {
       if (recompute) {
         outputs.clear();
         torch::AutoGradMode grad(true);
@@ -225,7 +228,7 @@ ProfileRecord Profiler::measureOnce(DeviceMeter& meter, const ir::Subgraph& piec
   }
   for (auto& leaf : leaves) leaf.mutable_grad() = at::Tensor();
   r.forward_time = median(fwd);
-  r.backward_time = median(bwd);
+  r.backward_time = options_.forward_only ? 0.0 : median(bwd);
   return r;
 }
 

@@ -41,6 +41,9 @@ struct ProfilerOptions {
   std::string device = "cpu";
   // The clock of CPU measurements ([Note: CPU clock] in device_meter.h).
   CpuClock cpu_clock = CpuClock::Auto;
+  // Forward only, without autograd (plans for eval/no_grad): no backward time, nothing
+  // held for a backward. Some ops have no derivative (the transformer fast path of eval).
+  bool forward_only = false;
 };
 
 // What one measurement found. Times in seconds for one micro-batch.

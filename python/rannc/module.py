@@ -165,6 +165,9 @@ class _Deployed:
     def _make_plan(self, ir, world, opts):
         """Rank 0's plan; with the profiler and several ranks, the other ranks take part
         (profiling their share of the pieces) and get None."""
+        # A forward-only (eval) plan keeps no optimizer state.
+        optimizer = ((opts.optimizer_kind or _optimizer_kind(self.owner.optimizer))
+                     if self.owner.module.training else "sgd")
         if opts.cost_model == "profile":
             from . import planning
             device = _C.DeviceSpec()
@@ -172,7 +175,7 @@ class _Deployed:
             device.devices_per_node = max(1, _C.get_local_size())
             deployment = planning.plan_graph(
                 self.graph, self.example_inputs, world_size=world, device=device,
-                optimizer=opts.optimizer_kind or _optimizer_kind(self.owner.optimizer),
+                optimizer=optimizer, training=self.owner.module.training,
                 cost_model="profile", broadcast=False, batch_size=self.graph.batch_size * world,
                 num_blocks=opts.num_blocks, memory_margin=opts.memory_margin,
                 recompute="never" if opts.recompute == "never" else "auto",
@@ -192,8 +195,7 @@ class _Deployed:
         device.intra_node_bandwidth = device.inter_node_bandwidth = 5e9
         return planning.plan_graph(
             self.graph, self.example_inputs, world_size=world, device=device,
-            optimizer=opts.optimizer_kind or _optimizer_kind(self.owner.optimizer),
-            cost_model="analytic", batch_size=self.graph.batch_size * world,
+            optimizer=optimizer, cost_model="analytic", batch_size=self.graph.batch_size * world,
             num_blocks=opts.num_blocks, memory_margin=opts.memory_margin,
             recompute="never" if opts.recompute == "never" else "auto",
             num_stages=opts.num_stages, num_microbatches=opts.num_microbatches,

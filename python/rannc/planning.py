@@ -43,6 +43,7 @@ _OPTIONS = {
     "profile_repetitions": (3, "timed runs per piece (the median is kept)"),
     "profile_time_budget": (0.5, "seconds of timed runs per piece after which timing stops"),
     "profile_parallel": (True, "spread profiling over the MPI world's ranks"),
+    "training": (True, "plan a training step (forward and backward); False: forward only (eval, no_grad)"),
     "profile_fake_timer": (False, "deterministic times from shapes (tests)"),
     "profile_device": (None, "cpu, cuda or cuda:N (None: cuda when torch.cuda.is_available(), else cpu)"),
     "profile_cpu_clock": ("auto", "CPU clock: thread (CPU time), wall, auto (thread if 1 intra-op thread)"),
@@ -309,6 +310,7 @@ def plan_graph(graph: TracedGraph, flat_inputs: list, *, world_size: int, device
             memory_limit=limit, fake_timer=bool(o["profile_fake_timer"]),
             time_budget=float(o["profile_time_budget"]),
             profile_device=profile_device(o["profile_device"]), cpu_clock=str(o["profile_cpu_clock"]),
+            forward_only=not bool(o["training"]),
             progress=_Progress(bool(progress)))
     except Exception as e:
         if parallel and broadcast and _C.get_rank() == 0:

@@ -46,7 +46,7 @@ def test_backward_semantics(mode, ranks, model, stages, micro):
 
 
 @pytest.mark.parametrize("ranks,model,stages,micro,extra", [
-    (4, "transformer", 2, 2, ["--opt", "replicas=2,2"]),   # logits out, loss made outside
+    (4, "transformer", 2, 2, ["--eval", "--opt", "replicas=2,2"]),  # logits, loss outside
     (3, "multi_io", 2, 3, ["--eval", "--opt", "schedule=fill_drain", "replicas=1,2"]),
     (2, "transformer", 2, 2, ["--mode", "outside_accum"]),  # accumulation over two calls
 ])
