@@ -212,8 +212,7 @@ class _Deployed:
             return self._outputs(produced, batch_outputs, "fill_drain")
         train = training and self.engine.loss_vid is not None
         if train:
-            self._run_backwards(lambda: self.engine.step(local, True))
-            produced, batch_outputs = self._step_result
+            produced, batch_outputs = self._run_backwards(lambda: self.engine.step(local, True))
         else:
             produced, batch_outputs = self.engine.step(local, False)
         return self._outputs(produced, batch_outputs, "1f1b" if train else None)
@@ -221,12 +220,12 @@ class _Deployed:
     def _run_backwards(self, work):
         """Runs `work` (pipeline actions with backwards) with this rank's .grad set aside:
         what the backwards accumulate becomes step_grads, summed over each gradient group
-        ([Note: bucketed all-reduce] in grad_sync.py)."""
+        ([Note: bucketed all-reduce] in grad_sync.py). Returns what `work` returns."""
         saved = {v: t.grad for v, t in self.own.items()}
         for t in self.own.values():
             t.grad = None
         try:
-            self._step_result = work()
+            result = work()
             self.step_grads = {v: (t.grad if t.grad is not None else torch.zeros_like(t))
                                for v, t in self.own.items()}
             self.buckets.finish(self.step_grads)
@@ -234,6 +233,7 @@ class _Deployed:
             self.buckets.disarm()
             for v, t in self.own.items():
                 t.grad = saved[v]
+        return result
 
     def backward_from_outputs(self, grads):
         """Backward of a fill-drain forward: `grads` are the user's gradients of the float
