@@ -83,6 +83,7 @@ void bindProfiler(py::module& m) {
       .def_readwrite("memory_margin", &partition::PlannerOptions::memory_margin)
       .def_readwrite("memory_limit", &partition::PlannerOptions::memory_limit)
       .def_readwrite("allow_recompute", &partition::PlannerOptions::allow_recompute)
+      .def_readwrite("update_seconds_per_byte", &partition::PlannerOptions::update_seconds_per_byte)
       .def_readwrite("fixed_stages", &partition::PlannerOptions::fixed_stages)
       .def_readwrite("fixed_micro_batches", &partition::PlannerOptions::fixed_micro_batches)
       .def_readwrite("max_micro_batches", &partition::PlannerOptions::max_micro_batches)

@@ -61,18 +61,19 @@ std::string Deployment::report() const {
      << scheduleName(schedule) << ", " << optimizerName(optimizer) << "\n";
   os << "predicted iteration " << ms(iteration_time) << " ms; memory limit "
      << human(memory_limit) << (feasible ? "" : " (EXCEEDED)") << "\n";
-  os << "stage  blocks    tasks   rows   recomp  fwd ms     bwd ms     allred ms  bubble ms  "
-        "memory      ranks\n";
+  os << "stage  blocks    tasks   rows   recomp  fwd ms     bwd ms     allred ms  update ms  "
+        "bubble ms  memory      ranks\n";
   for (size_t s = 0; s < stages.size(); ++s) {
     const StagePlan& st = stages[s];
     char line[256];
     std::string blocks = st.first_block >= 0
                              ? std::to_string(st.first_block) + "-" + std::to_string(st.last_block - 1)
                              : "-";
-    std::snprintf(line, sizeof line, "%-6zu %-9s %-7zu %-6lld %-7s %-10s %-10s %-10s %-10s %-11s ", s,
+    std::snprintf(line, sizeof line, "%-6zu %-9s %-7zu %-6lld %-7s %-10s %-10s %-10s %-10s %-10s %-11s ", s,
                   blocks.c_str(), st.tasks.size(), static_cast<long long>(st.micro_batch_rows),
                   st.recompute ? "yes" : "no", ms(st.forward_time).c_str(),
                   ms(st.backward_time).c_str(), ms(st.allreduce_time).c_str(),
+                  ms(st.update_time).c_str(),
                   ms(st.bubble_time).c_str(), human(st.memory_bytes).c_str());
     // Ranks last: the list can be long, and the columns stay aligned.
     os << line << rankList(st.ranks) << "\n";
@@ -87,6 +88,7 @@ SimStage simStage(const StagePlan& st) {
   s.send_forward_time = st.send_forward_time;
   s.send_backward_time = st.send_backward_time;
   s.allreduce_time = st.allreduce_time;
+  s.update_time = st.update_time;
   s.static_bytes = st.static_bytes;
   s.stash_bytes = st.stash_bytes;
   s.working_bytes = st.working_bytes;
@@ -174,7 +176,7 @@ std::string serializeDeployment(const Deployment& d) {
     w.u8(s.recompute);
     w.i64(s.micro_batch_rows);
     for (double x : {s.forward_time, s.backward_time, s.send_forward_time, s.send_backward_time,
-                     s.allreduce_time, s.busy_time, s.bubble_time}) {
+                     s.allreduce_time, s.update_time, s.busy_time, s.bubble_time}) {
       w.f64(x);
     }
     w.i64(s.param_bytes);
@@ -228,7 +230,8 @@ Deployment deserializeDeployment(const std::string& bytes, const ir::Graph& grap
       s.recompute = r.u8() != 0;
       s.micro_batch_rows = r.i64();
       for (double* x : {&s.forward_time, &s.backward_time, &s.send_forward_time,
-                        &s.send_backward_time, &s.allreduce_time, &s.busy_time, &s.bubble_time}) {
+                        &s.send_backward_time, &s.allreduce_time, &s.update_time, &s.busy_time,
+                        &s.bubble_time}) {
         *x = r.f64();
       }
       s.param_bytes = r.i64();

@@ -14,7 +14,8 @@
 
 namespace rannc::partition {
 
-inline constexpr uint32_t kDeploymentFormatVersion = 1;
+// 2: stages carry the optimizer step's time.
+inline constexpr uint32_t kDeploymentFormatVersion = 2;
 
 struct StagePlan {
   // [Note: stage tasks] Tasks in topological order. Constant tasks are cloned into every
@@ -34,6 +35,7 @@ struct StagePlan {
   double send_forward_time = 0.0;
   double send_backward_time = 0.0;
   double allreduce_time = 0.0;    // gradient all-reduce among all replicas, per iteration
+  double update_time = 0.0;       // the optimizer step, per iteration
   int64_t param_bytes = 0;
   int64_t memory_bytes = 0;       // predicted peak per replica
   // Its parts: model state, bytes stashed per in-flight micro-batch, transient bytes of

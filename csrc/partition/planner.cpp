@@ -48,6 +48,7 @@ PlanContext planContext(const ir::Graph& graph, const CostModel& costs, const Pl
   ctx.optimizer = o.optimizer;
   ctx.schedule = o.schedule;
   ctx.allow_recompute = o.allow_recompute;
+  ctx.update_seconds_per_byte = o.update_seconds_per_byte;
   return ctx;
 }
 

@@ -23,6 +23,7 @@ struct PlannerOptions {
   Optimizer optimizer = Optimizer::Adam;
   ScheduleKind schedule = ScheduleKind::OneFOneB;
   bool allow_recompute = true;    // recompute activations per stage where memory needs it
+  double update_seconds_per_byte = -1.0;  // optimizer step per parameter byte (PlanContext)
   ConstantPolicy constant_policy = ConstantPolicy::IndependentOfState;
   int fixed_stages = 0;           // > 0: override the stage-count search
   int fixed_micro_batches = 0;    // > 0: override the micro-batch search

@@ -14,7 +14,8 @@
 
 namespace rannc::profile {
 
-inline constexpr uint32_t kProfileFormatVersion = 1;
+// 2: backward timed adding into existing parameter gradients ([Note: accumulating backward]).
+inline constexpr uint32_t kProfileFormatVersion = 2;
 
 struct ProfileKey {
   uint64_t content_hash = 0;

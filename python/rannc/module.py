@@ -166,16 +166,21 @@ class _Deployed:
         """Rank 0's plan; with the profiler and several ranks, the other ranks take part
         (profiling their share of the pieces) and get None."""
         # A forward-only (eval) plan keeps no optimizer state.
+        training = self.owner.module.training
         optimizer = ((opts.optimizer_kind or _optimizer_kind(self.owner.optimizer))
-                     if self.owner.module.training else "sgd")
+                     if training else "sgd")
         if opts.cost_model == "profile":
             from . import planning
+            from .update_cost import measure_update_rate
+            update_rate = measure_update_rate(
+                self.owner.module.parameters(), self.owner.optimizer, optimizer,
+                device=planning.profile_device()) if training else 0.0
             device = _C.DeviceSpec()
             device.memory_bytes = opts.device_memory
             device.devices_per_node = max(1, _C.get_local_size())
             deployment = planning.plan_graph(
                 self.graph, self.example_inputs, world_size=world, device=device,
-                optimizer=optimizer, training=self.owner.module.training,
+                optimizer=optimizer, training=training, update_seconds_per_byte=update_rate,
                 cost_model="profile", broadcast=False, batch_size=self.graph.batch_size * world,
                 num_blocks=opts.num_blocks, memory_margin=opts.memory_margin,
                 recompute="never" if opts.recompute == "never" else "auto",
@@ -195,7 +200,8 @@ class _Deployed:
         device.intra_node_bandwidth = device.inter_node_bandwidth = 5e9
         return planning.plan_graph(
             self.graph, self.example_inputs, world_size=world, device=device,
-            optimizer=optimizer, cost_model="analytic", batch_size=self.graph.batch_size * world,
+            optimizer=optimizer, training=training, cost_model="analytic",
+            batch_size=self.graph.batch_size * world,
             num_blocks=opts.num_blocks, memory_margin=opts.memory_margin,
             recompute="never" if opts.recompute == "never" else "auto",
             num_stages=opts.num_stages, num_microbatches=opts.num_microbatches,

@@ -21,6 +21,7 @@ import torch
 from . import _C
 from .graph import TracedGraph, trace
 from .options import parse_bytes
+from .update_cost import measure_update_rate
 
 ProfileCache = _C.ProfileCache
 
@@ -49,6 +50,8 @@ _OPTIONS = {
     "profile_cpu_clock": ("auto", "CPU clock: thread (CPU time), wall, auto (thread if 1 intra-op thread)"),
     "probe_bandwidth": (True, "measure link bandwidth between ranks (else DeviceSpec defaults)"),
     "progress": (None, "show profiling progress (None: when stderr is a terminal)"),
+    "update_seconds_per_byte": (None, "optimizer step per parameter byte (None: timed on copies of "
+                                "the parameters for profiled plans, else from the device's bandwidth)"),
 }
 
 
@@ -266,6 +269,8 @@ def planner_options(graph: TracedGraph, world_size, device, optimizer, o) -> "_C
     p.fixed_micro_batches = int(o["num_microbatches"])
     p.max_micro_batches = int(o["max_microbatches"])
     p.fixed_replicas = _replica_list(o["replicas"])
+    rate = o["update_seconds_per_byte"]
+    p.update_seconds_per_byte = (0.0 if not o["training"] else -1.0 if rate is None else float(rate))
     return p
 
 
@@ -290,7 +295,8 @@ def plan_graph(graph: TracedGraph, flat_inputs: list, *, world_size: int, device
             num_blocks=popts.num_blocks, memory_margin=popts.memory_margin,
             optimizer=optimizer, schedule=o["schedule"], allow_recompute=popts.allow_recompute,
             fixed_stages=popts.fixed_stages, fixed_micro_batches=popts.fixed_micro_batches,
-            max_micro_batches=popts.max_micro_batches, fixed_replicas=popts.fixed_replicas)
+            max_micro_batches=popts.max_micro_batches, fixed_replicas=popts.fixed_replicas,
+            update_seconds_per_byte=popts.update_seconds_per_byte)
     if cost_model != "profile":
         raise _C.Error(f"cost_model is {cost_model!r}; expected 'profile' or 'analytic'")
     if o["probe_bandwidth"]:
@@ -370,6 +376,12 @@ def plan(model: torch.nn.Module, args, kwargs: dict | None = None, *, world_size
         path, cache = os.fspath(profile_cache), _C.ProfileCache()
         cache.load(path)
     flat = graph._flat_inputs(args, kwargs) if cost_model == "profile" else []
+    if (cost_model == "profile" and options.get("training", True)
+            and options.get("update_seconds_per_byte") is None):
+        device_name = profile_device(options.get("profile_device"))
+        _C.profile_device_kind(device_name)  # says what is wrong with the name first
+        options["update_seconds_per_byte"] = measure_update_rate(
+            model.parameters(), kind=optimizer, device=device_name)
     deployment = plan_graph(graph, flat, world_size=world_size, device=device,
                             optimizer=optimizer, cost_model=cost_model, profile_cache=cache,
                             **options)

@@ -26,6 +26,10 @@ int optimizerStateFactor(Optimizer optimizer) {
   return 2;
 }
 
+int optimizerUpdateTraffic(Optimizer optimizer) {
+  return 3 + 2 * optimizerStateFactor(optimizer);
+}
+
 const char* optimizerName(Optimizer optimizer) {
   switch (optimizer) {
     case Optimizer::Sgd: return "sgd";

@@ -30,6 +30,9 @@ enum class Link { IntraNode, InterNode };
 // Optimizer state kept per parameter byte: Adam keeps two moments, SGD with momentum one.
 enum class Optimizer { Sgd, SgdMomentum, Adam };
 int optimizerStateFactor(Optimizer optimizer);
+// Bytes an optimizer step reads and writes per parameter byte (parameter, gradient and
+// state in, parameter and state out): the update time where no measured rate is given.
+int optimizerUpdateTraffic(Optimizer optimizer);
 const char* optimizerName(Optimizer optimizer);
 
 // What one micro-batch of `rows` rows costs on one device for a piece.

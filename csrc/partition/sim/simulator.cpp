@@ -65,7 +65,7 @@ SimResult simulate(const std::vector<SimStage>& stages, const Schedule& schedule
   r.peak_memory.resize(S);
   for (int i = 0; i < S; ++i) {
     const SimStage& st = stages[i];
-    r.finish[i] = free_at[i] + std::max(0.0, st.allreduce_time - st.backward_time);
+    r.finish[i] = free_at[i] + std::max(0.0, st.allreduce_time - st.backward_time) + st.update_time;
     r.busy[i] = micro_batches * (st.forward_time + st.backward_time);
     int in_flight = 0, peak = 0;
     for (const Action& a : schedule[i]) {

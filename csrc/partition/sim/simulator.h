@@ -18,6 +18,7 @@ struct SimStage {
   // Gradient all-reduce among the stage's replicas. It is bucketed and overlaps the last
   // backward, so only max(0, allreduce - backward) adds to the iteration.
   double allreduce_time = 0.0;
+  double update_time = 0.0;   // the optimizer step, after the all-reduce
   int64_t static_bytes = 0;   // parameters, gradients, optimizer state, buffers
   int64_t stash_bytes = 0;    // kept per in-flight micro-batch from forward to backward
   int64_t working_bytes = 0;  // transient during a backward (recomputed activations)
@@ -25,7 +26,7 @@ struct SimStage {
 
 struct SimResult {
   double iteration_time = 0.0;
-  std::vector<double> finish;  // when each stage is done (all-reduce included)
+  std::vector<double> finish;  // when each stage is done (all-reduce and update included)
   std::vector<double> busy;    // compute time of each stage
   std::vector<double> bubble;  // iteration time minus busy time
   std::vector<int> peak_in_flight;

@@ -133,6 +133,7 @@ class Recutter {
       sim[s].send_forward_time = e.send_forward_time;
       sim[s].send_backward_time = e.send_backward_time;
       sim[s].allreduce_time = e.allreduce_time;
+      sim[s].update_time = e.update_time;
       offset += devices[s];
     }
     return simulate(sim, ctx_.schedule, micro_batches_).iteration_time;

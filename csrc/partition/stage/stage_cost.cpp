@@ -19,6 +19,13 @@ int effectiveDevicesPerNode(const PlanContext& ctx) {
   return ctx.world_size % per == 0 ? per : std::max(1, ctx.world_size);
 }
 
+double updateTime(const CostModel& costs, const PlanContext& ctx, int64_t param_bytes) {
+  const double per_byte = ctx.update_seconds_per_byte >= 0.0
+                              ? ctx.update_seconds_per_byte
+                              : optimizerUpdateTraffic(ctx.optimizer) / costs.device().memory_bandwidth;
+  return per_byte * static_cast<double>(param_bytes);
+}
+
 StageEstimate estimateStage(const CostModel& costs, const PieceCost& cost, const StageSlot& slot,
                             const PlanContext& ctx) {
   StageEstimate e;
@@ -44,6 +51,7 @@ StageEstimate estimateStage(const CostModel& costs, const PieceCost& cost, const
   const int64_t hi = static_cast<int64_t>(slot.pipelines - 1) * slot.pipeline_devices + slot.first_device + slot.devices - 1;
   const Link ring = node(lo) == node(hi) ? Link::IntraNode : Link::InterNode;
   e.allreduce_time = costs.allReduceTime(cost.param_bytes, slot.devices * slot.pipelines, ring);
+  e.update_time = updateTime(costs, ctx, cost.param_bytes);
 
   const int in_flight = maxInFlight(ctx.schedule, slot.index, slot.num_stages, slot.micro_batches);
   const int64_t plain = replicaMemory(cost, ctx.optimizer, in_flight, false);
@@ -85,7 +93,7 @@ StageEstimate estimateStage(const CostModel& costs, const PieceCost& cost, const
   e.score = ctx.schedule == ScheduleKind::OneFOneB
                 ? (M + S - 1) * (compute + round_trip * (S - 1) / S)
                 : (M + S - 1) * compute + (S - 1) * round_trip;
-  e.score += std::max(0.0, e.allreduce_time - e.backward_time);
+  e.score += std::max(0.0, e.allreduce_time - e.backward_time) + e.update_time;
   return e;
 }
 
@@ -134,6 +142,7 @@ Deployment assembleDeployment(CostModel& costs, const PlanContext& ctx,
     p.send_forward_time = e.send_forward_time;
     p.send_backward_time = e.send_backward_time;
     p.allreduce_time = e.allreduce_time;
+    p.update_time = e.update_time;
     p.param_bytes = e.cost.param_bytes;
     p.static_bytes = e.static_bytes;
     p.stash_bytes = e.stash_bytes;

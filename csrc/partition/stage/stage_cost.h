@@ -23,6 +23,10 @@ struct PlanContext {
   Optimizer optimizer = Optimizer::Adam;
   ScheduleKind schedule = ScheduleKind::OneFOneB;
   bool allow_recompute = true;
+  // Seconds of the optimizer step per parameter byte, measured (RaNNCModule times the
+  // user's optimizer); < 0: optimizerUpdateTraffic bytes per byte at the device's memory
+  // bandwidth; 0: no step (forward-only plans).
+  double update_seconds_per_byte = -1.0;
 };
 
 // Where a stage sits: its position, and its devices within each pipeline copy. Copy c
@@ -47,6 +51,7 @@ struct StageEstimate {
   double send_forward_time = 0.0;
   double send_backward_time = 0.0;
   double allreduce_time = 0.0;
+  double update_time = 0.0;  // the optimizer step over the stage's parameters
   int64_t memory_bytes = 0;      // with the chosen recomputation
   int64_t min_memory_bytes = 0;  // the least this stage can need (recomputing if allowed)
   int64_t static_bytes = 0;
@@ -67,6 +72,9 @@ int64_t stageRows(const PlanContext& ctx, const StageSlot& slot);
 int effectiveDevicesPerNode(const PlanContext& ctx);
 
 // Estimates the stage at `slot` whose merged piece costs `cost` at stageRows(ctx, slot).
+// Seconds of the optimizer step over `param_bytes` of parameters (see PlanContext).
+double updateTime(const CostModel& costs, const PlanContext& ctx, int64_t param_bytes);
+
 StageEstimate estimateStage(const CostModel& costs, const PieceCost& cost, const StageSlot& slot,
                             const PlanContext& ctx);
 

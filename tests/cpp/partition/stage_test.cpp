@@ -111,6 +111,7 @@ TEST(AStagePlanner, ReplicatesAModelThatFitsOneDevice) {
   fast.intra_node_bandwidth = 1e18;  // the gradient all-reduce is free
   AnalyticCostModel m(g, fast);
   PlannerOptions o;
+  o.update_seconds_per_byte = 0.0;  // and so is the optimizer step each replica repeats
   o.world_size = 4;
   o.num_blocks = 8;
   o.memory_limit = 1LL << 40;
@@ -570,6 +571,7 @@ TEST(AStageScore, ChargesTheAllReduceItsLastBackwardCannotHide) {
   PlanContext ctx;
   ctx.world_size = 8;
   ctx.batch_size = 64;
+  ctx.update_seconds_per_byte = 0.0;  // the optimizer step is another test's
   PieceCost c;
   c.forward_time = 1.0;
   c.backward_time = 2.0;
@@ -599,6 +601,41 @@ TEST(AStageScore, ChargesTheAllReduceItsLastBackwardCannotHide) {
     // First: nothing drains behind it. Last: the three backwards behind it hide it all.
     EXPECT_DOUBLE_EQ(simulated, heavy == 0 ? 38.5 : 33.0) << "heavy stage " << heavy;
   }
+}
+
+// Every replica runs the optimizer step over its stage's parameters after the all-reduce:
+// the score and the simulator add it whole, at a measured rate or, without one, the
+// optimizer's traffic at the device's memory bandwidth.
+TEST(AStageScore, AddsTheOptimizerStepAfterTheAllReduce) {
+  ir::Graph g = testing::uniformChain(4);
+  AnalyticCostModel m(g, device());
+  PlanContext ctx;
+  ctx.world_size = 2;
+  ctx.batch_size = 16;
+  PieceCost c;
+  c.forward_time = 1.0;
+  c.backward_time = 2.0;
+  c.param_bytes = 1000;
+  const StageSlot slot{0, 2, 0, 1, 2, 1, 4};
+  ctx.update_seconds_per_byte = 0.0;
+  const StageEstimate without = estimateStage(m, c, slot, ctx);
+  ctx.update_seconds_per_byte = 1e-3;
+  const StageEstimate with = estimateStage(m, c, slot, ctx);
+  EXPECT_DOUBLE_EQ(with.update_time, 1.0);
+  EXPECT_DOUBLE_EQ(with.score, without.score + 1.0);
+  ctx.update_seconds_per_byte = -1.0;
+  ctx.optimizer = Optimizer::Adam;  // parameter, gradient, 2 moments in; parameter, moments out
+  EXPECT_DOUBLE_EQ(estimateStage(m, c, slot, ctx).update_time, 7 * 1000 / device().memory_bandwidth);
+  std::vector<SimStage> sim(2);
+  for (auto& s : sim) {
+    s.forward_time = 1.0;
+    s.backward_time = 2.0;
+  }
+  const double plain = simulate(sim, ScheduleKind::OneFOneB, 4).iteration_time;
+  sim[1].update_time = 0.5;  // hidden by nothing: the first stage is still draining
+  EXPECT_DOUBLE_EQ(simulate(sim, ScheduleKind::OneFOneB, 4).iteration_time, plain);
+  sim[0].update_time = 0.5;  // the last to finish
+  EXPECT_DOUBLE_EQ(simulate(sim, ScheduleKind::OneFOneB, 4).iteration_time, plain + 0.5);
 }
 
 // Sends are latency between stages in the simulator, not work of the stage: under 1F1B
