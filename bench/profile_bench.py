@@ -97,8 +97,9 @@ def timer(device):
 class StageRunner:
     """Each stage of a plan run alone by the runtime's StageExecutor at the planned rows,
     with its inputs captured from one chained forward (no grad): forward (stashing,
-    recomputing where planned) and backward with dense gradients, the parameters' .grad
-    cleared after each run (like the profiler's)."""
+    recomputing where planned) and backward with dense gradients, adding into the
+    parameters' .grad after the first run as the runtime's later micro-batches do (and the
+    profiler, [Note: accumulating backward] in csrc/profile/profiler.cpp)."""
 
     def __init__(self, plan, vocab, seq, device="cpu"):
         from rannc import _C
@@ -147,8 +148,8 @@ class StageRunner:
             _, b = run(lambda: s.backward(0, grads))
             fwd.append(f)
             bwd.append(b)
-            for t in self.state.values():
-                t.grad = None
+        for t in self.state.values():
+            t.grad = None
         return statistics.median(fwd[1:]), statistics.median(bwd[1:])
 
     def profile(self, i, **kw):

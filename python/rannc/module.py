@@ -14,16 +14,12 @@ behave as in PyTorch.
 """
 from __future__ import annotations
 
-import collections
-import copy
-import io
 import sys
 import traceback
 
 import torch
-import torch.utils._pytree as pytree
 
-from . import _C
+from . import _C, checkpoint
 from .grad_sync import GradBuckets
 from .graph import TracedGraph
 from .options import Options
@@ -172,9 +168,13 @@ class _Deployed:
         if opts.cost_model == "profile":
             from . import planning
             from .update_cost import measure_update_rate
+            # Profile where the stages will run: the runtime keeps them on the device of
+            # the model's state (CPU so far; DESIGN §6 places them per rank later).
+            where = next(iter(self.owner.module.state_dict(keep_vars=True).values()), None)
+            where = str(where.device) if isinstance(where, torch.Tensor) else "cpu"
             update_rate = measure_update_rate(
                 self.owner.module.parameters(), self.owner.optimizer, optimizer,
-                device=planning.profile_device()) if training else 0.0
+                device=where) if training else 0.0
             device = _C.DeviceSpec()
             device.memory_bytes = opts.device_memory
             device.devices_per_node = max(1, _C.get_local_size())
@@ -187,7 +187,7 @@ class _Deployed:
                 num_stages=opts.num_stages, num_microbatches=opts.num_microbatches,
                 replicas=opts.replicas, schedule=self.schedule,
                 profile_repetitions=opts.profile_repetitions, profile_warmup=opts.profile_warmup,
-                profile_cache=self.owner.profile_cache)
+                profile_device=where, profile_cache=self.owner.profile_cache)
             if opts.profile_cache and _C.get_rank() == 0:
                 self.owner.profile_cache.save(opts.profile_cache)
             return deployment
@@ -340,24 +340,6 @@ def _dtype(value):
 
 # Tag of the point-to-point copies of parameters and buffers between ranks (RaNNCModule._transfer).
 _STATE_TAG = 7
-
-
-def _all_gather_objects(obj) -> list:
-    """Copies of every rank's `obj` (anything torch.save takes), in rank order, on every
-    rank; this rank's too, so nothing returned aliases live state."""
-    comm, rank = _C.Communicator.world_cpu(), _C.get_rank()
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    data = buf.getvalue()
-    sizes = torch.empty(comm.size, 1, dtype=torch.int64)
-    comm.all_gather(torch.tensor([len(data)], dtype=torch.int64), sizes).wait()
-    parts = []
-    for r, size in enumerate(sizes[:, 0].tolist()):
-        part = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if r == rank
-                else torch.empty(size, dtype=torch.uint8))
-        comm.broadcast(part, r).wait()
-        parts.append(torch.load(io.BytesIO(part.numpy().tobytes()), weights_only=False))
-    return parts
 
 
 def _optimizer_kind(optimizer) -> str:
@@ -558,135 +540,27 @@ class RaNNCModule(torch.nn.Module):
                 copies.append((owner, eval_users - current, t.data))
         self._transfer(copies)
 
-    # ---- checkpoints --------------------------------------------------------------------------
+    # ---- checkpoints (python/rannc/checkpoint.py) -------------------------------------------
     def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
-        """The full model state (parameters and persistent buffers) under the original names,
-        as `module.state_dict()` of plain PyTorch gives it, on every rank (a collective:
-        every rank must call it). The tensors are fresh copies; the model keeps only its
-        stage's state."""
-        if not self._users:
-            return self.module.state_dict(*args, destination=destination, prefix=prefix,
-                                          keep_vars=keep_vars)
-        comm, rank = _C.Communicator.world_cpu(), _C.get_rank()
-        world = set(range(_C.get_world_size()))
-        gathered = {}
-        for i, (t, (owner, current)) in enumerate(zip(self._state_tensors(), self._sources())):
-            if current == world:
-                value = t.detach().clone()
-            else:
-                value = (t.detach().clone(memory_format=torch.contiguous_format) if rank == owner
-                         else torch.empty(self._freed.get(i, t.shape), dtype=t.dtype, device=t.device))
-                comm.broadcast(value, owner).wait()
-            gathered[id(t)] = value
-        out = self.module.state_dict(*args, destination=destination, prefix=prefix, keep_vars=True)
-        for k, v in out.items():
-            if isinstance(v, torch.Tensor) and id(v) in gathered:
-                out[k] = gathered[id(v)]
-        return out
+        """The full model state under the original names on every rank (a collective);
+        see checkpoint.gather_state_dict."""
+        return checkpoint.gather_state_dict(self, *args, destination=destination, prefix=prefix,
+                                            keep_vars=keep_vars)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """Loads a full model state (from plain PyTorch or another world size; every rank
-        passes the whole dict) into the tensors this rank keeps. Keys and shapes are checked
-        as torch does, the freed tensors' included."""
-        if assign and self._deployed:
-            raise _C.Error("load_state_dict(assign=True) would replace the tensors the deployed "
-                           "stages run with; load with assign=False (the default)")
-        if not self._freed:
-            return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
-        tensors = self._state_tensors()
-        freed = {id(tensors[i]): shape for i, shape in self._freed.items()}
-        shapes = {k: freed[id(v)] for k, v in self.module.state_dict(keep_vars=True).items()
-                  if isinstance(v, torch.Tensor) and id(v) in freed}  # the freed tensors' keys
-        errors = [f"size mismatch for {k}: copying a param with shape {state_dict[k].shape} from "
-                  f"checkpoint, the shape in current model is {shapes[k]}."
-                  for k in shapes if k in state_dict and isinstance(state_dict[k], torch.Tensor)
-                  and state_dict[k].shape != shapes[k]]
-        if errors:
-            raise RuntimeError(f"Error(s) in loading state_dict for {type(self.module).__name__}:"
-                               "\n\t" + "\n\t".join(errors))
-        kept = collections.OrderedDict((k, v) for k, v in state_dict.items() if k not in shapes)
-        if getattr(state_dict, "_metadata", None) is not None:
-            kept._metadata = state_dict._metadata
-        result = self.module.load_state_dict(kept, strict=False)
-        missing = [k for k in result.missing_keys if k not in state_dict]
-        unexpected = list(result.unexpected_keys)
-        if strict and (missing or unexpected):
-            errors = []
-            if missing:
-                errors.append("Missing key(s) in state_dict: "
-                              + ", ".join(f'"{k}"' for k in missing) + ". ")
-            if unexpected:
-                errors.append("Unexpected key(s) in state_dict: "
-                              + ", ".join(f'"{k}"' for k in unexpected) + ". ")
-            raise RuntimeError(f"Error(s) in loading state_dict for {type(self.module).__name__}:"
-                               "\n\t" + "\n\t".join(errors))
-        return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+        """Loads a full model state into the tensors this rank keeps; see
+        checkpoint.load_state_dict."""
+        return checkpoint.load_state_dict(self, state_dict, strict=strict, assign=assign)
 
     def optimizer_state_dict(self) -> dict:
-        """The optimizer's full state in the format of the original optimizer's state_dict()
-        ('state' keyed by each parameter's index in the original param_groups, 'param_groups'
-        with the original index lists), gathered from the ranks that update each parameter,
-        on every rank (a collective). It loads into a plain torch optimizer over the same
-        model's parameters."""
-        if self.optimizer is None:
-            raise _C.Error("optimizer_state_dict: this RaNNCModule was built without an optimizer")
-        if not self._patched:
-            return self.optimizer.state_dict()
-        rank = _C.get_rank()
-        position = {id(t): i for i, t in enumerate(self._state_tensors())}
-        sources = self._sources()
-        groups, mine, start = [], {}, 0
-        for group, (params, names) in zip(self.optimizer.param_groups, self._optimizer_groups):
-            packed = {k: v for k, v in group.items() if k not in ("params", "param_names")}
-            packed["params"] = list(range(start, start + len(params)))
-            if names is not None:
-                packed["param_names"] = list(names)
-            for index, p in zip(packed["params"], params):
-                i = position.get(id(p))
-                if i is not None and sources[i][0] == rank and self.optimizer.state.get(p):
-                    mine[index] = self.optimizer.state[p]
-            start += len(params)
-            groups.append(packed)
-        state = {}
-        for part in _all_gather_objects(mine):
-            state.update(part)
-        return {"state": dict(sorted(state.items())), "param_groups": groups}
+        """The optimizer's full state in the original optimizer's format, on every rank (a
+        collective); see checkpoint.gather_optimizer_state."""
+        return checkpoint.gather_optimizer_state(self)
 
     def load_optimizer_state_dict(self, state_dict: dict) -> None:
-        """Loads an optimizer state in the original optimizer's format (from
-        optimizer_state_dict(), from a plain torch optimizer over the same model, or from
-        another world size; every rank passes the whole dict): each rank takes the state of
-        the parameters it updates. Hyperparameters come from the dict, as in torch."""
-        if self.optimizer is None:
-            raise _C.Error("load_optimizer_state_dict: this RaNNCModule was built without an "
-                           "optimizer")
-        if not self._patched:
-            self.optimizer.load_state_dict({**state_dict,
-                                            "state": copy.deepcopy(state_dict["state"])})
-            return
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self._optimizer_groups):
-            raise ValueError("loaded state dict has a different number of parameter groups")
-        local = {"state": {}, "param_groups": []}
-        for saved, group, (params, _) in zip(saved_groups, self.optimizer.param_groups,
-                                             self._optimizer_groups):
-            if len(saved["params"]) != len(params):
-                raise ValueError("loaded state dict contains a parameter group that doesn't "
-                                 "match the size of optimizer's group")
-            keep = {id(p) for p in group["params"]}
-            chosen = [j for j, p in enumerate(params) if id(p) in keep]
-            mine = {k: v for k, v in saved.items() if k not in ("params", "param_names")}
-            mine["params"] = [saved["params"][j] for j in chosen]
-            if "param_names" in saved:
-                mine["param_names"] = [saved["param_names"][j] for j in chosen]
-            local["param_groups"].append(mine)
-            for index in mine["params"]:
-                if index in state_dict["state"]:
-                    local["state"][index] = state_dict["state"][index]
-        # torch keeps Adam's `step` tensors of the dict it loads; a copy keeps the caller's
-        # dict (perhaps another optimizer's live state) apart from this optimizer's.
-        local["state"] = copy.deepcopy(local["state"])
-        self.optimizer.load_state_dict(local)
+        """Loads an optimizer state in the original optimizer's format; see
+        checkpoint.load_optimizer_state."""
+        checkpoint.load_optimizer_state(self, state_dict)
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clips the gradients of all stages by their global norm; returns that norm."""

@@ -256,3 +256,36 @@ def test_cpu_clock_is_the_threads_cpu_time_when_single_threaded():
     with pytest.raises(rannc.Error, match="profiling clock"):
         rannc.plan(model, args, kwargs, world_size=2, device_memory="64MiB",
                    profile_cache=rannc.ProfileCache(), profile_cpu_clock="sundial", **FAST)
+
+
+def test_update_rate_is_timed_with_the_users_optimizer_and_touches_nothing():
+    # The optimizer step's cost per parameter byte, for the planner (docs/partition.md):
+    # timed on scratch copies, so the model, the optimizer and torch's RNG stay as they were.
+    from rannc.update_cost import measure_update_rate
+    model, _, _ = zoo.make("gpt", batch=2)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.Adam(model.parameters(), lr=0.123)
+    rng = torch.get_rng_state()
+    adam = measure_update_rate(model.parameters(), opt, "adam")
+    sgd = measure_update_rate(model.parameters(), torch.optim.SGD(model.parameters(), lr=0.1), "sgd")
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert not opt.state and all(p.grad is None for p in model.parameters())
+    assert 0 < sgd < adam < 1e-6  # Adam moves more bytes per step; CPU copies > 1 GB/s
+    # Once per setting: a second plan of the same model gets the same rate (and plan).
+    assert measure_update_rate(model.parameters(), opt, "adam") == adam
+    assert measure_update_rate([], None, "adam") == 0.0
+
+
+def test_training_plans_charge_the_optimizer_step_and_eval_plans_do_not():
+    model, args, kwargs = zoo.make("mlp", batch=4)
+    opts = dict(world_size=2, device_memory="64MiB", profile_cache=rannc.ProfileCache(), **FAST)
+    train = rannc.plan(model, args, kwargs, num_stages=2, **opts).deployment
+    assert all(s.update_time > 0 for s in train.stages)
+    slower = rannc.plan(model, args, kwargs, num_stages=2, update_seconds_per_byte=1e-6,
+                        **opts).deployment
+    params = [s.param_bytes for s in slower.stages]
+    assert [s.update_time for s in slower.stages] == pytest.approx([p * 1e-6 for p in params])
+    assert slower.iteration_time > train.iteration_time
+    evaluation = rannc.plan(model, args, kwargs, num_stages=2, training=False, **opts).deployment
+    assert all(s.update_time == 0 for s in evaluation.stages)

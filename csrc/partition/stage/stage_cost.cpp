@@ -87,6 +87,7 @@ StageEstimate estimateStage(const CostModel& costs, const PieceCost& cost, const
   //   score does not count that: a DP that does equalises every stage's score, leaving
   //   late parameter-heavy stages no slack, and the simulated plans came out slower (ResNet-152
   //   x8 1.179 s against 1.156 s, BERT 24 layers h2048 0.719 against 0.704; docs/partition.md).
+  // - The optimizer step over the stage's parameters follows, on every replica.
   const int S = slot.num_stages, M = slot.micro_batches;
   const double round_trip = 2.0 * std::max(e.send_forward_time, e.send_backward_time);
   const double compute = e.forward_time + e.backward_time;
