@@ -93,7 +93,7 @@ void bindPlanner(py::module& m) {
          int64_t batch_size, int num_blocks, double memory_margin, int64_t memory_limit,
          const std::string& optimizer, const std::string& schedule, bool allow_recompute,
          int fixed_stages, int fixed_micro_batches, int max_micro_batches,
-         std::vector<int> fixed_replicas, double update_seconds_per_byte) {
+         std::vector<int> fixed_replicas, double update_seconds_per_byte, int refine_candidates) {
         partition::PlannerOptions o;
         o.world_size = world_size;
         o.batch_size = batch_size;
@@ -108,6 +108,7 @@ void bindPlanner(py::module& m) {
         o.max_micro_batches = max_micro_batches;
         o.fixed_replicas = std::move(fixed_replicas);
         o.update_seconds_per_byte = update_seconds_per_byte;
+        o.refine_candidates = refine_candidates;
         py::gil_scoped_release release;
         partition::AnalyticCostModel costs(graph, device);
         return partition::plan(graph, costs, o);
@@ -117,7 +118,8 @@ void bindPlanner(py::module& m) {
       py::arg("optimizer") = "adam", py::arg("schedule") = "1f1b",
       py::arg("allow_recompute") = true, py::arg("fixed_stages") = 0,
       py::arg("fixed_micro_batches") = 0, py::arg("max_micro_batches") = 64,
-      py::arg("fixed_replicas") = std::vector<int>{}, py::arg("update_seconds_per_byte") = -1.0);
+      py::arg("fixed_replicas") = std::vector<int>{}, py::arg("update_seconds_per_byte") = -1.0,
+      py::arg("refine_candidates") = 6);
 
   m.def(
       "build_schedule",

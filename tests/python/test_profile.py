@@ -289,3 +289,13 @@ def test_training_plans_charge_the_optimizer_step_and_eval_plans_do_not():
     assert slower.iteration_time > train.iteration_time
     evaluation = rannc.plan(model, args, kwargs, num_stages=2, training=False, **opts).deployment
     assert all(s.update_time == 0 for s in evaluation.stages)
+
+
+def test_refine_candidates_is_an_option_checked_by_the_planner():
+    # Profiled plans refine one shape by default (each re-cut piece is a measurement);
+    # the option widens that, and a count below 1 is refused with the reason.
+    model, args, kwargs = zoo.make("mlp", batch=4)
+    opts = dict(world_size=2, device_memory="64MiB", profile_cache=rannc.ProfileCache(), **FAST)
+    rannc.plan(model, args, kwargs, refine_candidates=3, **opts).validate()
+    with pytest.raises(rannc.Error, match="refine_candidates must be >= 1"):
+        rannc.plan(model, args, kwargs, refine_candidates=0, **opts)
