@@ -135,6 +135,7 @@ class StageSummary:
     replicas: int
     micro_batch_rows: int
     recompute: bool
+    update_time: float = 0.0  # the optimizer step, per iteration
 
 
 class Plan:
@@ -164,18 +165,18 @@ class Plan:
         for i, s in enumerate(d.stages):
             out.append(StageSummary(i, len(s.tasks), s.param_bytes, s.forward_time, s.backward_time,
                                     s.memory_bytes, len(s.ranks) // max(1, d.pipelines),
-                                    s.micro_batch_rows, s.recompute))
+                                    s.micro_batch_rows, s.recompute, s.update_time))
         return out
 
     @property
     def bubble_fraction(self) -> float:
         """Share of the iteration the stages spend idle (mean over stages of
-        1 - busy / iteration, busy = micro-batches x (forward + backward))."""
+        1 - busy / iteration, busy = micro-batches x (forward + backward) + optimizer step)."""
         d = self.deployment
         T = d.iteration_time
         if T <= 0 or not d.stages:
             return 0.0
-        busy = [d.micro_batches * (s.forward_time + s.backward_time) for s in d.stages]
+        busy = [d.micro_batches * (s.forward_time + s.backward_time) + s.update_time for s in d.stages]
         return max(0.0, 1.0 - sum(busy) / (len(busy) * T))
 
     def validate(self) -> None:
@@ -198,13 +199,14 @@ class Plan:
             f"predicted iteration {d.iteration_time * 1e3:.3f} ms, bubble fraction "
             f"{self.bubble_fraction:.1%}, memory limit {_human(d.memory_limit)}"
             + ("" if d.feasible else " (EXCEEDED)"),
-            f"{'stage':>5} {'tasks':>6} {'params':>10} {'fwd ms':>9} {'bwd ms':>9} "
+            f"{'stage':>5} {'tasks':>6} {'params':>10} {'fwd ms':>9} {'bwd ms':>9} {'upd ms':>8} "
             f"{'memory':>10} {'/ limit':>8} {'replicas':>8} {'rows':>5} {'recomp':>6}",
         ]
         for s in self.stages():
             frac = s.memory_bytes / d.memory_limit if d.memory_limit else 0.0
             lines.append(f"{s.index:>5} {s.tasks:>6} {_human(s.param_bytes):>10} "
                          f"{s.forward_time * 1e3:>9.3f} {s.backward_time * 1e3:>9.3f} "
+                         f"{s.update_time * 1e3:>8.3f} "
                          f"{_human(s.memory_bytes):>10} {frac:>8.1%} {s.replicas:>8} "
                          f"{s.micro_batch_rows:>5} {'yes' if s.recompute else 'no':>6}")
         return "\n".join(lines)
