@@ -172,9 +172,10 @@ class _Deployed:
             # the model's state (CPU so far; DESIGN §6 places them per rank later).
             where = next(iter(self.owner.module.state_dict(keep_vars=True).values()), None)
             where = str(where.device) if isinstance(where, torch.Tensor) else "cpu"
+            # Only rank 0 plans; the others profile their share of the pieces.
             update_rate = measure_update_rate(
                 self.owner.module.parameters(), self.owner.optimizer, optimizer,
-                device=where) if training else 0.0
+                device=where) if training and _C.get_rank() == 0 else 0.0
             device = _C.DeviceSpec()
             device.memory_bytes = opts.device_memory
             device.devices_per_node = max(1, _C.get_local_size())
