@@ -47,6 +47,8 @@ void bindPlanner(py::module& m) {
       .def_readonly("backward_time", &partition::StagePlan::backward_time)
       .def_readonly("allreduce_time", &partition::StagePlan::allreduce_time)
       .def_readonly("update_time", &partition::StagePlan::update_time)
+      .def_readonly("busy_time", &partition::StagePlan::busy_time)
+      .def_readonly("bubble_time", &partition::StagePlan::bubble_time)
       .def_readonly("param_bytes", &partition::StagePlan::param_bytes)
       .def_readonly("memory_bytes", &partition::StagePlan::memory_bytes);
 

@@ -1,0 +1,121 @@
+"""Where a pipelined step's time goes, per rank, against the plan: forward and backward
+compute (the stage executor's calls), receive waits, the optimizer step, and the rest
+(Python orchestration, sends). The model and batch are bench/runtime.py's.
+
+    python bench/pipeline_breakdown.py [--ranks 2] [--stages 2] [--single-copy] [--repeats 15]
+
+Launches itself under mpirun (copy in/out unless --single-copy, see
+bench/runtime.py:single_copy_works); each rank prints one line. This is how the session-3
+gap between the runtime and its prediction was taken apart (docs/status.md).
+"""
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE]
+from runtime import BATCH, CFG, ROOT, data  # noqa: E402  (also puts python/ and examples/ on the path)
+
+import rannc  # noqa: E402
+from models import GPT, TransformerConfig  # noqa: E402
+
+
+class _TimedExecutor:
+    """The stage executor with its forward and backward calls timed."""
+
+    def __init__(self, executor, log):
+        self._executor, self._log = executor, log
+
+    def __getattr__(self, name):
+        return getattr(self._executor, name)
+
+    def forward(self, *args):
+        start = time.perf_counter()
+        out = self._executor.forward(*args)
+        self._log["F"] += time.perf_counter() - start
+        return out
+
+    def backward(self, *args):
+        start = time.perf_counter()
+        out = self._executor.backward(*args)
+        self._log["B"] += time.perf_counter() - start
+        return out
+
+
+def worker(stages, repeats):
+    from rannc import pipeline
+    torch.manual_seed(0)
+    model = GPT(TransformerConfig(**CFG))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    wrapped = rannc.RaNNCModule(model, opt, num_stages=stages, log_level="warn")
+    batch = data(BATCH, rannc.get_rank())
+    for _ in range(3):
+        wrapped(*batch).backward()
+        opt.step()
+        opt.zero_grad()
+    deployed = wrapped._deployed[True]
+    log = {"F": 0.0, "B": 0.0, "wait": 0.0}
+    deployed.engine.executor = _TimedExecutor(deployed.engine.executor, log)
+    for name in ("_gather", "_output_grad"):  # where the engine waits for its receives
+        original = getattr(pipeline.Engine, name)
+
+        def timed(self, *args, _original=original):
+            start = time.perf_counter()
+            out = _original(self, *args)
+            log["wait"] += time.perf_counter() - start
+            return out
+        setattr(pipeline.Engine, name, timed)
+    rows = {k: [] for k in ("step", "F", "B", "wait", "update")}
+    for _ in range(repeats):
+        rannc.barrier(60)
+        log.update(F=0.0, B=0.0, wait=0.0)
+        start = time.perf_counter()
+        wrapped(*batch).backward()
+        before_update = time.perf_counter()
+        opt.step()
+        opt.zero_grad()
+        end = time.perf_counter()
+        for k in ("F", "B", "wait"):
+            rows[k].append(log[k])
+        rows["update"].append(end - before_update)
+        rows["step"].append(end - start)
+    med = {k: statistics.median(v) * 1e3 for k, v in rows.items()}
+    d = deployed.deployment
+    s = d.stage_of_rank(rannc.get_rank())
+    st, M = d.stages[s], d.micro_batches
+    rest = med["step"] - med["F"] - med["B"] - med["wait"] - med["update"]
+    print(f"rank {rannc.get_rank()} stage {s} (M={M}): step {med['step']:.1f} ms "
+          f"(predicted {d.iteration_time * 1e3:.1f}); forward {med['F']:.1f} "
+          f"(predicted {st.forward_time * M * 1e3:.1f}), backward {med['B']:.1f} "
+          f"(predicted {st.backward_time * M * 1e3:.1f}), waits {med['wait']:.1f} "
+          f"(predicted idle {(st.bubble_time - st.update_time) * 1e3:.1f}), optimizer step {med['update']:.1f} "
+          f"(predicted {st.update_time * 1e3:.1f}), rest {rest:.1f}", flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--stages", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--single-copy", action="store_true", help="Open MPI's CMA transport")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    if a.worker:
+        return worker(a.stages, a.repeats)
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMP_NUM_THREADS="1", PYTHONPATH=os.path.join(ROOT, "python"))
+    transport = [] if a.single_copy else ["--mca", "btl_vader_single_copy_mechanism", "none"]
+    cmd = (["mpirun", "--oversubscribe", "-np", str(a.ranks), "--mca", "btl", "self,vader"]
+           + transport + [sys.executable, __file__, "--worker", "--stages", str(a.stages),
+                          "--repeats", str(a.repeats)])
+    return subprocess.run(cmd, env=env).returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
