@@ -19,10 +19,9 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE]
-from runtime import BATCH, CFG, ROOT, data  # noqa: E402  (also puts python/ and examples/ on the path)
+from runtime import ROOT, mpirun_command, mpirun_env, warmed_up_pipeline  # noqa: E402
 
-import rannc  # noqa: E402
-from models import GPT, TransformerConfig  # noqa: E402
+import rannc  # noqa: E402  (runtime put python/ on the path)
 
 
 class _TimedExecutor:
@@ -49,15 +48,7 @@ class _TimedExecutor:
 
 def worker(stages, repeats):
     from rannc import pipeline
-    torch.manual_seed(0)
-    model = GPT(TransformerConfig(**CFG))
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    wrapped = rannc.RaNNCModule(model, opt, num_stages=stages, log_level="warn")
-    batch = data(BATCH, rannc.get_rank())
-    for _ in range(3):
-        wrapped(*batch).backward()
-        opt.step()
-        opt.zero_grad()
+    wrapped, opt, batch = warmed_up_pipeline(stages)
     deployed = wrapped._deployed[True]
     log = {"F": 0.0, "B": 0.0, "wait": 0.0}
     deployed.engine.executor = _TimedExecutor(deployed.engine.executor, log)
@@ -108,13 +99,9 @@ def main():
     torch.set_num_threads(1)
     if a.worker:
         return worker(a.stages, a.repeats)
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               OMP_NUM_THREADS="1", PYTHONPATH=os.path.join(ROOT, "python"))
-    transport = [] if a.single_copy else ["--mca", "btl_vader_single_copy_mechanism", "none"]
-    cmd = (["mpirun", "--oversubscribe", "-np", str(a.ranks), "--mca", "btl", "self,vader"]
-           + transport + [sys.executable, __file__, "--worker", "--stages", str(a.stages),
-                          "--repeats", str(a.repeats)])
-    return subprocess.run(cmd, env=env).returncode
+    cmd = mpirun_command(a.ranks, a.single_copy, [__file__, "--worker", "--stages", str(a.stages),
+                                                  "--repeats", str(a.repeats)])
+    return subprocess.run(cmd, env=mpirun_env(PYTHONPATH=os.path.join(ROOT, "python"))).returncode
 
 
 if __name__ == "__main__":

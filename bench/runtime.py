@@ -63,8 +63,9 @@ def one_rank(repeats):
     return dict(plain_step_s=p, rannc_step_s=o, ratio=o / p)
 
 
-def worker(repeats, stages):
-    """Runs under mpirun: times RaNNCModule steps; rank 0 prints one JSON line."""
+def warmed_up_pipeline(stages):
+    """Under mpirun: the GPT wrapped by RaNNCModule over `stages` stages, its optimizer and
+    this rank's batch, after three steps (the first traces, plans and deploys)."""
     torch.manual_seed(0)
     model = GPT(TransformerConfig(**CFG))
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
@@ -72,6 +73,25 @@ def worker(repeats, stages):
     batch = data(BATCH, rannc.get_rank())
     for _ in range(3):
         step(wrapped, opt, batch)
+    return wrapped, opt, batch
+
+
+def mpirun_command(ranks, single_copy, script_args):
+    """mpirun over shared memory: CMA with `single_copy`, else copy in/out (see
+    single_copy_works), running `script_args` with this Python."""
+    transport = [] if single_copy else ["--mca", "btl_vader_single_copy_mechanism", "none"]
+    return (["mpirun", "--oversubscribe", "-np", str(ranks), "--mca", "btl", "self,vader"]
+            + transport + [sys.executable] + list(script_args))
+
+
+def mpirun_env(**extra):
+    return dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+                OMP_NUM_THREADS="1", **extra)
+
+
+def worker(repeats, stages):
+    """Runs under mpirun: times RaNNCModule steps; rank 0 prints one JSON line."""
+    wrapped, opt, batch = warmed_up_pipeline(stages)
     times = []
     for _ in range(repeats):
         rannc.barrier(60)
@@ -89,28 +109,23 @@ def single_copy_works() -> bool:
     (CMA, its default; containers without ptrace rights refuse it). Without it, a large
     send goes through shared-memory fragments that only move when the sender calls into
     MPI, so an activation sent before a compute waits for that compute to end."""
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     code = ("import sys, torch; sys.path.insert(0, %r); import rannc; from rannc import _C; "
             "c = _C.Communicator.world_cpu(); r = rannc.get_rank(); t = torch.ones(1 << 18); "
             "b = torch.empty_like(t); w = c.send(t, 1 - r, 0); c.recv(b, 1 - r, 0).wait(); "
             "w.wait(); assert bool((b == 1).all()); print('SINGLE COPY OK')") % os.path.join(ROOT, "python")
     try:
-        out = subprocess.run(["mpirun", "--oversubscribe", "-np", "2", "--mca", "btl", "self,vader",
-                              sys.executable, "-c", code], stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True, env=env, timeout=120)
+        out = subprocess.run(mpirun_command(2, True, ["-c", code]), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, env=mpirun_env(), timeout=120)
     except subprocess.TimeoutExpired:
         return False
     return out.returncode == 0 and out.stdout.count("SINGLE COPY OK") == 2
 
 
 def launch(ranks, stages, repeats, single_copy=False, **extra_env):
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               OMP_NUM_THREADS="1", **extra_env)
-    transport = [] if single_copy else ["--mca", "btl_vader_single_copy_mechanism", "none"]
     out = subprocess.run(
-        ["mpirun", "--oversubscribe", "-np", str(ranks), "--mca", "btl", "self,vader"] + transport
-        + [sys.executable, __file__, "--worker", str(stages), "--repeats", str(repeats)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, timeout=900)
+        mpirun_command(ranks, single_copy, [__file__, "--worker", str(stages), "--repeats", str(repeats)]),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=mpirun_env(**extra_env),
+        timeout=900)
     for line in out.stdout.splitlines():
         if line.startswith("RESULT "):
             return dict(json.loads(line[len("RESULT "):]),

@@ -14,6 +14,7 @@ behave as in PyTorch.
 """
 from __future__ import annotations
 
+import itertools
 import sys
 import traceback
 
@@ -170,8 +171,9 @@ class _Deployed:
             from .update_cost import measure_update_rate
             # Profile where the stages will run: the runtime keeps them on the device of
             # the model's state (CPU so far; DESIGN §6 places them per rank later).
-            where = next(iter(self.owner.module.state_dict(keep_vars=True).values()), None)
-            where = str(where.device) if isinstance(where, torch.Tensor) else "cpu"
+            module = self.owner.module
+            first = next(itertools.chain(module.parameters(), module.buffers()), None)
+            where = str(first.device) if first is not None else "cpu"
             # Only rank 0 plans; the others profile their share of the pieces.
             update_rate = measure_update_rate(
                 self.owner.module.parameters(), self.owner.optimizer, optimizer,
