@@ -153,7 +153,8 @@ PYBIND11_MODULE(_C, m) {
       .def("is_completed", &comm::Work::isCompleted);
 
   py::class_<comm::Communicator, std::shared_ptr<comm::Communicator>>(
-      m, "Communicator", "Moves tensors between ranks (MPI for CPU tensors).")
+      m, "Communicator",
+      "Moves tensors between ranks: world_cpu() over MPI (CPU tensors), world_cuda() over NCCL.")
       .def_static("world_cpu", &comm::worldCpuCommunicator)
       .def_static("world_cuda",
                   []() -> std::shared_ptr<comm::Communicator> {
@@ -257,10 +258,13 @@ PYBIND11_MODULE(_C, m) {
   py::class_<runtime::StageExecutor>(m, "StageExecutor",
                                      "Forward/backward of one piece, one micro-batch at a time.")
       .def(py::init([](std::shared_ptr<frontend::TracedModel> model, ir::Subgraph piece,
-                       std::unordered_map<ir::ValueId, at::Tensor> state) {
-             return std::make_unique<runtime::StageExecutor>(model, std::move(piece), std::move(state));
+                       std::unordered_map<ir::ValueId, at::Tensor> state, const std::string& device) {
+             return std::make_unique<runtime::StageExecutor>(model, std::move(piece), std::move(state),
+                                                             c10::Device(device));
            }),
-           py::arg("model"), py::arg("piece"), py::arg("state"))
+           py::arg("model"), py::arg("piece"), py::arg("state"), py::arg("device") = "cpu")
+      .def_property_readonly("device",
+                             [](const runtime::StageExecutor& s) { return s.device().str(); })
       .def_property_readonly("input_ids", &runtime::StageExecutor::inputIds)
       .def_property_readonly("output_ids", &runtime::StageExecutor::outputIds)
       .def_property_readonly("stashed", &runtime::StageExecutor::stashed)

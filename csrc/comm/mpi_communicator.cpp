@@ -53,24 +53,43 @@ class MpiWork : public Work {
 
   MPI_Request* request() { return &request_; }
 
+  // A receive checks that the message filled its buffer: transfers matched by order
+  // (pipeline.py's channels) must never pair a message with another's buffer.
+  void expect(int count, MPI_Datatype type) {
+    expected_ = count;
+    type_ = type;
+  }
+
   void wait(std::optional<std::chrono::milliseconds> timeout) override {
     if (done_) return;
     World& world = World::get();
-    world.wait(request_, what_, timeout.value_or(world.defaultTimeout()));
-    complete();
+    MPI_Status status;
+    world.wait(request_, what_, timeout.value_or(world.defaultTimeout()), &status);
+    complete(status);
   }
 
   bool isCompleted() override {
     if (done_) return true;
     int flag = 0;
-    MPI_Test(&request_, &flag, MPI_STATUS_IGNORE);
-    if (flag) complete();
+    MPI_Status status;
+    MPI_Test(&request_, &flag, &status);
+    if (flag) complete(status);
     return done_;
   }
 
  private:
-  void complete() {
+  void complete(const MPI_Status& status) {
     done_ = true;
+    if (expected_ >= 0) {
+      int got = 0;
+      MPI_Get_count(&status, type_, &got);
+      if (got != expected_) {
+        World::get().endOperation();
+        keep_.clear();
+        throw CommError(what_ + ": received " + std::to_string(got) + " elements into a buffer of " +
+                        std::to_string(expected_) + " (sender and receiver disagree on the transfer)");
+      }
+    }
     World::get().endOperation();
     if (finish_) finish_();
     keep_.clear();
@@ -81,6 +100,8 @@ class MpiWork : public Work {
   std::function<void()> finish_;
   MPI_Request request_ = MPI_REQUEST_NULL;
   bool done_ = false;
+  int expected_ = -1;
+  MPI_Datatype type_ = MPI_BYTE;
 };
 
 void check(int rc, const std::string& what) {
@@ -137,6 +158,7 @@ class MpiCommunicator : public Communicator {
     if (!buf.is_same(tensor)) finish = [tensor, buf]() mutable { tensor.copy_(buf); };
     auto work = std::make_shared<MpiWork>(describe("recv", peer, tag),
                                           std::vector<at::Tensor>{tensor, buf}, finish);
+    work->expect(count(buf), mpiType(buf.scalar_type()));
     check(MPI_Irecv(buf.data_ptr(), count(buf), mpiType(buf.scalar_type()), peer, tag, comm_,
                     work->request()),
           describe("recv", peer, tag));

@@ -182,12 +182,13 @@ void World::checkPeers() {
                   std::to_string(status.MPI_SOURCE) + " failed: " + msg);
 }
 
-void World::wait(MPI_Request& request, const std::string& what, std::chrono::milliseconds timeout) {
+void World::wait(MPI_Request& request, const std::string& what, std::chrono::milliseconds timeout,
+                 MPI_Status* status) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   int spins = 0;
   while (true) {
     int done = 0;
-    check(MPI_Test(&request, &done, MPI_STATUS_IGNORE), what.c_str());
+    check(MPI_Test(&request, &done, status), what.c_str());
     if (done) return;
     checkPeers();
     if (std::chrono::steady_clock::now() > deadline) {

@@ -51,7 +51,8 @@ class World {
 
   // Waits for `request` while watching for peer failures; throws TimeoutError after
   // `timeout` naming `what`. Blocks the calling thread.
-  void wait(MPI_Request& request, const std::string& what, std::chrono::milliseconds timeout);
+  void wait(MPI_Request& request, const std::string& what, std::chrono::milliseconds timeout,
+            MPI_Status* status = MPI_STATUS_IGNORE);
 
   // Non-blocking operations in flight, counted for the progress thread ([Note: progress
   // thread]): begin when one is posted, end when it completes.

@@ -10,6 +10,7 @@
 
 #include "common/error.h"
 #include "frontend/interpreter.h"
+#include "frontend/placement.h"
 #include "partition/cost/cost_model.h"
 #include "profile/device_meter.h"
 
@@ -29,55 +30,7 @@ int64_t tensorBytes(const c10::IValue& v) {
   return t.defined() ? static_cast<int64_t>(t.numel() * t.element_size()) : 0;
 }
 
-// [Note: traced devices] (profiler.h)
-bool moves(const at::Tensor& t, const c10::Device& device) {
-  return t.defined() && t.device() != device && (t.dim() > 0 || t.requires_grad());
-}
-
-bool moves(const c10::IValue& v, const c10::Device& device) {
-  if (v.isDevice()) return v.toDevice() != device;
-  if (v.isTensor()) return moves(v.toTensor(), device);
-  if (v.isTensorList()) {
-    for (const at::Tensor& t : v.toTensorVector()) {
-      if (moves(t, device)) return true;
-    }
-  }
-  return false;
-}
-
 }  // namespace
-
-c10::IValue toDevice(const c10::IValue& value, const c10::Device& device) {
-  if (!moves(value, device)) return value;
-  if (value.isDevice()) return c10::IValue(device);
-  if (value.isTensor()) {
-    const at::Tensor& t = value.toTensor();
-    return t.detach().to(device).requires_grad_(t.requires_grad());
-  }
-  if (value.isTensorList()) {
-    std::vector<at::Tensor> ts;
-    for (const at::Tensor& t : value.toTensorVector()) {
-      ts.push_back(moves(t, device) ? t.detach().to(device).requires_grad_(t.requires_grad()) : t);
-    }
-    return c10::IValue(ts);
-  }
-  return value;
-}
-
-std::shared_ptr<const frontend::TracedModel> onDevice(
-    std::shared_ptr<const frontend::TracedModel> model, const c10::Device& device) {
-  std::vector<c10::IValue> moved = model->constants;
-  bool changed = false;
-  for (c10::IValue& c : moved) {
-    if (!moves(c, device)) continue;
-    c = toDevice(c, device);
-    changed = true;
-  }
-  if (!changed) return model;
-  auto copy = std::make_shared<frontend::TracedModel>(*model);
-  copy->constants = std::move(moved);
-  return copy;
-}
 
 Profiler::Profiler(std::shared_ptr<const frontend::TracedModel> model,
                    std::shared_ptr<const BoundaryInputs> inputs, ProfilerOptions options)
@@ -89,7 +42,7 @@ Profiler::Profiler(std::shared_ptr<const frontend::TracedModel> model,
       device_kind_(profile::deviceKind(device_) + (options_.forward_only ? "/forward" : "")) {
   if (options_.repetitions < 1) throw Error("profiling needs at least one repetition");
   if (options_.warmup < 0) throw Error("profiling warm-up runs cannot be negative");
-  run_model_ = onDevice(model_, device_);
+  run_model_ = frontend::onDevice(model_, device_);
 }
 
 ProfileRecord Profiler::fakeTimes(const ir::Subgraph& piece, int64_t rows, bool recompute) const {
@@ -148,13 +101,16 @@ ProfileRecord Profiler::measureOnce(DeviceMeter& meter, const ir::Subgraph& piec
   // On the device: the parameters and buffers first, so that the limit, like the CPU
   // counter's, counts the other inputs and what the runs allocate (the planner charges
   // the parameters itself).
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    if (model_->graph.value(ids[i]).isModelState()) inputs[i] = toDevice(inputs[i], device_);
-  }
+  auto place = [&](bool state) {
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      if (model_->graph.value(ids[i]).isModelState() == state) {
+        inputs[i] = frontend::toDevice(inputs[i], device_);
+      }
+    }
+  };
+  place(true);
   const int64_t limit_base = meter.current();
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    if (!model_->graph.value(ids[i]).isModelState()) inputs[i] = toDevice(inputs[i], device_);
-  }
+  place(false);
   // The parameters' gradients are charged by the planner's memory model (params x 2).
   std::vector<at::Tensor> leaves;
   std::vector<char> leaf_is_state;

@@ -79,26 +79,12 @@ class Profiler {
   ProfileRecord fakeTimes(const ir::Subgraph& piece, int64_t rows, bool recompute) const;
 
   std::shared_ptr<const frontend::TracedModel> model_;
-  // model_ with its constant devices and tensors on device_ ([Note: traced devices]).
+  // model_ with its constant devices and tensors on device_ ([Note: traced devices] in frontend/placement.h).
   std::shared_ptr<const frontend::TracedModel> run_model_;
   std::shared_ptr<const BoundaryInputs> inputs_;
   ProfilerOptions options_;
   c10::Device device_;
   std::string device_kind_;
 };
-
-// [Note: traced devices] A trace records devices as constants (`torch.arange(n,
-// device=x.device)` becomes arange on a constant device) and tensors it captured as
-// constant tensors, on the device the model was traced on. To run a piece on another
-// device, those constants, and the kept boundary values (a Device that crossed a piece
-// boundary, tensors), are moved to it: every Device value becomes the profiling device,
-// and every tensor except 0-dim ones that need no grad (CPU scalars mix with any device,
-// and sizes turned into tensors stay on the CPU in a CUDA trace). A model that moves
-// data to the CPU on purpose is thus measured with that work on the profiling device.
-// The model itself is unchanged: `run_model_` is a copy when anything had to move.
-std::shared_ptr<const frontend::TracedModel> onDevice(
-    std::shared_ptr<const frontend::TracedModel> model, const c10::Device& device);
-// `value` on `device` by the rule above (a leaf that required grad stays one).
-c10::IValue toDevice(const c10::IValue& value, const c10::Device& device);
 
 }  // namespace rannc::profile

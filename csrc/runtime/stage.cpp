@@ -1,11 +1,12 @@
 #include "runtime/stage.h"
 
-#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Context.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include "common/error.h"
 #include "frontend/interpreter.h"
+#include "frontend/placement.h"
 
 namespace rannc::runtime {
 namespace {
@@ -18,8 +19,12 @@ bool differentiable(const at::Tensor& t) {
 
 StageExecutor::StageExecutor(std::shared_ptr<const frontend::TracedModel> model,
                              ir::Subgraph piece,
-                             std::unordered_map<ir::ValueId, at::Tensor> state)
-    : model_(std::move(model)), piece_(std::move(piece)), state_(std::move(state)) {
+                             std::unordered_map<ir::ValueId, at::Tensor> state,
+                             c10::Device device)
+    : model_(frontend::onDevice(std::move(model), device)),
+      piece_(std::move(piece)),
+      state_(std::move(state)),
+      device_(device) {
   for (ir::ValueId id : frontend::runPieceInputs(*model_, piece_)) {
     if (model_->graph.value(id).isModelState()) {
       if (!state_.count(id)) {
@@ -29,6 +34,10 @@ StageExecutor::StageExecutor(std::shared_ptr<const frontend::TracedModel> model,
       input_ids_.push_back(id);
     }
   }
+}
+
+at::Generator StageExecutor::generator() const {
+  return at::globalContext().defaultGenerator(device_);
 }
 
 std::vector<c10::IValue> StageExecutor::run(const std::vector<c10::IValue>& inputs) {
@@ -73,7 +82,7 @@ std::vector<c10::IValue> StageExecutor::forward(int64_t mb, const std::vector<c1
   if (recompute) {
     // Keep the inputs and the RNG state; the graph is rebuilt in backward().
     stash.inputs = inputs;
-    auto gen = at::detail::getDefaultCPUGenerator();
+    at::Generator gen = generator();
     {
       std::lock_guard<std::mutex> lock(gen.mutex());
       stash.rng_state = gen.get_state();
@@ -106,7 +115,7 @@ std::vector<at::Tensor> StageExecutor::backward(int64_t mb, const std::vector<at
   }
   if (stash.recompute) {
     // Same inputs, same RNG state: dropout draws the same masks as the first forward.
-    auto gen = at::detail::getDefaultCPUGenerator();
+    at::Generator gen = generator();
     at::Tensor current;
     {
       std::lock_guard<std::mutex> lock(gen.mutex());

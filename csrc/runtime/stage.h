@@ -22,9 +22,14 @@ namespace rannc::runtime {
 class StageExecutor {
  public:
   // `state` maps the value ids of parameters and buffers to this rank's tensors (the ones
-  // the optimizer updates); the piece's other non-constant inputs come with each call.
+  // the optimizer updates, on `device`); the piece's other non-constant inputs come with
+  // each call, on `device` too. The trace's constant devices and tensors are moved there
+  // ([Note: traced devices] in frontend/placement.h).
   StageExecutor(std::shared_ptr<const frontend::TracedModel> model, ir::Subgraph piece,
-                std::unordered_map<ir::ValueId, at::Tensor> state);
+                std::unordered_map<ir::ValueId, at::Tensor> state,
+                c10::Device device = c10::Device(c10::kCPU));
+
+  const c10::Device& device() const { return device_; }
 
   // The non-constant, non-state inputs a forward call takes, in order.
   const std::vector<ir::ValueId>& inputIds() const { return input_ids_; }
@@ -54,8 +59,11 @@ class StageExecutor {
     std::vector<c10::IValue> inputs;   // leaves (requires grad where differentiable)
     std::vector<c10::IValue> outputs;  // attached to the piece's graph (empty if recompute)
     bool recompute = false;
-    at::Tensor rng_state;              // CPU generator state before the forward
+    at::Tensor rng_state;              // the device's generator state before the forward
   };
+
+  // The generator that dropout on this stage's device draws from.
+  at::Generator generator() const;
 
   std::vector<c10::IValue> run(const std::vector<c10::IValue>& inputs);
   std::vector<c10::IValue> leaves(const std::vector<c10::IValue>& inputs) const;
@@ -63,6 +71,7 @@ class StageExecutor {
   std::shared_ptr<const frontend::TracedModel> model_;
   ir::Subgraph piece_;
   std::unordered_map<ir::ValueId, at::Tensor> state_;
+  c10::Device device_;
   std::vector<ir::ValueId> input_ids_;
   std::unordered_map<int64_t, Stash> stash_;
 };

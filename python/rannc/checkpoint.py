@@ -27,16 +27,16 @@ def _all_gather_objects(obj) -> list:
         part = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if r == rank
                 else torch.empty(size, dtype=torch.uint8))
         comm.broadcast(part, r).wait()
-        parts.append(torch.load(io.BytesIO(part.numpy().tobytes()), weights_only=False))
+        parts.append(torch.load(io.BytesIO(part.numpy().tobytes()), weights_only=False,
+                                map_location="cpu"))
     return parts
-
 
 
 def gather_state_dict(wrapped, *args, destination=None, prefix="", keep_vars=False):
     """The full model state (parameters and persistent buffers) under the original names,
     as `module.state_dict()` of plain PyTorch gives it, on every rank (a collective:
-    every rank must call it). The tensors are fresh copies; the model keeps only its
-    stage's state."""
+    every rank must call it). The tensors are fresh copies on the CPU (the whole model
+    need not fit on one device); the model keeps only its stage's state."""
     if not wrapped._users:
         return wrapped.module.state_dict(*args, destination=destination, prefix=prefix,
                                       keep_vars=keep_vars)
@@ -45,10 +45,11 @@ def gather_state_dict(wrapped, *args, destination=None, prefix="", keep_vars=Fal
     gathered = {}
     for i, (t, (owner, current)) in enumerate(zip(wrapped._state_tensors(), wrapped._sources())):
         if current == world:
-            value = t.detach().clone()
+            value = t.detach().to("cpu", copy=True)
         else:
-            value = (t.detach().clone(memory_format=torch.contiguous_format) if rank == owner
-                     else torch.empty(wrapped._freed.get(i, t.shape), dtype=t.dtype, device=t.device))
+            value = (t.detach().to("cpu", copy=True, memory_format=torch.contiguous_format)
+                     if rank == owner
+                     else torch.empty(wrapped._freed.get(i, t.shape), dtype=t.dtype))
             comm.broadcast(value, owner).wait()
         gathered[id(t)] = value
     out = wrapped.module.state_dict(*args, destination=destination, prefix=prefix, keep_vars=True)
@@ -56,6 +57,7 @@ def gather_state_dict(wrapped, *args, destination=None, prefix="", keep_vars=Fal
         if isinstance(v, torch.Tensor) and id(v) in gathered:
             out[k] = gathered[id(v)]
     return out
+
 
 def load_state_dict(wrapped, state_dict, strict: bool = True, assign: bool = False):
     """Loads a full model state (from plain PyTorch or another world size; every rank
@@ -95,6 +97,7 @@ def load_state_dict(wrapped, state_dict, strict: bool = True, assign: bool = Fal
                            "\n\t" + "\n\t".join(errors))
     return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
 
+
 def gather_optimizer_state(wrapped) -> dict:
     """The optimizer's full state in the format of the original optimizer's state_dict()
     ('state' keyed by each parameter's index in the original param_groups, 'param_groups'
@@ -124,6 +127,7 @@ def gather_optimizer_state(wrapped) -> dict:
     for part in _all_gather_objects(mine):
         state.update(part)
     return {"state": dict(sorted(state.items())), "param_groups": groups}
+
 
 def load_optimizer_state(wrapped, state_dict: dict) -> None:
     """Loads an optimizer state in the original optimizer's format (from

@@ -25,6 +25,7 @@ from .grad_sync import GradBuckets
 from .graph import TracedGraph
 from .options import Options
 from .pipeline import Engine
+from .transport import group_communicator, recv_staged, resolve_device, send_staged, uses_nccl
 
 
 class _ApplyStepGrads(torch.autograd.Function):
@@ -102,13 +103,14 @@ class _Deployed:
         self.input_ids = list(ir.inputs[n_state:])
         state = dict(zip(self.state_ids, state_tensors))
         self.engine = Engine(self.graph._trace.traced, deployment, rank, world,
-                             self.graph.batch_size, state, opts.recompute == "always")
+                             self.graph.batch_size, state, opts.recompute == "always",
+                             device=owner.device, nccl=owner.nccl)
         self.own = {v: t for v, t in self.engine.my_state.items() if t.requires_grad}
         self.groups = []
-        comm = _C.Communicator.world_cpu()
         for ranks, vids in self.engine.grad_groups(set(self.state_ids)):
             if rank in ranks:
-                sub = comm.subgroup(list(ranks)) if len(ranks) > 1 else None
+                sub = (group_communicator(ranks, owner.device, owner.nccl) if len(ranks) > 1
+                       else None)
                 self.groups.append((sub, [v for v in vids if v in self.own]))
         self.buckets = GradBuckets(self.groups, self.own)
         self.engine.before_last_backward = self.buckets.arm
@@ -169,11 +171,8 @@ class _Deployed:
         if opts.cost_model == "profile":
             from . import planning
             from .update_cost import measure_update_rate
-            # Profile where the stages will run: the runtime keeps them on the device of
-            # the model's state (CPU so far; DESIGN §6 places them per rank later).
-            module = self.owner.module
-            first = next(itertools.chain(module.parameters(), module.buffers()), None)
-            where = str(first.device) if first is not None else "cpu"
+            # Profile where the stages will run.
+            where = str(self.owner.device)
             # Only rank 0 plans; the others profile their share of the pieces.
             update_rate = measure_update_rate(
                 self.owner.module.parameters(), self.owner.optimizer, optimizer,
@@ -215,6 +214,9 @@ class _Deployed:
         g = self.graph
         flat = g._flat_inputs(args, kwargs)[len(self.state_ids):]
         local = dict(zip(self.input_ids, flat))
+        # Outputs go where the user's inputs are (the stage's device without tensor inputs).
+        self.out_device = next((t.device for t in flat if isinstance(t, torch.Tensor)),
+                               self.owner.device)
         training = torch.is_grad_enabled() and self.owner.module.training
         if training and self.fill_drain:
             produced, batch_outputs = self.engine.forward_for_backward(local)
@@ -266,10 +268,10 @@ class _Deployed:
         sums = {}
         for vid in whole:
             g = by_vid[vid]
-            t = (g.detach().double().clone() if g is not None
+            t = (g.detach().to("cpu", torch.float64, copy=True) if g is not None
                  else torch.zeros(engine.value(vid)["shape"], dtype=torch.float64))
             comm.all_reduce(t).wait()
-            sums[vid] = t / world
+            sums[vid] = (t / world).to(engine.device)
         for m in range(layout.micro_batches):
             rows = layout.share(engine.stage, engine.copy, m, engine.replica)
             for vid in whole:
@@ -302,26 +304,26 @@ class _Deployed:
         for vid in ir.outputs:
             v = engine.value(vid)
             if vid in batch_outputs:
-                tensors.append(batch_outputs[vid])
+                tensors.append(batch_outputs[vid].to(self.out_device))
             elif v["batch_dependent"] and v["kind"] == "Tensor" and v["shape"] == []:
                 # a mean over the rows of each micro-batch share: weight by rows
                 total = torch.zeros((), dtype=torch.float64)
                 for m, outs in produced.items():
                     if vid in outs:
                         rows = layout.share(engine.stage, engine.copy, m, engine.replica)
-                        total += outs[vid].double() * len(rows) / layout.global_batch
+                        total += outs[vid].detach().double().cpu() * len(rows) / layout.global_batch
                 comm.all_reduce(total).wait()
-                value = total.to(_dtype(v))
+                value = total.to(self.out_device, _dtype(v))
                 if train and vid == engine.loss_vid:
                     anchor = next(iter(self.own.values()), self.owner._anchor)
                     value = _ApplyStepGrads.apply(anchor, value, self)
                 tensors.append(value)
             else:
                 root = layout.rank_of(engine.producer[vid], 0, 0) if vid in engine.producer else 0
-                buf = (produced[0][vid].detach().clone() if _C.get_rank() == root
-                       else engine._empty(vid, None))
+                buf = (produced[0][vid].detach().to("cpu", copy=True) if _C.get_rank() == root
+                       else engine._empty(vid, None, device="cpu"))
                 comm.broadcast(buf, root).wait()
-                tensors.append(buf)
+                tensors.append(buf.to(self.out_device))
         anchor = next(iter(self.own.values()), self.owner._anchor)
         if schedule == "fill_drain":
             floats = [i for i, t in enumerate(tensors) if t.is_floating_point()]
@@ -372,6 +374,13 @@ class RaNNCModule(torch.nn.Module):
         _C.set_comm_timeout(self.options.comm_timeout)
         self.module = model
         self.optimizer = optimizer
+        # [Note: placement] Tracing runs the whole model where the user keeps it (`_home`);
+        # each rank then moves its stages' parameters and buffers to its device (the same
+        # tensor objects, so the optimizer's references stay valid).
+        self.device = resolve_device(self.options.device, model)
+        self.nccl = uses_nccl(self.device, self.options.data_plane)
+        first = next(itertools.chain(model.parameters(), model.buffers()), None)
+        self._home = first.device if first is not None else torch.device("cpu")
         from . import planning
         self.profile_cache = planning.default_profile_cache()
         if self.options.profile_cache:
@@ -437,6 +446,7 @@ class RaNNCModule(torch.nn.Module):
         if mode:
             self._patch_optimizer(deployed)
         self._release()
+        self._place()
         return deployed
 
     @staticmethod
@@ -480,11 +490,21 @@ class RaNNCModule(torch.nn.Module):
         copies = []
         for i, (t, (owner, current)) in enumerate(zip(self._state_tensors(), self._sources())):
             if i in self._freed:
-                t.data = torch.empty(self._freed.pop(i), dtype=t.dtype, device=t.device)
+                t.data = torch.empty(self._freed.pop(i), dtype=t.dtype, device=self._home)
+            elif t.device != self._home:  # tracing runs the whole model at home
+                t.data = t.data.to(self._home)
             if current != world:
                 copies.append((owner, world - current, t.data))
         self._transfer(copies)
         self._weights_stale = False
+
+    def _place(self):
+        """Moves the state tensors this rank keeps to its device ([Note: placement])."""
+        if self.device == self._home:
+            return
+        for i, t in enumerate(self._state_tensors()):
+            if i not in self._freed and t.device != self.device:
+                t.data = t.data.to(self.device)
 
     def _release(self):
         """Frees the storage of the state tensors that no deployed stage on this rank uses."""
@@ -506,9 +526,9 @@ class RaNNCModule(torch.nn.Module):
         works = []
         for owner, receivers, t in copies:
             if rank == owner:
-                works += [comm.send(t, r, _STATE_TAG) for r in sorted(receivers) if r != rank]
+                works += [send_staged(comm, t, r, _STATE_TAG) for r in sorted(receivers) if r != rank]
             elif rank in receivers:
-                works.append(comm.recv(t, owner, _STATE_TAG))
+                works.append(recv_staged(comm, t, owner, _STATE_TAG))
         for w in works:
             w.wait()
 
@@ -582,7 +602,7 @@ class RaNNCModule(torch.nn.Module):
                 t = deployed.own.get(v)
                 if t is not None and t.grad is not None and v not in counted:
                     counted.add(v)
-                    mine += t.grad.double().norm(norm_type) ** norm_type
+                    mine += t.grad.detach().double().norm(norm_type).cpu() ** norm_type
         comm.all_reduce(mine).wait()
         total = mine ** (1.0 / norm_type)
         coef = max_norm / (float(total) + 1e-6)

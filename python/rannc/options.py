@@ -45,6 +45,10 @@ class Options:
     profile_cache: str = ""            # load measured pieces from / save them to this file
     profile_warmup: int = 1            # untimed runs before measuring a piece
     profile_repetitions: int = 3       # timed runs per piece (the median is kept)
+    device: str = "auto"               # where stages run: auto (the model's CUDA device, else
+                                       # this rank's GPU if any, else cpu), cpu, cuda, cuda:N
+    data_plane: str = "auto"           # CUDA stages: auto (NCCL if built with it, else MPI
+                                       # through host memory), nccl, mpi
 
     @staticmethod
     def resolve(kwargs: dict, environ=os.environ) -> "Options":
@@ -67,6 +71,8 @@ class Options:
             raise _C.Error(f"option cost_model is {opts.cost_model!r}; expected profile or analytic")
         if opts.schedule not in ("1f1b", "fill_drain"):
             raise _C.Error(f"option schedule is {opts.schedule!r}; expected 1f1b or fill_drain")
+        if opts.data_plane not in ("auto", "nccl", "mpi"):
+            raise _C.Error(f"option data_plane is {opts.data_plane!r}; expected auto, nccl or mpi")
         if opts.recompute not in ("auto", "always", "never"):
             raise _C.Error(f"option recompute is {opts.recompute!r}; expected auto, always or never")
         return opts

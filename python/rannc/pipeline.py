@@ -13,16 +13,21 @@ from replica (j mod r) of the producing stage to replica j of the consumer.
 
 [Note: send/receive ordering] Sends are non-blocking and are waited for at the end of the
 step; the receives of the next action are posted before the current action computes and
-are waited for when it needs them. A tag encodes (value, micro-batch, direction), so
-the messages between two ranks never need to arrive in a particular order.
+are waited for when it needs them. Transfers go over channels that deliver in order
+([Note: channels] in transport.py): on every channel both sides issue their transfers by
+(micro-batch, value id, first row), forwards and backwards each in ascending micro-batch
+order as every schedule runs them.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 
 from . import _C
+from .transport import (ACTIVATION, BATCH_OUTPUT, GRADIENT, INPUT_ROWS, OUTPUT_GRADIENT,
+                        MpiChannels, NcclChannels)
 
 
 def bounds(n: int, parts: int) -> list[int]:
@@ -107,8 +112,12 @@ class Engine:
     """Runs one rank's stage of a deployment."""
 
     def __init__(self, traced, deployment, rank: int, world_size: int, local_batch: int,
-                 state: dict, recompute: bool):
+                 state: dict, recompute: bool, device: torch.device = torch.device("cpu"),
+                 nccl: bool = False):
+        """`state`: value id -> the module's tensor (this rank's stage's ones must be on
+        `device` before the first step); `nccl`: CUDA stages talk over NCCL."""
         self.traced, self.ir = traced, traced.ir
+        self.device = device
         self.deployment = deployment
         self.rank = rank
         self.layout = Layout(deployment, world_size, local_batch)
@@ -116,9 +125,8 @@ class Engine:
         self.pieces = [deployment.stage_piece(self.ir, s) for s in range(deployment.num_stages)]
         piece = self.pieces[self.stage]
         self.my_state = {v: state[v] for v in piece.inputs if v in state}
-        self.executor = _C.StageExecutor(traced, piece, self.my_state)
+        self.executor = _C.StageExecutor(traced, piece, self.my_state, str(device))
         self.recompute = recompute or deployment.stages[self.stage].recompute
-        self.comm = _C.Communicator.world_cpu()
         self.values = {}
         self.producer = {}  # value id -> stage producing it
         for s, p in enumerate(self.pieces):
@@ -129,6 +137,10 @@ class Engine:
         self.train_actions = _C.build_schedule(deployment.schedule, deployment.num_stages,
                                                self.layout.micro_batches)[self.stage]
         self._plan_transfers()
+        # Graph inputs come from the user's (host) batch over MPI; the rest over the
+        # device's data plane.
+        self.host_channels = MpiChannels()
+        self.channels = NcclChannels(self._channels(), device) if nccl else self.host_channels
         self.before_last_backward = None  # called before the step's last backward action
 
     # ---- transfer planning (pure; every rank computes the same lists) ------------------
@@ -188,7 +200,31 @@ class Engine:
                                     target = (self.input_sends if vid in self.graph_inputs
                                               else self.send[m].setdefault(vid, []))
                                     target.append(p)
+        # [Note: send/receive ordering]: each channel's transfers in one order on both sides
+        order = lambda p: (p.m, p.vid, p.rows.start if p.rows is not None else 0)
+        for table in (self.recv, self.send):
+            for m in table:
+                table[m] = {vid: sorted(ps, key=order) for vid, ps in sorted(table[m].items())}
+        self.input_sends.sort(key=order)
         self._plan_outputs()
+
+    def _channels(self):
+        """(sender, receiver, kind) of every device channel this rank uses; both ends of a
+        channel list it (the transfer lists are symmetric)."""
+        out = set()
+        for table in (self.recv, self.send):
+            for by_vid in table.values():
+                for vid, pieces in by_vid.items():
+                    if vid in self.graph_inputs:
+                        continue
+                    for p in pieces:
+                        out.add((p.src, p.dst, ACTIVATION))
+                        out.add((p.dst, p.src, GRADIENT))
+        for p in itertools.chain(*self.out_recv.values(),
+                                 *(ps for t in self.out_send.values() for ps in t.values())):
+            out.add((p.src, p.dst, BATCH_OUTPUT))
+            out.add((p.dst, p.src, OUTPUT_GRADIENT))
+        return sorted(c for c in out if c[0] != c[1])
 
     def _stage_inputs(self, s):
         """Inputs of stage s that move between ranks: not state, not constants, not shape
@@ -247,6 +283,10 @@ class Engine:
                                 self.out_recv.setdefault(vid, []).append(p)
                             if src == me:
                                 self.out_send[m].setdefault(vid, []).append(p)
+        order = lambda p: (p.m, p.vid, p.rows.start)
+        self.out_recv = {vid: sorted(ps, key=order) for vid, ps in sorted(self.out_recv.items())}
+        self.out_send = {m: {vid: sorted(ps, key=order) for vid, ps in sorted(t.items())}
+                         for m, t in self.out_send.items()}
 
     # ---- gradient groups ----------------------------------------------------------------
     def grad_groups(self, state_ids):
@@ -263,42 +303,38 @@ class Engine:
         return sorted(groups.items())
 
     # ---- execution ------------------------------------------------------------------------
-    def _tag(self, vid: int, m: int, direction: int) -> int:
-        """direction: 0 forward, 1 gradient, 2 batch output, 3 batch output's gradient."""
-        return (vid * self.layout.micro_batches + m) * 4 + direction
-
-    def _empty(self, vid: int, rows: Rows | None) -> torch.Tensor:
+    def _empty(self, vid: int, rows: Rows | None, device=None) -> torch.Tensor:
         v = self.value(vid)
         shape = list(v["shape"])
         if rows is not None:
             shape[v["batch_dim"]] = len(rows) * v["batch_multiple"]
-        return torch.empty(shape, dtype=_DTYPES[v["dtype"]])
+        return torch.empty(shape, dtype=_DTYPES[v["dtype"]], device=device or self.device)
 
     def _post_inputs(self, m: int) -> dict:
         """Posts the receives of micro-batch m's forward inputs: {vid: [(piece, buffer, work)]}
         (buffer and work None for rows this rank holds itself)."""
         posted = {}
-        for vid in self.executor.input_ids:
+        for vid in sorted(self.executor.input_ids):
             if self._is_shape_value(vid):
                 continue
             pieces = self.recv[m].get(vid, [])
             if not pieces:
                 raise _C.InternalError(f"rank {self.rank}: no source for input {vid} of micro-batch {m}")
+            kind = INPUT_ROWS if vid in self.graph_inputs else ACTIVATION
             posted[vid] = [(p, None, None) if p.src == self.rank else
-                           self._post_recv(p.vid, p.rows, p.src, self._tag(vid, m, 0), p)
-                           for p in pieces]
+                           self._post_recv(p.vid, p.rows, p.src, kind, p) for p in pieces]
         return posted
 
     def _post_output_grads(self, m: int) -> dict:
         """Posts the receives of the gradients that micro-batch m's consumers send back."""
-        return {vid: [self._post_recv(vid, p.rows, p.dst, self._tag(vid, m, 1), p)
-                      for p in self.send[m][vid]]
-                for vid in self.executor.output_ids
+        return {vid: [self._post_recv(vid, p.rows, p.dst, GRADIENT, p) for p in self.send[m][vid]]
+                for vid in sorted(self.executor.output_ids)
                 if self._carries_grad(vid) and self.send[m].get(vid)}
 
-    def _post_recv(self, vid, rows, src, tag, piece):
+    def _post_recv(self, vid, rows, src, kind, piece):
         buf = self._empty(vid, rows)
-        return piece, buf, self.comm.recv(buf, src, tag)
+        channels = self.host_channels if kind == INPUT_ROWS else self.channels
+        return piece, buf, channels.recv(buf, src, kind)
 
     def _post(self, action):
         kind, m = action
@@ -312,7 +348,7 @@ class Engine:
         parts = []
         for p, buf, work in posted[vid]:
             if work is None:
-                parts.append(_narrow(local[vid], v, p.rows, p.src_start))
+                parts.append(_narrow(local[vid], v, p.rows, p.src_start).to(self.device))
             else:
                 work.wait()
                 parts.append(buf)
@@ -357,7 +393,7 @@ class Engine:
             self._shapes, self._produced = {}, {}
             for p in self.input_sends:
                 t = _narrow(local[p.vid], self.value(p.vid), p.rows, p.src_start).contiguous()
-                sends.append(self.comm.send(t, p.dst, self._tag(p.vid, p.m, 0)))
+                sends.append(self.host_channels.send(t, p.dst, INPUT_ROWS))
         outputs = set(self.ir.outputs)
         last_backward = max((i for i, (kind, _) in enumerate(actions) if kind == "B"), default=-1)
         upcoming = self._post(actions[0]) if actions else {}
@@ -372,25 +408,25 @@ class Engine:
                 out_map = dict(zip(self.executor.output_ids, outs))
                 self._shapes[m] = {vid: (t.shape, t.dtype) for vid, t in out_map.items()
                                    if isinstance(t, torch.Tensor)}
-                for table, direction in ((self.send[m], 0), (self.out_send[m], 2)):
+                for table, kind in ((self.send[m], ACTIVATION), (self.out_send[m], BATCH_OUTPUT)):
                     for vid, ps in table.items():
                         for p in ps:
+                            if p.dst == self.rank:
+                                continue  # my own rows of a batch output: _collect_batch_outputs
                             t = _narrow(out_map[vid], self.value(vid), p.rows, p.src_start)
-                            sends.append(self.comm.send(t.contiguous(), p.dst,
-                                                        self._tag(vid, m, direction)))
+                            sends.append(self.channels.send(t.contiguous(), p.dst, kind))
                 self._produced[m] = {vid: t for vid, t in out_map.items() if vid in outputs}
             else:
                 grads = [self._output_grad(vid, m, posted) for vid in self.executor.output_ids]
                 in_grads = self.executor.backward(m, grads)
-                for vid, g in zip(self.executor.input_ids, in_grads):
+                for vid, g in sorted(zip(self.executor.input_ids, in_grads), key=lambda x: x[0]):
                     if (vid in self.graph_inputs or not self._carries_grad(vid)
                             or self._is_shape_value(vid)):
                         continue
                     for p in self.recv[m].get(vid, []):
-                        piece = (torch.zeros_like(self._empty(vid, p.rows)) if g is None
+                        piece = (self._empty(vid, p.rows).zero_() if g is None
                                  else _narrow(g, self.value(vid), p.rows, p.dst_start))
-                        sends.append(self.comm.send(piece.contiguous(), p.src,
-                                                    self._tag(vid, m, 1)))
+                        sends.append(self.channels.send(piece.contiguous(), p.src, GRADIENT))
         batch_outputs = self._collect_batch_outputs() if has_forwards else {}
         for w in sends:
             w.wait()
@@ -402,24 +438,31 @@ class Engine:
         tensor shaped like the local output, or None for zeros) to the replicas that
         produced those rows, and returns m -> {vid: summed gradient of my share} for the
         batch outputs this stage produces (the reverse of the outputs' transfers)."""
-        sends, posted = [], []
-        for vid, pieces in self.out_recv.items():
-            g = grads.get(vid)
-            for p in pieces:
-                t = (_narrow(g, self.value(vid), p.rows, p.dst_start).contiguous() if g is not None
-                     else self._empty(vid, p.rows).zero_())
-                sends.append(self.comm.send(t, p.src, self._tag(vid, p.m, 3)))
+        sends, posted, mine = [], [], {}
+        for p in sorted(itertools.chain(*self.out_recv.values()),
+                        key=lambda p: (p.m, p.vid, p.rows.start)):
+            g = grads.get(p.vid)
+            t = (_narrow(g, self.value(p.vid), p.rows, p.dst_start).to(self.device).contiguous()
+                 if g is not None else self._empty(p.vid, p.rows).zero_())
+            if p.src == self.rank:
+                mine[(p.m, p.vid, p.rows.start)] = t
+            else:
+                sends.append(self.channels.send(t, p.src, OUTPUT_GRADIENT))
         for m, table in self.out_send.items():
             for vid, pieces in table.items():
                 for p in pieces:
-                    posted.append((m, self._post_recv(vid, p.rows, p.dst, self._tag(vid, m, 3), p)))
+                    if p.dst == self.rank:
+                        posted.append((m, (p, mine[(m, vid, p.rows.start)], None)))
+                    else:
+                        posted.append((m, self._post_recv(vid, p.rows, p.dst, OUTPUT_GRADIENT, p)))
         seeds = {}
         for m, (p, buf, work) in posted:
-            work.wait()
+            if work is not None:
+                work.wait()
             shape, dtype = self._shapes[m][p.vid]
             seed = seeds.setdefault(m, {}).get(p.vid)
             if seed is None:
-                seed = seeds[m][p.vid] = torch.zeros(shape, dtype=dtype)
+                seed = seeds[m][p.vid] = torch.zeros(shape, dtype=dtype, device=self.device)
             _narrow(seed, self.value(p.vid), p.rows, p.src_start).add_(buf)
         for w in sends:
             w.wait()
@@ -437,11 +480,11 @@ class Engine:
         seed = self._seeds.get(m, {}).get(vid)
         grad = None
         if seed is not None:
-            grad = (seed.clone() if isinstance(seed, torch.Tensor)
-                    else torch.full(shape, seed, dtype=dtype))
+            grad = (seed.to(self.device, copy=True) if isinstance(seed, torch.Tensor)
+                    else torch.full(shape, seed, dtype=dtype, device=self.device))
         if vid in posted:
             if grad is None:
-                grad = torch.zeros(shape, dtype=dtype)
+                grad = torch.zeros(shape, dtype=dtype, device=self.device)
             for p, buf, work in posted[vid]:
                 work.wait()
                 _narrow(grad, self.value(vid), p.rows, p.src_start).add_(buf)
@@ -449,18 +492,20 @@ class Engine:
 
     def _collect_batch_outputs(self):
         """This rank's own rows of every batch output, assembled in row order."""
-        result = {}
-        for vid, pieces in self.out_recv.items():
-            v = self.value(vid)
-            parts, works = [], []
-            for p in sorted(pieces, key=lambda p: p.rows.start):
-                buf = self._empty(vid, p.rows)
-                works.append(self.comm.recv(buf, p.src, self._tag(vid, p.m, 2)))
-                parts.append(buf)
-            for w in works:
-                w.wait()
-            result[vid] = torch.cat(parts, dim=v["batch_dim"])
-        return result
+        parts, works = {}, []
+        for p in sorted(itertools.chain(*self.out_recv.values()),
+                        key=lambda p: (p.m, p.vid, p.rows.start)):
+            if p.src == self.rank:
+                t = _narrow(self._produced[p.m][p.vid], self.value(p.vid), p.rows, p.src_start)
+            else:
+                t = self._empty(p.vid, p.rows)
+                works.append(self.channels.recv(t, p.src, BATCH_OUTPUT))
+            parts.setdefault(p.vid, []).append((p.rows.start, t))
+        for w in works:
+            w.wait()
+        return {vid: torch.cat([t for _, t in sorted(ps, key=lambda x: x[0])],
+                               dim=self.value(vid)["batch_dim"])
+                for vid, ps in parts.items()}
 
     @property
     def loss_vid(self):

@@ -18,6 +18,28 @@ for w in works:
     w.wait(30)
 assert torch.equal(into, torch.full((3, 4), float(prv))), into
 
+# messages with one tag between two ranks arrive in order, and a message that does not
+# fill its buffer (transfers paired wrongly) raises instead of leaving stale data
+if size >= 2 and rank in (0, 1):
+    peer = 1 - rank
+    if rank == 0:
+        for w in [comm.send(torch.arange(3.0), peer, 9), comm.send(torch.arange(5.0), peer, 9)]:
+            w.wait(30)
+    else:
+        first, second = torch.empty(3), torch.empty(5)
+        w1, w2 = comm.recv(first, peer, 9), comm.recv(second, peer, 9)
+        w1.wait(30)
+        w2.wait(30)
+        assert torch.equal(first, torch.arange(3.0)) and torch.equal(second, torch.arange(5.0))
+    if rank == 0:
+        comm.send(torch.arange(3.0), peer, 10).wait(30)
+    else:
+        try:
+            comm.recv(torch.empty(5), peer, 10).wait(30)
+            raise AssertionError("a short message into a larger buffer was accepted")
+        except _C.CommError as e:
+            assert "received 3 elements into a buffer of 5" in str(e), e
+
 # all-reduce: sum, max, and bfloat16 (reduced in float)
 t = torch.tensor([rank + 1.0, 2.0 * rank])
 comm.all_reduce(t).wait()
