@@ -2,6 +2,8 @@
 pipeline on 2 CPU ranks against the plan's prediction and against one rank.
 
     python bench/runtime.py [--repeats 20]
+    python bench/runtime.py --device cuda [--out DIR]   # one rank on the GPU only
+
 
 Both parts alternate the measured variants in one run (the machine is shared and noisy:
 read the ratios). The pipeline runs over Open MPI's single-copy shared memory (CMA) where
@@ -27,31 +29,42 @@ from models import GPT, TransformerConfig  # noqa: E402
 
 CFG = dict(vocab=1000, hidden=256, heads=8, layers=8, max_len=64, dropout=0.0)
 BATCH = 8
+# On a GPU, a model large enough that the step is not dominated by kernel launches.
+CUDA_CFG = dict(vocab=32000, hidden=1024, heads=16, layers=12, max_len=512, dropout=0.0)
+CUDA_BATCH = 8
 
 
-def data(rows, seed):
+def data(rows, seed, cfg=CFG, device="cpu"):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randint(0, CFG["vocab"], (rows, CFG["max_len"]), generator=g),
-            torch.randint(0, CFG["vocab"], (rows, CFG["max_len"]), generator=g))
+    return (torch.randint(0, cfg["vocab"], (rows, cfg["max_len"]), generator=g).to(device),
+            torch.randint(0, cfg["vocab"], (rows, cfg["max_len"]), generator=g).to(device))
 
 
 def step(fn, opt, batch):
+    sync = torch.cuda.synchronize if batch[0].is_cuda else (lambda: None)
+    sync()
     start = time.perf_counter()
     loss = fn(*batch)
     loss.backward()
     opt.step()
     opt.zero_grad()
+    sync()
     return time.perf_counter() - start
 
 
-def one_rank(repeats):
+def one_rank(repeats, device="cpu"):
+    """The same model and batch trained by plain PyTorch and by RaNNCModule (one stage)
+    on `device`, steps alternating."""
+    cfg, rows = (CUDA_CFG, CUDA_BATCH) if device == "cuda" else (CFG, BATCH)
     torch.manual_seed(0)
-    plain = GPT(TransformerConfig(**CFG))
+    plain = GPT(TransformerConfig(**cfg))
     ours = copy.deepcopy(plain)
+    plain.to(device)
     opt_plain = torch.optim.Adam(plain.parameters(), lr=1e-4)
     opt_ours = torch.optim.Adam(ours.parameters(), lr=1e-4)
-    wrapped = rannc.RaNNCModule(ours, opt_ours, log_level="warn")
-    batch = data(BATCH, 0)
+    # RaNNCModule moves `ours` to the device itself (option device)
+    wrapped = rannc.RaNNCModule(ours, opt_ours, log_level="warn", device=device)
+    batch = data(rows, 0, cfg, device)
     for _ in range(3):  # warm-up (and the first call's trace and plan)
         step(plain, opt_plain, batch)
         step(wrapped, opt_ours, batch)
@@ -60,7 +73,8 @@ def one_rank(repeats):
         t_plain.append(step(plain, opt_plain, batch))
         t_ours.append(step(wrapped, opt_ours, batch))
     p, o = statistics.median(t_plain), statistics.median(t_ours)
-    return dict(plain_step_s=p, rannc_step_s=o, ratio=o / p)
+    return dict(device=device, model=cfg, batch=rows, plain_step_s=p, rannc_step_s=o,
+                ratio=o / p)
 
 
 def warmed_up_pipeline(stages):
@@ -136,11 +150,24 @@ def launch(ranks, stages, repeats, single_copy=False, **extra_env):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="cuda: only the one-rank comparison, on the GPU (goal: within 3%%)")
+    ap.add_argument("--out", default=os.path.join(HERE, "results"), help="folder of the json")
     ap.add_argument("--worker", type=int, default=0, help=argparse.SUPPRESS)
     a = ap.parse_args()
     torch.set_num_threads(1)
     if a.worker:
         return worker(a.repeats, a.worker)
+    if a.device == "cuda":
+        single = one_rank(a.repeats, "cuda")
+        print(f"one rank on {torch.cuda.get_device_name()}: PyTorch "
+              f"{single['plain_step_s'] * 1e3:.2f} ms, RaNNCModule {single['rannc_step_s'] * 1e3:.2f} ms "
+              f"per step, ratio {single['ratio']:.3f} (goal <= 1.03)")
+        out = os.path.join(a.out, "runtime_cuda.json")
+        with open(out, "w") as f:
+            json.dump(dict(single, gpu=torch.cuda.get_device_name()), f, indent=2)
+        print(f"wrote {out}")
+        return
     single = one_rank(a.repeats)
     print(f"one rank: PyTorch {single['plain_step_s'] * 1e3:.1f} ms, RaNNCModule "
           f"{single['rannc_step_s'] * 1e3:.1f} ms per step, ratio {single['ratio']:.3f} (goal <= 1.05)")
@@ -159,7 +186,7 @@ def main():
             print("  (single copy is refused here; only copy in/out was measured)")
             break
     print(f"one rank on its local batch: {base['measured_step_s'] * 1e3:.1f} ms")
-    out = os.path.join(HERE, "results", "runtime.json")
+    out = os.path.join(a.out, "runtime.json")
     with open(out, "w") as f:
         json.dump(dict(model=CFG, local_batch=BATCH, one_rank=single, pipeline_1rank=base,
                        pipeline_2ranks=pipe, pipeline_2ranks_copy_in_out=copy_io),

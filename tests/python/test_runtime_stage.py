@@ -11,17 +11,17 @@ from rannc import _C
 import zoo
 
 
-
-def run_pipeline(g, model, k, microbatches, args, kwargs, recompute=False):
+def run_pipeline(g, model, k, microbatches, args, kwargs, recompute=False, device="cpu"):
     """Forward every micro-batch through k stages, then backward in reverse, as 1F1B
-    would; returns the loss (mean over the batch)."""
+    would; returns the loss (mean over the batch). The model's state and inputs must be
+    on `device` already."""
     ir = g.ir
     traced = g._trace.traced
     flat = g._flat_inputs(args, kwargs)
     values = {vid: t for vid, t in zip(ir.inputs, flat)}
     state = {vid: t for vid, t in values.items() if ir.value(vid)["role"] in ("param", "buffer")}
     pieces = ir.split(k)
-    stages = [_C.StageExecutor(traced, p, {v: state[v] for v in p.inputs if v in state})
+    stages = [_C.StageExecutor(traced, p, {v: state[v] for v in p.inputs if v in state}, device)
               for p in pieces]
     batch = next(t for vid, t in values.items() if ir.value(vid)["role"] == "input").shape[0]
     bounds = [batch * m // microbatches for m in range(microbatches + 1)]
@@ -42,7 +42,7 @@ def run_pipeline(g, model, k, microbatches, args, kwargs, recompute=False):
         env.append(avail)
     loss = sum(env[m][loss_id] * (bounds[m + 1] - bounds[m]) / batch for m in range(microbatches))
     for m in reversed(range(microbatches)):
-        grads = {loss_id: torch.tensor((bounds[m + 1] - bounds[m]) / batch)}
+        grads = {loss_id: torch.tensor((bounds[m + 1] - bounds[m]) / batch, device=device)}
         for s in reversed(stages):
             in_grads = s.backward(m, [grads.get(v) for v in s.output_ids])
             for v, gr in zip(s.input_ids, in_grads):
