@@ -4,8 +4,12 @@ Adam steps, batch-shaped outputs, eval()/no_grad; over 1..4 ranks and several la
 import time
 
 import pytest
+import torch
 
+import rannc
 from mpirun import mpirun
+from rannc.options import Options
+from rannc.transport import resolve_device, uses_nccl
 
 # (ranks, model, stages, micro-batches, extra arguments)
 LAYOUTS = [
@@ -95,3 +99,19 @@ def test_checkpoints_are_whole_though_each_rank_keeps_only_its_stage(ranks, mode
     assert res.returncode == 0, res.stdout[-4000:]
     for r in range(ranks):
         assert f"OK rank {r}" in res.stdout, res.stdout[-4000:]
+
+
+def test_device_and_data_plane_options_are_checked():
+    model = torch.nn.Linear(2, 2)
+    assert resolve_device("cpu", model) == torch.device("cpu")
+    if not torch.cuda.is_available():
+        assert resolve_device("auto", model) == torch.device("cpu")
+        with pytest.raises(rannc.Error, match="sees no CUDA device"):
+            resolve_device("cuda", model)
+    with pytest.raises(rannc.Error, match="runs stages on cpu or cuda"):
+        resolve_device("meta", model)
+    with pytest.raises(rannc.Error, match="data_plane is 'gloo'"):
+        Options.resolve({"data_plane": "gloo"})
+    # CPU stages always talk over MPI, whatever data_plane says
+    assert not uses_nccl(torch.device("cpu"), "nccl")
+    assert Options.resolve({}, environ={"RANNC_DEVICE": "cpu"}).device == "cpu"
