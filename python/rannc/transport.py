@@ -103,19 +103,27 @@ class MpiChannels:
         return recv_staged(self.comm, buf, src, _TAG_BASE + kind)
 
 
+# (sender, receiver, kind) -> its NCCL communicator, shared by the deployments of all modes.
+_nccl_channels = {}
+
+
 class NcclChannels:
     """Channels over NCCL: one two-rank communicator per (sender, receiver, kind) this rank
-    uses ([Note: channels]). `channels` lists them; every rank creates its own in ascending
-    order, so the members of each pair meet (each creation is collective over the pair)."""
+    uses ([Note: channels]). `channels` lists them; every rank creates the ones it lacks in
+    ascending order, so the members of each pair meet (each creation is collective over the
+    pair, and both ends of a channel have created it before or neither has)."""
 
     def __init__(self, channels, device: torch.device):
         self.device = device
         world = _C.Communicator.world_cuda()
         me = _C.get_rank()
         self.comms = {}
-        for src, dst, kind in sorted(set(channels)):
+        for key in sorted(set(channels)):
+            src, dst, _ = key
             if me in (src, dst) and src != dst:
-                self.comms[(src, dst, kind)] = world.subgroup(sorted((src, dst)))
+                if key not in _nccl_channels:
+                    _nccl_channels[key] = world.subgroup(sorted((src, dst)))
+                self.comms[key] = _nccl_channels[key]
 
     def _peer(self, comm, rank):
         return 0 if comm.world_rank(0) == rank else 1
