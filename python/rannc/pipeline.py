@@ -127,6 +127,9 @@ class Engine:
         self.my_state = {v: state[v] for v in piece.inputs if v in state}
         self.executor = _C.StageExecutor(traced, piece, self.my_state, str(device))
         self.recompute = recompute or deployment.stages[self.stage].recompute
+        # The executor's boundary values in channel order ([Note: send/receive ordering]).
+        self._inputs_by_id = sorted(enumerate(self.executor.input_ids), key=lambda x: x[1])
+        self._outputs_by_id = sorted(self.executor.output_ids)
         self.values = {}
         self.producer = {}  # value id -> stage producing it
         for s, p in enumerate(self.pieces):
@@ -314,7 +317,7 @@ class Engine:
         """Posts the receives of micro-batch m's forward inputs: {vid: [(piece, buffer, work)]}
         (buffer and work None for rows this rank holds itself)."""
         posted = {}
-        for vid in sorted(self.executor.input_ids):
+        for _, vid in self._inputs_by_id:
             if self._is_shape_value(vid):
                 continue
             pieces = self.recv[m].get(vid, [])
@@ -328,7 +331,7 @@ class Engine:
     def _post_output_grads(self, m: int) -> dict:
         """Posts the receives of the gradients that micro-batch m's consumers send back."""
         return {vid: [self._post_recv(vid, p.rows, p.dst, GRADIENT, p) for p in self.send[m][vid]]
-                for vid in sorted(self.executor.output_ids)
+                for vid in self._outputs_by_id
                 if self._carries_grad(vid) and self.send[m].get(vid)}
 
     def _post_recv(self, vid, rows, src, kind, piece):
@@ -419,7 +422,8 @@ class Engine:
             else:
                 grads = [self._output_grad(vid, m, posted) for vid in self.executor.output_ids]
                 in_grads = self.executor.backward(m, grads)
-                for vid, g in sorted(zip(self.executor.input_ids, in_grads), key=lambda x: x[0]):
+                for i, vid in self._inputs_by_id:
+                    g = in_grads[i]
                     if (vid in self.graph_inputs or not self._carries_grad(vid)
                             or self._is_shape_value(vid)):
                         continue
