@@ -6,8 +6,9 @@
 //
 //   rannc_planner_bench model=bert|gpt|resnet [layers=24] [hidden=1024] [heads=hidden/64]
 //                       [seq=512] [vocab=...] [width=8] [devices=32] [per_node=8] [gib=32]
-//                       [batch=256] [patience=3] [blocks=32] [candidates=6] [report=0]
-//                       [log=warn]
+//                       [batch=256] [patience=3] [blocks=32] [candidates=6] [stages=0]
+//                       [micro_batches=0] [report=0]
+//                       [intra_mbs=50000] [inter_mbs=12500] [gpipe=0] [log=warn]
 //
 // Baselines (GPipe-style equal tasks, DeepSpeed-style parameter balance, time balance,
 // Piper-style DP over ideals) are tuned over the pipeline copy counts whose copies fill
@@ -64,12 +65,12 @@ struct BaselineResult {
 // The fastest feasible deployment of `make` over the shapes of the header comment.
 BaselineResult tuneBaseline(const std::function<Deployment(const BaselineShape&)>& make,
                             const PlanContext& ctx, const std::vector<int>& pipeline_counts,
-                            int max_stages, int max_micro_batches) {
+                            int max_stages, int max_micro_batches, int only_replicas = 0) {
   BaselineResult r;
   for (int pipelines : pipeline_counts) {
   const int D = ctx.world_size / pipelines;
   for (int S = 1; S <= std::min(D, max_stages); ++S) {
-    if (D % S != 0) continue;
+    if (D % S != 0 || (only_replicas > 0 && D / S != only_replicas)) continue;
     for (int M : microBatchCandidates(ctx.batch_size / pipelines, max_micro_batches)) {
       BaselineShape shape{S, D / S, pipelines, M};
       StageSlot slot;
@@ -156,6 +157,10 @@ int main(int argc, char** argv) {
   d.memory_bytes = gib << 30;
   d.kernel_overhead = 5e-6;
   d.devices_per_node = static_cast<int>(get("per_node", 8));
+  // What-if knobs for the sensitivity sweep (bench/resnet_goal.py): link speeds in MB/s
+  // (integers), 0 keeps the default.
+  if (get("intra_mbs", 0) > 0) d.intra_node_bandwidth = 1e6 * static_cast<double>(get("intra_mbs", 0));
+  if (get("inter_mbs", 0) > 0) d.inter_node_bandwidth = 1e6 * static_cast<double>(get("inter_mbs", 0));
   AnalyticCostModel costs(g, d);
   PlannerOptions o;
   o.world_size = world;
@@ -164,6 +169,8 @@ int main(int argc, char** argv) {
   o.num_blocks = static_cast<int>(get("blocks", o.num_blocks));
   o.every_node_count = get("every_n", 1) != 0;
   o.refine_candidates = static_cast<int>(get("candidates", o.refine_candidates));
+  o.fixed_stages = static_cast<int>(get("stages", 0));
+  o.fixed_micro_batches = static_cast<int>(get("micro_batches", 0));
   int64_t params = 0;
   for (rannc::ir::ValueId v = 0; v < g.numValues(); ++v) {
     if (g.value(v).role == rannc::ir::ValueRole::Param) params += g.value(v).numel();
@@ -212,6 +219,12 @@ int main(int argc, char** argv) {
   baselines.emplace_back("ideals_dp", tuneBaseline([&](const BaselineShape& s) {
     return piperSplit(trace.blocks, costs, ctx, s); }, ctx, copies,
     static_cast<int>(trace.blocks.blocks.size()), o.max_micro_batches));
+  // Informational (gpipe=1): the equal split with one device per stage, data parallelism
+  // only by pipeline copies, as GPipe runs it (the paper's ResNet comparison).
+  if (get("gpipe", 0) != 0) {
+    baselines.emplace_back("equal_gpipe", tuneBaseline([&](const BaselineShape& s) {
+      return equalTaskSplit(trace.atomic, costs, ctx, s); }, ctx, copies, max_stages, o.max_micro_batches, 1));
+  }
 
   std::string notes;
   js << ", \"atomic_tasks\": " << trace.atomic.pieces.size() << ", \"blocks\": " << trace.blocks.blocks.size()

@@ -28,6 +28,8 @@ struct RefineOptions {
   // Also change the micro-batch count (up to max_micro_batches and the rows of a copy).
   bool move_micro_batches = true;
   int max_micro_batches = 256;
+  // Rounds of micro-batch moves followed by replica moves after the first replica moves.
+  int max_rounds = 3;
 };
 
 // `plan` must come from the blocks of `blocks` (first_block/last_block set, contiguous).

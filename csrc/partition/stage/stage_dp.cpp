@@ -145,6 +145,13 @@ std::vector<int> microBatchCandidates(int64_t rows, int limit) {
   const int64_t top = std::min<int64_t>(rows, std::max(1, limit));
   for (int64_t m = 1; m <= top; m = m < 16 ? m + 1 : (m * 5 + 3) / 4) out.push_back(static_cast<int>(m));
   if (!out.empty() && out.back() != top) out.push_back(static_cast<int>(top));
+  // Divisors of the rows split them evenly, so every micro-batch (and every replica's
+  // share of it) has the same rows; the geometric steps miss most of them (63, not 64).
+  for (int64_t m = 17; m < top; ++m) {
+    if (rows % m == 0) out.push_back(static_cast<int>(m));
+  }
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
   return out;
 }
 
@@ -227,8 +234,9 @@ std::vector<Deployment> formStageCandidates(StageProblem& problem, const StageSe
       int best_m = 0, stale = 0;
       for (int M : mbs) {
         // Rounding rows up to whole micro-batches makes the time jagged in M, so a run of
-        // non-improving counts ends the sweep only once M doubled past the best one.
-        if (stale >= patience && M > 2 * best_m) break;
+        // non-improving counts ends the sweep only once M is four times the best one: the
+        // next even split (a divisor of the rows) can be twice as far as the last one.
+        if (stale >= patience && M > 4 * best_m) break;
         StageSolution sol = formStageDp(problem, S, D, R, M, StageObjective::Time, options.fixed_replicas);
         if (!sol.feasible) continue;
         Deployment d = toDeployment(problem, sol);

@@ -87,7 +87,8 @@ struct StageSearchOptions {
 };
 
 // Micro-batch counts tried for a pipeline copy with `rows` rows per iteration: every count
-// up to 16, then steps of about 1.25x, up to min(rows, limit). Not only powers of two.
+// up to 16, then steps of about 1.25x and the divisors of `rows`, up to min(rows, limit).
+// Not only powers of two. Ascending.
 std::vector<int> microBatchCandidates(int64_t rows, int limit);
 
 // Algorithm 2: for node counts n dividing the nodes (ascending), D = n * devices per node,

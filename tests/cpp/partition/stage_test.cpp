@@ -274,6 +274,16 @@ TEST(AMicroBatchSearch, TriesCountsThatAreNotPowersOfTwo) {
   EXPECT_EQ(microBatchCandidates(5, 64), (std::vector<int>{1, 2, 3, 4, 5}));
 }
 
+TEST(AMicroBatchSearch, TriesTheDivisorsOfTheRows) {
+  // 512 rows: the geometric steps give 63 and 124; 64 and 128 split the rows evenly.
+  std::vector<int> c = microBatchCandidates(512, 256);
+  for (int m : {32, 64, 128, 256}) EXPECT_NE(std::find(c.begin(), c.end(), m), c.end()) << m;
+  EXPECT_TRUE(std::is_sorted(c.begin(), c.end()));
+  EXPECT_EQ(std::adjacent_find(c.begin(), c.end()), c.end());
+  c = microBatchCandidates(96, 256);
+  for (int m : {24, 32, 48, 96}) EXPECT_NE(std::find(c.begin(), c.end(), m), c.end()) << m;
+}
+
 }  // namespace
 }  // namespace rannc::partition
 
