@@ -1,7 +1,5 @@
 #include "partition/stage/refine.h"
 
-#include "partition/stage/stage_dp.h"
-
 #include <algorithm>
 #include <cstdlib>
 #include <limits>
@@ -280,51 +278,30 @@ Deployment refineBoundaries(const Deployment& plan, const AtomicPartition& atomi
     return any;
   };
   // Micro-batch moves: the block DP chose M for its own cut; a piece-level cut (and other
-  // replicas) can prefer another. Hill-climb M over the neighbouring counts the search
-  // tries, the nearest divisors of the rows (even micro-batches) and M x 2, M / 2, taking
-  // the best that improves. True when M moved.
+  // replicas) can prefer another. Hill-climb M by factors of 2, then about 1.25, taking
+  // the first count that improves. True when M moved.
   const int64_t rows_per_copy = ctx.batch_size / std::max(1, plan.pipelines);
-  const std::vector<int> counts = microBatchCandidates(rows_per_copy, options.max_micro_batches);
   auto moveMicroBatches = [&]() {
     bool any = false;
-    for (bool improved = true; improved;) {
-      improved = false;
-      const int m = recutter.microBatches();
-      const auto at = std::lower_bound(counts.begin(), counts.end(), m);
-      std::vector<int> next;
-      if (at != counts.begin()) next.push_back(*(at - 1));
-      const auto above = at != counts.end() && *at == m ? at + 1 : at;
-      if (above != counts.end()) next.push_back(*above);
-      for (auto it = at; it != counts.begin();) {
-        if (rows_per_copy % *--it == 0 && *it != m) { next.push_back(*it); break; }
-      }
-      for (auto it = above; it != counts.end(); ++it) {
-        if (rows_per_copy % *it == 0) { next.push_back(*it); break; }
-      }
-      next.push_back(2 * m);
-      next.push_back(m / 2);
-      int best_m = m;
-      std::vector<int> move_cut;
-      Deployment move_best;
-      for (int n : next) {
-        if (n < 1 || n == m || n > options.max_micro_batches || n > rows_per_copy) continue;
-        recutter.setMicroBatches(n);
-        std::vector<int> c = best_cut;
-        if (recutter.recut(devices, &c)) {
-          Deployment t = recutter.assemble(devices, c);
-          const double bar = best_m != m ? move_best.iteration_time : best.iteration_time;
-          if (t.feasible && t.iteration_time < bar * (1 - 1e-9)) {
-            move_best = std::move(t);
-            move_cut = c;
-            best_m = n;
+    for (double factor : {2.0, 1.25}) {
+      for (bool improved = true; improved;) {
+        improved = false;
+        const int m = recutter.microBatches();
+        for (int next : {static_cast<int>(m * factor + 0.5), static_cast<int>(m / factor + 0.5)}) {
+          if (next < 1 || next == m || next > options.max_micro_batches || next > rows_per_copy) continue;
+          recutter.setMicroBatches(next);
+          std::vector<int> c = best_cut;
+          if (recutter.recut(devices, &c)) {
+            Deployment t = recutter.assemble(devices, c);
+            if (t.feasible && t.iteration_time < best.iteration_time * (1 - 1e-9)) {
+              best = std::move(t);
+              best_cut = c;
+              improved = any = true;
+              break;
+            }
           }
+          recutter.setMicroBatches(m);
         }
-      }
-      recutter.setMicroBatches(best_m);
-      if (best_m != m) {
-        best = std::move(move_best);
-        best_cut = move_cut;
-        improved = any = true;
       }
     }
     return any;
