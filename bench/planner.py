@@ -74,10 +74,15 @@ def table(results):
             t.add_row(*row)
         Console().print(t)
     except ImportError:
-        widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
-        print("  ".join(h.rjust(w) for h, w in zip(head, widths)))
-        for row in rows:
-            print("  ".join(c.rjust(w) for c, w in zip(row, widths)))
+        print(plain_table(head, rows))
+
+
+def plain_table(head, rows):
+    """Right-aligned columns of strings, for terminals without rich and for .md results."""
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(head, widths))]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
+    return "\n".join(lines)
 
 
 def goals(results):

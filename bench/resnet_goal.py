@@ -17,7 +17,7 @@ import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 
-from planner import ROOT, find_driver, run_case
+from planner import ROOT, find_driver, fmt, plain_table, run_case
 
 BASE = {"model": "resnet", "layers": 152, "width": 8, "batch": 512, "devices": 32, "per_node": 8, "gib": 32}
 
@@ -55,10 +55,6 @@ def run(label, changes, exe):
     }
 
 
-def fmt(x, digits=3):
-    return "-" if x is None else f"{x:.{digits}f}"
-
-
 def table(rows):
     head = ["case", "rannc s", "equal s", "time_bal s", "gpipe s", "vs equal", "vs time_bal", "vs gpipe",
             "rannc S/R/M", "equal S/R/M"]
@@ -70,10 +66,7 @@ def table(rows):
                       fmt(r["vs_equal"]), fmt(r["vs_time_balanced"]), fmt(r["vs_equal_gpipe"]),
                       f"{rs['stages']}x{rs['pipelines']} [{reps}] {rs['micro_batches']}",
                       f"{es.get('stages')}x{es.get('pipelines')} [{es.get('replicas')}] {es.get('micro_batches')}"])
-    widths = [max(len(h), *(len(l[i]) for l in lines)) for i, h in enumerate(head)]
-    out = ["  ".join(h.rjust(w) for h, w in zip(head, widths))]
-    out += ["  ".join(c.rjust(w) for c, w in zip(l, widths)) for l in lines]
-    return "\n".join(out)
+    return plain_table(head, lines)
 
 
 def main():
