@@ -242,6 +242,8 @@ Deployment refineBoundaries(const Deployment& plan, const AtomicPartition& atomi
   polishBest();
   // Replica moves: the best move of one or two (up to max_move_size) replicas between two
   // stages, re-cut, while the simulator improves. True when any move was taken.
+  const bool all_pairs = S <= options.all_pairs_up_to ||
+                         static_cast<double>(S) * (S - 1) * recutter.pieces() <= options.all_pairs_budget;
   auto moveReplicas = [&]() {
     bool any = false;
     for (int moves = 0; options.move_replicas && moves < options.max_moves; ++moves) {
@@ -250,7 +252,7 @@ Deployment refineBoundaries(const Deployment& plan, const AtomicPartition& atomi
       bool improved = false;
       for (int from = 0; from < S; ++from) {
         for (int to = 0; to < S; ++to) {
-          if (to == from || (S > options.all_pairs_up_to && std::abs(to - from) != 1)) continue;
+          if (to == from || (!all_pairs && std::abs(to - from) != 1)) continue;
           for (int k = 1; k <= options.max_move_size && k < devices[from]; k *= 2) {
             std::vector<int> d = devices;
             d[from] -= k;

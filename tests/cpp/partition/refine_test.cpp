@@ -86,6 +86,42 @@ TEST(ARefinement, MovesReplicasTowardsTheSlowerStageAndKeepsTheDevices) {
   EXPECT_GT(faster, 0);
 }
 
+// Ten stages, a spare replica on the first and the heavy last layer alone on the last:
+// the move that pays is between the two ends. Passing the replica along neighbours gains
+// nothing at the middle stages, so refinement limited to neighbours leaves it where it is;
+// the default (every pair for a graph this small) moves it.
+TEST(ARefinement, TradesReplicasBetweenStagesThatAreNotNeighbours) {
+  std::vector<int64_t> widths(18, 256);
+  widths.push_back(2048);
+  ir::Graph g = testing::linearChain(widths, /*batch=*/8, /*in_width=*/256);
+  AnalyticCostModel m(g, device());
+  PlannerOptions o;
+  o.world_size = 11;
+  o.batch_size = 1024;
+  o.num_blocks = 19;
+  o.fixed_stages = 10;
+  o.fixed_micro_batches = 4;
+  o.fixed_replicas = {2, 1, 1, 1, 1, 1, 1, 1, 1, 1};
+  o.memory_limit = 1LL << 40;
+  o.refine_boundaries = false;
+  PlanTrace coarse = planTrace(g, m, o);
+  ASSERT_TRUE(coarse.deployment.feasible);
+  const PlanContext ctx = planContext(g, m, o);
+  RefineOptions neighbours;
+  neighbours.move_micro_batches = false;
+  neighbours.all_pairs_up_to = 0;
+  neighbours.all_pairs_budget = 0;
+  RefineOptions pairs;
+  pairs.move_micro_batches = false;
+  Deployment near = refineBoundaries(coarse.deployment, coarse.atomic, coarse.blocks, m, ctx, neighbours);
+  Deployment far = refineBoundaries(coarse.deployment, coarse.atomic, coarse.blocks, m, ctx, pairs);
+  EXPECT_EQ(replicasPerCopy(near, 9), 1);
+  EXPECT_EQ(replicasPerCopy(far, 9), 2);
+  EXPECT_EQ(replicasPerCopy(far, 0), 1);
+  EXPECT_LT(far.iteration_time, 0.9 * near.iteration_time);
+  EXPECT_NO_THROW(validateDeployment(g, far));
+}
+
 // Patience stops the stage sweep in the valley of few, replicated stages; the stage
 // counts dividing the devices past it (down to one device per stage) still become
 // candidates for refinement.
