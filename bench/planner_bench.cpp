@@ -236,18 +236,22 @@ int main(int argc, char** argv) {
   }
   js << "}, \"fits_memory\": " << (plan.feasible ? "true" : "false") << ", \"memory_limit\": " << plan.memory_limit;
   int used = 0;
-  std::ostringstream replicas, peaks, recompute;
+  std::ostringstream replicas, peaks, recompute, compute, statics;
+  compute.precision(9);
   for (int s = 0; s < plan.numStages(); ++s) {
     const StagePlan& st = plan.stages[s];
     used += static_cast<int>(st.ranks.size());
     replicas << (s ? ", " : "") << st.ranks.size() / plan.pipelines;
     peaks << (s ? ", " : "") << st.memory_bytes;
     recompute << (s ? ", " : "") << (st.recompute ? "true" : "false");
+    compute << (s ? ", " : "") << st.forward_time + st.backward_time;
+    statics << (s ? ", " : "") << st.static_bytes;
   }
   js << ", \"rannc\": {\"stages\": " << plan.numStages() << ", \"pipelines\": " << plan.pipelines
      << ", \"micro_batches\": " << plan.micro_batches << ", \"devices_used\": " << used
      << ", \"replicas\": [" << replicas.str() << "], \"recompute\": [" << recompute.str()
-     << "], \"stage_peak_bytes\": [" << peaks.str() << "]}";
+     << "], \"stage_peak_bytes\": [" << peaks.str() << "], \"stage_compute_s\": [" << compute.str()
+     << "], \"stage_static_bytes\": [" << statics.str() << "]}";
   js << ", \"baselines\": {";
   bool first = true;
   for (auto& [name, r] : baselines) {
