@@ -5,30 +5,33 @@
 namespace rannc::frontend {
 namespace {
 
+void runTaskOn(const TracedModel& model, ir::TaskId t, std::vector<c10::IValue>& env,
+               torch::jit::Stack& stack, const ValueObserver& observe) {
+  const ir::Task& task = model.graph.task(t);
+  stack.clear();
+  for (ir::ValueId in : task.inputs) {
+    const c10::IValue& v = model.graph.value(in).isConstant() ? model.constants[in] : env[in];
+    stack.push_back(v);
+  }
+  try {
+    model.operations[t](stack);
+  } catch (const c10::Error& e) {
+    throw Error("running " + model.describeTask(t) + " failed: " + e.what_without_backtrace());
+  }
+  RANNC_CHECK(stack.size() == task.outputs.size(),
+              model.describeTask(t) << " left " << stack.size() << " values, expected "
+                                    << task.outputs.size());
+  for (size_t i = 0; i < task.outputs.size(); ++i) {
+    env[task.outputs[i]] = std::move(stack[i]);
+    if (observe) observe(task.outputs[i], env[task.outputs[i]]);
+  }
+}
+
 // Runs `tasks` over an environment indexed by value id.
 void runTasks(const TracedModel& model, const std::vector<ir::TaskId>& tasks,
               std::vector<c10::IValue>& env, const ValueObserver& observe) {
   torch::jit::Stack stack;
-  for (ir::TaskId t : tasks) {
-    const ir::Task& task = model.graph.task(t);
-    stack.clear();
-    for (ir::ValueId in : task.inputs) {
-      const c10::IValue& v = model.graph.value(in).isConstant() ? model.constants[in] : env[in];
-      stack.push_back(v);
-    }
-    try {
-      model.operations[t](stack);
-    } catch (const c10::Error& e) {
-      throw Error("running " + model.describeTask(t) + " failed: " + e.what_without_backtrace());
-    }
-    RANNC_CHECK(stack.size() == task.outputs.size(),
-                model.describeTask(t) << " left " << stack.size() << " values, expected "
-                                      << task.outputs.size());
-    for (size_t i = 0; i < task.outputs.size(); ++i) {
-      env[task.outputs[i]] = std::move(stack[i]);
-      if (observe) observe(task.outputs[i], env[task.outputs[i]]);
-    }
-  }
+  for (ir::TaskId t : tasks) runTaskOn(model, t, env, stack, observe);
 }
 
 c10::IValue fetch(const TracedModel& model, const std::vector<c10::IValue>& env, ir::ValueId id) {
@@ -36,6 +39,16 @@ c10::IValue fetch(const TracedModel& model, const std::vector<c10::IValue>& env,
 }
 
 }  // namespace
+
+bool writesInputs(const TracedModel& model, ir::TaskId task) {
+  const c10::FunctionSchema* schema = model.task_nodes.at(task)->maybeSchema();
+  return schema != nullptr && schema->is_mutable();
+}
+
+void runTask(const TracedModel& model, ir::TaskId task, std::vector<c10::IValue>& env) {
+  torch::jit::Stack stack;
+  runTaskOn(model, task, env, stack, nullptr);
+}
 
 std::vector<c10::IValue> runGraph(const TracedModel& model, const std::vector<c10::IValue>& inputs,
                                   const ValueObserver& observe) {

@@ -25,6 +25,14 @@ std::vector<c10::IValue> runPiece(const TracedModel& model, const ir::Subgraph& 
 // The non-constant inputs of a piece, the ones a caller must provide, in order.
 std::vector<ir::ValueId> runPieceInputs(const TracedModel& model, const ir::Subgraph& piece);
 
+// Runs one task over `env` (indexed by value id; constants come from the model): reads
+// its inputs there and writes its outputs there. Throws rannc::Error naming the op.
+void runTask(const TracedModel& model, ir::TaskId task, std::vector<c10::IValue>& env);
+
+// Whether the task's operator writes into one of its arguments (aten::add_; its schema
+// says so). Running such a task twice on the same inputs does not compute the same thing.
+bool writesInputs(const TracedModel& model, ir::TaskId task);
+
 // Chains pieces that cover the graph, in order: each piece sees only the values that cross
 // its boundary. Gives the graph outputs; equal to runGraph for any convex split.
 std::vector<c10::IValue> runChained(const TracedModel& model,

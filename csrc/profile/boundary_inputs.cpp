@@ -1,5 +1,7 @@
 #include "profile/boundary_inputs.h"
 
+#include <algorithm>
+
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
@@ -35,6 +37,38 @@ at::ScalarType scalarType(ir::DType d) {
   return at::kFloat;
 }
 
+bool isFloating(ir::DType d) {
+  return d == ir::DType::Float32 || d == ir::DType::Float64 || d == ir::DType::Float16 ||
+         d == ir::DType::BFloat16 || d == ir::DType::Complex64 || d == ir::DType::Complex128;
+}
+
+// The shape of `v` at `rows` rows (its batch dimension scaled).
+std::vector<int64_t> shapeAt(const ir::Value& v, int64_t rows) {
+  std::vector<int64_t> shape = v.shape;
+  if (v.isBatch()) shape[v.batch_dim] = v.batch_multiple * rows;
+  return shape;
+}
+
+// Restores the CPU generator's state when it goes out of scope: building inputs must not
+// change the random numbers the user's training draws next.
+class KeepCpuRng {
+ public:
+  KeepCpuRng() : gen_(at::detail::getDefaultCPUGenerator()) {
+    std::lock_guard<std::mutex> lock(gen_.mutex());
+    state_ = gen_.get_state();
+  }
+  ~KeepCpuRng() {
+    std::lock_guard<std::mutex> lock(gen_.mutex());
+    gen_.set_state(state_);
+  }
+  KeepCpuRng(const KeepCpuRng&) = delete;
+  KeepCpuRng& operator=(const KeepCpuRng&) = delete;
+
+ private:
+  at::Generator gen_;
+  at::Tensor state_;
+};
+
 }  // namespace
 
 at::Tensor cycleRows(const at::Tensor& t, int64_t dim, int64_t target_rows) {
@@ -45,6 +79,8 @@ at::Tensor cycleRows(const at::Tensor& t, int64_t dim, int64_t target_rows) {
   return t.index_select(dim, index.to(t.device()));
 }
 
+bool BoundaryInputs::isData(const ir::Value& v) { return !v.requires_grad; }
+
 BoundaryInputs::BoundaryInputs(std::shared_ptr<const frontend::TracedModel> model,
                                const std::vector<at::Tensor>& example)
     : model_(std::move(model)) {
@@ -54,25 +90,118 @@ BoundaryInputs::BoundaryInputs(std::shared_ptr<const frontend::TracedModel> mode
                 " example inputs (parameters, buffers, arguments), got " +
                 std::to_string(example.size()));
   }
+  for (const auto& t : example) {
+    if (t.defined()) {
+      home_ = t.device();
+      break;
+    }
+  }
   std::vector<c10::IValue> inputs;
   for (const auto& t : example) inputs.emplace_back(t);
-  auto gen = at::detail::getDefaultCPUGenerator();
-  at::Tensor rng;
   {
-    std::lock_guard<std::mutex> lock(gen.mutex());
-    rng = gen.get_state();
-  }
-  {
+    KeepCpuRng keep;
     torch::NoGradGuard no_grad;
     frontend::runGraph(*model_, inputs, [&](ir::ValueId id, const c10::IValue& iv) {
       const ir::Value& v = g.value(id);
       if (v.isConstant() || !keepValue(v, iv)) return;
       // State keeps its requires_grad (read in build); other tensors are detached.
-      kept_[id] = iv.isTensor() && !v.isModelState() ? c10::IValue(iv.toTensor().detach()) : iv;
+      // Copies: a later in-place op (aten::add_) would change an alias.
+      kept_[id] = iv.isTensor() && !v.isModelState() ? c10::IValue(iv.toTensor().detach().clone()) : iv;
     });
   }
-  std::lock_guard<std::mutex> lock(gen.mutex());
-  gen.set_state(rng);
+  for (ir::TaskId t : model_->order) {
+    for (ir::ValueId out : g.task(t).outputs) {
+      if (isData(g.value(out))) {
+        data_tasks_.push_back(t);
+        break;
+      }
+    }
+  }
+}
+
+std::shared_ptr<const BoundaryInputs::DataValues> BoundaryInputs::dataAt(int64_t rows) const {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto& [r, values] : passes_) {
+      if (r == rows) return values;
+    }
+  }
+  auto values = runDataPass(rows);
+  std::lock_guard<std::mutex> lock(mutex_);
+  passes_.emplace_front(rows, values);
+  if (passes_.size() > 2) passes_.pop_back();
+  return values;
+}
+
+std::shared_ptr<const BoundaryInputs::DataValues> BoundaryInputs::runDataPass(int64_t rows) const {
+  const ir::Graph& g = model_->graph;
+  std::vector<c10::IValue> env(g.numValues());
+  std::vector<char> ready(g.numValues(), 0);
+  for (ir::ValueId id : g.inputs()) {
+    const ir::Value& v = g.value(id);
+    auto it = kept_.find(id);
+    if (it == kept_.end()) continue;  // a floating argument that requires grad: an activation
+    if (v.isModelState() || !it->second.isTensor()) {
+      env[id] = it->second;
+    } else {
+      at::Tensor t = it->second.toTensor();
+      env[id] = v.isBatch() ? cycleRows(t, v.batch_dim, v.batch_multiple * rows) : t;
+    }
+    ready[id] = 1;
+  }
+  // An activation read by a data task (its size, its dtype): zeros of its shape that take
+  // no memory. Values without a known shape or of other kinds cannot stand in.
+  auto placeholder = [&](const ir::Value& v) -> bool {
+    if (!v.isTensor() || v.dtype == ir::DType::Undefined || !isFloating(v.dtype)) return false;
+    if (!v.shape.empty() && std::find(v.shape.begin(), v.shape.end(), 0) != v.shape.end()) return false;
+    env[v.id] = at::zeros({}, at::TensorOptions().dtype(scalarType(v.dtype)).device(home_))
+                    .expand(shapeAt(v, rows));
+    ready[v.id] = 1;
+    return true;
+  };
+  KeepCpuRng keep;
+  torch::NoGradGuard no_grad;
+  for (ir::TaskId t : data_tasks_) {
+    const ir::Task& task = g.task(t);
+    bool runnable = true;
+    for (ir::ValueId in : task.inputs) {
+      const ir::Value& v = g.value(in);
+      if (v.isConstant() || ready[in]) continue;
+      if (isData(v) || !placeholder(v)) {
+        runnable = false;  // a data value the pass could not compute, or an unknown shape
+        break;
+      }
+    }
+    if (!runnable) continue;
+    // An op that writes into an input (aten::add_) gets a copy: the input keeps the value
+    // it had when produced, which is what a piece that takes it as an input must see.
+    std::vector<std::pair<ir::ValueId, c10::IValue>> saved;
+    if (frontend::writesInputs(*model_, t)) {
+      for (ir::ValueId in : task.inputs) {
+        if (!g.value(in).isConstant() && env[in].isTensor()) {
+          saved.emplace_back(in, env[in]);
+          env[in] = env[in].toTensor().clone();
+        }
+      }
+    }
+    bool ran = true;
+    try {
+      frontend::runTask(*model_, t, env);
+    } catch (const std::exception&) {
+      ran = false;  // an op that needs real activations: its outputs fall back (build)
+    }
+    for (auto& [in, value] : saved) env[in] = std::move(value);
+    if (!ran) continue;
+    for (ir::ValueId out : task.outputs) ready[out] = 1;
+  }
+  auto values = std::make_shared<DataValues>();
+  for (ir::ValueId id = 0; id < static_cast<ir::ValueId>(g.numValues()); ++id) {
+    const ir::Value& v = g.value(id);
+    if (ready[id] && isData(v) && !v.isConstant() && !v.isModelState()) {
+      (*values)[id] = std::move(env[id]);
+    }
+  }
+  return values;
 }
 
 c10::IValue BoundaryInputs::build(const ir::Value& v, int64_t rows) const {
@@ -90,9 +219,23 @@ c10::IValue BoundaryInputs::build(const ir::Value& v, int64_t rows) const {
       const int64_t k = i < v.int_batch_multiples.size() ? v.int_batch_multiples[i] : 0;
       ints.push_back(k ? k * rows : v.int_values[i]);
     }
-    if (v.kind == ir::ValueKind::Int) return c10::IValue(ints.at(0));
     if (v.kind == ir::ValueKind::IntList) return c10::IValue(ints);
     if (v.isTensor()) return at::scalar_tensor(ints.at(0), at::TensorOptions().dtype(scalarType(v.dtype)));
+    // An int, or a number typed Scalar (aten::ScalarImplicit of a size feeding arange).
+    return c10::IValue(ints.at(0));
+  }
+  if (isData(v)) {
+    auto values = dataAt(rows);
+    auto found = values->find(v.id);
+    if (found != values->end()) {
+      const c10::IValue& iv = found->second;
+      if (!iv.isTensor()) return iv;
+      // A copy: a piece may write into its inputs, and the pass serves later pieces.
+      // Floating ones are leaves that require grad, like the runtime's stage inputs.
+      const at::Tensor& t = iv.toTensor();
+      if (!t.defined()) return iv;
+      return t.is_floating_point() ? t.clone().requires_grad_(true) : t.clone();
+    }
   }
   auto it = kept_.find(v.id);
   if (it != kept_.end()) {
@@ -107,9 +250,8 @@ c10::IValue BoundaryInputs::build(const ir::Value& v, int64_t rows) const {
     throw Error("cannot build the profiling input " + ir::describe(v) + " (a " +
                 std::string(ir::valueKindName(v.kind)) + " that was not observed)");
   }
-  std::vector<int64_t> shape = v.shape;
-  if (v.isBatch() && batch > 0) shape[v.batch_dim] = v.batch_multiple * rows;
-  at::Tensor t = at::randn(shape, at::TensorOptions().dtype(scalarType(v.dtype)));
+  at::Tensor t = at::randn(batch > 0 ? shapeAt(v, rows) : v.shape,
+                          at::TensorOptions().dtype(scalarType(v.dtype)));
   return t.is_floating_point() ? t.requires_grad_(true) : t;
 }
 

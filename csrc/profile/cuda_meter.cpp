@@ -3,6 +3,7 @@
 // (RANNC_HAVE_CUDA); without it the file is empty and device_meter.cpp refuses CUDA.
 #ifdef RANNC_HAVE_CUDA
 
+#include <ATen/Context.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -81,6 +82,9 @@ class CudaMeter : public DeviceMeter {
 
 std::unique_ptr<DeviceMeter> makeCudaMeter(const c10::Device& device) {
   RANNC_CHECK(device.is_cuda() && device.has_index(), "a CUDA meter needs cuda:N, got " << device.str());
+  // The caching allocator's statistics exist only once CUDA is initialised in this process;
+  // a rank that profiles before it ever made a CUDA tensor got "Invalid device argument".
+  at::globalContext().lazyInitDevice(c10::DeviceType::CUDA);
   return std::make_unique<CudaMeter>(device);
 }
 

@@ -32,6 +32,17 @@ int64_t tensorBytes(const c10::IValue& v) {
 
 }  // namespace
 
+std::string Profiler::describePiece(const ir::Subgraph& piece) const {
+  if (piece.tasks.empty()) return "an empty piece";
+  const auto [first, last] = std::minmax_element(piece.tasks.begin(), piece.tasks.end());
+  std::string s = "the piece of " + std::to_string(piece.tasks.size()) + " tasks from task " +
+                  std::to_string(*first) + " (" + model_->describeTask(*first) + ")";
+  if (*last != *first) {
+    s += " to task " + std::to_string(*last) + " (" + model_->describeTask(*last) + ")";
+  }
+  return s;
+}
+
 Profiler::Profiler(std::shared_ptr<const frontend::TracedModel> model,
                    std::shared_ptr<const BoundaryInputs> inputs, ProfilerOptions options)
     : model_(std::move(model)),
@@ -74,9 +85,12 @@ ProfileRecord Profiler::measure(const ir::Subgraph& piece, int64_t rows, bool re
     } catch (const std::bad_alloc&) {
       r = ProfileRecord();
       r.out_of_memory = true;
-    } catch (...) {
+    } catch (const std::exception& e) {
       // The interpreter wraps the allocator's error in one naming the op.
-      if (!meter->refused()) throw;
+      if (!meter->refused()) {
+        throw Error("profiling " + describePiece(piece) + " at " + std::to_string(rows) +
+                    " rows failed: " + e.what());
+      }
       r = ProfileRecord();
       r.out_of_memory = true;
     }
@@ -122,12 +136,25 @@ ProfileRecord Profiler::measureOnce(DeviceMeter& meter, const ir::Subgraph& piec
     leaf_is_state.push_back(model_->graph.value(ids[i]).isModelState());
   }
   for (auto& leaf : leaves) leaf.mutable_grad() = at::Tensor();
+  // A piece that writes into its inputs (`buckets += ...`) runs each time on fresh copies,
+  // as the runtime's micro-batches do; on the same tensors the writes would pile up (T5's
+  // position buckets left the embedding's range).
+  bool writes = false;
+  for (ir::TaskId t : piece.tasks) writes = writes || frontend::writesInputs(*model_, t);
+  const std::vector<c10::IValue> originals = writes ? inputs : std::vector<c10::IValue>();
   std::vector<double> fwd, bwd;
   double spent = 0.0;
   ProfileRecord r;
   for (int run = 0; run < runs; ++run) {
     if (!fwd.empty() && options_.time_budget > 0 && spent >= options_.time_budget) break;
     const bool timed = run >= options_.warmup;
+    if (writes) {
+      for (size_t i = 0; i < inputs.size(); ++i) {
+        if (!originals[i].isTensor() || model_->graph.value(ids[i]).isModelState()) continue;
+        const at::Tensor& t = originals[i].toTensor();
+        if (t.defined()) inputs[i] = t.detach().clone().requires_grad_(t.requires_grad());
+      }
+    }
     // [Note: accumulating backward] The parameters' gradients stay from the run before,
     // so the backward adds into them as the runtime's does for all micro-batches but the
     // first (on CPU that add was ~8% of a transformer stage's backward, unseen when every

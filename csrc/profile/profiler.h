@@ -63,7 +63,7 @@ class Profiler {
   Profiler(std::shared_ptr<const frontend::TracedModel> model,
            std::shared_ptr<const BoundaryInputs> inputs, ProfilerOptions options);
 
-  // Runs `piece` at `rows` rows. Throws rannc::Error (naming the op) when the piece fails
+  // Runs `piece` at `rows` rows. Throws rannc::Error (naming the piece and the op) when it fails
   // for another reason than memory.
   ProfileRecord measure(const ir::Subgraph& piece, int64_t rows, bool recompute);
 
@@ -77,6 +77,8 @@ class Profiler {
   ProfileRecord measureOnce(DeviceMeter& meter, const ir::Subgraph& piece, int64_t rows,
                             bool recompute, int runs);
   ProfileRecord fakeTimes(const ir::Subgraph& piece, int64_t rows, bool recompute) const;
+  // "the piece of N tasks from task a (op, module, source) to task b (...)", for errors.
+  std::string describePiece(const ir::Subgraph& piece) const;
 
   std::shared_ptr<const frontend::TracedModel> model_;
   // model_ with its constant devices and tensors on device_ ([Note: traced devices] in frontend/placement.h).
