@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what rannc needs on a fresh Debian 12 machine (as root, or with sudo):
-# compilers, CMake, Ninja, ccache, OpenMPI, spdlog, GoogleTest, then torch 2.13.0 (CPU) and
-# pytest. Skips what is already there, so it is cheap to run again.
+# compilers, CMake, Ninja, ccache, OpenMPI, spdlog, GoogleTest, then torch 2.13.0 (CPU),
+# pytest and transformers 5.23.0 (the tests' Hugging Face models). Skips what is already there, so it is cheap to run again.
 set -euo pipefail
 
 SUDO=""
@@ -29,4 +29,9 @@ if ! "$PYTHON" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] !
   "$PYTHON" -m pip install -q torch==2.13.0
 fi
 "$PYTHON" -c "import pytest" 2>/dev/null || "$PYTHON" -m pip install -q pytest
+# The tests' Hugging Face models (tests/python/hf_zoo.py); torch pinned so pip keeps it.
+if ! "$PYTHON" -c "import transformers, sys; sys.exit(transformers.__version__ != '5.23.0')" 2>/dev/null; then
+  echo "[install_deps] pip: transformers==5.23.0"
+  "$PYTHON" -m pip install -q transformers==5.23.0 torch==2.13.0
+fi
 "$PYTHON" -c "import numpy" 2>/dev/null || "$PYTHON" -m pip install -q numpy

@@ -13,6 +13,8 @@ state is restored.
 """
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import os
 import traceback
 import warnings
@@ -64,6 +66,14 @@ def flatten_args(args: tuple, kwargs: dict) -> FlatArgs:
         leaves.append(leaf)
         paths.append(name)
     return FlatArgs(tensors, slots, leaves, paths, spec)
+
+
+def home_device(model: torch.nn.Module, tensors=()) -> torch.device:
+    """Where the model runs: the device of its first parameter or buffer, else of the first
+    tensor argument, else the CPU ([Note: home device])."""
+    for t in itertools.chain(model.parameters(), model.buffers(), tensors):
+        return t.device
+    return torch.device("cpu")
 
 
 def _path_name(path) -> str:
@@ -181,6 +191,12 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> Tr
     if not isinstance(args, tuple):
         args = (args,)
     flat = flatten_args(args, kwargs or {})
+    # [Note: home device] The model runs where its parameters and buffers are; arguments
+    # on another device (inputs on the GPU, the model still on the CPU, or the reverse)
+    # are copied there for tracing. The user's tensors stay where they are.
+    home = home_device(model, flat.tensors)
+    if any(t.device != home for t in flat.tensors):
+        flat = dataclasses.replace(flat, tensors=[t.to(home) for t in flat.tensors])
     batched = [t for t in flat.tensors if t.dim() >= 1]
     if not batched:
         raise TraceError("no tensor argument has a batch dimension (dimension 0)")

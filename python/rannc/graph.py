@@ -41,7 +41,10 @@ class TracedGraph:
         self.ir.save(path)
 
     # ---- execution ------------------------------------------------------------------
-    def _flat_inputs(self, args, kwargs) -> list[torch.Tensor]:
+    def _flat_inputs(self, args, kwargs, at_home: bool = False) -> list[torch.Tensor]:
+        """The graph's inputs: the model's parameters and buffers, then the tensors of
+        `args` and `kwargs`; with `at_home`, those copied to the model's device where they
+        are elsewhere ([Note: home device] in _trace.py)."""
         flat = _trace.flatten_args(args, kwargs)
         example = self._trace.inputs
         if flat.spec != example.spec:
@@ -51,7 +54,11 @@ class TracedGraph:
             if not isinstance(then, torch.Tensor) and now != then:
                 raise _C.TraceError(f"argument {example.paths[i]} was {then!r} when traced and is "
                                     f"{now!r} now; constants are baked into the trace")
-        return self._trace.state.tensors(self._model) + flat.tensors
+        state = self._trace.state.tensors(self._model)
+        if not at_home:
+            return state + flat.tensors
+        home = _trace.home_device(self._model, flat.tensors)
+        return state + [t.to(home) for t in flat.tensors]
 
     def _rebuild_output(self, tensors: list) -> Any:
         leaves = list(self._trace.out_leaves)
@@ -60,7 +67,7 @@ class TracedGraph:
         return pytree.tree_unflatten(leaves, self._trace.out_spec)
 
     def __call__(self, *args, **kwargs) -> Any:
-        return self._rebuild_output(self._trace.traced.run(self._flat_inputs(args, kwargs)))
+        return self._rebuild_output(self._trace.traced.run(self._flat_inputs(args, kwargs, at_home=True)))
 
     def split(self, k: int) -> "SplitGraph":
         """Cuts the IR into k convex pieces, contiguous in topological order."""
@@ -79,7 +86,7 @@ class SplitGraph:
 
     def __call__(self, *args, **kwargs) -> Any:
         g = self._graph
-        outs = g._trace.traced.run_chained(self.pieces, g._flat_inputs(args, kwargs))
+        outs = g._trace.traced.run_chained(self.pieces, g._flat_inputs(args, kwargs, at_home=True))
         return g._rebuild_output(outs)
 
 

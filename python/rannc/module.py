@@ -68,12 +68,23 @@ class _FillDrainOutputs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, anchor, deployed, *tensors):
         ctx.deployed = deployed
+        ctx.forward_id = deployed.fill_drain_forwards
         ctx.set_materialize_grads(False)
         return tuple(t.detach().clone() for t in tensors)
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.deployed.backward_from_outputs(grads)
+        deployed = ctx.deployed
+        if ctx.forward_id != deployed.fill_drain_forwards or deployed.fill_drain_backward_done:
+            # What PyTorch says of a graph whose saved tensors are gone: the stages keep
+            # one forward's activations, and its backward frees them.
+            raise RuntimeError(
+                "Trying to backward through the outputs of a rannc forward a second time, or "
+                "after a later forward: the pipeline keeps the activations of the last forward "
+                "only, and one backward takes the gradients of all its outputs. Make one loss "
+                "of the outputs you need and call backward once per forward.")
+        deployed.fill_drain_backward_done = True
+        deployed.backward_from_outputs(grads)
         return (None, None) + (None,) * len(grads)
 
 
@@ -87,7 +98,7 @@ class _Deployed:
         ir = self.graph.ir
         rank, world = _C.get_rank(), _C.get_world_size()
         self._check_agreement(ir)
-        self.example_inputs = self.graph._flat_inputs(args, kwargs)
+        self.example_inputs = self.graph._flat_inputs(args, kwargs, at_home=True)  # for profiling
         # Training without a single scalar loss to seed 1F1B takes gradients from outside.
         has_loss = sum(1 for v in ir.outputs if ir.value(v)["is_loss"]) == 1
         self.fill_drain = model.training and (opts.schedule == "fill_drain" or not has_loss)
@@ -115,6 +126,8 @@ class _Deployed:
         self.buckets = GradBuckets(self.groups, self.own)
         self.engine.before_last_backward = self.buckets.arm
         self.step_grads = {}
+        # fill-drain: forwards so far, and whether the last one's backward ran
+        self.fill_drain_forwards, self.fill_drain_backward_done = 0, False
         if rank == 0:
             print(deployment.report(), flush=True)
 
@@ -220,6 +233,8 @@ class _Deployed:
         training = torch.is_grad_enabled() and self.owner.module.training
         if training and self.fill_drain:
             produced, batch_outputs = self.engine.forward_for_backward(local)
+            self.fill_drain_forwards += 1
+            self.fill_drain_backward_done = False
             return self._outputs(produced, batch_outputs, "fill_drain")
         train = training and self.engine.loss_vid is not None
         if train:

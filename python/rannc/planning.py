@@ -70,9 +70,10 @@ def profile_device(device=None) -> str:
     if device is not None:
         return str(device)
     if torch.cuda.is_available():
-        count = torch.cuda.device_count()
-        local = _C.get_local_rank() if _C.get_world_size() > 1 else torch.cuda.current_device()
-        return f"cuda:{local % count}"
+        if _C.get_world_size() == 1:
+            return f"cuda:{torch.cuda.current_device()}"
+        from .transport import local_cuda_device
+        return str(local_cuda_device())
     return "cpu"
 
 
@@ -385,7 +386,7 @@ def plan(model: torch.nn.Module, args, kwargs: dict | None = None, *, world_size
     if isinstance(profile_cache, (str, os.PathLike)):
         path, cache = os.fspath(profile_cache), _C.ProfileCache()
         cache.load(path)
-    flat = graph._flat_inputs(args, kwargs) if cost_model == "profile" else []
+    flat = graph._flat_inputs(args, kwargs, at_home=True) if cost_model == "profile" else []
     if (cost_model == "profile" and options.get("training", True)
             and options.get("update_seconds_per_byte") is None):
         device_name = profile_device(options.get("profile_device"))

@@ -26,6 +26,16 @@ INPUT_ROWS, ACTIVATION, GRADIENT, BATCH_OUTPUT, OUTPUT_GRADIENT = range(5)
 _TAG_BASE = 100
 
 
+def local_cuda_device() -> torch.device:
+    """This rank's GPU: its rank among the ranks of its host modulo the CUDA devices it
+    sees, so that 8 ranks on 8 GPUs take one each and 2 ranks on 1 GPU share it. Stages,
+    profiling and the NCCL communicators (csrc/comm/nccl_communicator.cpp) all use it."""
+    count = torch.cuda.device_count()
+    if count == 0:
+        raise _C.Error(f"rank {_C.get_rank()} sees no CUDA device (torch {torch.__version__})")
+    return torch.device("cuda", _C.get_local_rank() % count)
+
+
 def resolve_device(option: str, module: torch.nn.Module) -> torch.device:
     """Where this rank's stage runs (option `device`): "cpu", "cuda", "cuda:N", or "auto":
     the CUDA device the model's state is on, else this rank's GPU (local rank modulo the
@@ -41,7 +51,7 @@ def resolve_device(option: str, module: torch.nn.Module) -> torch.device:
             raise _C.Error(f"option device={option!r} on rank {_C.get_rank()}, but torch "
                            f"{torch.__version__} sees no CUDA device")
         if device.index is None:
-            device = torch.device("cuda", _C.get_local_rank() % torch.cuda.device_count())
+            device = local_cuda_device()
     elif device.type != "cpu":
         raise _C.Error(f"option device={option!r}: rannc runs stages on cpu or cuda devices")
     return device

@@ -1,5 +1,6 @@
 """RaNNCModule with its stages on the GPU ([Note: placement] in python/rannc/module.py):
-training equals plain PyTorch (on the CPU, float32 without TF32) step by step, one rank
+training equals plain PyTorch (on the CPU, float32 without TF32) step by step, for the zoo
+and the transformers models (tests/python/hf_zoo.py), one rank
 with the NCCL data plane's collectives, two ranks sharing the one GPU over MPI through host
 memory (NCCL refuses two ranks on one device); recomputation restores the CUDA generator
 so dropout masks repeat; the NCCL communicator's collectives on one rank."""
@@ -12,6 +13,7 @@ import rannc
 from rannc import _C
 from mpirun import mpirun
 from test_runtime_stage import run_pipeline
+import hf_zoo
 import zoo
 
 
@@ -21,23 +23,36 @@ def _ok(res, ranks):
         assert f"OK rank {r}" in res.stdout, res.stdout
 
 
-@pytest.mark.parametrize("model", zoo.NAMES)
+@pytest.mark.parametrize("model", zoo.NAMES + hf_zoo.NAMES)
 def test_one_rank_on_cuda_equals_pytorch(model):
     res = mpirun("train_check.py", 1, model, "--stages", 1, "--micro", 2, "--eval",
-                 "--opt", "device=cuda", timeout=300)
+                 "--mode", zoo.train_mode(model), "--opt", "device=cuda", timeout=300)
     _ok(res, 1)
 
 
-@pytest.mark.parametrize("model,stages", [("gpt", 2), ("mlp", 2), ("transformer", 2)])
-def test_two_ranks_share_the_gpu_over_mpi(model, stages):
+@pytest.mark.parametrize("model,stages,extra", [
+    ("gpt", 2, []), ("mlp", 2, []), ("transformer", 2, []), ("multi_io", 2, []),
+    ("hf_gpt2", 2, []), ("hf_bert", 2, []), ("hf_vit", 2, []),
+    ("gpt", 2, ["schedule=fill_drain"]), ("gpt", 2, ["recompute=always"]),
+])
+def test_two_ranks_share_the_gpu_over_mpi(model, stages, extra):
     res = mpirun("train_check.py", 2, model, "--stages", stages, "--micro", 2, "--eval",
-                 "--opt", "device=cuda", "data_plane=mpi", timeout=300)
+                 "--mode", zoo.train_mode(model),
+                 "--opt", "device=cuda", "data_plane=mpi", *extra, timeout=300)
     _ok(res, 2)
 
 
 def test_two_replicas_share_the_gpu_with_outside_gradients():
     res = mpirun("train_check.py", 2, "multi_io", "--stages", 1, "--micro", 2,
-                 "--mode", "outside", "--opt", "device=cuda", "data_plane=mpi", timeout=300)
+                 "--mode", "outside", "--opt", "device=cuda", "data_plane=mpi", "replicas=2",
+                 "schedule=fill_drain", timeout=300)
+    _ok(res, 2)
+
+
+@pytest.mark.parametrize("model", ["gpt", "hf_gpt2"])
+def test_checkpoints_of_a_cuda_model_save_and_load(model):
+    res = mpirun("checkpoint_check.py", 2, model, "--stages", 2, "--micro", 2,
+                 "--opt", "device=cuda", "data_plane=mpi", timeout=300)
     _ok(res, 2)
 
 
@@ -91,3 +106,30 @@ def test_nccl_collectives_on_one_rank():
     assert torch.equal(s.cpu(), torch.ones(2))
     with pytest.raises(_C.CommError, match="moves CUDA tensors"):
         comm.all_reduce(torch.ones(2))
+
+
+@pytest.mark.parametrize("model_on,inputs_on", [("cpu", "cuda"), ("cuda", "cpu")])
+def test_inputs_on_another_device_than_the_model(model_on, inputs_on):
+    """Tracing runs where the model is; the user's tensors stay where they are and the
+    outputs come back where the inputs are (bench/runtime.py --device cuda failed to trace
+    a CPU model with CUDA inputs)."""
+    zoo.full_fp32()
+    model, args, kwargs = zoo.make("gpt", batch=4)
+    zoo.no_dropout(model)
+    reference = copy.deepcopy(model)
+    model = model.to(model_on)
+    args = tuple(a.to(inputs_on) for a in args)
+    g = rannc.trace(model, args, kwargs)
+    assert all(a.device.type == inputs_on for a in args)
+    expected = reference(*[a.cpu() for a in args])
+    torch.testing.assert_close(g(*args).cpu(), expected.detach(), rtol=1e-4, atol=1e-5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    wrapped = rannc.RaNNCModule(model, opt, device="cuda", num_stages=1, num_microbatches=2)
+    loss = wrapped(*args)
+    assert loss.device.type == inputs_on
+    loss.backward()
+    expected.backward()
+    torch.testing.assert_close(loss.detach().cpu(), expected.detach(), rtol=1e-4, atol=1e-5)
+    grads = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.cpu(), grads[name].grad, rtol=1e-4, atol=1e-5, msg=name)

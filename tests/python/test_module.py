@@ -53,6 +53,8 @@ def test_backward_semantics(mode, ranks, model, stages, micro):
     (4, "transformer", 2, 2, ["--eval", "--opt", "replicas=2,2"]),  # logits, loss outside
     (3, "multi_io", 2, 3, ["--eval", "--opt", "schedule=fill_drain", "replicas=1,2"]),
     (2, "transformer", 2, 2, ["--mode", "outside_accum"]),  # accumulation over two calls
+    # 2 replicas: the global batch (8) equals multi_io's feature size, which is no batch
+    (2, "multi_io", 1, 2, ["--opt", "schedule=fill_drain", "replicas=2"]),
 ])
 def test_fill_drain_with_gradients_from_outside(ranks, model, stages, micro, extra):
     """Outputs that need gradients from outside: forwards in forward(), backwards in
@@ -115,3 +117,26 @@ def test_device_and_data_plane_options_are_checked():
     # CPU stages always talk over MPI, whatever data_plane says
     assert not uses_nccl(torch.device("cpu"), "nccl")
     assert Options.resolve({}, environ={"RANNC_DEVICE": "cpu"}).device == "cpu"
+
+
+@pytest.mark.parametrize("gpus", [1, 2, 4])
+def test_ranks_map_to_gpus_by_local_rank_modulo_the_devices(monkeypatch, gpus):
+    """Several ranks on fewer GPUs share them (2 ranks on 1 GPU: both on cuda:0), and the
+    stage's device and the profiling device agree (on the GPU machine, rank 1 profiled on
+    a device it did not have)."""
+    from rannc import _C, planning, transport
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(_C, "get_world_size", lambda: 8)
+    model = torch.nn.Linear(2, 2)  # on the CPU: "auto" picks this rank's GPU
+    for local in range(8):
+        monkeypatch.setattr(_C, "get_local_rank", lambda: local)
+        expected = torch.device("cuda", local % gpus)
+        assert transport.local_cuda_device() == expected
+        assert resolve_device("cuda", model) == expected
+        assert resolve_device("auto", model) == expected
+        assert planning.profile_device() == str(expected)
+    assert resolve_device("cuda:0", model) == torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(rannc.Error, match="sees no CUDA device"):
+        transport.local_cuda_device()

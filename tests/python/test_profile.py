@@ -299,3 +299,52 @@ def test_refine_candidates_is_an_option_checked_by_the_planner():
     rannc.plan(model, args, kwargs, refine_candidates=3, **opts).validate()
     with pytest.raises(rannc.Error, match="refine_candidates must be >= 1"):
         rannc.plan(model, args, kwargs, refine_candidates=0, **opts)
+
+
+class IndexedByComputedData(nn.Module):
+    """Embeddings indexed by what the model computes from its inputs, as transformers
+    models do: a relative-position bucket computed through a float log (T5), written in
+    place (`buckets += ...`), and a padding mask indexed by arange(batch size) taken from
+    an activation's size (transformers' masking_utils). A profiler that invents these
+    values at random, or cuts them from another batch size, indexes out of range."""
+
+    def __init__(self, d=8, vocab=20, buckets=5):
+        super().__init__()
+        self.buckets = buckets
+        self.tok = nn.Embedding(vocab, d)
+        self.rel = nn.Embedding(buckets, 1)
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, ids, mask):
+        h = self.proj(self.tok(ids))                             # [B, S, d] activation
+        pos = torch.arange(ids.shape[1])
+        rel = (pos[None, :] - pos[:, None]).abs()                # [S, S] ints
+        far = (torch.log(rel.float() + 1.0) * 2.0).long()        # float data -> index
+        bucket = torch.zeros_like(rel)
+        bucket += torch.clamp(far, max=self.buckets - 1)         # in place
+        bias = self.rel(bucket).squeeze(-1)                      # [S, S]
+        rows = torch.arange(h.size(0))                           # batch size from an activation
+        keep = mask.bool()[rows[:, None], pos[None, :]]          # [B, S]
+        scores = h @ h.transpose(1, 2) + bias
+        scores = scores.masked_fill(~keep[:, None, :], -1e4)
+        return (scores.softmax(-1) @ h).pow(2).mean()
+
+
+def test_profiling_inputs_are_what_the_model_computes_at_every_row_count():
+    model = IndexedByComputedData()
+    ids = torch.randint(0, 20, (4, 6))
+    mask = torch.ones(4, 6, dtype=torch.long)
+    mask[1, 4:] = 0
+    g = rannc.trace(model, (ids, mask))
+    traced, ir = g._trace.traced, g.ir
+    example = g._flat_inputs((ids, mask), {})
+    order = ir.topological_order()
+    # Every window of the topological order is a convex piece: each is profiled on its
+    # own at fewer, the same and more rows than the example's.
+    for start in range(len(order)):
+        for end in range(start + 1, min(start + 10, len(order)) + 1):
+            piece = ir.extract(order[start:end])
+            for rows in (1, 4, 7):
+                r = _C.profile_piece(traced, example, piece, rows, warmup=1, repetitions=2)
+                assert not r["out_of_memory"]
+

@@ -7,6 +7,7 @@ inside), and a model with several inputs, kwargs and a dict output.
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 
 from models import GPT, ResNet  # examples/models.py: the tests run the example models
 
@@ -55,6 +56,61 @@ class MultiIO(nn.Module):
         return {"hidden": h, "score": h.pow(2).mean(), "aux": (x.sum(dim=1), y * 2)}
 
 
+class Batches:
+    """Global batches of a zoo entry and this rank's rows of them (rows rank*local ..).
+
+    Which arguments carry the batch is found by building them at two batch sizes: a
+    tensor whose first dimension only happens to equal the global batch (multi_io's
+    feature vector of 8 on 2 ranks x 4 rows) is not cut."""
+
+    def __init__(self, name, global_batch, rank, local_batch):
+        self.name, self.global_batch = name, global_batch
+        self.start, self.stop = rank * local_batch, (rank + 1) * local_batch
+        sizes = []
+        for b in (global_batch, global_batch + 1):
+            _, args, kwargs = make(name, batch=b, seed=0)
+            sizes.append([t.shape[0] if isinstance(t, torch.Tensor) and t.dim() else None
+                          for t in pytree.tree_leaves((args, kwargs))])
+        self.batch_leaves = [x is not None and x != y for x, y in zip(*sizes)]
+
+    def rows(self, t):
+        """This rank's rows of a batch-shaped tensor."""
+        return t[self.start:self.stop]
+
+    def __call__(self, seed):
+        """((global args, kwargs), (this rank's args, kwargs)) of batch `seed`."""
+        _, args, kwargs = make(self.name, batch=self.global_batch, seed=seed)
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        mine = [self.rows(x) if b else x for x, b in zip(leaves, self.batch_leaves)]
+        return (args, kwargs), pytree.tree_unflatten(mine, spec)
+
+
+def loss_of(out):
+    """The loss among a model's outputs: a transformers ModelOutput's, multi_io's score,
+    or the output itself."""
+    if hasattr(out, "loss"):
+        return out.loss
+    return out["score"] if isinstance(out, dict) else out
+
+
+def full_fp32():
+    """Float32 matmuls and convolutions in full precision on the GPU: cuDNN convolutions
+    use TF32 by default (ResNet's loss read 0.8% off the CPU's at step 0)."""
+    if hasattr(torch.backends, "fp32_precision"):  # torch >= 2.9
+        torch.backends.cuda.matmul.fp32_precision = "ieee"
+        torch.backends.cudnn.conv.fp32_precision = "ieee"
+        torch.backends.cudnn.rnn.fp32_precision = "ieee"
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+
+
+def train_mode(name):
+    """How train_check.py trains a zoo entry: "outside" for a model without a loss (the
+    loss is made from its outputs; fill-drain), else "plain" (loss.backward())."""
+    return "outside" if name == "transformer" else "plain"
+
+
 def no_dropout(model):
     """Switches dropout off (in place; returns the model): its masks differ between a
     pipelined run and a single process."""
@@ -90,6 +146,9 @@ def make(name, batch=4, seed=0):
                   "extra": {"biases": [torch.randn(8, generator=g), torch.randn(batch, 1, generator=g)]},
                   "scale": 0.5}
         return MultiIO(), (x, y), kwargs
+    if name.startswith("hf_"):
+        import hf_zoo  # transformers models (tests/python/hf_zoo.py)
+        return hf_zoo.make(name, batch=batch, seed=seed)
     raise KeyError(name)
 
 

@@ -11,7 +11,6 @@ import copy
 import itertools
 
 import torch
-import torch.utils._pytree as pytree
 
 import fail_all
 import rannc
@@ -21,9 +20,12 @@ ap = argparse.ArgumentParser()
 ap.add_argument("model")
 ap.add_argument("--stages", type=int, default=2)
 ap.add_argument("--micro", type=int, default=2)
+ap.add_argument("--opt", nargs="*", default=[], help="options of RaNNCModule, key=value")
 a = ap.parse_args()
+options = dict(o.split("=", 1) for o in a.opt)
 rank, world = rannc.get_rank(), rannc.get_world_size()
 torch.set_num_threads(1)
+zoo.full_fp32()
 fail_all.install()
 
 local_batch = 4
@@ -37,22 +39,22 @@ def make(seed):
 
 
 def wrap(m, opt):
-    return rannc.RaNNCModule(m, opt, num_stages=a.stages, num_microbatches=a.micro)
+    return rannc.RaNNCModule(m, opt, num_stages=a.stages, num_microbatches=a.micro, **options)
 
 
-def local(x):
-    if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == global_batch:
-        return x[rank * local_batch:(rank + 1) * local_batch]
-    return x
+batch = zoo.Batches(a.model, global_batch, rank, local_batch)
 
 
-def batch(seed):
-    _, g_args, _ = zoo.make(a.model, batch=global_batch, seed=seed)
-    return g_args, pytree.tree_map(local, g_args)
+def run(m, inputs):
+    """The loss of `m` on inputs ((global args, kwargs), (this rank's args, kwargs)): the
+    global batch for plain PyTorch, this rank's rows for a RaNNCModule."""
+    args, kwargs = inputs[1] if isinstance(m, rannc.RaNNCModule) else inputs[0]
+    return zoo.loss_of(m(*args, **kwargs))
 
 
 def close(x, y, what):
-    torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5,
+    # on the host: with option device=cuda the stages' tensors are on the GPU
+    torch.testing.assert_close(x.cpu(), y.cpu(), rtol=1e-4, atol=1e-5,
                                msg=lambda m: f"rank {rank}: {what}: {m}")
 
 
@@ -105,11 +107,11 @@ def check_optimizer_state(osd, ref_opt, when):
 def train_step(seed, pairs):
     """One Adam step of every (module, optimizer) in pairs; the first one is the plain
     PyTorch reference (global batch); returns the losses."""
-    g_args, l_args = batch(seed)
+    inputs = batch(seed)
     losses = []
     for m, opt in pairs:
         opt.zero_grad()
-        loss = m(*(l_args if isinstance(m, rannc.RaNNCModule) else g_args))
+        loss = run(m, inputs)
         loss.backward()
         opt.step()
         losses.append(loss.detach())
@@ -149,7 +151,7 @@ plain_opt.load_state_dict(osd)
 fresh_model = make(4)
 fresh_opt = torch.optim.Adam(fresh_model.parameters(), lr=0.5, eps=1e-5)  # lr comes from the dict
 fresh = wrap(fresh_model, fresh_opt)
-fresh(*batch(50)[1])  # deploys: only this rank's stage keeps its tensors
+run(fresh, batch(50))  # deploys: only this rank's stage keeps its tensors
 check_freed(fresh, reference, "freshly wrapped")
 ref_state = reference.state_dict()
 freed_here = next(n for n, t in named_state(fresh.module) if t.numel() == 0)
@@ -193,11 +195,11 @@ check_optimizer_state(fresh.optimizer_state_dict(), ref_opt, "the fresh model af
 
 # ---- eval after training, and again after more training (the owners' point-to-point sync) -
 for round in range(2):
-    g_args, l_args = batch(90 + round)
+    inputs = batch(90 + round)
     wrapped.eval()
     reference.eval()
     with torch.no_grad():
-        close(wrapped(*l_args), reference(*g_args), f"eval loss, round {round}")
+        close(run(wrapped, inputs), run(reference, inputs), f"eval loss, round {round}")
     check_freed(wrapped, reference, f"after eval round {round}", share=False)
     wrapped.train()
     reference.train()

@@ -17,7 +17,6 @@ import copy
 import sys
 
 import torch
-import torch.utils._pytree as pytree
 
 import fail_all
 import rannc
@@ -35,10 +34,7 @@ a = ap.parse_args()
 options = dict(o.split("=", 1) for o in a.opt)
 rank, world = rannc.get_rank(), rannc.get_world_size()
 torch.set_num_threads(1)
-torch.backends.cudnn.allow_tf32 = False  # GPU stages compute in full float32, like the reference
-torch.backends.cuda.matmul.allow_tf32 = False
-
-
+zoo.full_fp32()  # GPU stages compute in full float32 (no TF32), like the reference
 fail_all.install()
 
 local_batch = 4
@@ -51,12 +47,13 @@ reference = copy.deepcopy(model)
 ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2, eps=1e-5)
 opt = torch.optim.Adam(model.parameters(), lr=1e-2, eps=1e-5)
 wrapped = rannc.RaNNCModule(model, opt, num_stages=a.stages, num_microbatches=a.micro, **options)
+batches = zoo.Batches(a.model, global_batch, rank, local_batch)
+loss_of = zoo.loss_of
 
 
 def local(x):
-    if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == global_batch:
-        return x[rank * local_batch:(rank + 1) * local_batch]
-    return x
+    """This rank's rows of a batch-shaped output of the reference."""
+    return batches.rows(x)
 
 
 def close(x, y, what):
@@ -72,13 +69,14 @@ def same_output(out, ref_out, what):
     close(out, local(ref_out) if out.dim() > 0 else ref_out, what)
 
 
-def loss_of(out):
-    return out["score"] if isinstance(out, dict) else out  # multi_io returns a dict
-
-
-def batch(seed):
-    _, g_args, g_kwargs = zoo.make(a.model, batch=global_batch, seed=seed)
-    return (g_args, g_kwargs), pytree.tree_map(local, (g_args, g_kwargs))
+def batch_rows(out):
+    """The batch-shaped outputs besides the loss, by name: multi_io's hidden and aux rows,
+    a transformers model's logits."""
+    if hasattr(out, "logits"):
+        return {"logits": out.logits}
+    if isinstance(out, dict):
+        return {"hidden": out["hidden"], "aux": out["aux"][0]}
+    return {}
 
 
 def labels(seed, rows):
@@ -101,7 +99,7 @@ for step in range(a.steps):
     opt.zero_grad()
     ref_opt.zero_grad()
     for call in range(calls):
-        (g_args, g_kwargs), (l_args, l_kwargs) = batch(100 + 10 * step + call)
+        (g_args, g_kwargs), (l_args, l_kwargs) = batches(100 + 10 * step + call)
         out = wrapped(*l_args, **l_kwargs)
         ref_out = reference(*g_args, **g_kwargs)
         if outside:
@@ -116,14 +114,17 @@ for step in range(a.steps):
             (scale * loss_of(out)).backward()
             (scale * loss_of(ref_out)).backward()
         close(loss_of(out).detach(), loss_of(ref_out).detach(), f"loss at step {step}")
-        if isinstance(out, dict) and not outside:  # batch-shaped outputs: this rank's own rows
-            close(out["hidden"].detach(), local(ref_out["hidden"]).detach(), "hidden rows")
-            close(out["aux"][0].detach(), local(ref_out["aux"][0]).detach(), "aux rows")
+        rows_out = batch_rows(out)
+        if rows_out and not outside:  # batch-shaped outputs: this rank's own rows
+            for what, (mine, ref) in zip(rows_out, zip(rows_out.values(), batch_rows(ref_out).values())):
+                close(mine.detach(), local(ref).detach(), f"{what} rows")
             try:  # no gradient path through outputs other than the loss: a clear error
-                out["hidden"].sum().backward()
+                next(iter(rows_out.values())).sum().backward()
                 raise AssertionError("backward through a non-loss output did not fail")
-            except rannc.Error as e:
+            except rannc.Error as e:  # 1F1B: the loss seeded the step's backward
                 assert "has no gradient path" in str(e), e
+            except RuntimeError as e:  # fill-drain: the loss's backward used this forward
+                assert "a second time" in str(e), e
     own = [p for g in opt.param_groups for p in g["params"]]
     for p in own:
         close(p.grad, ref_params[names[id(p)]].grad, f"gradient of {names[id(p)]} at step {step}")
@@ -144,19 +145,19 @@ rannc._C.Communicator.world_cpu().all_reduce(counts).wait()
 assert counts.min().item() >= 1, "some parameter is updated by no rank"
 
 if a.eval:
-    (g_args, g_kwargs), (l_args, l_kwargs) = batch(999)
+    (g_args, g_kwargs), (l_args, l_kwargs) = batches(999)
     wrapped.eval()
     reference.eval()
     with torch.no_grad():
         out = wrapped(*l_args, **l_kwargs)
         ref_out = reference(*g_args, **g_kwargs)
     same_output(out, ref_out, "eval loss")
-    if isinstance(out, dict):
-        close(out["hidden"], local(ref_out["hidden"]), "eval hidden rows")
+    for what, (mine, ref) in zip(batch_rows(out), zip(batch_rows(out).values(), batch_rows(ref_out).values())):
+        close(mine, local(ref), f"eval {what} rows")
     wrapped.train()
     reference.train()
     # training goes on after eval, on the parameters both modes share
-    (g_args, g_kwargs), (l_args, l_kwargs) = batch(1000)
+    (g_args, g_kwargs), (l_args, l_kwargs) = batches(1000)
     opt.zero_grad()
     out = wrapped(*l_args, **l_kwargs)
     same_output(out, reference(*g_args, **g_kwargs), "loss after eval")

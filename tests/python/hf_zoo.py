@@ -1,0 +1,59 @@
+"""Hugging Face transformers models with small configs and random weights, as a user
+would build them (no weights are downloaded): BERT, GPT-2, Llama, T5 and ViT.
+
+    model, args, kwargs = hf_zoo.make("hf_gpt2", batch=4)
+"""
+import torch
+
+SEQ = 16
+VOCAB = 96
+
+
+def _lm_batch(batch, g, vocab=VOCAB, seq=SEQ):
+    ids = torch.randint(0, vocab, (batch, seq), generator=g)
+    return ids
+
+
+def make(name, batch=4, seed=0):
+    import transformers as tf
+    tf.logging.set_verbosity_error()
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)  # the weights
+    small = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    if name == "hf_bert":
+        cfg = tf.BertConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64,
+                            num_attention_heads=4, vocab_size=VOCAB, max_position_embeddings=32,
+                            **small)
+        ids = _lm_batch(batch, g)
+        mask = torch.ones(batch, SEQ, dtype=torch.long)
+        mask[:, SEQ - 3:] = (torch.arange(batch) % 2).unsqueeze(1)  # some padding
+        return tf.BertForMaskedLM(cfg), (), {"input_ids": ids, "attention_mask": mask,
+                                             "labels": _lm_batch(batch, g)}
+    if name == "hf_gpt2":
+        cfg = tf.GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=32, vocab_size=VOCAB,
+                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+        ids = _lm_batch(batch, g)
+        return tf.GPT2LMHeadModel(cfg), (), {"input_ids": ids, "labels": ids}
+    if name == "hf_llama":
+        cfg = tf.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64,
+                             num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                             max_position_embeddings=32, use_cache=False)
+        ids = _lm_batch(batch, g)
+        return tf.LlamaForCausalLM(cfg), (), {"input_ids": ids, "labels": ids}
+    if name == "hf_t5":
+        cfg = tf.T5Config(num_layers=2, num_decoder_layers=2, d_model=32, d_ff=64, num_heads=4,
+                          d_kv=8, vocab_size=VOCAB, dropout_rate=0.0, decoder_start_token_id=0,
+                          pad_token_id=0, use_cache=False)
+        return tf.T5ForConditionalGeneration(cfg), (), {
+            "input_ids": _lm_batch(batch, g), "labels": _lm_batch(batch, g, seq=SEQ - 4)}
+    if name == "hf_vit":
+        cfg = tf.ViTConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64,
+                           num_attention_heads=4, image_size=16, patch_size=4, num_labels=5,
+                           **small)
+        return tf.ViTForImageClassification(cfg), (), {
+            "pixel_values": torch.randn(batch, 3, 16, 16, generator=g),
+            "labels": torch.randint(0, 5, (batch,), generator=g)}
+    raise KeyError(name)
+
+
+NAMES = ["hf_bert", "hf_gpt2", "hf_llama", "hf_t5", "hf_vit"]

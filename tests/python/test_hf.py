@@ -1,0 +1,56 @@
+"""Hugging Face transformers models (tests/python/hf_zoo.py: BERT, GPT-2, Llama, T5, ViT,
+small configs, random weights), as a user passes them: planned from real profiles into
+several stages, the stages chained equal to the model; trained with RaNNCModule under
+mpirun equal to plain PyTorch on the global batch (loss, gradients, parameters after Adam
+steps, logits, eval)."""
+import pytest
+import torch
+
+import rannc
+import hf_zoo
+from mpirun import mpirun
+
+FAST = dict(profile_warmup=0, profile_repetitions=1)
+
+
+@pytest.mark.parametrize("name", hf_zoo.NAMES)
+def test_hf_models_plan_from_profiles_into_stages_that_run_like_the_model(name):
+    model, args, kwargs = hf_zoo.make(name, batch=4)
+    model.train()
+    plan = rannc.plan(model, args, kwargs, world_size=4, devices_per_node=4,
+                      device_memory="1GiB", num_stages=3, **FAST)
+    plan.validate()
+    d = plan.deployment
+    assert d.feasible and d.num_stages == 3
+    g = plan.graph
+    flat = g._flat_inputs(args, kwargs)
+    torch.manual_seed(0)
+    whole = g._trace.traced.run(flat)
+    torch.manual_seed(0)
+    chained = g._trace.traced.run_chained(plan.stage_pieces(), flat)
+    for a, b in zip(whole, chained):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+    ref = model(*args, **kwargs)
+    torch.testing.assert_close(g(*args, **kwargs).loss, ref.loss)
+
+
+# (ranks, model, stages, micro-batches, extra arguments of train_check.py)
+HF_LAYOUTS = [
+    (2, "hf_gpt2", 2, 2, ["--eval"]),                        # 2 stages, tied embeddings
+    (2, "hf_bert", 1, 2, ["--opt", "replicas=2"]),           # 1 stage x 2 replicas, padding mask
+    (2, "hf_vit", 2, 2, []),
+    (2, "hf_llama", 2, 2, []),
+    (2, "hf_t5", 2, 2, []),                                  # encoder-decoder, relative buckets
+    (2, "hf_gpt2", 2, 2, ["--opt", "schedule=fill_drain"]),
+]
+
+
+@pytest.mark.parametrize("ranks,model,stages,micro,extra", HF_LAYOUTS,
+                         ids=[f"{r}ranks-{m}-{s}st-{mb}mb" + ("-fd" if "schedule=fill_drain" in e else "")
+                              for r, m, s, mb, e in HF_LAYOUTS])
+def test_hf_training_equals_pytorch(ranks, model, stages, micro, extra):
+    res = mpirun("train_check.py", ranks, model, "--stages", stages, "--micro", micro,
+                 "--steps", 3, *extra, timeout=300, env={"RANNC_COMM_TIMEOUT": "60"})
+    assert res.returncode == 0, res.stdout[-4000:]
+    for r in range(ranks):
+        assert f"OK rank {r}" in res.stdout, res.stdout[-4000:]
