@@ -1,34 +1,162 @@
 #!/usr/bin/env bash
-# Run THERE, on the GPU machine, from the repository root, with .deps carried (made by
-# scripts/gpu_prepare.sh here): unpacks OpenMPI and spdlog, builds rannc against that
-# machine's CUDA torch, runs the GPU tests (tests/gpu), the one-rank CUDA benchmark
-# against plain PyTorch and the CUDA profile error table. Results go to $OUT (the device
-# tool brings them back). Each part is timed and a failure does not stop the others.
-#   RANNC_GPU_PARTS="tests bench table" (default: all three)
+# Run THERE, on the lent GPU machine (the device tool's `run`), from the repository root,
+# with .deps carried (made here by scripts/gpu_prepare.sh):
+#   run(command="bash scripts/gpu_session.sh", carry=[".deps"], timeout_s=600)
+# One call does everything and brings it back in $OUT (at most 8 files):
+#   summary.txt   GPU, driver, torch/CUDA/NCCL versions, then one line per part:
+#                 "PART: passed|failed|none|skipped (N s)"
+#   build.log     the build (or why it was skipped)
+#   log.txt       the output of every part, one after another under ===== headers
+#   _C.cpython-3XX-x86_64-linux-gnu.so   the extension built there (when built)
+#   runtime_cuda.json, profile_vs_stage_cuda.md/.json   the benchmark results
+# Steps: source scripts/gpu_env.sh (unpacks .deps into /opt/deps, never into /; sets
+# PATH, LD_LIBRARY_PATH, OPAL_PREFIX, CMAKE_PREFIX_PATH, CC/CXX=/usr/bin/gcc/g++, the
+# MCA settings, PYTHONPATH=python); build rannc against that machine's CUDA torch unless
+# python/rannc/_C*.so for its python imports with CUDA (carry it from an earlier $OUT to
+# skip the 2-minute build; RANNC_GPU_REBUILD=1 builds anyway, e.g. after C++ changes);
+# then the parts, in this order:
+#   tests   python3 -m pytest -q tests/gpu
+#   hf      python3 -m pytest -q tests/python -k "hf or transformers"  ("none" if no test matches)
+#   bench   python3 bench/runtime.py --device cuda --out $OUT
+#   table   python3 bench/profile_vs_stage.py --device cuda $RANNC_GPU_TABLE_ARGS
+# Each part runs under `timeout` in a session of its own (what it leaves running is
+# killed); a failing part does not stop the others. All of it fits RANNC_GPU_BUDGET
+# seconds (default 570; the device tool stops a command at 600): a part gets at most its
+# own limit and what is left, and is skipped when less than 30 s is left.
+#   RANNC_GPU_PARTS="tests hf bench table" (default: all)
+# Exits non-zero when a part failed or was skipped; prints summary.txt last.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT="${OUT:-/tmp/out}"
+cd "$(dirname "$0")/.." || exit 1
+START=$(date +%s)
+OUT="${OUT:-/tmp/rannc-gpu-out}"
 mkdir -p "$OUT"
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PYTHONUNBUFFERED=1
-for f in .deps/*.deb; do dpkg -x "$f" /; done
-ldconfig
-PARTS="${RANNC_GPU_PARTS:-tests bench table}"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
-start=$(date +%s)
-RANNC_BUILD_JOBS="$(nproc)" python3 setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1 \
-  || { tail -50 "$OUT/build.log"; exit 1; }
-echo "build: $(( $(date +%s) - start )) s"
-export PYTHONPATH="$PWD/python:${PYTHONPATH:-}"
-rc=0
-if [[ " $PARTS " == *" tests "* ]]; then
-  python3 -m pytest -q tests/gpu -x 2>&1 | tee "$OUT/tests_gpu.log" | tail -30 || rc=1
+SUMMARY="$OUT/summary.txt"
+LOG="$OUT/log.txt"
+BUILD_LOG="$OUT/build.log"
+: > "$SUMMARY"
+: > "$LOG"
+: > "$BUILD_LOG"
+BUDGET="${RANNC_GPU_BUDGET:-570}"
+PARTS=" ${RANNC_GPU_PARTS:-tests hf bench table} "
+failed=0
+
+note() { echo "$*" | tee -a "$SUMMARY"; }
+
+# run_part NAME LIMIT_S LOGFILE COMMAND: COMMAND (bash) under timeout; one summary line.
+# Returns the command's exit status.
+run_part() {
+  local name="$1" limit="$2" log="$3" cmd="$4" t rc begin secs offset pid
+  t=$((BUDGET - ($(date +%s) - START) - 10))
+  ((t > limit)) && t=$limit
+  if ((t < 30)); then
+    note "$name: skipped (no time left of the $BUDGET s budget)"
+    failed=1
+    return 1
+  fi
+  offset=$(stat -c %s "$log")
+  printf '\n===== %s (timeout %s s): %s\n' "$name" "$t" "$cmd" >> "$log"
+  begin=$(date +%s)
+  # A session of its own: afterwards nothing it started (mpirun, ranks) keeps running.
+  setsid -w timeout -k 10 "$t" bash -c "$cmd" >> "$log" 2>&1 < /dev/null &
+  pid=$!
+  wait "$pid"
+  rc=$?
+  pkill -KILL -s "$pid" 2> /dev/null
+  secs=$(($(date +%s) - begin))
+  if ((rc == 0)); then
+    note "$name: passed ($secs s)"
+  elif ((rc == 5)) && [[ "$cmd" == *pytest* ]]; then
+    note "$name: none (no test collected) ($secs s)"
+  else
+    if ((rc == 124 || rc == 137)); then
+      note "$name: failed (timed out after $t s) ($secs s)"
+    else
+      note "$name: failed (exit $rc) ($secs s)"
+    fi
+    failed=1
+    echo "----- $name: last lines of $(basename "$log")"
+    tail -c +$((offset + 1)) "$log" | tail -n 25
+  fi
+  return "$rc"
+}
+
+# ---- the machine -----------------------------------------------------------------------
+{
+  echo "rannc GPU session $(date -u '+%Y-%m-%d %H:%M UTC'), $(nproc) CPUs"
+  echo "gpu: $(timeout 30 nvidia-smi --query-gpu=name,memory.total,driver_version \
+    --format=csv,noheader 2>&1 | paste -sd ';')"
+  timeout 120 python3 -c "
+import sys, torch
+cuda = torch.cuda.is_available()
+nccl = '.'.join(map(str, torch.cuda.nccl.version())) if cuda else '-'
+print('python', sys.version.split()[0], '| torch', torch.__version__, '| CUDA', torch.version.cuda,
+      '| device', torch.cuda.get_device_name() if cuda else 'none', '| NCCL', nccl)" 2>&1 | tail -3
+  # compare with the same command here: which sources this session built or ran
+  echo "sources: $(find csrc CMakeLists.txt setup.py -type f | LC_ALL=C sort | xargs cat \
+    | sha256sum | cut -c1-12) (C++: csrc CMakeLists.txt setup.py), $(find python bench tests \
+    -name '*.py' | LC_ALL=C sort | xargs cat | sha256sum | cut -c1-12) (python)"
+} | tee -a "$SUMMARY"
+
+# ---- Open MPI, spdlog, fmt from .deps ----------------------------------------------------
+begin=$(date +%s)
+# shellcheck source=scripts/gpu_env.sh
+if source scripts/gpu_env.sh >> "$BUILD_LOG" 2>&1; then
+  note "deps: $(mpirun --version 2>&1 | head -1) in ${RANNC_DEPS_PREFIX:-/opt/deps} ($(($(date +%s) - begin)) s)"
+else
+  note "deps: failed ($(tail -1 "$BUILD_LOG"))"
+  failed=1
 fi
-if [[ " $PARTS " == *" bench "* ]]; then
-  python3 bench/runtime.py --device cuda --out "$OUT" 2>&1 | tail -30 || rc=1
+
+# ---- the extension -----------------------------------------------------------------------
+EXT="$(python3 -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")"
+SO="python/rannc/_C$EXT"
+have_c=0
+if [[ -z "${RANNC_GPU_REBUILD:-}" && -f "$SO" ]] && timeout 120 python3 -c "
+import sys, rannc._C as c
+sys.exit(0 if c.has_cuda_profiler else 'built without CUDA')" >> "$BUILD_LOG" 2>&1; then
+  note "build: skipped ($SO is there and imports with CUDA; RANNC_GPU_REBUILD=1 rebuilds)"
+  have_c=1
+else
+  # CMake keeps the compiler of its first configure: start afresh if build/py used another.
+  if [[ -f build/py/CMakeCache.txt ]] \
+      && ! grep -qx "CMAKE_CXX_COMPILER:[A-Z]*=${CXX:-/usr/bin/g++}" build/py/CMakeCache.txt; then
+    rm -rf build/py
+  fi
+  if run_part build 420 "$BUILD_LOG" "RANNC_BUILD_JOBS=$(nproc) python3 setup.py -q build_ext \
+--inplace && python3 -c 'import rannc._C as c; print(\"has_cuda_profiler\", c.has_cuda_profiler)'"; then
+    have_c=1
+    cp "$SO" "$OUT/"
+    # the device tool brings back files of at most 16 MiB
+    if (($(stat -c %s "$SO") > 16 * 1024 * 1024)); then strip --strip-debug "$OUT/$(basename "$SO")"; fi
+  fi
 fi
-if [[ " $PARTS " == *" table "* ]]; then
-  python3 bench/profile_vs_stage.py --device cuda 2>&1 | tail -30 || rc=1
-  cp bench/results/profile_vs_stage_cuda.* "$OUT/" 2>/dev/null
-fi
-echo "total: $(( $(date +%s) - start )) s"
-exit $rc
+
+# ---- the parts ---------------------------------------------------------------------------
+part() {  # part NAME LIMIT_S COMMAND
+  [[ "$PARTS" == *" $1 "* ]] || return 0
+  if ((!have_c)); then
+    note "$1: skipped (no usable build)"
+    failed=1
+    return 0
+  fi
+  run_part "$1" "$2" "$LOG" "$3"
+}
+part tests 300 "python3 -m pytest -q tests/gpu"
+part hf 240 "python3 -m pytest -q tests/python -k 'hf or transformers'"
+part bench 240 "python3 bench/runtime.py --device cuda --out '$OUT'"
+stamp="$(mktemp)"
+part table 600 "python3 bench/profile_vs_stage.py --device cuda ${RANNC_GPU_TABLE_ARGS:-}"
+find bench/results -maxdepth 1 -name 'profile_vs_stage_*' -newer "$stamp" -exec cp {} "$OUT/" \;
+rm -f "$stamp"
+
+# the device tool brings back files of at most 16 MiB
+for f in "$LOG" "$BUILD_LOG"; do
+  if (($(stat -c %s "$f") > 15 * 1024 * 1024)); then
+    tail -c $((15 * 1024 * 1024)) "$f" > "$f.tmp" && mv "$f.tmp" "$f"
+  fi
+done
+note "total: $(($(date +%s) - START)) s; files: $(find "$OUT" -maxdepth 1 -type f -printf '%f\n' | sort | paste -sd ' ')"
+echo
+echo "===== $SUMMARY"
+cat "$SUMMARY"
+exit "$failed"
