@@ -127,6 +127,14 @@ PYBIND11_MODULE(_C, m) {
                             : w.defaultTimeout());
       },
       py::arg("timeout_s") = py::none());
+  m.def("log_info", [](const std::string& message) { logInfo(message); }, py::arg("message"),
+        "Logs through rannc's logger (spdlog, with the rank) at info level.");
+  m.def("log_warn", [](const std::string& message) { logWarn(message); }, py::arg("message"));
+  m.def("mpi_initialized", [] {
+    int initialized = 0;
+    MPI_Initialized(&initialized);
+    return initialized != 0;
+  }, "Whether MPI is initialised in this process (without initialising it).");
   m.def("report_failure", [](const std::string& msg) { comm::World::get().reportFailure(msg); });
   m.def("check_peers", [] { comm::World::get().checkPeers(); });
   m.def("set_comm_timeout", [](double s) {
@@ -268,6 +276,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("input_ids", &runtime::StageExecutor::inputIds)
       .def_property_readonly("output_ids", &runtime::StageExecutor::outputIds)
       .def_property_readonly("stashed", &runtime::StageExecutor::stashed)
+      .def("set_no_grad_inputs", &runtime::StageExecutor::setNoGradInputs, py::arg("ids"))
       .def("discard", &runtime::StageExecutor::discard)
       .def("forward",
            [](runtime::StageExecutor& s, int64_t mb, const py::list& inputs, bool keep, bool recompute) {

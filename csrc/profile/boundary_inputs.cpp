@@ -69,6 +69,11 @@ class KeepCpuRng {
   at::Tensor state_;
 };
 
+// Like the runtime's stage leaves (runtime/stage.h): every floating input requires grad,
+// except the model's own arguments, whose tensors usually do not (an image's gradient
+// would cost a whole backward-data convolution that training never runs).
+bool leafNeedsGrad(const ir::Value& v) { return v.role != ir::ValueRole::Input; }
+
 }  // namespace
 
 at::Tensor cycleRows(const at::Tensor& t, int64_t dim, int64_t target_rows) {
@@ -231,10 +236,9 @@ c10::IValue BoundaryInputs::build(const ir::Value& v, int64_t rows) const {
       const c10::IValue& iv = found->second;
       if (!iv.isTensor()) return iv;
       // A copy: a piece may write into its inputs, and the pass serves later pieces.
-      // Floating ones are leaves that require grad, like the runtime's stage inputs.
       const at::Tensor& t = iv.toTensor();
       if (!t.defined()) return iv;
-      return t.is_floating_point() ? t.clone().requires_grad_(true) : t.clone();
+      return t.is_floating_point() ? t.clone().requires_grad_(leafNeedsGrad(v)) : t.clone();
     }
   }
   auto it = kept_.find(v.id);
@@ -243,8 +247,7 @@ c10::IValue BoundaryInputs::build(const ir::Value& v, int64_t rows) const {
     if (!iv.isTensor()) return iv;
     at::Tensor t = iv.toTensor();
     if (v.isBatch()) t = cycleRows(t, v.batch_dim, v.batch_multiple * rows);
-    // Like the runtime's stage leaves: every floating input is a leaf that requires grad.
-    return t.is_floating_point() ? t.detach().requires_grad_(true) : t;
+    return t.is_floating_point() ? t.detach().requires_grad_(leafNeedsGrad(v)) : t;
   }
   if (!v.isTensor()) {
     throw Error("cannot build the profiling input " + ir::describe(v) + " (a " +

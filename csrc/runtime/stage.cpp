@@ -1,5 +1,7 @@
 #include "runtime/stage.h"
 
+#include <algorithm>
+
 #include <ATen/Context.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/grad_mode.h>
@@ -34,6 +36,14 @@ StageExecutor::StageExecutor(std::shared_ptr<const frontend::TracedModel> model,
       input_ids_.push_back(id);
     }
   }
+  no_grad_.assign(input_ids_.size(), 0);
+}
+
+void StageExecutor::setNoGradInputs(std::vector<ir::ValueId> ids) {
+  std::sort(ids.begin(), ids.end());
+  for (size_t i = 0; i < input_ids_.size(); ++i) {
+    no_grad_[i] = std::binary_search(ids.begin(), ids.end(), input_ids_[i]);
+  }
 }
 
 at::Generator StageExecutor::generator() const {
@@ -55,9 +65,10 @@ std::vector<c10::IValue> StageExecutor::leaves(const std::vector<c10::IValue>& i
   // leaf whose .grad is what backward returns to the previous stage.
   std::vector<c10::IValue> out;
   out.reserve(inputs.size());
-  for (const auto& v : inputs) {
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const c10::IValue& v = inputs[i];
     if (v.isTensor() && differentiable(v.toTensor())) {
-      out.emplace_back(v.toTensor().detach().requires_grad_(true));
+      out.emplace_back(v.toTensor().detach().requires_grad_(!no_grad_[i]));
     } else {
       out.push_back(v);
     }

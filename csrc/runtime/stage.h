@@ -47,6 +47,10 @@ class StageExecutor {
   // returns the gradients of inputIds() (undefined where none flows).
   std::vector<at::Tensor> backward(int64_t mb, const std::vector<at::Tensor>& output_grads);
 
+  // The inputs (by value id) that get no gradient: the model's arguments whose tensors do
+  // not require grad. The others that are floating become leaves that require grad.
+  void setNoGradInputs(std::vector<ir::ValueId> ids);
+
   // Drops every stash (a forward whose backward will not come: the user ran a training
   // forward without backpropagating).
   void discard() { stash_.clear(); }
@@ -73,6 +77,7 @@ class StageExecutor {
   std::unordered_map<ir::ValueId, at::Tensor> state_;
   c10::Device device_;
   std::vector<ir::ValueId> input_ids_;
+  std::vector<char> no_grad_;  // per input: gets no gradient (setNoGradInputs)
   std::unordered_map<int64_t, Stash> stash_;
 };
 

@@ -16,9 +16,12 @@ from ._C import (  # noqa: F401
     get_world_size,
     set_log_level,
 )
+from . import failure
 from .graph import SplitGraph, TracedGraph, load_ir, trace  # noqa: F401
 from .module import RaNNCModule  # noqa: F401
 from .planning import Plan, ProfileCache, plan  # noqa: F401
+
+failure.install()  # [Note: failure notices]
 
 __all__ = [
     "RaNNCModule", "trace", "plan", "Plan", "ProfileCache", "load_ir", "TracedGraph", "SplitGraph", "set_log_level",

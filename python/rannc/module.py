@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import sys
+import zlib
 import traceback
 
 import torch
@@ -29,17 +30,24 @@ from .transport import group_communicator, recv_staged, resolve_device, send_sta
 
 
 class _ApplyStepGrads(torch.autograd.Function):
-    """Carries the loss to the user; its backward scales and adds the step's gradients."""
+    """Carries the loss to the user; its backward scales and adds the step's gradients
+    (of this rank's parameters, and of the `inputs` that require grad)."""
 
     @staticmethod
-    def forward(ctx, anchor, loss, deployed):
+    def forward(ctx, anchor, loss, deployed, *inputs):
         ctx.deployed = deployed
+        ctx.input_grads = [deployed.engine.input_grads[vid] for vid in deployed.grad_input_ids]
         return loss.detach().clone()
 
     @staticmethod
     def backward(ctx, grad):
         ctx.deployed.apply_grads(grad)
-        return None, None, None
+        return (None, None, None) + tuple(_to_user(grad * g, grad) for g in ctx.input_grads)
+
+
+def _to_user(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """An input's gradient where the user's tensors are."""
+    return grad.to(like.device)
 
 
 class _NoGradientPath(torch.autograd.Function):
@@ -66,11 +74,13 @@ class _FillDrainOutputs(torch.autograd.Function):
     gradients (None where an output was not used) and runs the pipeline's backwards."""
 
     @staticmethod
-    def forward(ctx, anchor, deployed, *tensors):
-        ctx.deployed = deployed
+    def forward(ctx, anchor, deployed, num_outputs, *tensors_and_inputs):
+        """`tensors_and_inputs`: the `num_outputs` float outputs, then the inputs that
+        require grad (so that autograd hands their gradients to backward)."""
+        ctx.deployed, ctx.num_outputs = deployed, num_outputs
         ctx.forward_id = deployed.fill_drain_forwards
         ctx.set_materialize_grads(False)
-        return tuple(t.detach().clone() for t in tensors)
+        return tuple(t.detach().clone() for t in tensors_and_inputs[:num_outputs])
 
     @staticmethod
     def backward(ctx, *grads):
@@ -85,7 +95,11 @@ class _FillDrainOutputs(torch.autograd.Function):
                 "of the outputs you need and call backward once per forward.")
         deployed.fill_drain_backward_done = True
         deployed.backward_from_outputs(grads)
-        return (None, None) + (None,) * len(grads)
+        like = next((g for g in grads if g is not None), None)
+        input_grads = tuple(deployed.engine.input_grads[vid].to(like.device if like is not None
+                                                               else deployed.out_device)
+                            for vid in deployed.grad_input_ids)
+        return (None, None, None) + (None,) * len(grads) + input_grads
 
 
 class _Deployed:
@@ -126,25 +140,41 @@ class _Deployed:
         self.buckets = GradBuckets(self.groups, self.own)
         self.engine.before_last_backward = self.buckets.arm
         self.step_grads = {}
+        self.grad_input_ids, self.grad_inputs = [], []  # arguments that require grad
         # fill-drain: forwards so far, and whether the last one's backward ran
         self.fill_drain_forwards, self.fill_drain_backward_done = 0, False
         if rank == 0:
             print(deployment.report(), flush=True)
 
     def _check_agreement(self, ir):
-        """Every rank must trace the same graph with the same local batch size."""
+        """Every rank must trace the same graph with the same local batch size. Where the
+        graphs differ, the model's parameters tell the cause: the same parameters traced
+        into different graphs means control flow that depends on data, which differs
+        between the ranks' batches."""
         comm = _C.Communicator.world_cpu()
-        mine = torch.tensor([ir.content_hash() & 0x7FFFFFFFFFFFFFFF, self.graph.batch_size],
-                            dtype=torch.int64)
-        everyone = torch.empty(comm.size, 2, dtype=torch.int64)
+        state = self.graph._trace.state.tensors(self.owner.module)
+        signature = repr([(n, tuple(t.shape), str(t.dtype))
+                          for n, t in zip(self.graph._trace.state.names, state)])
+        mine = torch.tensor([ir.content_hash() & 0x7FFFFFFFFFFFFFFF, self.graph.batch_size,
+                             zlib.crc32(signature.encode())], dtype=torch.int64)
+        everyone = torch.empty(comm.size, 3, dtype=torch.int64)
         comm.all_gather(mine, everyone).wait()
-        hashes, batches = everyone[:, 0].tolist(), everyone[:, 1].tolist()
+        hashes, batches, models = (everyone[:, i].tolist() for i in range(3))
         if len(set(batches)) > 1:
-            raise _C.Error(f"local batches must have the same size on every rank; got "
+            raise _agreed(f"local batches must have the same size on every rank; got "
                            f"{dict(enumerate(batches))} (rank: rows)")
+        if len(set(models)) > 1:
+            raise _agreed("the ranks built different models (their parameters and buffers "
+                           "differ in names, shapes or dtypes); every rank must build the same "
+                           "model")
         if len(set(hashes)) > 1:
-            raise _C.Error(f"the ranks traced different graphs (hash per rank: "
-                           f"{[hex(h) for h in hashes]}); every rank must build the same model")
+            raise _agreed(
+                f"the ranks traced different graphs from the same model (graph hash per rank: "
+                f"{[hex(h) for h in hashes]}): the model's control flow depends on its input "
+                "data (an `if` on a tensor's value, a loop over data), and the ranks' batches "
+                "took different branches. rannc traces one program for every batch: make the "
+                "branch independent of the data (torch.where, masks), or pass the deciding "
+                "value as a constant argument")
 
     def _plan(self, ir, world, opts):
         comm = _C.Communicator.world_cpu()
@@ -230,7 +260,14 @@ class _Deployed:
         # Outputs go where the user's inputs are (the stage's device without tensor inputs).
         self.out_device = next((t.device for t in flat if isinstance(t, torch.Tensor)),
                                self.owner.device)
+        self._use_rows(self._local_rows(local))
         training = torch.is_grad_enabled() and self.owner.module.training
+        # [Note: input gradients] in pipeline.py
+        grad_inputs = {vid: t for vid, t in local.items() if training and
+                       isinstance(t, torch.Tensor) and t.requires_grad}
+        self.grad_input_ids = sorted(grad_inputs)
+        self.grad_inputs = [grad_inputs[vid] for vid in self.grad_input_ids]
+        self.engine.set_input_grads(set(self.grad_input_ids))
         if training and self.fill_drain:
             produced, batch_outputs = self.engine.forward_for_backward(local)
             self.fill_drain_forwards += 1
@@ -242,6 +279,38 @@ class _Deployed:
         else:
             produced, batch_outputs = self.engine.step(local, False)
         return self._outputs(produced, batch_outputs, "1f1b" if train else None)
+
+    # ---- batch sizes ([Note: batch sizes] in pipeline.py) ----------------------------------
+    def _local_rows(self, local: dict) -> int:
+        """This call's local batch: the rows of the arguments that carry the batch."""
+        rows = {}
+        for vid, t in local.items():
+            v = self.engine.value(vid)
+            if v["batch_dim"] >= 0 and isinstance(t, torch.Tensor):
+                rows[v["name"] or vid] = t.shape[v["batch_dim"]] // v["batch_multiple"]
+        if len(set(rows.values())) > 1:
+            raise _C.Error(f"the arguments that carry the batch disagree on its size: {rows}")
+        return next(iter(rows.values()), self.graph.batch_size)
+
+    def _use_rows(self, rows: int):
+        """Every rank's local batch must have the same rows in each call (checked on every
+        call: a rank with another size would desynchronise the transfers)."""
+        if self.engine.world_size > 1:
+            comm = _C.Communicator.world_cpu()
+            everyone = torch.empty(comm.size, dtype=torch.int64)
+            comm.all_gather(torch.tensor([rows], dtype=torch.int64), everyone).wait()
+            sizes = everyone.tolist()
+            if len(set(sizes)) > 1:
+                raise _agreed(f"local batches must have the same size on every rank in each "
+                               f"call; got {dict(enumerate(sizes))} (rank: rows)")
+        if self.engine.use_batch(rows) and _C.get_rank() == 0:
+            now, planned = self.engine.layout.micro_batches, self.deployment.micro_batches
+            note = (f"; {now} micro-batch(es) instead of the plan's {planned} (each replica "
+                    "needs a row of each)" if now != planned else "")
+            big = (" (more rows than planned for: memory was not planned for it)"
+                   if rows > self.graph.batch_size else "")
+            _C.log_info(f"local batch of {rows} rows (traced with {self.graph.batch_size}): "
+                        f"the plan's stages and replicas re-split the rows{note}{big}")
 
     def _run_backwards(self, work):
         """Runs `work` (pipeline actions with backwards) with this rank's .grad set aside:
@@ -331,7 +400,7 @@ class _Deployed:
                 value = total.to(self.out_device, _dtype(v))
                 if train and vid == engine.loss_vid:
                     anchor = next(iter(self.own.values()), self.owner._anchor)
-                    value = _ApplyStepGrads.apply(anchor, value, self)
+                    value = _ApplyStepGrads.apply(anchor, value, self, *self.grad_inputs)
                 tensors.append(value)
             else:
                 root = layout.rank_of(engine.producer[vid], 0, 0) if vid in engine.producer else 0
@@ -343,7 +412,8 @@ class _Deployed:
         if schedule == "fill_drain":
             floats = [i for i, t in enumerate(tensors) if t.is_floating_point()]
             self._float_outputs = [ir.outputs[i] for i in floats]
-            carried = _FillDrainOutputs.apply(anchor, self, *[tensors[i] for i in floats])
+            carried = _FillDrainOutputs.apply(anchor, self, len(floats),
+                                              *[tensors[i] for i in floats], *self.grad_inputs)
             for i, t in zip(floats, carried):
                 tensors[i] = t
         if train:  # other float outputs: a clear error if the user backpropagates through them
@@ -351,6 +421,14 @@ class _Deployed:
                 if vid != engine.loss_vid and t.is_floating_point():
                     tensors[i] = _NoGradientPath.apply(anchor, t, f"#{i} ({engine.value(vid)['name'] or vid})")
         return self.graph._rebuild_output(tensors)
+
+
+def _agreed(message: str) -> _C.Error:
+    """An error that every rank raises in the same call (from values all ranks gathered): no
+    failure notice, and the job can go on if the user catches it."""
+    error = _C.Error(message)
+    error.on_every_rank = True
+    return error
 
 
 def _dtype(value):
@@ -426,6 +504,8 @@ class RaNNCModule(torch.nn.Module):
         except _C.CommError:
             raise
         except Exception as e:
+            if getattr(e, "on_every_rank", False):
+                raise  # every rank raises it together: nobody is left waiting, nothing to tell
             # Say where before telling the others: their abort may end this process.
             where = traceback.extract_tb(e.__traceback__)[-1]
             stage = f" | stage {deployed.engine.stage}" if deployed is not None else ""

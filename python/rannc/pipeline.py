@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from . import _C
-from .transport import (ACTIVATION, BATCH_OUTPUT, GRADIENT, INPUT_ROWS, OUTPUT_GRADIENT,
-                        MpiChannels, NcclChannels)
+from .transport import (ACTIVATION, BATCH_OUTPUT, GRADIENT, INPUT_GRADIENT, INPUT_ROWS,
+                        OUTPUT_GRADIENT, MpiChannels, NcclChannels)
 
 
 def bounds(n: int, parts: int) -> list[int]:
@@ -51,7 +51,9 @@ class Rows:
 class Layout:
     """Who runs what: stages, pipeline copies, replicas and the rows each one holds."""
 
-    def __init__(self, deployment, world_size: int, local_batch: int):
+    def __init__(self, deployment, world_size: int, local_batch: int, cap_micro_batches=False):
+        """With `cap_micro_batches`, a batch too small for the plan's micro-batch count runs
+        as many micro-batches as its rows allow (a short last batch of an epoch)."""
         self.world_size, self.local_batch = world_size, local_batch
         self.global_batch = world_size * local_batch
         self.pipelines = deployment.pipelines
@@ -60,12 +62,17 @@ class Layout:
         self.replicas = [len(r) // self.pipelines for r in self.stage_ranks]
         self.copy_bounds = bounds(self.global_batch, self.pipelines)
         smallest = min(self.copy_bounds[c + 1] - self.copy_bounds[c] for c in range(self.pipelines))
-        if smallest // self.micro_batches < max(self.replicas):
+        # Every replica of every stage needs at least one row of each micro-batch.
+        fits = smallest // max(self.replicas)
+        if cap_micro_batches and 1 <= fits < self.micro_batches:
+            self.micro_batches = fits
+        if fits < self.micro_batches:
             raise _C.Error(
                 f"a global batch of {self.global_batch} rows ({world_size} ranks x {local_batch}) is "
-                f"too small for {self.pipelines} pipeline copies x {self.micro_batches} micro-batches "
-                f"with up to {max(self.replicas)} replicas per stage: use a larger batch or fewer "
-                "micro-batches (option num_microbatches)")
+                f"too small for this plan: {self.pipelines} pipeline copies x {self.micro_batches} "
+                f"micro-batches with up to {max(self.replicas)} replicas per stage need at least "
+                f"{self.pipelines * self.micro_batches * max(self.replicas)} rows; use a larger batch "
+                "or fewer micro-batches (option num_microbatches)")
         self.place = {}
         for s, ranks in enumerate(self.stage_ranks):
             for i, r in enumerate(ranks):
@@ -119,7 +126,7 @@ class Engine:
         self.traced, self.ir = traced, traced.ir
         self.device = device
         self.deployment = deployment
-        self.rank = rank
+        self.rank, self.world_size = rank, world_size
         self.layout = Layout(deployment, world_size, local_batch)
         self.stage, self.copy, self.replica = self.layout.place[rank]
         self.pieces = [deployment.stage_piece(self.ir, s) for s in range(deployment.num_stages)]
@@ -136,15 +143,104 @@ class Engine:
             for v in p.outputs:
                 self.producer[v] = s
         self.graph_inputs = set(self.ir.inputs)
-        # This stage's actions of the planned schedule (the same lists the simulator ran).
-        self.train_actions = _C.build_schedule(deployment.schedule, deployment.num_stages,
-                                               self.layout.micro_batches)[self.stage]
-        self._plan_transfers()
         # Graph inputs come from the user's (host) batch over MPI; the rest over the
         # device's data plane.
         self.host_channels = MpiChannels()
-        self.channels = NcclChannels(self._channels(), device) if nccl else self.host_channels
+        self.nccl = nccl
+        self._batches = {}  # local batch -> its configuration ([Note: batch sizes])
+        self._configure(self.layout)
         self.before_last_backward = None  # called before the step's last backward action
+        self.input_grad_vids = None       # graph inputs whose user tensors require grad
+        self.input_grads = {}             # their gradients after a step: vid -> tensor
+        self._local_meta = {}             # graph input vid -> (shape, dtype) of this rank's
+        self.set_input_grads(set())
+
+    # ---- gradients of the inputs -----------------------------------------------------------
+    # [Note: input gradients] An argument whose tensor requires grad gets its gradient, as
+    # in PyTorch: each replica's backward returns the gradient of the rows it received, and
+    # sends each row range back to the rank that owns it (the reverse of the input rows'
+    # transfer, over MPI like them). A tensor without a batch dimension (every rank passes
+    # its own copy) gets the sum over all ranks' rows, as the concatenated batch would.
+    def set_input_grads(self, vids: set):
+        """The graph inputs whose tensors require grad in the next steps."""
+        if vids == self.input_grad_vids:
+            return
+        self.input_grad_vids = set(vids)
+        self.executor.set_no_grad_inputs([v for v in self.executor.input_ids
+                                          if v in self.graph_inputs and v not in vids])
+
+    def _begin_input_grads(self):
+        """Zeroed gradients of this rank's inputs that require grad, and the posted receives
+        of their rows that other ranks ran."""
+        self.input_grads = {vid: torch.zeros(shape, dtype=dtype, device=self.device)
+                            for vid, (shape, dtype) in self._local_meta.items()
+                            if vid in self.input_grad_vids}
+        posted = []
+        for p in self.input_sends:
+            if p.vid in self.input_grad_vids:
+                buf = self._empty(p.vid, p.rows)
+                posted.append((p, buf, self.host_channels.recv(buf, p.dst, INPUT_GRADIENT)))
+        return posted
+
+    def _return_input_grad(self, vid: int, m: int, grad: torch.Tensor, sends: list):
+        """Micro-batch m's gradient of this replica's rows of input `vid` to their owners."""
+        v = self.value(vid)
+        if v["batch_dim"] < 0:
+            self.input_grads[vid].add_(grad.to(self.input_grads[vid].dtype))
+            return
+        mine = self.layout.owned(self.rank).start
+        for p in self.recv[m].get(vid, []):
+            piece = _narrow(grad, v, p.rows, p.dst_start)
+            if p.src == self.rank:
+                _narrow(self.input_grads[vid], v, p.rows, mine).add_(piece)
+            else:
+                sends.append(self.host_channels.send(piece.contiguous(), p.src, INPUT_GRADIENT))
+
+    def _finish_input_grads(self, posted):
+        mine = self.layout.owned(self.rank).start
+        for p, buf, work in posted:
+            work.wait()
+            _narrow(self.input_grads[p.vid], self.value(p.vid), p.rows, mine).add_(buf)
+        comm = None
+        for vid in sorted(self.input_grads):  # every rank, in one order: a collective
+            if self.value(vid)["batch_dim"] < 0:
+                comm = comm or _C.Communicator.world_cpu()
+                total = self.input_grads[vid].to("cpu", torch.float64)
+                comm.all_reduce(total).wait()
+                self.input_grads[vid] = total.to(self.device, self.input_grads[vid].dtype)
+
+    # ---- batch sizes ----------------------------------------------------------------------
+    # [Note: batch sizes] The plan's stages and replicas hold for any batch; what depends
+    # on the batch size (the rows of each micro-batch and replica, the schedule's
+    # micro-batch count, the transfer lists and the channels they use) is computed per
+    # local batch size and cached. A batch smaller than the plan's runs fewer micro-batches
+    # when its rows do not fill them all.
+    _BATCH_STATE = ("layout", "train_actions", "recv", "send", "input_sends", "out_recv",
+                    "out_send", "channels")
+
+    def _configure(self, layout: Layout):
+        self.layout = layout
+        # This stage's actions of the planned schedule (the same lists the simulator ran).
+        self.train_actions = _C.build_schedule(self.deployment.schedule, self.deployment.num_stages,
+                                               layout.micro_batches)[self.stage]
+        self._plan_transfers()
+        self.channels = (NcclChannels(self._channels(), self.device) if self.nccl
+                         else self.host_channels)
+        self._batches[layout.local_batch] = {k: getattr(self, k) for k in self._BATCH_STATE}
+
+    def use_batch(self, local_batch: int) -> bool:
+        """Runs the next steps on local batches of `local_batch` rows (every rank calls it
+        with the same size). Returns True when this size is new."""
+        if local_batch == self.layout.local_batch:
+            return False
+        known = self._batches.get(local_batch)
+        if known is not None:
+            for k, v in known.items():
+                setattr(self, k, v)
+            return False
+        self._configure(Layout(self.deployment, self.world_size, local_batch,
+                               cap_micro_batches=True))
+        return True
 
     # ---- transfer planning (pure; every rank computes the same lists) ------------------
     def value(self, vid: int) -> dict:
@@ -394,9 +490,13 @@ class Engine:
         has_forwards = any(kind == "F" for kind, _ in actions)
         if has_forwards:
             self._shapes, self._produced = {}, {}
+            self._local_meta = {vid: (t.shape, t.dtype) for vid, t in local.items()
+                                if isinstance(t, torch.Tensor)}
             for p in self.input_sends:
                 t = _narrow(local[p.vid], self.value(p.vid), p.rows, p.src_start).contiguous()
                 sends.append(self.host_channels.send(t, p.dst, INPUT_ROWS))
+        input_grads = (self._begin_input_grads()
+                       if self.input_grad_vids and any(k == "B" for k, _ in actions) else None)
         outputs = set(self.ir.outputs)
         last_backward = max((i for i, (kind, _) in enumerate(actions) if kind == "B"), default=-1)
         upcoming = self._post(actions[0]) if actions else {}
@@ -424,8 +524,11 @@ class Engine:
                 in_grads = self.executor.backward(m, grads)
                 for i, vid in self._inputs_by_id:
                     g = in_grads[i]
-                    if (vid in self.graph_inputs or not self._carries_grad(vid)
-                            or self._is_shape_value(vid)):
+                    if vid in self.graph_inputs:
+                        if g is not None and vid in self.input_grad_vids:
+                            self._return_input_grad(vid, m, g, sends)
+                        continue
+                    if not self._carries_grad(vid) or self._is_shape_value(vid):
                         continue
                     for p in self.recv[m].get(vid, []):
                         piece = (self._empty(vid, p.rows).zero_() if g is None
@@ -434,6 +537,8 @@ class Engine:
         batch_outputs = self._collect_batch_outputs() if has_forwards else {}
         for w in sends:
             w.wait()
+        if input_grads is not None:
+            self._finish_input_grads(input_grads)
         return (self._produced, batch_outputs) if has_forwards else None
 
     # ---- gradients of outputs from outside (fill-drain) --------------------------------

@@ -22,7 +22,7 @@ import torch
 from . import _C
 
 # Channel kinds; over MPI, a channel's tag is _TAG_BASE + kind.
-INPUT_ROWS, ACTIVATION, GRADIENT, BATCH_OUTPUT, OUTPUT_GRADIENT = range(5)
+INPUT_ROWS, ACTIVATION, GRADIENT, BATCH_OUTPUT, OUTPUT_GRADIENT, INPUT_GRADIENT = range(6)
 _TAG_BASE = 100
 
 

@@ -140,3 +140,71 @@ def test_ranks_map_to_gpus_by_local_rank_modulo_the_devices(monkeypatch, gpus):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     with pytest.raises(rannc.Error, match="sees no CUDA device"):
         transport.local_cuda_device()
+
+
+# ---- what real training loops do (issue: training survives them) ---------------------------
+@pytest.mark.parametrize("stages", [1, 2])
+def test_an_exception_between_steps_ends_every_rank_in_seconds(stages):
+    """Rank 1 raises in the user's loop after step 2; rank 0 waits for it in step 3. With the
+    default comm_timeout (600 s), the job still ends within 10 s of the raise, and rank 0's
+    error names rank 1 and its exception."""
+    res = mpirun("loop_probes.py", 2, "user_error", stages, timeout=300)
+    ended = time.time()
+    assert res.returncode != 0, res.stdout[-3000:]
+    raised = [float(line.split()[-1]) for line in res.stdout.splitlines()
+              if line.startswith("RAISING AT")]
+    assert raised, res.stdout[-3000:]
+    assert ended - raised[0] < 10, f"ended {ended - raised[0]:.1f} s after the raise"
+    assert ("rank 0 stops because rank 1 failed: rank 1: ValueError: user code failed after "
+            "step 2 (at ") in res.stdout, res.stdout[-3000:]
+    assert "finished though rank 1 failed" not in res.stdout
+
+
+@pytest.mark.parametrize("probe", ["mismatched_rows", "data_branch", "different_models"])
+def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
+    """Ranks with different batch sizes in one call (on every such call), control flow on
+    data that differs between ranks, different models: each rank raises the error naming
+    the cause, and nothing else fails (the loop can catch it and go on)."""
+    res = mpirun("loop_probes.py", 2, probe, timeout=300, env={"RANNC_COMM_TIMEOUT": "60"})
+    assert res.returncode == 0, res.stdout[-4000:]
+    for r in range(2):
+        assert f"OK rank {r}" in res.stdout, res.stdout[-4000:]
+
+
+@pytest.mark.parametrize("ranks,model,stages,micro,rows,extra", [
+    (2, "gpt", 2, 4, "4,4,1,3", ["--eval"]),            # short last batch: fewer micro-batches
+    (3, "transformer_loss", 2, 3, "4,2,5", ["--opt", "replicas=1,2"]),  # bigger than traced
+    (4, "gpt", 2, 2, "4,1", ["--opt", "replicas=2,2"]),
+    (2, "transformer", 2, 2, "4,3", ["--mode", "outside"]),   # fill-drain
+])
+def test_batch_size_may_change_between_calls(ranks, model, stages, micro, rows, extra):
+    """The plan's stages and replicas stay; rows are re-split for each new size (the
+    micro-batch count capped by the rows); equal to PyTorch on the concatenated batch."""
+    res = mpirun("train_check.py", ranks, model, "--stages", stages, "--micro", micro,
+                 "--steps", 4, "--rows", rows, *extra, timeout=300,
+                 env={"RANNC_COMM_TIMEOUT": "60"})
+    assert res.returncode == 0, res.stdout[-4000:]
+    for r in range(ranks):
+        assert f"OK rank {r}" in res.stdout, res.stdout[-4000:]
+    if rows.startswith("4,4,1"):
+        assert ("local batch of 1 rows (traced with 4): the plan's stages and replicas re-split "
+                "the rows; 2 micro-batch(es) instead of the plan's 4") in res.stdout
+
+
+@pytest.mark.parametrize("ranks,stages,micro,extra", [
+    (2, 2, 2, []),
+    (3, 3, 3, ["--opt", "schedule=fill_drain"]),
+    (4, 2, 2, ["--opt", "replicas=1,3"]),
+    (1, 1, 2, []),
+])
+def test_gradients_flow_to_inputs_that_require_them(ranks, stages, micro, extra):
+    """Arguments that require grad get PyTorch's gradient (this rank's rows of it; the sum
+    for a tensor without a batch dimension), also an argument a later stage takes directly."""
+    res = mpirun("train_check.py", ranks, "late_input", "--stages", stages, "--micro", micro,
+                 "--steps", 3, "--input-grad", *extra, timeout=300,
+                 env={"RANNC_COMM_TIMEOUT": "60"})
+    assert res.returncode == 0, res.stdout[-4000:]
+    for r in range(ranks):
+        assert f"OK rank {r}" in res.stdout, res.stdout[-4000:]
+    if stages > 1:
+        assert "a later stage takes an argument directly" in res.stdout, res.stdout[-3000:]

@@ -57,32 +57,48 @@ class MultiIO(nn.Module):
 
 
 class Batches:
-    """Global batches of a zoo entry and this rank's rows of them (rows rank*local ..).
+    """Global batches of a zoo entry and this rank's rows of them: with `local_batch` rows
+    per rank, rank r owns global rows [r * local_batch, (r + 1) * local_batch).
 
     Which arguments carry the batch is found by building them at two batch sizes: a
     tensor whose first dimension only happens to equal the global batch (multi_io's
     feature vector of 8 on 2 ranks x 4 rows) is not cut."""
 
-    def __init__(self, name, global_batch, rank, local_batch):
-        self.name, self.global_batch = name, global_batch
-        self.start, self.stop = rank * local_batch, (rank + 1) * local_batch
+    def __init__(self, name, world, rank):
+        self.name, self.world, self.rank = name, world, rank
         sizes = []
-        for b in (global_batch, global_batch + 1):
+        for b in (4 * world, 4 * world + 1):
             _, args, kwargs = make(name, batch=b, seed=0)
             sizes.append([t.shape[0] if isinstance(t, torch.Tensor) and t.dim() else None
                           for t in pytree.tree_leaves((args, kwargs))])
         self.batch_leaves = [x is not None and x != y for x, y in zip(*sizes)]
+        self.start, self.stop = 4 * rank, 4 * (rank + 1)
 
     def rows(self, t):
-        """This rank's rows of a batch-shaped tensor."""
+        """This rank's rows of a batch-shaped tensor of the last call."""
         return t[self.start:self.stop]
 
-    def __call__(self, seed):
-        """((global args, kwargs), (this rank's args, kwargs)) of batch `seed`."""
-        _, args, kwargs = make(self.name, batch=self.global_batch, seed=seed)
+    def __call__(self, seed, local_batch=4, input_grad=False):
+        """((global args, kwargs), (this rank's args, kwargs)) of batch `seed`. With
+        `input_grad`, the floating arguments are leaves that require grad, the global ones
+        and this rank's apart (its rows, or its own copy of a tensor without a batch)."""
+        self.start, self.stop = local_batch * self.rank, local_batch * (self.rank + 1)
+        _, args, kwargs = make(self.name, batch=local_batch * self.world, seed=seed)
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        mine = [self.rows(x) if b else x for x, b in zip(leaves, self.batch_leaves)]
-        return (args, kwargs), pytree.tree_unflatten(mine, spec)
+        if input_grad:
+            leaves = [t.detach().requires_grad_() if _floating(t) else t for t in leaves]
+        mine = []
+        for t, is_batch in zip(leaves, self.batch_leaves):
+            if _floating(t) and input_grad:
+                t = (self.rows(t) if is_batch else t).detach().clone().requires_grad_()
+            elif is_batch:
+                t = self.rows(t)
+            mine.append(t)
+        return pytree.tree_unflatten(leaves, spec), pytree.tree_unflatten(mine, spec)
+
+
+def _floating(t):
+    return isinstance(t, torch.Tensor) and t.is_floating_point()
 
 
 def loss_of(out):
@@ -109,6 +125,22 @@ def train_mode(name):
     """How train_check.py trains a zoo entry: "outside" for a model without a loss (the
     loss is made from its outputs; fill-drain), else "plain" (loss.backward())."""
     return "outside" if name == "transformer" else "plain"
+
+
+class LateInput(nn.Module):
+    """A second input consumed only by the last layers (with several stages it goes
+    straight to a later stage), and a tensor without a batch dimension (`bias`)."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(d, d), nn.Tanh(), nn.Linear(d, d), nn.Tanh(),
+                                  nn.Linear(d, d), nn.Tanh(), nn.Linear(d, d))
+        self.late = nn.Linear(d, d)
+        self.head = nn.Linear(d, 4)
+
+    def forward(self, x, z, y, bias):
+        h = self.body(x) * torch.sigmoid(self.late(z)) + bias
+        return F.mse_loss(self.head(h), y)
 
 
 def no_dropout(model):
@@ -146,6 +178,9 @@ def make(name, batch=4, seed=0):
                   "extra": {"biases": [torch.randn(8, generator=g), torch.randn(batch, 1, generator=g)]},
                   "scale": 0.5}
         return MultiIO(), (x, y), kwargs
+    if name == "late_input":
+        return LateInput(), (torch.randn(batch, 16, generator=g), torch.randn(batch, 16, generator=g),
+                             torch.randn(batch, 4, generator=g), torch.randn(16, generator=g)), {}
     if name.startswith("hf_"):
         import hf_zoo  # transformers models (tests/python/hf_zoo.py)
         return hf_zoo.make(name, batch=batch, seed=seed)

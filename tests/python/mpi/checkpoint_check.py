@@ -12,7 +12,6 @@ import itertools
 
 import torch
 
-import fail_all
 import rannc
 import zoo
 
@@ -26,7 +25,6 @@ options = dict(o.split("=", 1) for o in a.opt)
 rank, world = rannc.get_rank(), rannc.get_world_size()
 torch.set_num_threads(1)
 zoo.full_fp32()
-fail_all.install()
 
 local_batch = 4
 global_batch = local_batch * world
@@ -42,7 +40,7 @@ def wrap(m, opt):
     return rannc.RaNNCModule(m, opt, num_stages=a.stages, num_microbatches=a.micro, **options)
 
 
-batch = zoo.Batches(a.model, global_batch, rank, local_batch)
+batch = zoo.Batches(a.model, world, rank)
 
 
 def run(m, inputs):

@@ -4,21 +4,25 @@ parameters after each Adam step, batch-shaped outputs (this rank's rows), and at
 eval()/no_grad outputs. Exits non-zero on the first mismatch (on every rank).
 
     train_check.py MODEL --stages S --micro M [--steps N] [--mode plain|accum|scale2]
-                   [--eval] [--opt key=value ...]
+                   [--eval] [--rows R1,R2,..] [--input-grad] [--opt key=value ...]
 
     accum: gradients accumulated over two forward/backward calls before each step
     scale2: (2 * loss).backward()
     outside: the loss is computed outside the model from its outputs (fill-drain with
              gradients from outside; the reference is the same loss on the global batch)
     outside_accum: both
+    --rows: the local batch of each step (cycled; default 4), e.g. 4,4,2 for the short last
+            batch of an epoch
+    --input-grad: the floating arguments require grad; their gradients equal the
+            reference's (this rank's rows, or the whole gradient of a tensor without a batch)
 """
 import argparse
 import copy
 import sys
 
 import torch
+import torch.utils._pytree as pytree
 
-import fail_all
 import rannc
 import zoo
 
@@ -30,12 +34,13 @@ ap.add_argument("--steps", type=int, default=5)
 ap.add_argument("--mode", default="plain", choices=["plain", "accum", "scale2", "outside", "outside_accum"])
 ap.add_argument("--eval", action="store_true")
 ap.add_argument("--opt", nargs="*", default=[])
+ap.add_argument("--rows", default="4", help="local batch per step, cycled")
+ap.add_argument("--input-grad", action="store_true")
 a = ap.parse_args()
 options = dict(o.split("=", 1) for o in a.opt)
 rank, world = rannc.get_rank(), rannc.get_world_size()
 torch.set_num_threads(1)
 zoo.full_fp32()  # GPU stages compute in full float32 (no TF32), like the reference
-fail_all.install()
 
 local_batch = 4
 global_batch = local_batch * world
@@ -47,7 +52,8 @@ reference = copy.deepcopy(model)
 ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2, eps=1e-5)
 opt = torch.optim.Adam(model.parameters(), lr=1e-2, eps=1e-5)
 wrapped = rannc.RaNNCModule(model, opt, num_stages=a.stages, num_microbatches=a.micro, **options)
-batches = zoo.Batches(a.model, global_batch, rank, local_batch)
+batches = zoo.Batches(a.model, world, rank)
+step_rows = [int(r) for r in a.rows.split(",")]
 loss_of = zoo.loss_of
 
 
@@ -79,8 +85,8 @@ def batch_rows(out):
     return {}
 
 
-def labels(seed, rows):
-    return torch.randint(0, 3, (global_batch,), generator=torch.Generator().manual_seed(seed))[rows]
+def labels(seed, rows, n):
+    return torch.randint(0, 3, (n,), generator=torch.Generator().manual_seed(seed))[rows]
 
 
 def outside_loss(out, y):
@@ -88,6 +94,25 @@ def outside_loss(out, y):
     if isinstance(out, dict):
         return out["score"] + out["hidden"].pow(2).mean()
     return torch.nn.functional.cross_entropy(out, y)
+
+
+def check_input_grads(mine, ref, step):
+    """Each floating argument's gradient equals the reference's: this rank's rows of it, or
+    all of it for a tensor without a batch dimension."""
+    checked = 0
+    for t, r, is_batch in zip(pytree.tree_leaves(mine), pytree.tree_leaves(ref), batches.batch_leaves):
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            assert t.grad is not None, f"rank {rank}: an input's .grad is None at step {step}"
+            close(t.grad, local(r.grad) if is_batch else r.grad, f"input gradient at step {step}")
+            checked += 1
+    assert checked, "no argument requires grad"
+
+
+def inputs_of_later_stages():
+    """Whether a later stage than the first takes an argument of the model directly."""
+    engine = wrapped._deployed[True].engine
+    inputs = set(wrapped._deployed[True].input_ids)
+    return any(inputs & set(piece.inputs) for piece in engine.pieces[1:])
 
 
 names = {id(p): n for n, p in model.named_parameters()}
@@ -98,15 +123,16 @@ outside = a.mode.startswith("outside")
 for step in range(a.steps):
     opt.zero_grad()
     ref_opt.zero_grad()
+    n = step_rows[step % len(step_rows)]
     for call in range(calls):
-        (g_args, g_kwargs), (l_args, l_kwargs) = batches(100 + 10 * step + call)
+        (g_args, g_kwargs), (l_args, l_kwargs) = batches(100 + 10 * step + call, n, a.input_grad)
         out = wrapped(*l_args, **l_kwargs)
         ref_out = reference(*g_args, **g_kwargs)
         if outside:
             seed = 100 + 10 * step + call
-            mine = slice(rank * local_batch, (rank + 1) * local_batch)
-            outside_loss(out, labels(seed, mine)).backward()
-            outside_loss(ref_out, labels(seed, slice(None))).backward()
+            mine = slice(rank * n, (rank + 1) * n)
+            outside_loss(out, labels(seed, mine, n * world)).backward()
+            outside_loss(ref_out, labels(seed, slice(None), n * world)).backward()
             if not isinstance(out, dict):
                 same_output(out, ref_out, f"output rows at step {step}")
                 continue
@@ -125,6 +151,10 @@ for step in range(a.steps):
                 assert "has no gradient path" in str(e), e
             except RuntimeError as e:  # fill-drain: the loss's backward used this forward
                 assert "a second time" in str(e), e
+    if a.input_grad:
+        check_input_grads((l_args, l_kwargs), (g_args, g_kwargs), step)
+        if step == 0 and rank == 0 and inputs_of_later_stages():
+            print("a later stage takes an argument directly", flush=True)
     own = [p for g in opt.param_groups for p in g["params"]]
     for p in own:
         close(p.grad, ref_params[names[id(p)]].grad, f"gradient of {names[id(p)]} at step {step}")

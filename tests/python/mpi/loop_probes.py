@@ -1,0 +1,92 @@
+"""What real training loops do, under mpirun (2 ranks). Each probe asserts its exact
+behaviour and prints "OK rank r", or fails the way the test expects.
+
+    loop_probes.py user_error STAGES   rank 1 raises in the user's loop after step 2: every
+                                       rank ends in seconds, rank 0 naming rank 1's error
+    loop_probes.py mismatched_rows     ranks pass different batch sizes: a clear error on
+                                       every such call, and training goes on after
+    loop_probes.py data_branch         control flow on data that differs between ranks
+    loop_probes.py different_models    the ranks build different models
+"""
+import sys
+import time
+
+import torch
+import torch.nn as nn
+
+import rannc
+import zoo
+
+rank = rannc.get_rank()
+torch.set_num_threads(1)
+probe = sys.argv[1]
+
+
+def expect_error(call, *fragments):
+    try:
+        call()
+    except rannc.Error as e:
+        for f in fragments:
+            assert f in str(e), f"rank {rank}: {f!r} not in: {e}"
+        return
+    raise AssertionError(f"rank {rank}: no error")
+
+
+def train(wrapped, opt, args):
+    loss = wrapped(*args)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+if probe == "user_error":
+    model, args, _ = zoo.make("gpt", batch=4, seed=rank)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    wrapped = rannc.RaNNCModule(model, opt, num_stages=int(sys.argv[2]), num_microbatches=2)
+    for step in range(6):
+        train(wrapped, opt, args)
+        if step == 2 and rank == 1:
+            print(f"RAISING AT {time.time():.3f}", flush=True)
+            raise ValueError("user code failed after step 2")
+    print(f"rank {rank} finished though rank 1 failed", flush=True)
+
+elif probe == "mismatched_rows":
+    model, args, _ = zoo.make("mlp", batch=4, seed=rank)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    wrapped = rannc.RaNNCModule(model, opt, num_stages=2, num_microbatches=2)
+    train(wrapped, opt, args)
+    short = tuple(a[:3] for a in args)
+    for _ in range(2):  # the error comes on every such call, not only the first
+        expect_error(lambda: wrapped(*(short if rank == 1 else args)),
+                     "local batches must have the same size on every rank in each call",
+                     "{0: 4, 1: 3}")
+    train(wrapped, opt, args)
+    train(wrapped, opt, short)  # the same smaller size everywhere is fine
+    print(f"OK rank {rank}", flush=True)
+
+elif probe in ("data_branch", "different_models"):
+    class Branchy(nn.Module):
+        def __init__(self, extra=False):
+            super().__init__()
+            self.a = nn.Linear(8, 8)
+            self.extra = nn.Linear(8, 8) if extra else None
+
+        def forward(self, x):
+            h = self.a(x)
+            if x.abs().mean() > 1.0:  # rank 0's data is large, rank 1's small
+                h = torch.tanh(h) * 2
+            if self.extra is not None:
+                h = self.extra(h)
+            return h.pow(2).mean()
+
+    model = Branchy(extra=probe == "different_models" and rank == 1)
+    x = torch.randn(4, 8) * (5.0 if rank == 0 else 0.1)
+    wrapped = rannc.RaNNCModule(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    if probe == "data_branch":
+        expect_error(lambda: wrapped(x), "the ranks traced different graphs from the same model",
+                     "control flow depends on its input data")
+    else:
+        expect_error(lambda: wrapped(x), "the ranks built different models")
+    print(f"OK rank {rank}", flush=True)
+else:
+    raise SystemExit(f"unknown probe {probe}")
