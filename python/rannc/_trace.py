@@ -76,6 +76,27 @@ def home_device(model: torch.nn.Module, tensors=()) -> torch.device:
     return torch.device("cpu")
 
 
+def autocast_dtype(device_type: str):
+    """The dtype autocast computes in on `device_type` in this thread, or None when off."""
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
+def recording_autocast(device_type: str):
+    """[Note: mixed precision] Tracing under autocast records its casts (aten::to to bf16
+    before a matmul, to fp32 before a softmax) as ops of the graph, so the traced program
+    computes in the precision of the call it was traced in, wherever it later runs, and
+    the IR knows the 2-byte activations. Autocast's weight cache must be off while
+    tracing: a cached cast weight is a tensor from outside the trace, which the tracer
+    refuses as a constant that requires grad. Returns the context to trace in: the
+    caller's autocast state on `device_type`, cache off."""
+    dtype = autocast_dtype(device_type)
+    if dtype is None:
+        return torch.autocast(device_type, enabled=False)
+    return torch.autocast(device_type, dtype=dtype, cache_enabled=False)
+
+
 def _path_name(path) -> str:
     # path[0] selects args (0) or kwargs (1); the rest is inside them.
     root = "args" if path[0].idx == 0 else "kwargs"
@@ -204,7 +225,7 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> Tr
     state = ModelState.of(model)
     notes: list[str] = []
     tensors2, batch2 = _second_batch(flat, batch)
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), recording_autocast(home.type):
         g1, ex1, out1 = _trace_once(model, state, flat, flat.tensors, notes)
         try:
             try:

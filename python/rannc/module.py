@@ -14,6 +14,7 @@ behave as in PyTorch.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import sys
 import zlib
@@ -24,7 +25,8 @@ import torch
 from . import _C, checkpoint
 from .grad_sync import GradBuckets
 from .graph import TracedGraph
-from .options import Options
+from ._trace import autocast_dtype
+from .options import PRECISIONS, Options
 from .pipeline import Engine
 from .transport import group_communicator, recv_staged, resolve_device, send_staged, uses_nccl
 
@@ -105,10 +107,10 @@ class _FillDrainOutputs(torch.autograd.Function):
 class _Deployed:
     """One traced and planned mode (train or eval) of the model on this rank."""
 
-    def __init__(self, owner: "RaNNCModule", args, kwargs):
+    def __init__(self, owner: "RaNNCModule", graph: TracedGraph, args, kwargs):
         opts, model = owner.options, owner.module
         self.owner = owner
-        self.graph = TracedGraph(model, args, kwargs)
+        self.graph = graph
         ir = self.graph.ir
         rank, world = _C.get_rank(), _C.get_world_size()
         self._check_agreement(ir)
@@ -431,6 +433,19 @@ def _agreed(message: str) -> _C.Error:
     return error
 
 
+def _autocast_off():
+    """No autocast on any device this process computes on (the traced casts do the work)."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.autocast("cpu", enabled=False))
+    if torch.cuda.is_available():
+        stack.enter_context(torch.autocast("cuda", enabled=False))
+    return stack
+
+
+def _precision_name(amp) -> str:
+    return "fp32 (no autocast)" if amp is None else f"autocast {str(amp).replace('torch.', '')}"
+
+
 def _dtype(value):
     from .pipeline import _DTYPES
     return _DTYPES[value["dtype"]]
@@ -491,16 +506,27 @@ class RaNNCModule(torch.nn.Module):
         mode = self.module.training
         deployed = self._deployed.get(mode)
         try:
-            # Training updates each parameter on the ranks of its stage only; before a mode
-            # whose plan may place it elsewhere runs, the owners share the current weights.
-            if deployed is None:
-                deployed = self._deploy(mode, args, kwargs)
-            elif not mode and self._weights_stale:
-                self._sync_parameters()
-                self._weights_stale = False
-            if mode:
-                self._weights_stale = True
-            return deployed.run(args, kwargs)
+            amp = self._precision()
+            if deployed is not None and deployed.amp != amp:
+                raise _C.Error(
+                    f"this {'training' if mode else 'eval'} call runs in {_precision_name(amp)}, "
+                    f"but the model was traced and planned for {_precision_name(deployed.amp)} "
+                    "in this mode: rannc bakes the precision into the plan, so every call of a "
+                    "mode (train, eval) must use the same torch.autocast state (or use the "
+                    "option precision)")
+            # [Note: mixed precision] in _trace.py: the casts are ops of the traced graph, so
+            # the stages run them as recorded, with autocast off.
+            with _autocast_off():
+                # Training updates each parameter on the ranks of its stage only; before a
+                # mode whose plan may place it elsewhere runs, the owners share the weights.
+                if deployed is None:
+                    deployed = self._deploy(mode, args, kwargs, amp)
+                elif not mode and self._weights_stale:
+                    self._sync_parameters()
+                    self._weights_stale = False
+                if mode:
+                    self._weights_stale = True
+                return deployed.run(args, kwargs)
         except _C.CommError:
             raise
         except Exception as e:
@@ -524,14 +550,28 @@ class RaNNCModule(torch.nn.Module):
     # (else the first rank keeping it). Tracing a new mode runs the whole model, so it
     # re-materialises every tensor first and frees again after deploying.
 
-    def _deploy(self, mode, args, kwargs):
-        """Traces, plans and deploys `mode` (a collective), then frees the state tensors that
-        no deployed stage on this rank uses."""
+    def _precision(self):
+        """The autocast dtype this call computes in (None: fp32): the option precision, else
+        the caller's torch.autocast state for the device the stages run on."""
+        forced = PRECISIONS[self.options.precision]
+        if forced is not None:
+            return getattr(torch, forced)
+        return autocast_dtype(self.device.type)
+
+    def _deploy(self, mode, args, kwargs, amp):
+        """Traces, plans and deploys `mode` (a collective) in precision `amp`, then frees the
+        state tensors that no deployed stage on this rank uses."""
         self._materialize()
         # Profiling runs the pieces on the module's own buffers, and a batch norm in training
         # mode updates its running statistics each time: keep the values from before.
         buffers = [(b, b.detach().clone()) for b in self.module.buffers()]
-        deployed = _Deployed(self, args, kwargs)
+        # Traced where the model is, in the precision the stages' device would compute in.
+        home = self._home.type
+        with (torch.autocast(home, dtype=amp) if amp is not None
+              else torch.autocast(home, enabled=False)):
+            graph = TracedGraph(self.module, args, kwargs)
+        deployed = _Deployed(self, graph, args, kwargs)
+        deployed.amp = amp
         with torch.no_grad():
             for b, before in buffers:
                 b.copy_(before)
@@ -680,11 +720,21 @@ class RaNNCModule(torch.nn.Module):
         checkpoint.load_optimizer_state."""
         checkpoint.load_optimizer_state(self, state_dict)
 
-    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clips the gradients of all stages by their global norm; returns that norm."""
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0,
+                       scaler: torch.amp.GradScaler | None = None) -> torch.Tensor:
+        """Clips the gradients of all stages by their global norm; returns that norm. With a
+        loss `scaler`, unscales the gradients first unless unscale_ already did (clipping
+        scaled gradients would clip by the wrong norm, as PyTorch documents)."""
         deployed = self._deployed.get(True)
         if deployed is None:
             raise _C.Error("clip_grad_norm before the first training step")
+        if scaler is not None and scaler.is_enabled():
+            if self.optimizer is None:
+                raise _C.Error("clip_grad_norm with a scaler needs the optimizer passed to "
+                               "RaNNCModule")
+            from torch.amp.grad_scaler import OptState
+            if scaler._per_optimizer_states[id(self.optimizer)]["stage"] is not OptState.UNSCALED:
+                scaler.unscale_(self.optimizer)
         comm = _C.Communicator.world_cpu()
         # Each parameter counts once: on the first rank of its gradient group.
         mine = torch.zeros((), dtype=torch.float64)

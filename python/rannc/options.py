@@ -24,6 +24,10 @@ def parse_bytes(value) -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
+# option precision -> the autocast dtype (None: the caller's autocast state)
+PRECISIONS = {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}
+
+
 @dataclass
 class Options:
     device_memory: int = 8 * 2**30     # bytes per device the plan must fit in
@@ -49,6 +53,8 @@ class Options:
                                        # this rank's GPU if any, else cpu), cpu, cuda, cuda:N
     data_plane: str = "auto"           # CUDA stages: auto (NCCL if built with it, else MPI
                                        # through host memory), nccl, mpi
+    precision: str = "fp32"            # fp32 (the caller's torch.autocast, if any), bf16, fp16
+                                       # (as if every call ran under torch.autocast(dtype))
 
     @staticmethod
     def resolve(kwargs: dict, environ=os.environ) -> "Options":
@@ -73,6 +79,8 @@ class Options:
             raise _C.Error(f"option schedule is {opts.schedule!r}; expected 1f1b or fill_drain")
         if opts.data_plane not in ("auto", "nccl", "mpi"):
             raise _C.Error(f"option data_plane is {opts.data_plane!r}; expected auto, nccl or mpi")
+        if opts.precision not in PRECISIONS:
+            raise _C.Error(f"option precision is {opts.precision!r}; expected fp32, bf16 or fp16")
         if opts.recompute not in ("auto", "always", "never"):
             raise _C.Error(f"option recompute is {opts.recompute!r}; expected auto, always or never")
         return opts

@@ -15,8 +15,13 @@ eval()/no_grad outputs. Exits non-zero on the first mismatch (on every rank).
             batch of an epoch
     --input-grad: the floating arguments require grad; their gradients equal the
             reference's (this rank's rows, or the whole gradient of a tensor without a batch)
+    --amp bf16|fp16: both run under torch.autocast("cpu", dtype) (fp16 with loss scaling:
+            rannc.GradScaler, the reference torch's), compared within that precision
+    --inject-inf STEP: at STEP the gradient of the model's last parameter (on the last
+            stage only) overflows: every rank skips that step and halves its scale
 """
 import argparse
+import contextlib
 import copy
 import sys
 
@@ -36,6 +41,8 @@ ap.add_argument("--eval", action="store_true")
 ap.add_argument("--opt", nargs="*", default=[])
 ap.add_argument("--rows", default="4", help="local batch per step, cycled")
 ap.add_argument("--input-grad", action="store_true")
+ap.add_argument("--amp", default="", choices=["", "bf16", "fp16"])
+ap.add_argument("--inject-inf", type=int, default=-1)
 a = ap.parse_args()
 options = dict(o.split("=", 1) for o in a.opt)
 rank, world = rannc.get_rank(), rannc.get_world_size()
@@ -49,8 +56,12 @@ zoo.no_dropout(model)  # dropout masks cannot match a single process
 reference = copy.deepcopy(model)
 # eps well above float noise: some gradients are exactly zero in exact arithmetic (the key
 # bias of attention), and Adam would turn their rounding noise into full-size steps.
-ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2, eps=1e-5)
-opt = torch.optim.Adam(model.parameters(), lr=1e-2, eps=1e-5)
+if a.amp:  # Adam would turn rounding noise in near-zero gradients into full steps
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+else:
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2, eps=1e-5)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, eps=1e-5)
 wrapped = rannc.RaNNCModule(model, opt, num_stages=a.stages, num_microbatches=a.micro, **options)
 batches = zoo.Batches(a.model, world, rank)
 step_rows = [int(r) for r in a.rows.split(",")]
@@ -62,11 +73,49 @@ def local(x):
     return batches.rows(x)
 
 
+# Low precision: the same ops in the same dtype, but each micro-batch's matmul rounds on
+# its own, where the reference rounds the whole batch once: a few elements differ by an
+# ulp of bf16/fp16. Tensors are compared by their relative error in norm there.
+# That the stages compute in that dtype at all is checked on the deployed graph.
+REL = {"bf16": 5e-2, "fp16": 1e-2}.get(a.amp)
+AMP_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(a.amp)
+scaler = rannc.GradScaler("cpu", init_scale=2.0 ** 10) if a.amp == "fp16" else None
+ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) if a.amp == "fp16" else None
+
+
+def autocast():
+    return (torch.autocast("cpu", dtype=AMP_DTYPE) if AMP_DTYPE is not None
+            else torch.autocast("cpu", enabled=False))
+
+
+def autocast_for_rannc():
+    """With the option precision, rannc's calls run without autocast (the option does it)."""
+    return contextlib.nullcontext() if "precision" in options else autocast()
+
+
+def backward(loss, s):
+    (s.scale(loss) if s is not None else loss).backward()
+
+
+def optimizer_step(o, s):
+    if s is None:
+        o.step()
+    else:
+        s.step(o)
+        s.update()
+
+
 def close(x, y, what):
     # on the host: with option device=cuda (tests/gpu) the stages run on the GPU and the
     # reference on the CPU
-    torch.testing.assert_close(x.cpu(), y.cpu(), rtol=1e-4, atol=1e-5,
-                               msg=lambda m: f"rank {rank}: {what}: {m}")
+    x, y = x.detach().cpu().double(), y.detach().cpu().double()
+    if REL is None:
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5, check_dtype=False,
+                                   msg=lambda m: f"rank {rank}: {what}: {m}")
+        return
+    assert x.shape == y.shape, f"rank {rank}: {what}: shapes {x.shape} vs {y.shape}"
+    err = ((x - y).norm() / y.norm().clamp_min(1e-6)).item()
+    assert err <= REL, f"rank {rank}: {what}: relative error {err:.2e} above {REL:.0e}"
 
 
 def same_output(out, ref_out, what):
@@ -126,8 +175,10 @@ for step in range(a.steps):
     n = step_rows[step % len(step_rows)]
     for call in range(calls):
         (g_args, g_kwargs), (l_args, l_kwargs) = batches(100 + 10 * step + call, n, a.input_grad)
-        out = wrapped(*l_args, **l_kwargs)
-        ref_out = reference(*g_args, **g_kwargs)
+        with autocast_for_rannc():
+            out = wrapped(*l_args, **l_kwargs)
+        with autocast():
+            ref_out = reference(*g_args, **g_kwargs)
         if outside:
             seed = 100 + 10 * step + call
             mine = slice(rank * n, (rank + 1) * n)
@@ -137,9 +188,12 @@ for step in range(a.steps):
                 same_output(out, ref_out, f"output rows at step {step}")
                 continue
         else:
-            (scale * loss_of(out)).backward()
-            (scale * loss_of(ref_out)).backward()
+            backward(scale * loss_of(out), scaler)
+            backward(scale * loss_of(ref_out), ref_scaler)
         close(loss_of(out).detach(), loss_of(ref_out).detach(), f"loss at step {step}")
+        if a.amp and step == 0:  # the deployed program computes in the autocast dtype
+            dtypes = {v["dtype"] for v in wrapped._deployed[True].graph.ir.values()}
+            assert {"bf16": "BFloat16", "fp16": "Float16"}[a.amp] in dtypes, dtypes
         rows_out = batch_rows(out)
         if rows_out and not outside:  # batch-shaped outputs: this rank's own rows
             for what, (mine, ref) in zip(rows_out, zip(rows_out.values(), batch_rows(ref_out).values())):
@@ -158,8 +212,25 @@ for step in range(a.steps):
     own = [p for g in opt.param_groups for p in g["params"]]
     for p in own:
         close(p.grad, ref_params[names[id(p)]].grad, f"gradient of {names[id(p)]} at step {step}")
-    opt.step()
-    ref_opt.step()
+    if step == a.inject_inf:  # one stage's gradient overflows (its ranks only)
+        last = list(ref_params)[-1]
+        ref_params[last].grad.view(-1)[0] = float("inf")
+        for p in own:
+            if names[id(p)] == last:
+                p.grad.view(-1)[0] = float("inf")
+                print(f"rank {rank}: inf in the gradient of {last}", flush=True)
+        before = [p.detach().clone() for p in own]
+        scale_before = scaler.get_scale()
+    optimizer_step(opt, scaler)
+    optimizer_step(ref_opt, ref_scaler)
+    if scaler is not None:
+        assert scaler.get_scale() == ref_scaler.get_scale(), \
+            f"rank {rank}: scale {scaler.get_scale()} vs reference {ref_scaler.get_scale()}"
+    if step == a.inject_inf:
+        assert scaler.get_scale() == scale_before / 2, f"rank {rank}: scale not halved"
+        for p, b in zip(own, before):
+            assert torch.equal(p.detach(), b), f"rank {rank}: stepped though a stage overflowed"
+        print(f"rank {rank}: skipped step {step}, scale {scaler.get_scale()}", flush=True)
     for p in own:
         close(p.detach(), ref_params[names[id(p)]].detach(), f"{names[id(p)]} after step {step}")
     if rank == 0 and loss_of(out).dim() == 0:
@@ -179,8 +250,10 @@ if a.eval:
     wrapped.eval()
     reference.eval()
     with torch.no_grad():
-        out = wrapped(*l_args, **l_kwargs)
-        ref_out = reference(*g_args, **g_kwargs)
+        with autocast_for_rannc():
+            out = wrapped(*l_args, **l_kwargs)
+        with autocast():
+            ref_out = reference(*g_args, **g_kwargs)
     same_output(out, ref_out, "eval loss")
     for what, (mine, ref) in zip(batch_rows(out), zip(batch_rows(out).values(), batch_rows(ref_out).values())):
         close(mine, local(ref), f"eval {what} rows")
@@ -189,6 +262,8 @@ if a.eval:
     # training goes on after eval, on the parameters both modes share
     (g_args, g_kwargs), (l_args, l_kwargs) = batches(1000)
     opt.zero_grad()
-    out = wrapped(*l_args, **l_kwargs)
-    same_output(out, reference(*g_args, **g_kwargs), "loss after eval")
+    with autocast_for_rannc():
+        out = wrapped(*l_args, **l_kwargs)
+    with autocast():
+        same_output(out, reference(*g_args, **g_kwargs), "loss after eval")
 print(f"OK rank {rank}", flush=True)

@@ -1,0 +1,60 @@
+"""Mixed precision ([Note: mixed precision] in python/rannc/_trace.py, rannc.GradScaler in
+python/rannc/amp.py) on CPU ranks, which run torch.autocast too: the traced program
+computes in the precision of the call it was traced in, the planner sees 2-byte
+activations, bf16 and fp16 training equal PyTorch under the same autocast, and an overflow
+on one stage skips the step on every rank."""
+import pytest
+import torch
+
+import rannc
+import zoo
+from mpirun import mpirun
+
+
+def test_tracing_under_autocast_records_its_casts():
+    """The first call under autocast used to fail in the tracer (autocast's weight cache);
+    now the casts are ops of the graph, which then computes in bf16 without autocast."""
+    model, args, _ = zoo.make("gpt", batch=4)
+    zoo.no_dropout(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        g = rannc.trace(model, args)
+        expected = model(*args)
+    dtypes = {v["dtype"] for v in g.ir.values()}
+    assert "BFloat16" in dtypes and "Float32" in dtypes  # fp32 parameters, bf16 matmuls
+    got = g(*args)  # no autocast now: the recorded casts do it
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    fp32 = rannc.trace(model, args)
+    assert "BFloat16" not in {v["dtype"] for v in fp32.ir.values()}
+
+
+def test_the_planner_sees_two_byte_activations():
+    model, args, _ = zoo.make("gpt", batch=8)
+    opts = dict(world_size=2, device_memory="1GiB", num_stages=2, cost_model="analytic")
+    fp32 = rannc.plan(model, args, **opts).deployment
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16 = rannc.plan(model, args, **opts).deployment
+    # the activations the stages keep for backward are mostly bf16: clearly less memory
+    assert sum(s.memory_bytes for s in bf16.stages) < 0.9 * sum(s.memory_bytes for s in fp32.stages)
+
+
+@pytest.mark.parametrize("ranks,model,stages,micro,extra", [
+    (2, "gpt", 2, 2, ["--amp", "bf16", "--eval"]),
+    (3, "transformer_loss", 2, 3, ["--amp", "bf16", "--opt", "replicas=1,2"]),
+    (2, "gpt", 1, 2, ["--amp", "bf16", "--opt", "replicas=2", "recompute=always"]),
+    (2, "transformer", 2, 2, ["--amp", "bf16", "--mode", "outside"]),           # fill-drain
+    (2, "mlp", 2, 2, ["--amp", "fp16"]),
+    (2, "mlp", 2, 2, ["--amp", "fp16", "--inject-inf", "1"]),   # overflow on the last stage
+    (3, "gpt", 3, 3, ["--amp", "fp16", "--inject-inf", "2"]),
+    (2, "mlp", 2, 2, ["--amp", "bf16", "--opt", "precision=bf16"]),  # the option, no autocast
+])
+def test_mixed_precision_training_equals_pytorch_under_autocast(ranks, model, stages, micro, extra):
+    """The reference runs under the same torch.autocast (with the option precision, only
+    the reference does); fp16 with loss scaling, rannc.GradScaler against torch's."""
+    res = mpirun("train_check.py", ranks, model, "--stages", stages, "--micro", micro,
+                 "--steps", 4, *extra, timeout=300, env={"RANNC_COMM_TIMEOUT": "60"})
+    assert res.returncode == 0, res.stdout[-4000:]
+    for r in range(ranks):
+        assert f"OK rank {r}" in res.stdout, res.stdout[-4000:]
+    if "--inject-inf" in extra:
+        # every rank, also those without the inf (ranks' lines may interleave: count)
+        assert res.stdout.count("skipped step") == ranks, res.stdout[-3000:]
