@@ -46,6 +46,8 @@ def test_the_planner_sees_two_byte_activations():
     (2, "mlp", 2, 2, ["--amp", "fp16", "--inject-inf", "1"]),   # overflow on the last stage
     (3, "gpt", 3, 3, ["--amp", "fp16", "--inject-inf", "2"]),
     (2, "mlp", 2, 2, ["--amp", "bf16", "--opt", "precision=bf16"]),  # the option, no autocast
+    (2, "hf_bert", 1, 2, ["--amp", "bf16", "--opt", "replicas=2"]),  # failed to trace before
+    (2, "gpt", 2, 2, ["--amp", "fp16", "--clip", "0.5"]),        # clipping unscales first
 ])
 def test_mixed_precision_training_equals_pytorch_under_autocast(ranks, model, stages, micro, extra):
     """The reference runs under the same torch.autocast (with the option precision, only

@@ -17,6 +17,7 @@ eval()/no_grad outputs. Exits non-zero on the first mismatch (on every rank).
             reference's (this rank's rows, or the whole gradient of a tensor without a batch)
     --amp bf16|fp16: both run under torch.autocast("cpu", dtype) (fp16 with loss scaling:
             rannc.GradScaler, the reference torch's), compared within that precision
+    --clip NORM: clip_grad_norm(NORM, scaler=...) against PyTorch's unscale_ + clip_grad_norm_
     --inject-inf STEP: at STEP the gradient of the model's last parameter (on the last
             stage only) overflows: every rank skips that step and halves its scale
 """
@@ -43,6 +44,7 @@ ap.add_argument("--rows", default="4", help="local batch per step, cycled")
 ap.add_argument("--input-grad", action="store_true")
 ap.add_argument("--amp", default="", choices=["", "bf16", "fp16"])
 ap.add_argument("--inject-inf", type=int, default=-1)
+ap.add_argument("--clip", type=float, default=0.0, help="clip the gradients' global norm")
 a = ap.parse_args()
 options = dict(o.split("=", 1) for o in a.opt)
 rank, world = rannc.get_rank(), rannc.get_world_size()
@@ -205,6 +207,12 @@ for step in range(a.steps):
                 assert "has no gradient path" in str(e), e
             except RuntimeError as e:  # fill-drain: the loss's backward used this forward
                 assert "a second time" in str(e), e
+    if a.clip:
+        norm = wrapped.clip_grad_norm(a.clip, scaler=scaler)
+        if ref_scaler is not None:
+            ref_scaler.unscale_(ref_opt)
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), a.clip)
+        close(norm, ref_norm, f"gradient norm at step {step}")
     if a.input_grad:
         check_input_grads((l_args, l_kwargs), (g_args, g_kwargs), step)
         if step == 0 and rank == 0 and inputs_of_later_stages():
