@@ -45,6 +45,11 @@ class TracedGraph:
         """The graph's inputs: the model's parameters and buffers, then the tensors of
         `args` and `kwargs`; with `at_home`, those copied to the model's device where they
         are elsewhere ([Note: home device] in _trace.py)."""
+        return self._trace.state.tensors(self._model) + self._flat_args(args, kwargs, at_home)
+
+    def _flat_args(self, args, kwargs, at_home: bool = False) -> list[torch.Tensor]:
+        """The tensors of `args` and `kwargs` (the graph's inputs after the model's state),
+        checked against the traced arguments' structure and constants."""
         flat = _trace.flatten_args(args, kwargs)
         example = self._trace.inputs
         if flat.spec != example.spec:
@@ -54,11 +59,10 @@ class TracedGraph:
             if not isinstance(then, torch.Tensor) and now != then:
                 raise _C.TraceError(f"argument {example.paths[i]} was {then!r} when traced and is "
                                     f"{now!r} now; constants are baked into the trace")
-        state = self._trace.state.tensors(self._model)
         if not at_home:
-            return state + flat.tensors
+            return flat.tensors
         home = _trace.home_device(self._model, flat.tensors)
-        return state + [t.to(home) for t in flat.tensors]
+        return [t.to(home) for t in flat.tensors]
 
     def _rebuild_output(self, tensors: list) -> Any:
         leaves = list(self._trace.out_leaves)

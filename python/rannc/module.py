@@ -257,7 +257,7 @@ class _Deployed:
     # ---- running ------------------------------------------------------------------------
     def run(self, args, kwargs):
         g = self.graph
-        flat = g._flat_inputs(args, kwargs)[len(self.state_ids):]
+        flat = g._flat_args(args, kwargs)
         local = dict(zip(self.input_ids, flat))
         # Outputs go where the user's inputs are (the stage's device without tensor inputs).
         self.out_device = next((t.device for t in flat if isinstance(t, torch.Tensor)),
@@ -375,9 +375,24 @@ class _Deployed:
         self.apply_grads(1.0)
 
     def apply_grads(self, scale):
-        for v, t in self.own.items():
-            g = self.step_grads[v] * scale
-            t.grad = g if t.grad is None else t.grad + g
+        """.grad += scale * the step's gradient, for this rank's parameters (one foreach
+        call each: a per-tensor loop cost 0.2 ms per step on a 150-tensor model)."""
+        if not self.own:
+            return
+        params = list(self.own.values())
+        grads = [self.step_grads[v] for v in self.own]
+        # loss.backward() seeds 1: nothing to multiply (read only where reading is free; on
+        # a GPU the fused multiply is cheaper than a synchronisation)
+        unit = not isinstance(scale, torch.Tensor) or scale.device.type == "cpu"
+        unit = unit and float(scale) == 1.0
+        scaled = grads if unit else torch._foreach_mul(grads, scale)
+        fresh = [t.grad is None for t in params]
+        if not all(fresh):
+            torch._foreach_add_([t.grad for t, f in zip(params, fresh) if not f],
+                                [g for g, f in zip(scaled, fresh) if not f])
+        for t, g, f in zip(params, scaled, fresh):
+            if f:
+                t.grad = g
 
     def _outputs(self, produced, batch_outputs, schedule):
         """The user's outputs from what the stages produced; `schedule` says how training
@@ -398,7 +413,8 @@ class _Deployed:
                     if vid in outs:
                         rows = layout.share(engine.stage, engine.copy, m, engine.replica)
                         total += outs[vid].detach().double().cpu() * len(rows) / layout.global_batch
-                comm.all_reduce(total).wait()
+                if comm.size > 1:
+                    comm.all_reduce(total).wait()
                 value = total.to(self.out_device, _dtype(v))
                 if train and vid == engine.loss_vid:
                     anchor = next(iter(self.own.values()), self.owner._anchor)
@@ -408,7 +424,8 @@ class _Deployed:
                 root = layout.rank_of(engine.producer[vid], 0, 0) if vid in engine.producer else 0
                 buf = (produced[0][vid].detach().to("cpu", copy=True) if _C.get_rank() == root
                        else engine._empty(vid, None, device="cpu"))
-                comm.broadcast(buf, root).wait()
+                if comm.size > 1:
+                    comm.broadcast(buf, root).wait()
                 tensors.append(buf.to(self.out_device))
         anchor = next(iter(self.own.values()), self.owner._anchor)
         if schedule == "fill_drain":
