@@ -83,11 +83,16 @@ void bindPlanner(py::module& m) {
       });
 
   m.def("deployment_from_bytes",
-        [](const py::bytes& data, const ir::Graph& g, const std::string& origin) {
-          return partition::deserializeDeployment(std::string(data), g, origin);
+        [](const py::bytes& data, const ir::Graph& g, const std::string& origin, int64_t batch_size,
+           int world_size) {
+          return partition::deserializeDeployment(std::string(data), g, origin, batch_size, world_size);
         },
-        py::arg("data"), py::arg("graph"), py::arg("origin") = "<bytes>");
-  m.def("load_deployment", &partition::loadDeployment, py::arg("path"), py::arg("graph"));
+        py::arg("data"), py::arg("graph"), py::arg("origin") = "<bytes>", py::arg("batch_size") = 0,
+        py::arg("world_size") = 0,
+        "A deployment from bytes; batch_size / world_size > 0: the batch and world it must be for.");
+  m.def("load_deployment", &partition::loadDeployment, py::arg("path"), py::arg("graph"),
+        py::arg("batch_size") = 0, py::arg("world_size") = 0,
+        "A saved deployment; batch_size / world_size > 0: the batch and world it must be for.");
 
   m.def(
       "plan_analytic",

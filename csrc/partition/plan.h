@@ -90,11 +90,16 @@ void validateDeployment(const ir::Graph& graph, const Deployment& deployment);
 
 // The framed bytes of `deployment` (kind "deployment", kDeploymentFormatVersion).
 std::string serializeDeployment(const Deployment& deployment);
-// Reads a deployment and checks it was made for `graph` (content hash) and only names
-// tasks of it; throws SerializationError otherwise.
+// Reads a deployment and checks it was made for `graph` (content hash), only names tasks
+// of it, and holds values a planner could have written (counts within the bytes and the
+// world, rows consistent with the batch, micro-batches, times finite and >= 0, bytes >= 0).
+// `batch_size` / `world_size` > 0: the global batch and world it must be for (0: any).
+// Throws SerializationError "<origin>: ... <field>: <what is wrong>" otherwise.
 Deployment deserializeDeployment(const std::string& bytes, const ir::Graph& graph,
-                                 const std::string& origin = "<memory>");
+                                 const std::string& origin = "<memory>", int64_t batch_size = 0,
+                                 int world_size = 0);
 void saveDeployment(const Deployment& deployment, const std::string& path);
-Deployment loadDeployment(const std::string& path, const ir::Graph& graph);
+Deployment loadDeployment(const std::string& path, const ir::Graph& graph, int64_t batch_size = 0,
+                          int world_size = 0);
 
 }  // namespace rannc::partition

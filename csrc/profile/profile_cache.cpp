@@ -1,7 +1,10 @@
 #include "profile/profile_cache.h"
 
+#include <cmath>
 #include <fstream>
+#include <sstream>
 
+#include "common/error.h"
 #include "ir/serialize.h"
 
 namespace rannc::profile {
@@ -62,22 +65,50 @@ std::string ProfileCache::serialize() const {
 void ProfileCache::merge(const std::string& bytes, const std::string& origin) {
   const std::string payload = ir::unframe(bytes, "profiles", kProfileFormatVersion, origin);
   ir::BinaryReader r(payload);
-  const uint64_t n = r.u64();
   std::unordered_map<ProfileKey, ProfileRecord, ProfileKeyHash> read;
-  for (uint64_t i = 0; i < n; ++i) {
-    ProfileKey k;
-    k.content_hash = r.u64();
-    k.rows = r.i64();
-    k.dtype = r.str();
-    k.device = r.str();
-    k.recompute = r.u8() != 0;
-    ProfileRecord rec;
-    rec.forward_time = r.f64();
-    rec.backward_time = r.f64();
-    rec.activation_bytes = r.i64();
-    rec.peak_bytes = r.i64();
-    rec.out_of_memory = r.u8() != 0;
-    read[k] = rec;
+  // Every value is checked before the cache takes any: a measurement the planner would
+  // believe (a NaN or negative time, negative bytes) is refused naming the entry's field.
+  try {
+    auto bad = [](const std::string& field, const std::string& why) {
+      throw SerializationError(field + ": " + why);
+    };
+    // An entry is at least 66 bytes (empty dtype and device names).
+    const uint64_t n = r.count("entries", 66);
+    for (uint64_t i = 0; i < n; ++i) {
+      const std::string f = "entries[" + std::to_string(i) + "].";
+      ProfileKey k;
+      k.content_hash = r.u64(f + "content_hash");
+      k.rows = r.i64(f + "rows");
+      if (k.rows < 1) bad(f + "rows", std::to_string(k.rows) + " is not a number of rows (>= 1)");
+      k.dtype = r.str(f + "dtype");
+      k.device = r.str(f + "device");
+      k.recompute = r.u8(f + "recompute") != 0;
+      ProfileRecord rec;
+      rec.forward_time = r.f64(f + "forward_time");
+      rec.backward_time = r.f64(f + "backward_time");
+      rec.activation_bytes = r.i64(f + "activation_bytes");
+      rec.peak_bytes = r.i64(f + "peak_bytes");
+      rec.out_of_memory = r.u8(f + "out_of_memory") != 0;
+      for (auto [name, t] : {std::pair{"forward_time", rec.forward_time}, {"backward_time", rec.backward_time}}) {
+        // A piece that ran out of memory is stored with infinite times; nothing else is.
+        const bool ok = t >= 0.0 && (std::isfinite(t) || (rec.out_of_memory && std::isinf(t)));
+        if (!ok) {
+          std::ostringstream os;
+          os << t << " seconds is not a measured time (finite, >= 0"
+             << (rec.out_of_memory ? ", or infinite when out of memory)" : ")");
+          bad(f + name, os.str());
+        }
+      }
+      for (auto [name, b] : {std::pair{"activation_bytes", rec.activation_bytes}, {"peak_bytes", rec.peak_bytes}}) {
+        if (b < 0) bad(f + name, std::to_string(b) + " bytes is negative");
+      }
+      read[k] = rec;
+    }
+    if (!r.atEnd()) throw SerializationError("trailing bytes after the last entry");
+  } catch (const SerializationError& e) {
+    const std::string msg = e.what();
+    if (msg.rfind(origin, 0) == 0) throw;
+    throw SerializationError(origin + ": corrupt profile cache: " + msg);
   }
   std::lock_guard<std::mutex> lock(mutex_);
   for (auto& [k, rec] : read) entries_[k] = rec;

@@ -334,11 +334,11 @@ def plan_graph(graph: TracedGraph, flat_inputs: list, *, world_size: int, device
             _broadcast_plan(None, graph, failure=f"{type(e).__name__}: {e}")
         raise
     if parallel and broadcast:
-        deployment = _broadcast_plan(deployment, graph)
+        deployment = _broadcast_plan(deployment, graph, popts.batch_size, popts.world_size)
     return deployment
 
 
-def _broadcast_plan(deployment, graph, failure: str = ""):
+def _broadcast_plan(deployment, graph, batch_size=0, world_size=0, failure: str = ""):
     """Rank 0's plan to every rank; a size of -1 tells the others that rank 0 failed."""
     comm = _C.Communicator.world_cpu()
     if _C.get_rank() == 0:
@@ -354,7 +354,8 @@ def _broadcast_plan(deployment, graph, failure: str = ""):
     buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if _C.get_rank() == 0
            else torch.empty(int(size.item()), dtype=torch.uint8))
     comm.broadcast(buf, 0).wait()
-    return _C.deployment_from_bytes(bytes(buf.numpy().tobytes()), graph.ir, "the plan from rank 0")
+    return _C.deployment_from_bytes(bytes(buf.numpy().tobytes()), graph.ir, "the plan from rank 0",
+                                    batch_size=batch_size, world_size=world_size)
 
 
 def plan(model: torch.nn.Module, args, kwargs: dict | None = None, *, world_size: int,
