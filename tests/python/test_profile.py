@@ -348,3 +348,16 @@ def test_profiling_inputs_are_what_the_model_computes_at_every_row_count():
                 r = _C.profile_piece(traced, example, piece, rows, warmup=1, repetitions=2)
                 assert not r["out_of_memory"]
 
+
+
+def test_too_many_microbatches_for_the_rows_is_the_error_not_rows_per_device():
+    # One row per rank on 2 ranks: a row per device is there, four micro-batches are not.
+    model, args, kwargs = zoo.make("mlp", batch=1)
+    opts = dict(world_size=2, device_memory="64MiB", cost_model="analytic")
+    with pytest.raises(rannc.InfeasiblePlanError) as info:
+        rannc.plan(model, args, kwargs, num_microbatches=4, **opts)
+    msg = str(info.value)
+    assert "num_microbatches=4 needs at least 4 rows" in msg, msg
+    assert "global batch has 2 row(s)" in msg and "num_microbatches <= 2" in msg, msg
+    assert "one row per device" not in msg, msg
+    assert rannc.plan(model, args, kwargs, num_microbatches=2, **opts).micro_batches == 2

@@ -181,6 +181,48 @@ std::string bytesText(int64_t bytes) {
   return os.str();
 }
 
+// Why no shape tried had rows for every replica: each stage replica of each pipeline
+// copy needs a row per micro-batch, so a shape of S stages on D devices per copy needs
+// R x M x (replicas of its widest stage, at least ceil(D / S)) rows.
+std::string tooFewRows(const PlanContext& ctx, const StageSearchOptions& options,
+                       const std::vector<std::tuple<int, int, int, int>>& tried) {
+  int widest_fixed = 0;
+  for (int r : options.fixed_replicas) widest_fixed = std::max(widest_fixed, r);
+  const int fixed_m = options.fixed_micro_batches;
+  int64_t least = std::numeric_limits<int64_t>::max(), least_per_mb = 0;
+  int best_s = 0, best_d = 0, best_r = 0, best_w = 0;
+  int64_t most_m = 0;  // the most micro-batches some tried shape has rows for
+  for (auto [S, D, R, M] : tried) {
+    const int widest = widest_fixed > 0 ? widest_fixed : (D + S - 1) / S;
+    const int64_t per_mb = static_cast<int64_t>(R) * widest;
+    const int64_t rows = per_mb * (fixed_m > 0 ? fixed_m : 1);
+    most_m = std::max(most_m, ctx.batch_size / per_mb);
+    if (rows < least) {
+      least = rows;
+      least_per_mb = per_mb;
+      best_s = S, best_d = D, best_r = R, best_w = widest;
+    }
+  }
+  std::ostringstream os;
+  const std::string shape = std::to_string(best_s) + " stage(s) on " + std::to_string(best_d) +
+                            " device(s) per copy";
+  if (fixed_m > 1 && least_per_mb <= ctx.batch_size) {
+    // One micro-batch would have had rows: the count asked for is the cause.
+    os << "num_microbatches=" << fixed_m << " needs at least " << least << " rows (" << fixed_m
+       << " per pipeline copy x " << best_w << " replica(s) of the widest stage x " << best_r
+       << " cop" << (best_r == 1 ? "y" : "ies") << ", with " << shape << "), but the global batch has "
+       << ctx.batch_size << " row(s); use num_microbatches <= " << most_m << " or a larger batch";
+  } else if (least == ctx.world_size) {
+    os << "the batch has too few rows for the devices (need at least one row per device: "
+       << least << " rows)";
+  } else {
+    os << "the batch has too few rows: every stage replica needs a row per micro-batch, and the "
+          "smallest shape tried (" << shape << ", " << best_w << " replica(s) of the widest stage x "
+       << best_r << " cop" << (best_r == 1 ? "y" : "ies") << ") needs " << least << " rows";
+  }
+  return os.str();
+}
+
 }  // namespace
 
 Deployment formStage(StageProblem& problem, const StageSearchOptions& options) {
@@ -333,14 +375,16 @@ std::vector<Deployment> formStageCandidates(StageProblem& problem, const StageSe
     if (sol.feasible) needed = std::min(needed, static_cast<int64_t>(sol.value));
   }
   std::ostringstream os;
-  os << "no plan fits " << bytesText(ctx.memory_limit) << " of usable memory per device on "
-     << ctx.world_size << " device(s) with global batch " << ctx.batch_size;
   if (needed != std::numeric_limits<int64_t>::max()) {
-    os << "; the smallest plan needs " << bytesText(needed)
+    os << "no plan fits " << bytesText(ctx.memory_limit) << " of usable memory per device on "
+       << ctx.world_size << " device(s) with global batch " << ctx.batch_size
+       << "; the smallest plan needs " << bytesText(needed)
        << " per device: use devices with more memory, more devices, a smaller batch"
        << (ctx.allow_recompute ? "" : ", or allow recomputation");
   } else {
-    os << "; the batch has too few rows for the devices (need at least one row per device)";
+    // Not memory: no shape had a row for every replica and micro-batch.
+    os << "no plan for " << ctx.world_size << " device(s) with global batch " << ctx.batch_size << ": "
+       << tooFewRows(ctx, options, tried);
   }
   throw InfeasiblePlanError(os.str(), needed == std::numeric_limits<int64_t>::max() ? 0 : needed);
 }
