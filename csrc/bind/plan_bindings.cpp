@@ -69,6 +69,9 @@ void bindPlanner(py::module& m) {
       .def_property_readonly("num_stages", &partition::Deployment::numStages)
       .def("stage_of_rank", &partition::Deployment::stageOfRank)
       .def("report", &partition::Deployment::report)
+      .def_property_readonly("hash", &partition::Deployment::hash,
+                             "8 hex digits naming what the runtime executes ([Note: plan hash])")
+      .def("summary", &partition::Deployment::summary)
       .def("stage_piece", [](const partition::Deployment& d, const ir::Graph& g, int stage) {
         return partition::stageSubgraph(g, d.stages.at(stage));
       })

@@ -6,6 +6,8 @@
 #include <sstream>
 
 #include "common/error.h"
+#include "common/hash.h"
+#include "common/log_fmt.h"
 #include "ir/serialize.h"
 #include "ir/subgraph.h"
 
@@ -54,9 +56,44 @@ int Deployment::stageOfRank(int rank) const {
   return -1;
 }
 
+std::string Deployment::hash() const {
+  ir::BinaryWriter w;
+  w.u64(graph_hash);
+  w.i32(world_size);
+  w.i64(batch_size);
+  w.i32(pipelines);
+  w.i32(micro_batches);
+  w.u8(static_cast<uint8_t>(schedule));
+  w.u8(static_cast<uint8_t>(optimizer));
+  w.u64(stages.size());
+  for (const StagePlan& s : stages) {
+    w.i32s(s.tasks);
+    w.i32s(s.ranks);
+    w.u8(s.recompute);
+    w.i64(s.micro_batch_rows);
+  }
+  const uint64_t h = Fnv1a().bytes(w.bytes().data(), w.bytes().size()).digest();
+  char buf[16];
+  std::snprintf(buf, sizeof buf, "%08x", static_cast<unsigned>((h ^ (h >> 32)) & 0xffffffffu));
+  return buf;
+}
+
+std::string Deployment::summary() const {
+  std::ostringstream os;
+  os << "plan " << hash() << ": " << stages.size() << " stage" << (stages.size() == 1 ? "" : "s")
+     << ", replicas ";
+  for (size_t s = 0; s < stages.size(); ++s) {
+    os << (s ? "/" : "") << stages[s].ranks.size() / std::max<size_t>(1, static_cast<size_t>(pipelines));
+  }
+  os << ", " << micro_batches << " micro-batch" << (micro_batches == 1 ? "" : "es") << ", " << pipelines
+     << " pipeline cop" << (pipelines == 1 ? "y" : "ies") << ", " << scheduleName(schedule) << ", predicted "
+     << ms(iteration_time) << " ms per iteration";
+  return os.str();
+}
+
 std::string Deployment::report() const {
   std::ostringstream os;
-  os << "deployment by " << planner << ": " << stages.size() << " stage(s) on " << world_size
+  os << "plan " << hash() << " by " << planner << ": " << stages.size() << " stage(s) on " << world_size
      << " rank(s), " << pipelines << " pipeline cop" << (pipelines == 1 ? "y" : "ies") << ", "
      << micro_batches << " micro-batch(es) of global batch " << batch_size << ", "
      << scheduleName(schedule) << ", " << optimizerName(optimizer) << "\n";
@@ -371,7 +408,9 @@ void saveDeployment(const Deployment& deployment, const std::string& path) {
 
 Deployment loadDeployment(const std::string& path, const ir::Graph& graph, int64_t batch_size,
                           int world_size) {
-  return deserializeDeployment(ir::readFile(path), graph, path, batch_size, world_size);
+  Deployment d = deserializeDeployment(ir::readFile(path), graph, path, batch_size, world_size);
+  logger().info("{} (loaded from {})", d.summary(), path);
+  return d;
 }
 
 }  // namespace rannc::partition

@@ -64,7 +64,17 @@ struct Deployment {
   int numStages() const { return static_cast<int>(stages.size()); }
   // Stage whose replicas include `rank`, or -1.
   int stageOfRank(int rank) const;
-  // A table for people: stages, blocks, tasks, ranks, rows, recompute, times, memory.
+  // [Note: plan hash] 8 hex digits of FNV-1a over the binary encoding of what the
+  // runtime executes: the graph hash, world, batch, copies, micro-batches, schedule,
+  // optimizer and each stage's tasks, ranks, rows and recomputation. The predictions are
+  // left out on purpose: profiled times differ between runs that make the same plan, and
+  // the hash is there to tell whether two runs train with the same plan.
+  std::string hash() const;
+  // One line for logs: "plan 9f3a1c2e: 2 stages, replicas 2/2, 4 micro-batches, 1 pipeline
+  // copy, 1f1b, predicted 12.345 ms per iteration".
+  std::string summary() const;
+  // A table for people: stages, blocks, tasks, ranks, rows, recompute, times, memory; the
+  // first line names the plan's hash.
   std::string report() const;
 };
 

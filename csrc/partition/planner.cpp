@@ -109,9 +109,8 @@ PlanTrace planTrace(const ir::Graph& graph, CostModel& costs, const PlannerOptio
       if (refined.iteration_time < trace.deployment.iteration_time) trace.deployment = std::move(refined);
     }
   }
-  logger().info("planned: {} tasks, {} atomic pieces, {} blocks, {} stages, {} ms per iteration",
-                graph.numTasks(), trace.atomic.pieces.size(), trace.blocks.blocks.size(),
-                trace.deployment.numStages(), trace.deployment.iteration_time * 1e3);
+  logger().info("{} (planned: {} tasks, {} atomic pieces, {} blocks)", trace.deployment.summary(),
+                graph.numTasks(), trace.atomic.pieces.size(), trace.blocks.blocks.size());
   return trace;
 }
 

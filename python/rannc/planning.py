@@ -160,6 +160,11 @@ class Plan:
     def iteration_time(self) -> float:
         return self.deployment.iteration_time
 
+    @property
+    def hash(self) -> str:
+        """8 hex digits naming what the runtime would execute (equal hashes: the same plan)."""
+        return self.deployment.hash
+
     def stages(self) -> list[StageSummary]:
         d = self.deployment
         out = []
@@ -193,7 +198,7 @@ class Plan:
     def summary(self) -> str:
         d = self.deployment
         lines = [
-            f"rannc plan ({self.cost_model} costs, planned in {self.planning_time:.2f} s): "
+            f"rannc plan {d.hash} ({self.cost_model} costs, planned in {self.planning_time:.2f} s): "
             f"{d.num_stages} stage(s) x {d.pipelines} pipeline cop{'y' if d.pipelines == 1 else 'ies'} "
             f"on {d.world_size} device(s), {d.micro_batches} micro-batch(es) of global batch "
             f"{d.batch_size}, {d.schedule}",

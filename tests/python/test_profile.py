@@ -361,3 +361,24 @@ def test_too_many_microbatches_for_the_rows_is_the_error_not_rows_per_device():
     assert "global batch has 2 row(s)" in msg and "num_microbatches <= 2" in msg, msg
     assert "one row per device" not in msg, msg
     assert rannc.plan(model, args, kwargs, num_microbatches=2, **opts).micro_batches == 2
+
+
+def test_the_plan_hash_names_the_plan_in_the_report_the_summary_and_the_log(tmp_path, capfd):
+    model, args, kwargs = zoo.make("gpt", batch=4)
+    opts = dict(world_size=4, devices_per_node=4, device_memory="16GiB", cost_model="analytic")
+    first = rannc.plan(model, args, kwargs, num_microbatches=2, **opts)
+    again = rannc.plan(model, args, kwargs, num_microbatches=2, **opts)
+    other = rannc.plan(model, args, kwargs, num_microbatches=4, **opts)
+    h = first.deployment.hash
+    assert re.fullmatch(r"[0-9a-f]{8}", h) and first.hash == h
+    assert again.deployment.hash == h
+    assert other.deployment.hash != h
+    assert first.deployment.report().splitlines()[0].startswith(f"plan {h} by rannc: ")
+    assert first.summary().startswith(f"rannc plan {h} ")
+    # Logged when made and when loaded, so two runs' logs can be compared.
+    path = str(tmp_path / "plan.rannc")
+    first.save(path)
+    assert _C.load_deployment(path, first.graph.ir).hash == h
+    err = capfd.readouterr().err
+    assert re.search(rf"plan {h}: \d+ stages?, replicas [0-9/]+, 2 micro-batches, .*\(planned: ", err), err
+    assert f"plan {h}: " in err and f"(loaded from {path})" in err, err
