@@ -234,3 +234,19 @@ def test_a_profile_cache_file_is_checked_before_planning_and_left_unmerged(profi
         corrupted(profiles, profile_fields, "entries[0].out_of_memory", 1),
         profile_fields, "entries[0].forward_time", math.inf))
     assert cache.load(path) and len(cache) > 0
+
+
+def test_profile_cache_entries_can_be_read_and_put_back_but_not_nonsense(profiles):
+    cache = rannc.ProfileCache()
+    cache.merge_bytes(profiles)
+    entries = cache.entries()
+    assert len(entries) == len(cache) and entries == sorted(
+        entries, key=lambda e: (e["content_hash"], e["rows"], e["dtype"], e["device"], e["recompute"]))
+    e = dict(entries[0])
+    e["forward_time"] *= 2
+    cache.put(**e)
+    assert cache.entries()[0]["forward_time"] == e["forward_time"]
+    with pytest.raises(rannc.Error, match=r"ProfileCache.put: forward_time: nan"):
+        cache.put(**dict(e, forward_time=math.nan))
+    with pytest.raises(rannc.Error, match=r"ProfileCache.put: peak_bytes: -1 bytes is negative"):
+        cache.put(**dict(e, peak_bytes=-1))
