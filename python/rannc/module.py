@@ -199,7 +199,7 @@ class _Deployed:
                 num_blocks=opts.num_blocks, memory_margin=opts.memory_margin,
                 recompute="never" if opts.recompute == "never" else "auto",
                 num_stages=opts.num_stages, num_microbatches=opts.num_microbatches,
-                replicas=opts.replicas, schedule=self.schedule,
+                replicas=opts.replicas, schedule=self.schedule, plan_tolerance=opts.plan_tolerance,
                 profile_repetitions=opts.profile_repetitions, profile_warmup=opts.profile_warmup,
                 profile_device=where, profile_cache=self.owner.profile_cache)
             if opts.profile_cache and _C.get_rank() == 0:
@@ -219,7 +219,7 @@ class _Deployed:
             num_blocks=opts.num_blocks, memory_margin=opts.memory_margin,
             recompute="never" if opts.recompute == "never" else "auto",
             num_stages=opts.num_stages, num_microbatches=opts.num_microbatches,
-            replicas=opts.replicas, schedule=self.schedule)
+            replicas=opts.replicas, schedule=self.schedule, plan_tolerance=opts.plan_tolerance)
 
     # ---- running ------------------------------------------------------------------------
     def run(self, args, kwargs):

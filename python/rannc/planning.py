@@ -54,6 +54,8 @@ _OPTIONS = {
                           "with analytic costs, 1 when profiling: every new piece is a measurement)"),
     "update_seconds_per_byte": (None, "optimizer step per parameter byte (None: timed on copies of "
                                 "the parameters for profiled plans, else from the device's bandwidth)"),
+    "plan_tolerance": (0.02, "plans within this fraction of the fastest count as equally fast: the "
+                       "simplest wins (fewer stages, micro-batches, copies), so noise does not change the plan"),
 }
 
 
@@ -286,6 +288,7 @@ def planner_options(graph: TracedGraph, world_size, device, optimizer, o,
     # new piece is a measurement (BERT-base: 918 s refining 6 shapes against 109 s for 1).
     refine = o["refine_candidates"]
     p.refine_candidates = int(refine) if refine is not None else (6 if cost_model == "analytic" else 1)
+    p.plan_tolerance = float(o["plan_tolerance"])
     return p
 
 
@@ -305,14 +308,7 @@ def plan_graph(graph: TracedGraph, flat_inputs: list, *, world_size: int, device
     o = _resolve(options)
     popts = planner_options(graph, world_size, device, optimizer, o, cost_model)
     if cost_model == "analytic":
-        return _C.plan_analytic(
-            graph.ir, device, popts.world_size, batch_size=popts.batch_size,
-            num_blocks=popts.num_blocks, memory_margin=popts.memory_margin,
-            optimizer=optimizer, schedule=o["schedule"], allow_recompute=popts.allow_recompute,
-            fixed_stages=popts.fixed_stages, fixed_micro_batches=popts.fixed_micro_batches,
-            max_micro_batches=popts.max_micro_batches, fixed_replicas=popts.fixed_replicas,
-            update_seconds_per_byte=popts.update_seconds_per_byte,
-            refine_candidates=popts.refine_candidates)
+        return _C.plan_analytic(graph.ir, device, popts)
     if cost_model != "profile":
         raise _C.Error(f"cost_model is {cost_model!r}; expected 'profile' or 'analytic'")
     if o["probe_bandwidth"]:
