@@ -171,6 +171,7 @@ int main(int argc, char** argv) {
   o.refine_candidates = static_cast<int>(get("candidates", o.refine_candidates));
   o.fixed_stages = static_cast<int>(get("stages", 0));
   o.fixed_micro_batches = static_cast<int>(get("micro_batches", 0));
+  if (args.count("tolerance")) o.plan_tolerance = std::atof(args["tolerance"].c_str());
   int64_t params = 0;
   for (rannc::ir::ValueId v = 0; v < g.numValues(); ++v) {
     if (g.value(v).role == rannc::ir::ValueRole::Param) params += g.value(v).numel();

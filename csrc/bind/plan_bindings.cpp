@@ -69,6 +69,9 @@ void bindPlanner(py::module& m) {
       .def_property_readonly("num_stages", &partition::Deployment::numStages)
       .def("stage_of_rank", &partition::Deployment::stageOfRank)
       .def("report", &partition::Deployment::report)
+      .def_property_readonly("hash", &partition::Deployment::hash,
+                             "8 hex digits naming what the runtime executes ([Note: plan hash])")
+      .def("summary", &partition::Deployment::summary)
       .def("stage_piece", [](const partition::Deployment& d, const ir::Graph& g, int stage) {
         return partition::stageSubgraph(g, d.stages.at(stage));
       })
@@ -83,45 +86,28 @@ void bindPlanner(py::module& m) {
       });
 
   m.def("deployment_from_bytes",
-        [](const py::bytes& data, const ir::Graph& g, const std::string& origin) {
-          return partition::deserializeDeployment(std::string(data), g, origin);
+        [](const py::bytes& data, const ir::Graph& g, const std::string& origin, int64_t batch_size,
+           int world_size) {
+          return partition::deserializeDeployment(std::string(data), g, origin, batch_size, world_size);
         },
-        py::arg("data"), py::arg("graph"), py::arg("origin") = "<bytes>");
-  m.def("load_deployment", &partition::loadDeployment, py::arg("path"), py::arg("graph"));
+        py::arg("data"), py::arg("graph"), py::arg("origin") = "<bytes>", py::arg("batch_size") = 0,
+        py::arg("world_size") = 0,
+        "A deployment from bytes; batch_size / world_size > 0: the batch and world it must be for.");
+  m.def("load_deployment", &partition::loadDeployment, py::arg("path"), py::arg("graph"),
+        py::arg("batch_size") = 0, py::arg("world_size") = 0,
+        "A saved deployment; batch_size / world_size > 0: the batch and world it must be for.");
 
+  // The options come as one PlannerOptions (bound in profile_bindings.cpp), so a new
+  // planner option needs no argument here.
   m.def(
       "plan_analytic",
-      [](const ir::Graph& graph, const partition::DeviceSpec& device, int world_size,
-         int64_t batch_size, int num_blocks, double memory_margin, int64_t memory_limit,
-         const std::string& optimizer, const std::string& schedule, bool allow_recompute,
-         int fixed_stages, int fixed_micro_batches, int max_micro_batches,
-         std::vector<int> fixed_replicas, double update_seconds_per_byte, int refine_candidates) {
-        partition::PlannerOptions o;
-        o.world_size = world_size;
-        o.batch_size = batch_size;
-        o.num_blocks = num_blocks;
-        o.memory_margin = memory_margin;
-        o.memory_limit = memory_limit;
-        o.optimizer = optimizerFromName(optimizer);
-        o.schedule = scheduleFromName(schedule);
-        o.allow_recompute = allow_recompute;
-        o.fixed_stages = fixed_stages;
-        o.fixed_micro_batches = fixed_micro_batches;
-        o.max_micro_batches = max_micro_batches;
-        o.fixed_replicas = std::move(fixed_replicas);
-        o.update_seconds_per_byte = update_seconds_per_byte;
-        o.refine_candidates = refine_candidates;
+      [](const ir::Graph& graph, const partition::DeviceSpec& device, const partition::PlannerOptions& options) {
         py::gil_scoped_release release;
         partition::AnalyticCostModel costs(graph, device);
-        return partition::plan(graph, costs, o);
+        return partition::plan(graph, costs, options);
       },
-      py::arg("graph"), py::arg("device"), py::arg("world_size"), py::arg("batch_size") = 0,
-      py::arg("num_blocks") = 32, py::arg("memory_margin") = 0.1, py::arg("memory_limit") = 0,
-      py::arg("optimizer") = "adam", py::arg("schedule") = "1f1b",
-      py::arg("allow_recompute") = true, py::arg("fixed_stages") = 0,
-      py::arg("fixed_micro_batches") = 0, py::arg("max_micro_batches") = 64,
-      py::arg("fixed_replicas") = std::vector<int>{}, py::arg("update_seconds_per_byte") = -1.0,
-      py::arg("refine_candidates") = 6);
+      py::arg("graph"), py::arg("device"), py::arg("options"),
+      "Plans `graph` with costs from shapes (FLOPs and bytes against `device`).");
 
   m.def(
       "build_schedule",

@@ -91,6 +91,7 @@ void bindProfiler(py::module& m) {
       .def_readwrite("search_patience", &partition::PlannerOptions::search_patience)
       .def_readwrite("refine_boundaries", &partition::PlannerOptions::refine_boundaries)
       .def_readwrite("refine_candidates", &partition::PlannerOptions::refine_candidates)
+      .def_readwrite("plan_tolerance", &partition::PlannerOptions::plan_tolerance)
       .def_property(
           "optimizer",
           [](const partition::PlannerOptions& o) { return std::string(partition::optimizerName(o.optimizer)); },
@@ -113,7 +114,38 @@ void bindProfiler(py::module& m) {
       .def("to_bytes", [](const profile::ProfileCache& c) { return py::bytes(c.serialize()); })
       .def("merge_bytes", [](profile::ProfileCache& c, const py::bytes& b) {
         c.merge(std::string(b), "<bytes>");
-      });
+      })
+      .def("entries",
+           [](const profile::ProfileCache& c) {
+             py::list out;
+             for (const auto& [k, r] : c.entries()) {
+               py::dict d = recordToDict(r);
+               d["content_hash"] = k.content_hash;
+               d["rows"] = k.rows;
+               d["dtype"] = k.dtype;
+               d["device"] = k.device;
+               d["recompute"] = k.recompute;
+               out.append(d);
+             }
+             return out;
+           },
+           "Every entry as a dict (key: content_hash, rows, dtype, device, recompute; record: "
+           "forward_time, backward_time, activation_bytes, peak_bytes, out_of_memory), by key.")
+      .def(
+          "put",
+          [](profile::ProfileCache& c, uint64_t content_hash, int64_t rows, const std::string& dtype,
+             const std::string& device, bool recompute, double forward_time, double backward_time,
+             int64_t activation_bytes, int64_t peak_bytes, bool out_of_memory) {
+            profile::ProfileKey k{content_hash, rows, dtype, device, recompute};
+            profile::ProfileRecord r{forward_time, backward_time, activation_bytes, peak_bytes, out_of_memory};
+            const std::string problem = profile::profileEntryProblem(k, r);
+            if (!problem.empty()) throw Error("ProfileCache.put: " + problem);
+            c.insert(k, r);
+          },
+          py::arg("content_hash"), py::arg("rows"), py::arg("dtype"), py::arg("device"), py::arg("recompute"),
+          py::arg("forward_time"), py::arg("backward_time"), py::arg("activation_bytes"),
+          py::arg("peak_bytes"), py::arg("out_of_memory") = false,
+          "Adds or replaces an entry (the fields of entries()); refuses what a file would be refused for.");
 
   m.def(
       "profile_piece",

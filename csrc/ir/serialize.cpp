@@ -50,58 +50,67 @@ void BinaryWriter::i32s(const std::vector<int32_t>& v) {
   for (int32_t x : v) i32(x);
 }
 
-void BinaryReader::need(size_t n) {
+void BinaryReader::need(size_t n, const std::string& field) {
   if (n > buf_.size() - pos_) {
-    throw SerializationError("truncated data: needed " + std::to_string(n) + " more bytes at offset " +
-                             std::to_string(pos_) + " of " + std::to_string(buf_.size()));
+    throw SerializationError(field + ": truncated data, needed " + std::to_string(n) +
+                             " more bytes at offset " + std::to_string(pos_) + " of " +
+                             std::to_string(buf_.size()));
   }
 }
 
-uint8_t BinaryReader::u8() {
-  need(1);
+uint8_t BinaryReader::u8(const std::string& field) {
+  need(1, field);
   return static_cast<uint8_t>(buf_[pos_++]);
 }
 
-uint32_t BinaryReader::u32() {
+uint32_t BinaryReader::u32(const std::string& field) {
+  need(4, field);
   uint32_t v = 0;
-  for (int i = 0; i < 4; ++i) v |= static_cast<uint32_t>(u8()) << (8 * i);
+  for (int i = 0; i < 4; ++i) v |= static_cast<uint32_t>(static_cast<uint8_t>(buf_[pos_++])) << (8 * i);
   return v;
 }
 
-uint64_t BinaryReader::u64() {
+uint64_t BinaryReader::u64(const std::string& field) {
+  need(8, field);
   uint64_t v = 0;
-  for (int i = 0; i < 8; ++i) v |= static_cast<uint64_t>(u8()) << (8 * i);
+  for (int i = 0; i < 8; ++i) v |= static_cast<uint64_t>(static_cast<uint8_t>(buf_[pos_++])) << (8 * i);
   return v;
 }
 
-double BinaryReader::f64() {
-  uint64_t bits = u64();
+double BinaryReader::f64(const std::string& field) {
+  uint64_t bits = u64(field);
   double v;
-  std::memcpy(&v, &bits, sizeof v);
+  std::memcpy(&v, &bits, sizeof bits);
   return v;
 }
 
-std::string BinaryReader::str() {
-  uint64_t n = u64();
-  need(n);
+uint64_t BinaryReader::count(const std::string& field, size_t min_element_bytes) {
+  const uint64_t n = u64(field + " count");
+  // Divide rather than multiply: n * size can wrap around to a small number.
+  if (min_element_bytes > 0 && n > remaining() / min_element_bytes) {
+    throw SerializationError(field + ": count " + std::to_string(n) + " needs at least " +
+                             std::to_string(min_element_bytes) + " bytes each, but only " +
+                             std::to_string(remaining()) + " bytes are left");
+  }
+  return n;
+}
+
+std::string BinaryReader::str(const std::string& field) {
+  const uint64_t n = count(field, 1);
   std::string s = buf_.substr(pos_, n);
   pos_ += n;
   return s;
 }
 
-std::vector<int64_t> BinaryReader::i64s() {
-  uint64_t n = u64();
-  need(n * 8);
-  std::vector<int64_t> v(n);
-  for (auto& x : v) x = i64();
+std::vector<int64_t> BinaryReader::i64s(const std::string& field) {
+  std::vector<int64_t> v(count(field, 8));
+  for (auto& x : v) x = i64(field);
   return v;
 }
 
-std::vector<int32_t> BinaryReader::i32s() {
-  uint64_t n = u64();
-  need(n * 4);
-  std::vector<int32_t> v(n);
-  for (auto& x : v) x = i32();
+std::vector<int32_t> BinaryReader::i32s(const std::string& field) {
+  std::vector<int32_t> v(count(field, 4));
+  for (auto& x : v) x = i32(field);
   return v;
 }
 
@@ -123,19 +132,19 @@ std::string unframe(const std::string& bytes, const std::string& kind, uint32_t 
   const std::string body = bytes.substr(sizeof kMagic);
   BinaryReader r(body);
   try {
-    std::string found_kind = r.str();
+    std::string found_kind = r.str("kind");
     if (found_kind != kind) {
       throw SerializationError(origin + ": holds a rannc '" + found_kind + "', expected a '" + kind +
                                "'");
     }
-    uint32_t found_version = r.u32();
+    uint32_t found_version = r.u32("version");
     if (found_version != version) {
       throw SerializationError(origin + ": " + kind + " format version " +
                                std::to_string(found_version) + " is not supported (this build reads version " +
                                std::to_string(version) + "); re-create the file with this version");
     }
-    std::string payload = r.str();
-    uint64_t sum = r.u64();
+    std::string payload = r.str("payload");
+    uint64_t sum = r.u64("checksum");
     if (sum != checksum(payload)) {
       throw SerializationError(origin + ": checksum mismatch, the file is corrupt");
     }
@@ -185,45 +194,64 @@ Graph deserializeGraph(const std::string& bytes, const std::string& origin) {
   const std::string payload = unframe(bytes, kGraphKind, kGraphFormatVersion, origin);
   BinaryReader r(payload);
   Graph g;
+  // An enumeration stored as a byte, checked against its last member.
+  auto enumByte = [&r](const std::string& field, int last) {
+    const uint8_t b = r.u8(field);
+    if (b > last) {
+      throw SerializationError(field + ": " + std::to_string(b) + " is not a known value (0.." +
+                               std::to_string(last) + ")");
+    }
+    return b;
+  };
   try {
-    g.setBatchSize(r.i64());
-    const uint64_t nvalues = r.u64();
+    const int64_t batch = r.i64("batch_size");
+    if (batch < 0) throw SerializationError("batch_size: " + std::to_string(batch) + " is negative");
+    g.setBatchSize(batch);
+    // Smallest encodings: a value is 58 bytes with empty strings and lists, a task 40.
+    const uint64_t nvalues = r.count("values", 58);
     for (uint64_t i = 0; i < nvalues; ++i) {
+      const std::string f = "values[" + std::to_string(i) + "].";
       Value v;
-      v.name = r.str();
-      v.kind = static_cast<ValueKind>(r.u8());
-      v.role = static_cast<ValueRole>(r.u8());
-      v.dtype = static_cast<DType>(r.u8());
-      v.shape = r.i64s();
-      v.batch_dim = r.i32();
-      v.batch_multiple = r.i64();
-      v.batch_dependent = r.u8();
-      v.is_loss = r.u8();
-      v.requires_grad = r.u8();
-      v.constant = r.str();
-      v.int_values = r.i64s();
-      v.int_batch_multiples = r.i64s();
+      v.name = r.str(f + "name");
+      v.kind = static_cast<ValueKind>(enumByte(f + "kind", static_cast<int>(ValueKind::Other)));
+      v.role = static_cast<ValueRole>(enumByte(f + "role", static_cast<int>(ValueRole::Intermediate)));
+      v.dtype = static_cast<DType>(enumByte(f + "dtype", static_cast<int>(DType::Complex128)));
+      v.shape = r.i64s(f + "shape");
+      v.batch_dim = r.i32(f + "batch_dim");
+      v.batch_multiple = r.i64(f + "batch_multiple");
+      v.batch_dependent = r.u8(f + "batch_dependent");
+      v.is_loss = r.u8(f + "is_loss");
+      v.requires_grad = r.u8(f + "requires_grad");
+      v.constant = r.str(f + "constant");
+      v.int_values = r.i64s(f + "int_values");
+      v.int_batch_multiples = r.i64s(f + "int_batch_multiples");
       g.addValue(std::move(v));
     }
-    const uint64_t ntasks = r.u64();
+    const uint64_t ntasks = r.count("tasks", 40);
     for (uint64_t i = 0; i < ntasks; ++i) {
-      std::string op = r.str();
-      auto inputs = r.i32s();
-      auto outputs = r.i32s();
-      std::string scope = r.str();
-      std::string source = r.str();
+      const std::string f = "tasks[" + std::to_string(i) + "].";
+      std::string op = r.str(f + "op");
+      auto inputs = r.i32s(f + "inputs");
+      auto outputs = r.i32s(f + "outputs");
+      std::string scope = r.str(f + "scope");
+      std::string source = r.str(f + "source");
       g.addTask(std::move(op), std::move(inputs), std::move(outputs), std::move(scope),
                 std::move(source));
     }
-    g.setInputs(r.i32s());
-    g.setOutputs(r.i32s());
-    const uint64_t stored_hash = r.u64();
+    g.setInputs(r.i32s("inputs"));
+    g.setOutputs(r.i32s("outputs"));
+    const uint64_t stored_hash = r.u64("content_hash");
+    if (!r.atEnd()) throw SerializationError("trailing bytes after content_hash");
     g.validate();
     if (g.contentHash() != stored_hash) {
       throw SerializationError(origin + ": the graph read back does not match its stored hash");
     }
   } catch (const InvalidGraphError& e) {
     throw SerializationError(origin + ": the stored graph is invalid: " + e.what());
+  } catch (const SerializationError& e) {
+    const std::string msg = e.what();
+    if (msg.rfind(origin, 0) == 0) throw;
+    throw SerializationError(origin + ": corrupt graph: " + msg);
   }
   return g;
 }

@@ -31,23 +31,30 @@ class BinaryWriter {
   std::string buf_;
 };
 
-// Reads what BinaryWriter wrote; throws SerializationError on running past the end.
+// Reads what BinaryWriter wrote. Every read names its `field` ("stages[2].tasks"), so a
+// bad file is refused with "<field>: <what is wrong>"; throws SerializationError on
+// running past the end, and on a count that the bytes left cannot hold (checked before
+// allocating, so a corrupt count never asks for terabytes).
 class BinaryReader {
  public:
   explicit BinaryReader(const std::string& bytes) : buf_(bytes) {}
-  uint8_t u8();
-  uint32_t u32();
-  int32_t i32() { return static_cast<int32_t>(u32()); }
-  uint64_t u64();
-  int64_t i64() { return static_cast<int64_t>(u64()); }
-  double f64();
-  std::string str();
-  std::vector<int64_t> i64s();
-  std::vector<int32_t> i32s();
+  uint8_t u8(const std::string& field = "a byte");
+  uint32_t u32(const std::string& field = "a 32-bit integer");
+  int32_t i32(const std::string& field = "a 32-bit integer") { return static_cast<int32_t>(u32(field)); }
+  uint64_t u64(const std::string& field = "a 64-bit integer");
+  int64_t i64(const std::string& field = "a 64-bit integer") { return static_cast<int64_t>(u64(field)); }
+  double f64(const std::string& field = "a float");
+  std::string str(const std::string& field = "a string");
+  std::vector<int64_t> i64s(const std::string& field = "a list");
+  std::vector<int32_t> i32s(const std::string& field = "a list");
+  // A count of elements of at least `min_element_bytes` each that follow; refused when the
+  // bytes left cannot hold that many.
+  uint64_t count(const std::string& field, size_t min_element_bytes);
+  size_t remaining() const { return buf_.size() - pos_; }
   bool atEnd() const { return pos_ == buf_.size(); }
 
  private:
-  void need(size_t n);
+  void need(size_t n, const std::string& field);
   const std::string& buf_;
   size_t pos_ = 0;
 };

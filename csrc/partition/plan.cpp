@@ -1,10 +1,13 @@
 #include "partition/plan.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <sstream>
 
 #include "common/error.h"
+#include "common/hash.h"
+#include "common/log_fmt.h"
 #include "ir/serialize.h"
 #include "ir/subgraph.h"
 
@@ -53,9 +56,44 @@ int Deployment::stageOfRank(int rank) const {
   return -1;
 }
 
+std::string Deployment::hash() const {
+  ir::BinaryWriter w;
+  w.u64(graph_hash);
+  w.i32(world_size);
+  w.i64(batch_size);
+  w.i32(pipelines);
+  w.i32(micro_batches);
+  w.u8(static_cast<uint8_t>(schedule));
+  w.u8(static_cast<uint8_t>(optimizer));
+  w.u64(stages.size());
+  for (const StagePlan& s : stages) {
+    w.i32s(s.tasks);
+    w.i32s(s.ranks);
+    w.u8(s.recompute);
+    w.i64(s.micro_batch_rows);
+  }
+  const uint64_t h = Fnv1a().bytes(w.bytes().data(), w.bytes().size()).digest();
+  char buf[16];
+  std::snprintf(buf, sizeof buf, "%08x", static_cast<unsigned>((h ^ (h >> 32)) & 0xffffffffu));
+  return buf;
+}
+
+std::string Deployment::summary() const {
+  std::ostringstream os;
+  os << "plan " << hash() << ": " << stages.size() << " stage" << (stages.size() == 1 ? "" : "s")
+     << ", replicas ";
+  for (size_t s = 0; s < stages.size(); ++s) {
+    os << (s ? "/" : "") << stages[s].ranks.size() / std::max<size_t>(1, static_cast<size_t>(pipelines));
+  }
+  os << ", " << micro_batches << " micro-batch" << (micro_batches == 1 ? "" : "es") << ", " << pipelines
+     << " pipeline cop" << (pipelines == 1 ? "y" : "ies") << ", " << scheduleName(schedule) << ", predicted "
+     << ms(iteration_time) << " ms per iteration";
+  return os.str();
+}
+
 std::string Deployment::report() const {
   std::ostringstream os;
-  os << "deployment by " << planner << ": " << stages.size() << " stage(s) on " << world_size
+  os << "plan " << hash() << " by " << planner << ": " << stages.size() << " stage(s) on " << world_size
      << " rank(s), " << pipelines << " pipeline cop" << (pipelines == 1 ? "y" : "ies") << ", "
      << micro_batches << " micro-batch(es) of global batch " << batch_size << ", "
      << scheduleName(schedule) << ", " << optimizerName(optimizer) << "\n";
@@ -188,13 +226,41 @@ std::string serializeDeployment(const Deployment& d) {
   return ir::frame(kDeploymentKind, kDeploymentFormatVersion, w.bytes());
 }
 
+namespace {
+
+// Sense checks of a deployment read from a file or another rank: every count, size and
+// time must be one a planner could have written, so a corrupt or hand-edited plan is
+// refused naming the field instead of running (or allocating) nonsense.
+constexpr int kMaxWorldSize = 1 << 20;
+
+std::string numberText(double x) {
+  std::ostringstream os;
+  os << x;
+  return os.str();
+}
+
+void checkTime(const std::string& field, double x) {
+  if (!std::isfinite(x) || x < 0.0) {
+    throw SerializationError(field + ": " + numberText(x) + " is not a time (finite, >= 0 seconds)");
+  }
+}
+
+void checkBytes(const std::string& field, int64_t x) {
+  if (x < 0) throw SerializationError(field + ": " + std::to_string(x) + " bytes is negative");
+}
+
+}  // namespace
+
 Deployment deserializeDeployment(const std::string& bytes, const ir::Graph& graph,
-                                 const std::string& origin) {
+                                 const std::string& origin, int64_t batch_size, int world_size) {
   const std::string payload = ir::unframe(bytes, kDeploymentKind, kDeploymentFormatVersion, origin);
   ir::BinaryReader r(payload);
   Deployment d;
+  auto bad = [](const std::string& field, const std::string& why) {
+    throw SerializationError(field + ": " + why);
+  };
   try {
-    d.graph_hash = r.u64();
+    d.graph_hash = r.u64("graph_hash");
     const uint64_t expected = graph.contentHash();
     if (d.graph_hash != expected) {
       char buf[160];
@@ -204,48 +270,134 @@ Deployment deserializeDeployment(const std::string& bytes, const ir::Graph& grap
       throw SerializationError(origin + ": the deployment was planned for a graph hashing to " + buf +
                                "; the model changed since it was saved, plan again");
     }
-    d.planner = r.str();
-    d.world_size = r.i32();
-    d.batch_size = r.i64();
-    d.pipelines = r.i32();
-    d.micro_batches = r.i32();
-    d.schedule = static_cast<ScheduleKind>(r.u8());
-    d.optimizer = static_cast<Optimizer>(r.u8());
-    d.memory_limit = r.i64();
-    d.iteration_time = r.f64();
-    d.feasible = r.u8() != 0;
-    const uint64_t n = r.u64();
-    if (n > payload.size()) throw SerializationError("stage count past the end");
+    d.planner = r.str("planner");
+    d.world_size = r.i32("world_size");
+    if (d.world_size < 1 || d.world_size > kMaxWorldSize) {
+      bad("world_size", std::to_string(d.world_size) + " is not a number of ranks (1.." +
+                            std::to_string(kMaxWorldSize) + ")");
+    }
+    if (world_size > 0 && d.world_size != world_size) {
+      bad("world_size", "the plan was made for " + std::to_string(d.world_size) + " rank(s), this job has " +
+                            std::to_string(world_size) + "; plan again for this world");
+    }
+    d.batch_size = r.i64("batch_size");
+    if (d.batch_size < 1) bad("batch_size", std::to_string(d.batch_size) + " rows is not a batch (>= 1)");
+    if (batch_size > 0 && d.batch_size != batch_size) {
+      bad("batch_size", "the plan is for a global batch of " + std::to_string(d.batch_size) +
+                            " rows, but the model's batch is " + std::to_string(batch_size) +
+                            " (local batch x world size); plan again for this batch");
+    }
+    d.pipelines = r.i32("pipelines");
+    if (d.pipelines < 1 || d.pipelines > d.world_size) {
+      bad("pipelines", std::to_string(d.pipelines) + " pipeline copies on " + std::to_string(d.world_size) +
+                           " rank(s) (expected 1.." + std::to_string(d.world_size) + ")");
+    }
+    if (d.pipelines > d.batch_size) {
+      bad("pipelines", std::to_string(d.pipelines) + " pipeline copies need at least one row each, "
+                       "but batch_size is " + std::to_string(d.batch_size));
+    }
+    const int64_t rows_per_copy = d.batch_size / d.pipelines;
+    d.micro_batches = r.i32("micro_batches");
+    if (d.micro_batches < 1 || d.micro_batches > rows_per_copy) {
+      bad("micro_batches", std::to_string(d.micro_batches) + " is not between 1 and the " +
+                               std::to_string(rows_per_copy) + " rows of a pipeline copy");
+    }
+    const uint8_t schedule = r.u8("schedule");
+    if (schedule > static_cast<uint8_t>(ScheduleKind::FillDrain)) {
+      bad("schedule", std::to_string(schedule) + " is not a known schedule");
+    }
+    d.schedule = static_cast<ScheduleKind>(schedule);
+    const uint8_t optimizer = r.u8("optimizer");
+    if (optimizer > static_cast<uint8_t>(Optimizer::Adam)) {
+      bad("optimizer", std::to_string(optimizer) + " is not a known optimizer");
+    }
+    d.optimizer = static_cast<Optimizer>(optimizer);
+    d.memory_limit = r.i64("memory_limit");
+    checkBytes("memory_limit", d.memory_limit);
+    d.iteration_time = r.f64("iteration_time");
+    checkTime("iteration_time", d.iteration_time);
+    d.feasible = r.u8("feasible") != 0;
+    // Each stage holds at least one rank, and takes at least 137 bytes (empty lists).
+    const uint64_t n = r.count("stages", 137);
+    if (n < 1 || n > static_cast<uint64_t>(d.world_size)) {
+      bad("stages", "count " + std::to_string(n) + " is not between 1 and the " +
+                        std::to_string(d.world_size) + " rank(s) of the world");
+    }
+    int ranks_used = 0;
     for (uint64_t i = 0; i < n; ++i) {
+      const std::string f = "stages[" + std::to_string(i) + "].";
       StagePlan s;
-      s.tasks = r.i32s();
+      s.tasks = r.i32s(f + "tasks");
+      if (s.tasks.empty()) bad(f + "tasks", "the stage has no tasks");
       for (ir::TaskId t : s.tasks) {
         if (t < 0 || t >= graph.numTasks()) {
-          throw SerializationError("stage " + std::to_string(i) + " names unknown task " + std::to_string(t));
+          bad(f + "tasks", "names unknown task " + std::to_string(t) + " (the graph has " +
+                               std::to_string(graph.numTasks()) + ")");
         }
       }
-      s.ranks = r.i32s();
-      s.first_block = r.i32();
-      s.last_block = r.i32();
-      s.recompute = r.u8() != 0;
-      s.micro_batch_rows = r.i64();
-      for (double* x : {&s.forward_time, &s.backward_time, &s.send_forward_time,
-                        &s.send_backward_time, &s.allreduce_time, &s.update_time, &s.busy_time,
-                        &s.bubble_time}) {
-        *x = r.f64();
+      s.ranks = r.i32s(f + "ranks");
+      const int nranks = static_cast<int>(s.ranks.size());
+      if (nranks < d.pipelines || nranks % d.pipelines != 0) {
+        bad(f + "ranks", std::to_string(nranks) + " rank(s) are not a whole number of replicas in each of " +
+                             std::to_string(d.pipelines) + " pipeline cop" + (d.pipelines == 1 ? "y" : "ies"));
       }
-      s.param_bytes = r.i64();
-      s.memory_bytes = r.i64();
-      s.static_bytes = r.i64();
-      s.stash_bytes = r.i64();
-      s.working_bytes = r.i64();
+      for (int rank : s.ranks) {
+        if (rank < 0 || rank >= d.world_size) {
+          bad(f + "ranks", "names rank " + std::to_string(rank) + " outside the world of " +
+                               std::to_string(d.world_size));
+        }
+      }
+      ranks_used += nranks;
+      if (ranks_used > d.world_size) {
+        bad(f + "ranks", "the stages hold " + std::to_string(ranks_used) + " replicas, more than the " +
+                             std::to_string(d.world_size) + " rank(s) of the world");
+      }
+      s.first_block = r.i32(f + "first_block");
+      s.last_block = r.i32(f + "last_block");
+      if (!(s.first_block == -1 && s.last_block == -1) && !(0 <= s.first_block && s.first_block < s.last_block)) {
+        bad(f + "first_block", "blocks [" + std::to_string(s.first_block) + ", " + std::to_string(s.last_block) +
+                                   ") are not a block range (or -1, -1)");
+      }
+      s.recompute = r.u8(f + "recompute") != 0;
+      s.micro_batch_rows = r.i64(f + "micro_batch_rows");
+      // The planner gives each replica ceil(batch / (copies x micro-batches x replicas)) rows.
+      const int64_t shares = static_cast<int64_t>(d.pipelines) * d.micro_batches * (nranks / d.pipelines);
+      if (shares > d.batch_size) {
+        bad(f + "ranks", std::to_string(nranks / d.pipelines) + " replica(s) x " + std::to_string(d.micro_batches) +
+                             " micro-batch(es) x " + std::to_string(d.pipelines) +
+                             " pipeline cop(ies) leave a replica without rows of batch_size " +
+                             std::to_string(d.batch_size));
+      }
+      const int64_t rows = (d.batch_size + shares - 1) / shares;
+      if (s.micro_batch_rows != rows) {
+        bad(f + "micro_batch_rows", std::to_string(s.micro_batch_rows) + " disagrees with batch_size " +
+                                        std::to_string(d.batch_size) + " split over " + std::to_string(shares) +
+                                        " shares (" + std::to_string(rows) + " rows each)");
+      }
+      const std::pair<const char*, double*> times[] = {
+          {"forward_time", &s.forward_time},     {"backward_time", &s.backward_time},
+          {"send_forward_time", &s.send_forward_time}, {"send_backward_time", &s.send_backward_time},
+          {"allreduce_time", &s.allreduce_time}, {"update_time", &s.update_time},
+          {"busy_time", &s.busy_time},           {"bubble_time", &s.bubble_time}};
+      for (const auto& [name, x] : times) {
+        *x = r.f64(f + name);
+        checkTime(f + name, *x);
+      }
+      const std::pair<const char*, int64_t*> sizes[] = {
+          {"param_bytes", &s.param_bytes},   {"memory_bytes", &s.memory_bytes},
+          {"static_bytes", &s.static_bytes}, {"stash_bytes", &s.stash_bytes},
+          {"working_bytes", &s.working_bytes}};
+      for (const auto& [name, x] : sizes) {
+        *x = r.i64(f + name);
+        checkBytes(f + name, *x);
+      }
       d.stages.push_back(std::move(s));
     }
-    if (!r.atEnd()) throw SerializationError("trailing bytes");
+    if (!r.atEnd()) throw SerializationError("trailing bytes after the last stage");
   } catch (const SerializationError& e) {
     const std::string msg = e.what();
     if (msg.rfind(origin, 0) == 0) throw;
-    throw SerializationError(origin + ": corrupt deployment (" + msg + ")");
+    throw SerializationError(origin + ": corrupt deployment: " + msg);
   }
   return d;
 }
@@ -254,8 +406,11 @@ void saveDeployment(const Deployment& deployment, const std::string& path) {
   ir::writeFile(path, serializeDeployment(deployment));
 }
 
-Deployment loadDeployment(const std::string& path, const ir::Graph& graph) {
-  return deserializeDeployment(ir::readFile(path), graph, path);
+Deployment loadDeployment(const std::string& path, const ir::Graph& graph, int64_t batch_size,
+                          int world_size) {
+  Deployment d = deserializeDeployment(ir::readFile(path), graph, path, batch_size, world_size);
+  logger().info("{} (loaded from {})", d.summary(), path);
+  return d;
 }
 
 }  // namespace rannc::partition

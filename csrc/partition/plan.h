@@ -64,7 +64,17 @@ struct Deployment {
   int numStages() const { return static_cast<int>(stages.size()); }
   // Stage whose replicas include `rank`, or -1.
   int stageOfRank(int rank) const;
-  // A table for people: stages, blocks, tasks, ranks, rows, recompute, times, memory.
+  // [Note: plan hash] 8 hex digits of FNV-1a over the binary encoding of what the
+  // runtime executes: the graph hash, world, batch, copies, micro-batches, schedule,
+  // optimizer and each stage's tasks, ranks, rows and recomputation. The predictions are
+  // left out on purpose: profiled times differ between runs that make the same plan, and
+  // the hash is there to tell whether two runs train with the same plan.
+  std::string hash() const;
+  // One line for logs: "plan 9f3a1c2e: 2 stages, replicas 2/2, 4 micro-batches, 1 pipeline
+  // copy, 1f1b, predicted 12.345 ms per iteration".
+  std::string summary() const;
+  // A table for people: stages, blocks, tasks, ranks, rows, recompute, times, memory; the
+  // first line names the plan's hash.
   std::string report() const;
 };
 
@@ -90,11 +100,16 @@ void validateDeployment(const ir::Graph& graph, const Deployment& deployment);
 
 // The framed bytes of `deployment` (kind "deployment", kDeploymentFormatVersion).
 std::string serializeDeployment(const Deployment& deployment);
-// Reads a deployment and checks it was made for `graph` (content hash) and only names
-// tasks of it; throws SerializationError otherwise.
+// Reads a deployment and checks it was made for `graph` (content hash), only names tasks
+// of it, and holds values a planner could have written (counts within the bytes and the
+// world, rows consistent with the batch, micro-batches, times finite and >= 0, bytes >= 0).
+// `batch_size` / `world_size` > 0: the global batch and world it must be for (0: any).
+// Throws SerializationError "<origin>: ... <field>: <what is wrong>" otherwise.
 Deployment deserializeDeployment(const std::string& bytes, const ir::Graph& graph,
-                                 const std::string& origin = "<memory>");
+                                 const std::string& origin = "<memory>", int64_t batch_size = 0,
+                                 int world_size = 0);
 void saveDeployment(const Deployment& deployment, const std::string& path);
-Deployment loadDeployment(const std::string& path, const ir::Graph& graph);
+Deployment loadDeployment(const std::string& path, const ir::Graph& graph, int64_t batch_size = 0,
+                          int world_size = 0);
 
 }  // namespace rannc::partition

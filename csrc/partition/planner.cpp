@@ -37,6 +37,10 @@ PlanContext planContext(const ir::Graph& graph, const CostModel& costs, const Pl
   if (o.search_patience < 0) bad("search_patience must be >= 0, got " + std::to_string(o.search_patience));
   if (o.refine_candidates < 1) bad("refine_candidates must be >= 1, got " + std::to_string(o.refine_candidates));
   if (o.max_micro_batches < 1) bad("max_micro_batches must be >= 1, got " + std::to_string(o.max_micro_batches));
+  if (!(o.plan_tolerance >= 0.0 && o.plan_tolerance < 1.0)) {
+    bad("plan_tolerance must be in [0, 1) (a fraction of the fastest plan's time), got " +
+        std::to_string(o.plan_tolerance));
+  }
   PlanContext ctx;
   ctx.world_size = o.world_size;
   ctx.batch_size = o.batch_size > 0 ? o.batch_size : std::max<int64_t>(1, graph.batchSize()) * o.world_size;
@@ -76,6 +80,7 @@ PlanTrace planTrace(const ir::Graph& graph, CostModel& costs, const PlannerOptio
   so.patience = options.search_patience;
   so.every_node_count = options.every_node_count;
   so.fixed_replicas = options.fixed_replicas;
+  so.tolerance = options.plan_tolerance;
   const int atoms = static_cast<int>(trace.atomic.pieces.size());
   std::vector<Deployment> candidates;
   const int keep = options.refine_boundaries ? options.refine_candidates : 1;
@@ -96,22 +101,26 @@ PlanTrace planTrace(const ir::Graph& graph, CostModel& costs, const PlannerOptio
     }
   }
   // The block DP ranks shapes at block granularity; a shape it ranks second can win once
-  // cut piece by piece, so the best plans of several shapes are refined and the simulator
-  // picks among them (the unrefined winner stays in the running).
+  // cut piece by piece, so the best plans of several shapes are refined. Every plan met on
+  // the way competes (the unrefined winner too): the simplest within the tolerance of the
+  // fastest ([Note: plan tolerance]), its boundaries then settled within the same bound.
   trace.deployment = candidates.front();
   if (options.refine_boundaries) {
     RefineOptions ro;
     ro.move_replicas = options.refine_replicas && options.fixed_replicas.empty();
     ro.move_micro_batches = options.refine_replicas && options.fixed_micro_batches == 0;
     ro.max_micro_batches = options.max_micro_batches;
+    PreferredPlan met(options.plan_tolerance);
     for (const Deployment& c : candidates) {
-      Deployment refined = refineBoundaries(c, trace.atomic, trace.blocks, costs, ctx, ro);
-      if (refined.iteration_time < trace.deployment.iteration_time) trace.deployment = std::move(refined);
+      refineBoundaries(c, trace.atomic, trace.blocks, costs, ctx, ro, &met);
+    }
+    if (!met.empty()) {
+      trace.deployment = settleBoundaries(met.choice(), trace.atomic, trace.blocks, costs, ctx,
+                                          met.fastestTime() * (1.0 + options.plan_tolerance));
     }
   }
-  logger().info("planned: {} tasks, {} atomic pieces, {} blocks, {} stages, {} ms per iteration",
-                graph.numTasks(), trace.atomic.pieces.size(), trace.blocks.blocks.size(),
-                trace.deployment.numStages(), trace.deployment.iteration_time * 1e3);
+  logger().info("{} (planned: {} tasks, {} atomic pieces, {} blocks)", trace.deployment.summary(),
+                graph.numTasks(), trace.atomic.pieces.size(), trace.blocks.blocks.size());
   return trace;
 }
 

@@ -9,6 +9,7 @@
 #include "partition/block/block.h"
 #include "partition/cost/cost_model.h"
 #include "partition/plan.h"
+#include "partition/stage/preference.h"
 #include "partition/stage/refine.h"
 #include "partition/stage/stage_dp.h"
 
@@ -37,6 +38,11 @@ struct PlannerOptions {
   int refine_candidates = 6;      // refine the best plans of this many pipeline shapes, keep the fastest
   bool refine_replicas = true;    // refinement also moves replicas between stages
   bool every_node_count = true;   // all node counts compete (false: the paper's first one with a plan)
+  // Plans within this fraction of the fastest count as equally fast: the simplest wins
+  // (fewer stages, then micro-batches, then pipeline copies) and stage boundaries settle
+  // where the fewest bytes cross, so noise in measured costs does not change the plan
+  // ([Note: plan tolerance] in stage/preference.h). 0: the fastest.
+  double plan_tolerance = kDefaultPlanTolerance;
 };
 
 // The context the options describe for `graph` on `costs`' device.

@@ -1,7 +1,12 @@
 #include "profile/profile_cache.h"
 
+#include <algorithm>
+#include <cmath>
 #include <fstream>
+#include <sstream>
+#include <tuple>
 
+#include "common/error.h"
 #include "ir/serialize.h"
 
 namespace rannc::profile {
@@ -28,6 +33,36 @@ std::optional<ProfileRecord> ProfileCache::find(const ProfileKey& key) const {
 void ProfileCache::insert(const ProfileKey& key, const ProfileRecord& record) {
   std::lock_guard<std::mutex> lock(mutex_);
   entries_[key] = record;
+}
+
+std::vector<std::pair<ProfileKey, ProfileRecord>> ProfileCache::entries() const {
+  std::vector<std::pair<ProfileKey, ProfileRecord>> out;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    out.assign(entries_.begin(), entries_.end());
+  }
+  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) {
+    const ProfileKey &x = a.first, &y = b.first;
+    return std::tie(x.content_hash, x.rows, x.dtype, x.device, x.recompute) <
+           std::tie(y.content_hash, y.rows, y.dtype, y.device, y.recompute);
+  });
+  return out;
+}
+
+std::string profileEntryProblem(const ProfileKey& key, const ProfileRecord& rec) {
+  if (key.rows < 1) return "rows: " + std::to_string(key.rows) + " is not a number of rows (>= 1)";
+  for (auto [name, t] : {std::pair{"forward_time", rec.forward_time}, {"backward_time", rec.backward_time}}) {
+    // A piece that ran out of memory is stored with infinite times; nothing else is.
+    if (t >= 0.0 && (std::isfinite(t) || (rec.out_of_memory && std::isinf(t)))) continue;
+    std::ostringstream os;
+    os << name << ": " << t << " seconds is not a measured time (finite, >= 0"
+       << (rec.out_of_memory ? ", or infinite when out of memory)" : ")");
+    return os.str();
+  }
+  for (auto [name, b] : {std::pair{"activation_bytes", rec.activation_bytes}, {"peak_bytes", rec.peak_bytes}}) {
+    if (b < 0) return std::string(name) + ": " + std::to_string(b) + " bytes is negative";
+  }
+  return "";
 }
 
 size_t ProfileCache::size() const {
@@ -62,22 +97,35 @@ std::string ProfileCache::serialize() const {
 void ProfileCache::merge(const std::string& bytes, const std::string& origin) {
   const std::string payload = ir::unframe(bytes, "profiles", kProfileFormatVersion, origin);
   ir::BinaryReader r(payload);
-  const uint64_t n = r.u64();
   std::unordered_map<ProfileKey, ProfileRecord, ProfileKeyHash> read;
-  for (uint64_t i = 0; i < n; ++i) {
-    ProfileKey k;
-    k.content_hash = r.u64();
-    k.rows = r.i64();
-    k.dtype = r.str();
-    k.device = r.str();
-    k.recompute = r.u8() != 0;
-    ProfileRecord rec;
-    rec.forward_time = r.f64();
-    rec.backward_time = r.f64();
-    rec.activation_bytes = r.i64();
-    rec.peak_bytes = r.i64();
-    rec.out_of_memory = r.u8() != 0;
-    read[k] = rec;
+  // Every value is checked before the cache takes any: a measurement the planner would
+  // believe (a NaN or negative time, negative bytes) is refused naming the entry's field.
+  try {
+    // An entry is at least 66 bytes (empty dtype and device names).
+    const uint64_t n = r.count("entries", 66);
+    for (uint64_t i = 0; i < n; ++i) {
+      const std::string f = "entries[" + std::to_string(i) + "].";
+      ProfileKey k;
+      k.content_hash = r.u64(f + "content_hash");
+      k.rows = r.i64(f + "rows");
+      k.dtype = r.str(f + "dtype");
+      k.device = r.str(f + "device");
+      k.recompute = r.u8(f + "recompute") != 0;
+      ProfileRecord rec;
+      rec.forward_time = r.f64(f + "forward_time");
+      rec.backward_time = r.f64(f + "backward_time");
+      rec.activation_bytes = r.i64(f + "activation_bytes");
+      rec.peak_bytes = r.i64(f + "peak_bytes");
+      rec.out_of_memory = r.u8(f + "out_of_memory") != 0;
+      const std::string problem = profileEntryProblem(k, rec);
+      if (!problem.empty()) throw SerializationError(f + problem);
+      read[k] = rec;
+    }
+    if (!r.atEnd()) throw SerializationError("trailing bytes after the last entry");
+  } catch (const SerializationError& e) {
+    const std::string msg = e.what();
+    if (msg.rfind(origin, 0) == 0) throw;
+    throw SerializationError(origin + ": corrupt profile cache: " + msg);
   }
   std::lock_guard<std::mutex> lock(mutex_);
   for (auto& [k, rec] : read) entries_[k] = rec;

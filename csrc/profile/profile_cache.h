@@ -9,6 +9,8 @@
 #include <optional>
 #include <string>
 #include <unordered_map>
+#include <utility>
+#include <vector>
 
 #include "profile/profiler.h"
 
@@ -34,10 +36,17 @@ struct ProfileKeyHash {
   size_t operator()(const ProfileKey& k) const;
 };
 
+// What is wrong with an entry as "<field>: <why>" (rows below 1, a NaN or negative time,
+// an infinite one without out_of_memory, negative bytes), or "" when nothing is.
+std::string profileEntryProblem(const ProfileKey& key, const ProfileRecord& record);
+
 class ProfileCache {
  public:
   std::optional<ProfileRecord> find(const ProfileKey& key) const;
   void insert(const ProfileKey& key, const ProfileRecord& record);
+  // Every entry, ordered by key (content hash, rows, dtype, device, recompute), so the
+  // order does not depend on the hash table.
+  std::vector<std::pair<ProfileKey, ProfileRecord>> entries() const;
   size_t size() const;
   void clear();
 

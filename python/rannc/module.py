@@ -180,12 +180,10 @@ class _Deployed:
 
     def _plan(self, ir, world, opts):
         comm = _C.Communicator.world_cpu()
+        # A plan runs only for the batch and world it was made for: local batch x ranks.
+        batch = self.graph.batch_size * world
         if opts.load_plan:
-            deployment = _C.load_deployment(opts.load_plan, ir)
-            if deployment.world_size != world:
-                raise _C.Error(f"plan {opts.load_plan} was made for {deployment.world_size} ranks, "
-                               f"this job has {world}")
-            return deployment
+            return _C.load_deployment(opts.load_plan, ir, batch_size=batch, world_size=world)
         if _C.get_rank() != 0 and opts.cost_model == "profile" and world > 1:
             self._make_plan(ir, world, opts)  # profiles a share of the pieces for rank 0
         if _C.get_rank() == 0:
@@ -201,7 +199,8 @@ class _Deployed:
         buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if _C.get_rank() == 0
                else torch.empty(int(size.item()), dtype=torch.uint8))
         comm.broadcast(buf, 0).wait()
-        deployment = _C.deployment_from_bytes(bytes(buf.numpy().tobytes()), ir, "the plan from rank 0")
+        deployment = _C.deployment_from_bytes(bytes(buf.numpy().tobytes()), ir, "the plan from rank 0",
+                                              batch_size=batch, world_size=world)
         if opts.save_plan and _C.get_rank() == 0:
             deployment.save(opts.save_plan)
         return deployment
@@ -232,7 +231,7 @@ class _Deployed:
                 num_blocks=opts.num_blocks, memory_margin=opts.memory_margin,
                 recompute="never" if opts.recompute == "never" else "auto",
                 num_stages=opts.num_stages, num_microbatches=opts.num_microbatches,
-                replicas=opts.replicas, schedule=self.schedule,
+                replicas=opts.replicas, schedule=self.schedule, plan_tolerance=opts.plan_tolerance,
                 profile_repetitions=opts.profile_repetitions, profile_warmup=opts.profile_warmup,
                 profile_device=where, profile_cache=self.owner.profile_cache)
             if opts.profile_cache and _C.get_rank() == 0:
@@ -252,7 +251,7 @@ class _Deployed:
             num_blocks=opts.num_blocks, memory_margin=opts.memory_margin,
             recompute="never" if opts.recompute == "never" else "auto",
             num_stages=opts.num_stages, num_microbatches=opts.num_microbatches,
-            replicas=opts.replicas, schedule=self.schedule)
+            replicas=opts.replicas, schedule=self.schedule, plan_tolerance=opts.plan_tolerance)
 
     # ---- running ------------------------------------------------------------------------
     def run(self, args, kwargs):

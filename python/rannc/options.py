@@ -45,6 +45,7 @@ class Options:
     comm_timeout: float = 600.0        # seconds a rank waits for a peer before failing
     log_level: str = ""                # trace, debug, info, warn, error, off
     verify_plan: bool = True           # check every stage and task of the plan before deploying
+    plan_tolerance: float = 0.02       # plans this close to the fastest are equal: the simplest wins
     cost_model: str = "profile"        # "profile" (measure pieces on the device) or "analytic" (shapes)
     profile_cache: str = ""            # load measured pieces from / save them to this file
     profile_warmup: int = 1            # untimed runs before measuring a piece
@@ -81,6 +82,9 @@ class Options:
             raise _C.Error(f"option data_plane is {opts.data_plane!r}; expected auto, nccl or mpi")
         if opts.precision not in PRECISIONS:
             raise _C.Error(f"option precision is {opts.precision!r}; expected fp32, bf16 or fp16")
+        if not 0.0 <= opts.plan_tolerance < 1.0:
+            raise _C.Error(f"option plan_tolerance is {opts.plan_tolerance!r}; expected a fraction "
+                           "in [0, 1) of the fastest plan's time (0.02: 2%)")
         if opts.recompute not in ("auto", "always", "never"):
             raise _C.Error(f"option recompute is {opts.recompute!r}; expected auto, always or never")
         return opts

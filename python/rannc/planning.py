@@ -54,6 +54,8 @@ _OPTIONS = {
                           "with analytic costs, 1 when profiling: every new piece is a measurement)"),
     "update_seconds_per_byte": (None, "optimizer step per parameter byte (None: timed on copies of "
                                 "the parameters for profiled plans, else from the device's bandwidth)"),
+    "plan_tolerance": (0.02, "plans within this fraction of the fastest count as equally fast: the "
+                       "simplest wins (fewer stages, micro-batches, copies), so noise does not change the plan"),
 }
 
 
@@ -160,6 +162,11 @@ class Plan:
     def iteration_time(self) -> float:
         return self.deployment.iteration_time
 
+    @property
+    def hash(self) -> str:
+        """8 hex digits naming what the runtime would execute (equal hashes: the same plan)."""
+        return self.deployment.hash
+
     def stages(self) -> list[StageSummary]:
         d = self.deployment
         out = []
@@ -193,7 +200,7 @@ class Plan:
     def summary(self) -> str:
         d = self.deployment
         lines = [
-            f"rannc plan ({self.cost_model} costs, planned in {self.planning_time:.2f} s): "
+            f"rannc plan {d.hash} ({self.cost_model} costs, planned in {self.planning_time:.2f} s): "
             f"{d.num_stages} stage(s) x {d.pipelines} pipeline cop{'y' if d.pipelines == 1 else 'ies'} "
             f"on {d.world_size} device(s), {d.micro_batches} micro-batch(es) of global batch "
             f"{d.batch_size}, {d.schedule}",
@@ -281,6 +288,7 @@ def planner_options(graph: TracedGraph, world_size, device, optimizer, o,
     # new piece is a measurement (BERT-base: 918 s refining 6 shapes against 109 s for 1).
     refine = o["refine_candidates"]
     p.refine_candidates = int(refine) if refine is not None else (6 if cost_model == "analytic" else 1)
+    p.plan_tolerance = float(o["plan_tolerance"])
     return p
 
 
@@ -300,14 +308,7 @@ def plan_graph(graph: TracedGraph, flat_inputs: list, *, world_size: int, device
     o = _resolve(options)
     popts = planner_options(graph, world_size, device, optimizer, o, cost_model)
     if cost_model == "analytic":
-        return _C.plan_analytic(
-            graph.ir, device, popts.world_size, batch_size=popts.batch_size,
-            num_blocks=popts.num_blocks, memory_margin=popts.memory_margin,
-            optimizer=optimizer, schedule=o["schedule"], allow_recompute=popts.allow_recompute,
-            fixed_stages=popts.fixed_stages, fixed_micro_batches=popts.fixed_micro_batches,
-            max_micro_batches=popts.max_micro_batches, fixed_replicas=popts.fixed_replicas,
-            update_seconds_per_byte=popts.update_seconds_per_byte,
-            refine_candidates=popts.refine_candidates)
+        return _C.plan_analytic(graph.ir, device, popts)
     if cost_model != "profile":
         raise _C.Error(f"cost_model is {cost_model!r}; expected 'profile' or 'analytic'")
     if o["probe_bandwidth"]:
@@ -334,11 +335,11 @@ def plan_graph(graph: TracedGraph, flat_inputs: list, *, world_size: int, device
             _broadcast_plan(None, graph, failure=f"{type(e).__name__}: {e}")
         raise
     if parallel and broadcast:
-        deployment = _broadcast_plan(deployment, graph)
+        deployment = _broadcast_plan(deployment, graph, popts.batch_size, popts.world_size)
     return deployment
 
 
-def _broadcast_plan(deployment, graph, failure: str = ""):
+def _broadcast_plan(deployment, graph, batch_size=0, world_size=0, failure: str = ""):
     """Rank 0's plan to every rank; a size of -1 tells the others that rank 0 failed."""
     comm = _C.Communicator.world_cpu()
     if _C.get_rank() == 0:
@@ -354,7 +355,8 @@ def _broadcast_plan(deployment, graph, failure: str = ""):
     buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if _C.get_rank() == 0
            else torch.empty(int(size.item()), dtype=torch.uint8))
     comm.broadcast(buf, 0).wait()
-    return _C.deployment_from_bytes(bytes(buf.numpy().tobytes()), graph.ir, "the plan from rank 0")
+    return _C.deployment_from_bytes(bytes(buf.numpy().tobytes()), graph.ir, "the plan from rank 0",
+                                    batch_size=batch_size, world_size=world_size)
 
 
 def plan(model: torch.nn.Module, args, kwargs: dict | None = None, *, world_size: int,

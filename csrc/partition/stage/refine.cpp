@@ -173,6 +173,143 @@ class Recutter {
     }
   }
 
+  // [Note: settled boundaries] Bytes crossing each cut of the piece sequence (cut k
+  // separates pieces [0, k) from [k, n)): every value produced before k and read at or
+  // after it, at the traced batch size. From shapes only, so the same in every run; cuts at
+  // the fewest bytes are few (a transformer's residual stream between its sublayers), far
+  // apart, and the same whatever the measured times.
+  const std::vector<int64_t>& crossingBytes() {
+    if (!crossing_.empty()) return crossing_;
+    const int n = pieces();
+    const ir::Graph& g = costs_.graph();
+    std::vector<int> pos(atomic_.pieces.size(), -1);
+    for (int i = 0; i < n; ++i) pos[seq_[i]] = i;
+    std::vector<int64_t> diff(n + 2, 0);
+    for (const ir::Value& v : g.values()) {
+      if (v.producer == ir::kNoId) continue;
+      const int p = atomic_.piece_of[v.producer];  // -1: a constant, cloned into its readers
+      if (p < 0 || pos[p] < 0) continue;
+      int last = -1;
+      for (ir::TaskId c : v.consumers) {
+        const int q = atomic_.piece_of[c];
+        if (q >= 0 && pos[q] >= 0) last = std::max(last, pos[q]);
+      }
+      if (last <= pos[p]) continue;
+      const int64_t bytes = valueBytesAt(g, v, std::max<int64_t>(1, g.batchSize()));
+      diff[pos[p] + 1] += bytes;
+      diff[last + 1] -= bytes;
+    }
+    crossing_.assign(n + 1, 0);
+    int64_t run = 0;
+    for (int k = 0; k <= n; ++k) crossing_[k] = run += diff[k];
+    return crossing_;
+  }
+
+  // Polish's blind spot: where sends weigh, a boundary can sit beside a position where far
+  // fewer bytes cross that no +-step move reaches, the positions between sending more. So
+  // each boundary also tries the positions with fewer crossing bytes than its own (up to
+  // kMaxTrials a side) and moves to the fastest of them that beats the iteration, in rounds
+  // while that helps.
+  void leanPolish(const std::vector<int>& devices, std::vector<int>* cut) {
+    constexpr int kMaxTrials = 24, kMaxRounds = 4;
+    const std::vector<int64_t>& bytes = crossingBytes();
+    std::vector<int>& c = *cut;
+    const int S = static_cast<int>(devices.size());
+    double best = simulated(devices, c);
+    if (best == std::numeric_limits<double>::infinity()) return;
+    for (int round = 0; round < kMaxRounds; ++round) {
+      bool moved = false;
+      for (int b = 1; b < S; ++b) {
+        const int home = c[b];
+        int to = home;
+        double to_time = best;
+        for (int dir : {-1, 1}) {
+          int trials = 0;
+          for (int p = home + dir; p > c[b - 1] && p < c[b + 1] && trials < kMaxTrials; p += dir) {
+            if (bytes[p] >= bytes[home]) continue;
+            ++trials;
+            c[b] = p;
+            const double t = simulated(devices, c);
+            c[b] = home;
+            if (t < to_time * (1 - 1e-12)) {
+              to = p;
+              to_time = t;
+            }
+          }
+        }
+        if (to != home) {
+          c[b] = to;
+          best = to_time;
+          moved = true;
+        }
+      }
+      if (!moved) break;
+    }
+  }
+
+  // Moves each boundary of `cut` (left to right, the others fixed) to a position with the
+  // fewest crossing bytes whose simulated iteration stays within `bound`. Positions next to
+  // each other with the same bytes (a run of cheap ops between them) are one choice: of
+  // such runs the one with the fastest position, deepest inside the bound, where noise
+  // moves it least; in it, the earliest position within the bound, not the fastest, whose
+  // lead over its neighbours is noise. Only positions with no more bytes than the best so
+  // far are simulated; a side is given up after kMaxTrials of them, or kMaxMisses in a row
+  // outside the bound (the time grows with the distance from the balanced cut, but
+  // measured stage times are noisy, so one or two misses say little).
+  void settle(const std::vector<int>& devices, std::vector<int>* cut, double bound) {
+    constexpr int kMaxTrials = 24, kMaxMisses = 4;
+    const std::vector<int64_t>& bytes = crossingBytes();
+    std::vector<int>& c = *cut;
+    const int S = static_cast<int>(devices.size());
+    for (int b = 1; b < S; ++b) {
+      const int home = c[b];
+      std::map<int, double> within{{home, simulated(devices, c)}};  // position -> time
+      int64_t least = bytes[home];
+      for (int dir : {-1, 1}) {
+        int misses = 0, trials = 0;
+        for (int p = home + dir; p > c[b - 1] && p < c[b + 1] && misses < kMaxMisses && trials < kMaxTrials;
+             p += dir) {
+          if (bytes[p] > least) continue;
+          ++trials;
+          c[b] = p;
+          const double t = simulated(devices, c);
+          c[b] = home;
+          logger().debug("settle boundary {}: piece {} ({} bytes) {:.6f} s", b, p, bytes[p], t);
+          if (!(t <= bound)) {
+            ++misses;
+            continue;
+          }
+          misses = 0;
+          within[p] = t;
+          least = std::min(least, bytes[p]);
+        }
+      }
+      // Runs of adjacent positions with the least bytes: the fastest run, its first position.
+      int best = home;
+      double best_run_time = std::numeric_limits<double>::infinity();
+      for (auto it = within.begin(); it != within.end();) {
+        if (bytes[it->first] != least) {
+          ++it;
+          continue;
+        }
+        const int first = it->first;
+        double run_time = it->second;
+        int last = first;
+        for (++it; it != within.end() && it->first == last + 1 && bytes[it->first] == least; ++it) {
+          last = it->first;
+          run_time = std::min(run_time, it->second);
+        }
+        if (run_time < best_run_time) {
+          best_run_time = run_time;
+          best = first;
+        }
+      }
+      logger().debug("settle boundary {}: piece {} ({} bytes) -> {} ({} bytes)", b, home, bytes[home], best,
+                     bytes[best]);
+      c[b] = best;
+    }
+  }
+
   Deployment assemble(const std::vector<int>& devices, const std::vector<int>& cut) {
     const int S = static_cast<int>(devices.size());
     std::vector<StageChoice> stages(S);
@@ -192,23 +329,33 @@ class Recutter {
   int micro_batches_;
   std::vector<int> sim_devices_;
   std::map<std::pair<int, int>, StageEstimate> sim_cache_;
+  std::vector<int64_t> crossing_;
 };
+
+// The atomic pieces in the blocks' order (every interval of it is convex), and where each
+// block starts in it (one more entry: the end).
+std::vector<int> blockOrder(const BlockPartition& blocks, std::vector<int>* block_start) {
+  std::vector<int> seq;
+  block_start->clear();
+  for (const Block& b : blocks.blocks) {
+    block_start->push_back(static_cast<int>(seq.size()));
+    seq.insert(seq.end(), b.atoms.begin(), b.atoms.end());
+  }
+  block_start->push_back(static_cast<int>(seq.size()));
+  return seq;
+}
 
 }  // namespace
 
 Deployment refineBoundaries(const Deployment& plan, const AtomicPartition& atomic,
                             const BlockPartition& blocks, CostModel& costs, const PlanContext& ctx,
-                            const RefineOptions& options) {
+                            const RefineOptions& options, PreferredPlan* visited) {
+  if (visited && plan.feasible) visited->offer(plan);
   const int S = plan.numStages();
   if (S < 2) return plan;
   // Pieces in block order, and each stage's cut in that sequence.
-  std::vector<int> seq;
   std::vector<int> block_start;
-  for (const Block& b : blocks.blocks) {
-    block_start.push_back(static_cast<int>(seq.size()));
-    seq.insert(seq.end(), b.atoms.begin(), b.atoms.end());
-  }
-  block_start.push_back(static_cast<int>(seq.size()));
+  std::vector<int> seq = blockOrder(blocks, &block_start);
   std::vector<int> cut(S + 1, 0), devices(S);
   for (int s = 0; s < S; ++s) {
     const StagePlan& st = plan.stages[s];
@@ -224,11 +371,15 @@ Deployment refineBoundaries(const Deployment& plan, const AtomicPartition& atomi
   auto polishBest = [&]() {
     std::vector<int> polished = best_cut;
     recutter.polish(devices, &polished);
+    const std::vector<int> stepped = polished;
+    recutter.leanPolish(devices, &polished);
+    if (polished != stepped) recutter.polish(devices, &polished);
     if (polished == best_cut) return;
     Deployment p = recutter.assemble(devices, polished);
     if (p.feasible && p.iteration_time < best.iteration_time) {
       best = std::move(p);
       best_cut = polished;
+      if (visited) visited->offer(best);
     }
   };
   if (recutter.recut(devices, &cut)) {
@@ -236,6 +387,7 @@ Deployment refineBoundaries(const Deployment& plan, const AtomicPartition& atomi
     if (refined.feasible && refined.iteration_time < best.iteration_time) {
       best = std::move(refined);
       best_cut = cut;
+      if (visited) visited->offer(best);
     }
   }
   // Moves below must beat the polished plan, so they never end slower than a plain re-cut.
@@ -276,6 +428,7 @@ Deployment refineBoundaries(const Deployment& plan, const AtomicPartition& atomi
       devices = move_devices;
       best_cut = move_cut;
       any = true;
+      if (visited) visited->offer(best);
     }
     return any;
   };
@@ -299,6 +452,7 @@ Deployment refineBoundaries(const Deployment& plan, const AtomicPartition& atomi
               best = std::move(t);
               best_cut = c;
               improved = any = true;
+              if (visited) visited->offer(best);
               break;
             }
           }
@@ -320,6 +474,44 @@ Deployment refineBoundaries(const Deployment& plan, const AtomicPartition& atomi
                   best.iteration_time * 1e3);
   }
   return best;
+}
+
+Deployment settleBoundaries(const Deployment& plan, const AtomicPartition& atomic,
+                            const BlockPartition& blocks, CostModel& costs, const PlanContext& ctx,
+                            double time_bound) {
+  const int S = plan.numStages();
+  if (S < 2 || !plan.feasible) return plan;
+  std::vector<int> block_start;
+  std::vector<int> seq = blockOrder(blocks, &block_start);
+  std::vector<int> pos(atomic.pieces.size(), -1);
+  for (size_t i = 0; i < seq.size(); ++i) pos[seq[i]] = static_cast<int>(i);
+  // Each stage's pieces must be the run [cut[s], cut[s + 1]) of the sequence.
+  std::vector<int> cut(S + 1, 0), devices(S);
+  for (int s = 0; s < S; ++s) {
+    const StagePlan& st = plan.stages[s];
+    int lo = std::numeric_limits<int>::max(), hi = -1, count = 0;
+    for (ir::TaskId t : st.tasks) {
+      const int p = atomic.piece_of[t];
+      if (p < 0) continue;
+      if (pos[p] < 0) return plan;
+      lo = std::min(lo, pos[p]);
+      hi = std::max(hi, pos[p]);
+      ++count;
+    }
+    if (count == 0 || hi - lo + 1 != count || lo != cut[s]) return plan;
+    cut[s + 1] = hi + 1;
+    devices[s] = static_cast<int>(st.ranks.size()) / std::max(1, plan.pipelines);
+  }
+  if (cut[S] != static_cast<int>(seq.size())) return plan;
+  Recutter recutter(atomic, std::move(seq), costs, ctx, plan);
+  std::vector<int> settled = cut;
+  recutter.settle(devices, &settled, std::max(time_bound, plan.iteration_time));
+  if (settled == cut) return plan;
+  Deployment out = recutter.assemble(devices, settled);
+  if (!out.feasible) return plan;
+  logger().info("settled stage boundaries where the fewest bytes cross: {:.3f} ms -> {:.3f} ms per iteration",
+                plan.iteration_time * 1e3, out.iteration_time * 1e3);
+  return out;
 }
 
 }  // namespace rannc::partition

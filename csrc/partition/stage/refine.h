@@ -11,6 +11,7 @@
 #include "partition/atomic/atomic.h"
 #include "partition/block/block.h"
 #include "partition/plan.h"
+#include "partition/stage/preference.h"
 #include "partition/stage/stage_cost.h"
 
 namespace rannc::partition {
@@ -39,10 +40,25 @@ struct RefineOptions {
 };
 
 // `plan` must come from the blocks of `blocks` (first_block/last_block set, contiguous).
-// Returns `plan` unchanged when no refinement helps. Pipelines stay as planned; so do the
-// replicas and micro-batches unless options.move_replicas / move_micro_batches.
+// Returns the fastest plan found, `plan` unchanged when no refinement helps. Pipelines stay
+// as planned; so do the replicas and micro-batches unless options.move_replicas /
+// move_micro_batches. Moves are kept when the simulator says the iteration got faster at
+// all; `visited`, when given, is offered `plan` and every plan the refinement kept on the
+// way, so the caller can prefer a simpler one within the tolerance ([Note: plan
+// tolerance] in stage/preference.h) to the fastest.
 Deployment refineBoundaries(const Deployment& plan, const AtomicPartition& atomic,
                             const BlockPartition& blocks, CostModel& costs, const PlanContext& ctx,
-                            const RefineOptions& options = {});
+                            const RefineOptions& options = {}, PreferredPlan* visited = nullptr);
+
+// Moves each stage boundary of `plan` (left to right, the others fixed) to where the fewest
+// bytes cross (the fastest of such positions) among the positions whose simulated
+// iteration stays within `time_bound` ([Note: settled boundaries] in refine.cpp). Measured costs carry noise,
+// and the fastest cut moves with it by a few pieces between runs; the cut with the least
+// traffic inside the tolerance does not, because bytes come from shapes. The stages' pieces
+// must be contiguous runs of the blocks' order (as the DP and refineBoundaries make them);
+// returns `plan` unchanged otherwise, or when it has one stage.
+Deployment settleBoundaries(const Deployment& plan, const AtomicPartition& atomic,
+                            const BlockPartition& blocks, CostModel& costs, const PlanContext& ctx,
+                            double time_bound);
 
 }  // namespace rannc::partition

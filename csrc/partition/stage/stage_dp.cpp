@@ -8,6 +8,7 @@
 
 #include "common/error.h"
 #include "common/log_fmt.h"
+#include "partition/stage/preference.h"
 
 namespace rannc::partition {
 
@@ -181,6 +182,48 @@ std::string bytesText(int64_t bytes) {
   return os.str();
 }
 
+// Why no shape tried had rows for every replica: each stage replica of each pipeline
+// copy needs a row per micro-batch, so a shape of S stages on D devices per copy needs
+// R x M x (replicas of its widest stage, at least ceil(D / S)) rows.
+std::string tooFewRows(const PlanContext& ctx, const StageSearchOptions& options,
+                       const std::vector<std::tuple<int, int, int, int>>& tried) {
+  int widest_fixed = 0;
+  for (int r : options.fixed_replicas) widest_fixed = std::max(widest_fixed, r);
+  const int fixed_m = options.fixed_micro_batches;
+  int64_t least = std::numeric_limits<int64_t>::max(), least_per_mb = 0;
+  int best_s = 0, best_d = 0, best_r = 0, best_w = 0;
+  int64_t most_m = 0;  // the most micro-batches some tried shape has rows for
+  for (auto [S, D, R, M] : tried) {
+    const int widest = widest_fixed > 0 ? widest_fixed : (D + S - 1) / S;
+    const int64_t per_mb = static_cast<int64_t>(R) * widest;
+    const int64_t rows = per_mb * (fixed_m > 0 ? fixed_m : 1);
+    most_m = std::max(most_m, ctx.batch_size / per_mb);
+    if (rows < least) {
+      least = rows;
+      least_per_mb = per_mb;
+      best_s = S, best_d = D, best_r = R, best_w = widest;
+    }
+  }
+  std::ostringstream os;
+  const std::string shape = std::to_string(best_s) + " stage(s) on " + std::to_string(best_d) +
+                            " device(s) per copy";
+  if (fixed_m > 1 && least_per_mb <= ctx.batch_size) {
+    // One micro-batch would have had rows: the count asked for is the cause.
+    os << "num_microbatches=" << fixed_m << " needs at least " << least << " rows (" << fixed_m
+       << " per pipeline copy x " << best_w << " replica(s) of the widest stage x " << best_r
+       << " cop" << (best_r == 1 ? "y" : "ies") << ", with " << shape << "), but the global batch has "
+       << ctx.batch_size << " row(s); use num_microbatches <= " << most_m << " or a larger batch";
+  } else if (least == ctx.world_size) {
+    os << "the batch has too few rows for the devices (need at least one row per device: "
+       << least << " rows)";
+  } else {
+    os << "the batch has too few rows: every stage replica needs a row per micro-batch, and the "
+          "smallest shape tried (" << shape << ", " << best_w << " replica(s) of the widest stage x "
+       << best_r << " cop" << (best_r == 1 ? "y" : "ies") << ") needs " << least << " rows";
+  }
+  return os.str();
+}
+
 }  // namespace
 
 Deployment formStage(StageProblem& problem, const StageSearchOptions& options) {
@@ -197,13 +240,13 @@ std::vector<Deployment> formStageCandidates(StageProblem& problem, const StageSe
   // the memory search for an infeasible request needs no other.
   std::vector<std::tuple<int, int, int, int>> tried;  // (S, D, R, M)
   const int patience = options.patience > 0 ? options.patience : std::numeric_limits<int>::max();
-  bool any = false;
-  Deployment best;
-  // The fastest plan of each pipeline shape (devices per copy, copies, stages), and its
-  // fastest at another micro-batch count: block-level times rank the counts of one shape
-  // poorly (ResNet-152 x8 with links at half speed: the runner-up refines to 1.348 s, the
-  // block-level best to 1.380 s).
-  std::map<std::tuple<int, int, int>, Deployment> best_of_shape, runner_up_of_shape;
+  // Every feasible candidate, light: the preference needs them all ([Note: plan
+  // tolerance]), and the few kept are rebuilt from their DP (its costs are cached).
+  struct Candidate {
+    int D, R, S, M;
+    PlanShape shape;
+  };
+  std::vector<Candidate> found;
   std::vector<std::tuple<int, int, int>> deep;  // shapes tried past the stage patience
   int fixed_devices = 0;
   for (int r : options.fixed_replicas) fixed_devices += r;
@@ -242,7 +285,7 @@ std::vector<Deployment> formStageCandidates(StageProblem& problem, const StageSe
         if (stale >= patience && M > 4 * best_m) break;
         StageSolution sol = formStageDp(problem, S, D, R, M, StageObjective::Time, options.fixed_replicas);
         if (!sol.feasible) continue;
-        Deployment d = toDeployment(problem, sol);
+        const Deployment d = toDeployment(problem, sol);
         logger().debug("stage candidate: n={} S={} M={} dp={:.6f} simulated={:.6f}", n, S, M,
                        sol.value, d.iteration_time);
         if (d.iteration_time < best_s) {
@@ -252,18 +295,7 @@ std::vector<Deployment> formStageCandidates(StageProblem& problem, const StageSe
         } else {
           ++stale;
         }
-        auto [it, fresh] = best_of_shape.try_emplace(std::make_tuple(D, R, S));
-        if (fresh || d.iteration_time < it->second.iteration_time) {
-          if (!fresh) runner_up_of_shape[it->first] = std::move(it->second);
-          it->second = d;
-        } else {
-          auto [ru, none] = runner_up_of_shape.try_emplace(it->first);
-          if (none || d.iteration_time < ru->second.iteration_time) ru->second = d;
-        }
-        if (!any || d.iteration_time < best.iteration_time) {
-          best = std::move(d);
-          any = true;
-        }
+        found.push_back(Candidate{D, R, S, M, planShape(d)});
       }
       return best_s;
     };
@@ -292,28 +324,69 @@ std::vector<Deployment> formStageCandidates(StageProblem& problem, const StageSe
     // The paper stops at the first node count with a plan (the most data parallelism).
     // For models with many parameters per layer fewer, deeper pipelines can win (smaller
     // all-reduces per device), so by default every node count competes.
-    if (fixed_layout || (any && !options.every_node_count)) break;
+    if (fixed_layout || (!found.empty() && !options.every_node_count)) break;
   }
-  if (any) {
+  if (!found.empty()) {
+    auto rebuild = [&](size_t i) {
+      const Candidate& c = found[i];
+      return toDeployment(problem, formStageDp(problem, c.S, c.D, c.R, c.M, StageObjective::Time,
+                                               options.fixed_replicas));
+    };
+    auto preferredIndexAmong = [&](const std::vector<size_t>& among, double tolerance) {
+      std::vector<PlanShape> shapes;
+      for (size_t i : among) shapes.push_back(found[i].shape);
+      return among[preferredIndex(shapes, tolerance)];
+    };
+    std::vector<size_t> all(found.size());
+    for (size_t i = 0; i < found.size(); ++i) all[i] = i;
+    const size_t chosen = preferredIndexAmong(all, options.tolerance);
+    std::vector<Deployment> out{rebuild(chosen)};
+    const Deployment& best = out.front();
     logger().info("stage partitioning: {} stage(s), {} pipeline(s), {} micro-batch(es), "
                   "predicted iteration {:.3f} ms",
                   best.numStages(), best.pipelines, best.micro_batches, best.iteration_time * 1e3);
-    // The `keep` fastest shapes (when keeping more than one, the first two with their
-    // runner-up micro-batch count too), then the deep-pipeline shapes past the patience: their
-    // block-level plans are coarse (about one block per stage) and their micro-batch sweep
-    // short, so they are worth a refinement even when slow here.
-    std::vector<std::pair<std::tuple<int, int, int>, const Deployment*>> ranked;
-    for (auto& [shape, d] : best_of_shape) ranked.emplace_back(shape, &d);
-    std::stable_sort(ranked.begin(), ranked.end(), [](const auto& a, const auto& b) {
-      return a.second->iteration_time < b.second->iteration_time;
-    });
-    std::vector<Deployment> out;
+    if (keep <= 1) return out;
+    // Then the fastest plan of each of the `keep` fastest shapes (the first two with the
+    // runner-up micro-batch count too: block-level times rank the counts of one shape
+    // poorly; ResNet-152 x8 with links at half speed: the runner-up refines to 1.348 s,
+    // the block-level best to 1.380 s), then the deep-pipeline shapes past the patience:
+    // their block-level plans are coarse (about one block per stage) and their micro-batch
+    // sweep short, so they are worth a refinement even when slow here. Fastest, not
+    // preferred: these are starting points of a search whose plans all compete later.
+    std::map<std::tuple<int, int, int>, std::vector<size_t>> of_shape;
+    for (size_t i = 0; i < found.size(); ++i) {
+      of_shape[std::make_tuple(found[i].D, found[i].R, found[i].S)].push_back(i);
+    }
+    struct Ranked {
+      std::tuple<int, int, int> shape;
+      double fastest;
+      size_t pick;
+    };
+    std::vector<Ranked> ranked;
+    for (const auto& [shape, members] : of_shape) {
+      const size_t fastest = preferredIndexAmong(members, 0.0);
+      ranked.push_back(Ranked{shape, found[fastest].shape.time, fastest});
+    }
+    std::stable_sort(ranked.begin(), ranked.end(),
+                     [](const Ranked& a, const Ranked& b) { return a.fastest < b.fastest; });
+    std::vector<size_t> taken{chosen};
+    auto take = [&](size_t i) {
+      if (std::find(taken.begin(), taken.end(), i) != taken.end()) return;
+      taken.push_back(i);
+      out.push_back(rebuild(i));
+    };
     const int kRunnerUps = 2;  // shapes whose runner-up count is refined too
-    for (size_t i = 0; i < ranked.size(); ++i) {
-      const bool is_deep = keep > 1 && std::find(deep.begin(), deep.end(), ranked[i].first) != deep.end();
-      if (static_cast<int>(i) < std::max(1, keep) || is_deep) out.push_back(*ranked[i].second);
-      auto ru = runner_up_of_shape.find(ranked[i].first);
-      if (keep > 1 && static_cast<int>(i) < kRunnerUps && ru != runner_up_of_shape.end()) out.push_back(ru->second);
+    for (size_t r = 0; r < ranked.size(); ++r) {
+      const bool is_deep = std::find(deep.begin(), deep.end(), ranked[r].shape) != deep.end();
+      if (static_cast<int>(r) < keep || is_deep) take(ranked[r].pick);
+      if (static_cast<int>(r) >= kRunnerUps) continue;
+      // The fastest plan of the shape at another micro-batch count.
+      size_t runner_up = found.size();
+      for (size_t i : of_shape[ranked[r].shape]) {
+        if (found[i].M == found[ranked[r].pick].M) continue;
+        if (runner_up == found.size() || found[i].shape.time < found[runner_up].shape.time) runner_up = i;
+      }
+      if (runner_up != found.size()) take(runner_up);
     }
     return out;
   }
@@ -333,14 +406,16 @@ std::vector<Deployment> formStageCandidates(StageProblem& problem, const StageSe
     if (sol.feasible) needed = std::min(needed, static_cast<int64_t>(sol.value));
   }
   std::ostringstream os;
-  os << "no plan fits " << bytesText(ctx.memory_limit) << " of usable memory per device on "
-     << ctx.world_size << " device(s) with global batch " << ctx.batch_size;
   if (needed != std::numeric_limits<int64_t>::max()) {
-    os << "; the smallest plan needs " << bytesText(needed)
+    os << "no plan fits " << bytesText(ctx.memory_limit) << " of usable memory per device on "
+       << ctx.world_size << " device(s) with global batch " << ctx.batch_size
+       << "; the smallest plan needs " << bytesText(needed)
        << " per device: use devices with more memory, more devices, a smaller batch"
        << (ctx.allow_recompute ? "" : ", or allow recomputation");
   } else {
-    os << "; the batch has too few rows for the devices (need at least one row per device)";
+    // Not memory: no shape had a row for every replica and micro-batch.
+    os << "no plan for " << ctx.world_size << " device(s) with global batch " << ctx.batch_size << ": "
+       << tooFewRows(ctx, options, tried);
   }
   throw InfeasiblePlanError(os.str(), needed == std::numeric_limits<int64_t>::max() ? 0 : needed);
 }

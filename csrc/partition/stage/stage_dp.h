@@ -84,6 +84,9 @@ struct StageSearchOptions {
   // Not empty: the replicas of each stage within a pipeline copy (fixed_stages entries);
   // the copy has their sum of devices and world / sum copies, whatever the nodes.
   std::vector<int> fixed_replicas;
+  // Plans within this fraction of the fastest count as equally fast; the simplest of
+  // them wins ([Note: plan tolerance] in stage/preference.h).
+  double tolerance = 0.02;
 };
 
 // Micro-batch counts tried for a pipeline copy with `rows` rows per iteration: every count
@@ -93,16 +96,16 @@ std::vector<int> microBatchCandidates(int64_t rows, int limit);
 
 // Algorithm 2: for node counts n dividing the nodes (ascending), D = n * devices per node,
 // R = nodes / n, stage counts in (D_node (n - 1), D_node n] and the micro-batch candidates,
-// runs Algorithm 1 and simulates each solution; returns the fastest plan of the first n
-// that has one. Throws InfeasiblePlanError (with the least memory some plan needs) when
-// none fits.
+// runs Algorithm 1 and simulates each solution; returns the preferred plan (the simplest
+// within options.tolerance of the fastest) of the first n that has one. Throws
+// InfeasiblePlanError (with the least memory some plan needs) when none fits.
 Deployment formStage(StageProblem& problem, const StageSearchOptions& options = {});
 
-// Algorithm 2 as formStage, returning the fastest plan of each of the `keep` fastest
-// pipeline shapes (devices per copy, copies, stages), fastest first, followed (when
-// keep > 1) by the deep-pipeline shapes tried past the stage patience (stage counts
-// dividing the devices of a copy); the first is formStage's plan. Candidates for
-// refinement, which can reorder them.
+// Algorithm 2 as formStage, returning formStage's plan first, then (when keep > 1) the
+// preferred plan of each of the `keep` fastest pipeline shapes (devices per copy, copies,
+// stages), fastest first, and the deep-pipeline shapes tried past the stage patience
+// (stage counts dividing the devices of a copy). Candidates for refinement, which can
+// reorder them.
 std::vector<Deployment> formStageCandidates(StageProblem& problem, const StageSearchOptions& options,
                                             int keep);
 

@@ -194,3 +194,49 @@ TEST(ADeployment, IsTheSameEveryTimeTheSameGraphIsPlanned) {
 
 }  // namespace
 }  // namespace rannc::partition
+
+namespace rannc::partition {
+namespace {
+
+TEST(APlanHash, IsInTheReportAndTheSameForTheSamePlan) {
+  ir::Graph g = testing::uniformChain(8);
+  AnalyticCostModel a(g, DeviceSpec{}), b(g, DeviceSpec{});
+  const Deployment d = planChain(g, a);
+  EXPECT_EQ(d.hash().size(), 8u);
+  EXPECT_EQ(d.hash(), planChain(g, b).hash());
+  const std::string report = d.report();
+  EXPECT_EQ(report.substr(0, report.find('\n')).find("plan " + d.hash()), 0u) << report;
+  EXPECT_EQ(d.summary().rfind("plan " + d.hash() + ": 2 stages, replicas ", 0), 0u) << d.summary();
+  // Read back, the same plan.
+  EXPECT_EQ(deserializeDeployment(serializeDeployment(d), g).hash(), d.hash());
+}
+
+TEST(APlanHash, NamesWhatRunsNotWhatWasPredicted) {
+  ir::Graph g = testing::uniformChain(8);
+  AnalyticCostModel m(g, DeviceSpec{});
+  const Deployment d = planChain(g, m);
+  // Measured times differ between runs that make the same plan: same hash.
+  Deployment remeasured = d;
+  remeasured.iteration_time *= 1.03;
+  remeasured.stages[0].forward_time *= 0.97;
+  remeasured.stages[1].memory_bytes += 1024;
+  EXPECT_EQ(remeasured.hash(), d.hash());
+  // Another micro-batch count, another boundary, another rank: another plan.
+  PlannerOptions o;
+  o.world_size = 4;
+  o.num_blocks = 8;
+  o.fixed_stages = 2;
+  o.memory_limit = 1LL << 40;
+  o.fixed_micro_batches = d.micro_batches == 2 ? 4 : 2;
+  EXPECT_NE(plan(g, m, o).hash(), d.hash());
+  Deployment moved = d;
+  moved.stages[1].tasks.insert(moved.stages[1].tasks.begin(), moved.stages[0].tasks.back());
+  moved.stages[0].tasks.pop_back();
+  EXPECT_NE(moved.hash(), d.hash());
+  Deployment swapped = d;
+  std::swap(swapped.stages[0].ranks, swapped.stages[1].ranks);
+  EXPECT_NE(swapped.hash(), d.hash());
+}
+
+}  // namespace
+}  // namespace rannc::partition

@@ -106,3 +106,48 @@ TEST(AStageSearch, FindsTheExhaustivePlanOnASmallResNetWithDefaultPatience) {
 
 }  // namespace
 }  // namespace rannc::partition
+
+namespace rannc::partition {
+namespace {
+
+std::string infeasibleMessage(const ir::Graph& g, const PlannerOptions& o) {
+  AnalyticCostModel m(g, testing::device());
+  try {
+    plan(g, m, o);
+  } catch (const InfeasiblePlanError& e) {
+    EXPECT_EQ(e.bytesNeeded(), 0);  // not a memory problem
+    return e.what();
+  }
+  ADD_FAILURE() << "expected InfeasiblePlanError";
+  return "";
+}
+
+TEST(ATooSmallBatch, BlamesTheMicroBatchCountWhenOneMicroBatchWouldHaveRows) {
+  // One row per rank on 2 ranks: 2 stages of one replica have a row each, but not four
+  // micro-batches of one.
+  ir::Graph g = testing::uniformChain(4, 64, /*batch=*/1);
+  PlannerOptions o;
+  o.world_size = 2;
+  o.memory_limit = 1LL << 40;
+  o.fixed_micro_batches = 4;
+  const std::string msg = infeasibleMessage(g, o);
+  EXPECT_NE(msg.find("num_microbatches=4 needs at least 4 rows"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("global batch has 2 row(s)"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("num_microbatches <= 2"), std::string::npos) << msg;
+  EXPECT_EQ(msg.find("one row per device"), std::string::npos) << msg;
+}
+
+TEST(ATooSmallBatch, SaysOneRowPerDeviceWhenThatIsTheNeed) {
+  // One block cannot be pipelined: its 4 replicas need a row each, the batch has 2.
+  ir::Graph g = testing::uniformChain(1, 64, /*batch=*/1);
+  PlannerOptions o;
+  o.world_size = 4;
+  o.batch_size = 2;
+  o.memory_limit = 1LL << 40;
+  const std::string msg = infeasibleMessage(g, o);
+  EXPECT_NE(msg.find("need at least one row per device: 4 rows"), std::string::npos) << msg;
+  EXPECT_EQ(msg.find("num_microbatches"), std::string::npos) << msg;
+}
+
+}  // namespace
+}  // namespace rannc::partition
