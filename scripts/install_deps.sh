@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what rannc needs on a fresh Debian 12 machine (as root, or with sudo):
 # compilers, CMake, Ninja, ccache, OpenMPI, spdlog, GoogleTest, then torch 2.13.0 (CPU),
-# pytest and transformers 5.23.0 (the tests' Hugging Face models). Skips what is already there, so it is cheap to run again.
+# pytest and transformers 5.23.0 (the tests' Hugging Face models). Skips what is already
+# there, so it is cheap to run again.
 set -euo pipefail
 
 SUDO=""

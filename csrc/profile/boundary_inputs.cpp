@@ -1,11 +1,13 @@
 #include "profile/boundary_inputs.h"
 
 #include <algorithm>
+#include <chrono>
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include "common/error.h"
+#include "common/log.h"
 #include "frontend/interpreter.h"
 
 namespace rannc::profile {
@@ -139,6 +141,7 @@ std::shared_ptr<const BoundaryInputs::DataValues> BoundaryInputs::dataAt(int64_t
 }
 
 std::shared_ptr<const BoundaryInputs::DataValues> BoundaryInputs::runDataPass(int64_t rows) const {
+  const auto started = std::chrono::steady_clock::now();
   const ir::Graph& g = model_->graph;
   std::vector<c10::IValue> env(g.numValues());
   std::vector<char> ready(g.numValues(), 0);
@@ -206,6 +209,11 @@ std::shared_ptr<const BoundaryInputs::DataValues> BoundaryInputs::runDataPass(in
       (*values)[id] = std::move(env[id]);
     }
   }
+  logDebug("profiling: data pass at " + std::to_string(rows) + " rows: " +
+           std::to_string(values->size()) + " data values from " +
+           std::to_string(data_tasks_.size()) + " tasks in " +
+           std::to_string(std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count()) +
+           " s");
   return values;
 }
 

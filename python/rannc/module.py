@@ -184,7 +184,7 @@ class _Deployed:
         batch = self.graph.batch_size * world
         if opts.load_plan:
             return _C.load_deployment(opts.load_plan, ir, batch_size=batch, world_size=world)
-        if _C.get_rank() != 0 and opts.cost_model == "profile" and world > 1:
+        if _C.get_rank() != 0 and self._profiled(opts) and world > 1:
             self._make_plan(ir, world, opts)  # profiles a share of the pieces for rank 0
         if _C.get_rank() == 0:
             try:
@@ -205,6 +205,14 @@ class _Deployed:
             deployment.save(opts.save_plan)
         return deployment
 
+    @staticmethod
+    def _profiled(opts) -> bool:
+        """Whether planning measures pieces. One stage (num_stages=1) leaves nothing to
+        search: every rank holds the whole model, and only memory decides the micro-batch
+        count and recomputation, which the shapes tell. So the first step costs about
+        one forward and backward more than plain PyTorch instead of a profiling run."""
+        return opts.cost_model == "profile" and opts.num_stages != 1
+
     def _make_plan(self, ir, world, opts):
         """Rank 0's plan; with the profiler and several ranks, the other ranks take part
         (profiling their share of the pieces) and get None."""
@@ -212,7 +220,10 @@ class _Deployed:
         training = self.owner.module.training
         optimizer = ((opts.optimizer_kind or _optimizer_kind(self.owner.optimizer))
                      if training else "sgd")
-        if opts.cost_model == "profile":
+        if opts.cost_model == "profile" and not self._profiled(opts) and _C.get_rank() == 0:
+            _C.log_info("one stage (num_stages=1): nothing to search, so nothing is profiled; "
+                        "the plan's times are estimates from shapes")
+        if self._profiled(opts):
             from . import planning
             from .update_cost import measure_update_rate
             # Profile where the stages will run.
@@ -241,9 +252,10 @@ class _Deployed:
         device = _C.DeviceSpec()
         device.memory_bytes = opts.device_memory
         device.devices_per_node = max(1, _C.get_local_size())
-        # CPU ranks: modest peak and bandwidth; only the ratios matter for the plan.
-        device.peak_flops, device.memory_bandwidth = 50e9, 10e9
-        device.intra_node_bandwidth = device.inter_node_bandwidth = 5e9
+        if self.owner.device.type == "cpu":
+            # CPU ranks: modest peak and bandwidth; only the ratios matter for the plan.
+            device.peak_flops, device.memory_bandwidth = 50e9, 10e9
+            device.intra_node_bandwidth = device.inter_node_bandwidth = 5e9
         return planning.plan_graph(
             self.graph, self.example_inputs, world_size=world, device=device,
             optimizer=optimizer, training=training, cost_model="analytic",

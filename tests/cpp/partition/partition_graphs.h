@@ -88,4 +88,16 @@ inline ir::Graph smallWideResNet() {
   return syntheticResNet(r);
 }
 
+// A small transformer (12 layers, hidden 128, 32 tokens): plans in milliseconds, with
+// enough layers that stage boundaries and micro-batch counts have real choices.
+inline ir::Graph smallTransformer() {
+  SyntheticTransformerOptions t;
+  t.layers = 12;
+  t.hidden = 128;
+  t.heads = 4;
+  t.seq_len = 32;
+  t.vocab = 500;
+  return syntheticTransformer(t);
+}
+
 }  // namespace rannc::partition::testing

@@ -177,13 +177,7 @@ namespace {
 
 // Ranks may plan on their own; the same inputs must give the same bytes.
 TEST(ADeployment, IsTheSameEveryTimeTheSameGraphIsPlanned) {
-  SyntheticTransformerOptions t;
-  t.layers = 12;
-  t.hidden = 128;
-  t.heads = 4;
-  t.seq_len = 32;
-  t.vocab = 500;
-  ir::Graph g = syntheticTransformer(t);
+  ir::Graph g = testing::smallTransformer();
   PlannerOptions o;
   o.world_size = 8;
   o.num_blocks = 10;

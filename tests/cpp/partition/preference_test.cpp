@@ -90,13 +90,7 @@ TEST(APreferredPlan, KeepsThePreferredOfAllOfferedInAnyOrder) {
 // without one (it refines every candidate it would refine without one, so it finds that
 // plan too).
 TEST(APlanPreference, CostsThePlannerAtMostTheTolerance) {
-  SyntheticTransformerOptions t;
-  t.layers = 12;
-  t.hidden = 128;
-  t.heads = 4;
-  t.seq_len = 32;
-  t.vocab = 500;
-  ir::Graph g = syntheticTransformer(t);
+  ir::Graph g = testing::smallTransformer();
   PlannerOptions o;
   o.world_size = 8;
   o.num_blocks = 10;
@@ -159,13 +153,7 @@ class NoisyCostModel : public CostModel {
 // replicas, micro-batches and every boundary (the hash). Without the tolerance, 4 of these
 // 8 noisy plans move a boundary (measured when the test was written).
 TEST(APlanUnderNoise, StaysTheSameWhenEveryCostMovesByHalfTheTolerance) {
-  SyntheticTransformerOptions t;
-  t.layers = 12;
-  t.hidden = 128;
-  t.heads = 4;
-  t.seq_len = 32;
-  t.vocab = 500;
-  ir::Graph g = syntheticTransformer(t);
+  ir::Graph g = testing::smallTransformer();
   PlannerOptions o;
   o.world_size = 2;
   o.num_blocks = 16;
