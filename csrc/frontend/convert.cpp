@@ -728,9 +728,7 @@ std::shared_ptr<TracedModel> buildTracedModel(
       // Lists and tuples of tensors carry gradients to what is unpacked from them.
       const bool container = v.kind == ir::ValueKind::TensorList ||
                              v.kind == ir::ValueKind::Tuple || v.kind == ir::ValueKind::Other;
-      const bool floating = v.dtype == ir::DType::Float32 || v.dtype == ir::DType::Float64 ||
-                            v.dtype == ir::DType::Float16 || v.dtype == ir::DType::BFloat16;
-      v.requires_grad = grad && (container || (v.isTensor() && floating));
+      v.requires_grad = grad && (container || (v.isTensor() && ir::isFloatingPoint(v.dtype)));
     }
   }
   for (ir::ValueId id : ir.outputs()) {

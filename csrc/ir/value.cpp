@@ -23,6 +23,11 @@ std::string_view dtypeName(DType dtype) {
   return "?";
 }
 
+bool isFloatingPoint(DType dtype) {
+  return dtype == DType::Float32 || dtype == DType::Float64 || dtype == DType::Float16 ||
+         dtype == DType::BFloat16;
+}
+
 int64_t dtypeSize(DType dtype) {
   switch (dtype) {
     case DType::Undefined: return 0;

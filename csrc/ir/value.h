@@ -20,6 +20,8 @@ enum class DType : uint8_t {
 std::string_view dtypeName(DType dtype);
 // Bytes per element (0 for Undefined).
 int64_t dtypeSize(DType dtype);
+// Float32, Float64, Float16, BFloat16: the dtypes that carry gradients (not complex).
+bool isFloatingPoint(DType dtype);
 
 enum class ValueKind : uint8_t {
   Tensor, Int, Float, Bool, String, None, Device, IntList, FloatList, BoolList, TensorList,

@@ -39,11 +39,6 @@ at::ScalarType scalarType(ir::DType d) {
   return at::kFloat;
 }
 
-bool isFloating(ir::DType d) {
-  return d == ir::DType::Float32 || d == ir::DType::Float64 || d == ir::DType::Float16 ||
-         d == ir::DType::BFloat16 || d == ir::DType::Complex64 || d == ir::DType::Complex128;
-}
-
 // The shape of `v` at `rows` rows (its batch dimension scaled).
 std::vector<int64_t> shapeAt(const ir::Value& v, int64_t rows) {
   std::vector<int64_t> shape = v.shape;
@@ -160,7 +155,7 @@ std::shared_ptr<const BoundaryInputs::DataValues> BoundaryInputs::runDataPass(in
   // An activation read by a data task (its size, its dtype): zeros of its shape that take
   // no memory. Values without a known shape or of other kinds cannot stand in.
   auto placeholder = [&](const ir::Value& v) -> bool {
-    if (!v.isTensor() || v.dtype == ir::DType::Undefined || !isFloating(v.dtype)) return false;
+    if (!v.isTensor() || !ir::isFloatingPoint(v.dtype)) return false;
     if (!v.shape.empty() && std::find(v.shape.begin(), v.shape.end(), 0) != v.shape.end()) return false;
     env[v.id] = at::zeros({}, at::TensorOptions().dtype(scalarType(v.dtype)).device(home_))
                     .expand(shapeAt(v, rows));
@@ -243,10 +238,11 @@ c10::IValue BoundaryInputs::build(const ir::Value& v, int64_t rows) const {
     if (found != values->end()) {
       const c10::IValue& iv = found->second;
       if (!iv.isTensor()) return iv;
-      // A copy: a piece may write into its inputs, and the pass serves later pieces.
+      // Shared with later pieces: a piece that writes into its inputs runs on copies
+      // (Profiler::measureOnce); floating ones become leaves of their own (detach).
       const at::Tensor& t = iv.toTensor();
       if (!t.defined()) return iv;
-      return t.is_floating_point() ? t.clone().requires_grad_(leafNeedsGrad(v)) : t.clone();
+      return t.is_floating_point() ? t.detach().requires_grad_(leafNeedsGrad(v)) : t;
     }
   }
   auto it = kept_.find(v.id);

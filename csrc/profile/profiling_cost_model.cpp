@@ -20,8 +20,7 @@ constexpr int kRecordWidth = 5;  // forward, backward, activation bytes, peak by
 
 std::string modelDtype(const ir::Graph& g) {
   for (const ir::Value& v : g.values()) {
-    if (v.isModelState() && (v.dtype == ir::DType::Float32 || v.dtype == ir::DType::Float64 ||
-                             v.dtype == ir::DType::Float16 || v.dtype == ir::DType::BFloat16)) {
+    if (v.isModelState() && ir::isFloatingPoint(v.dtype)) {
       return std::string(ir::dtypeName(v.dtype));
     }
   }

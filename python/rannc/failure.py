@@ -32,19 +32,20 @@ def describe(error: BaseException) -> str:
 
 def _hook(previous):
     def hook(kind, value, tb):
+        reported = False
         try:
             if _C.mpi_initialized() and _C.get_world_size() > 1:
                 # After a peer's notice this is a no-op; after a timeout it still ends the
                 # job (the rank aborts at exit instead of waiting in MPI's shutdown).
                 _C.report_failure(f"rank {_C.get_rank()}: {describe(value)}")
-                previous(kind, value, tb)
-                sys.stderr.flush()
-                if not isinstance(value, _C.CommError) or isinstance(value, _C.CommTimeoutError):
-                    time.sleep(float(os.environ.get("RANNC_FAILURE_GRACE", "2")))
-                return
+                reported = True
         except Exception:  # the hook must never hide the original error
             pass
         previous(kind, value, tb)
+        if reported and (not isinstance(value, _C.CommError)
+                         or isinstance(value, _C.CommTimeoutError)):
+            sys.stderr.flush()
+            time.sleep(float(os.environ.get("RANNC_FAILURE_GRACE", "2")))
 
     return hook
 

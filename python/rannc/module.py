@@ -18,11 +18,10 @@ import contextlib
 import itertools
 import sys
 import zlib
-import traceback
 
 import torch
 
-from . import _C, checkpoint
+from . import _C, checkpoint, failure
 from .grad_sync import GradBuckets
 from .graph import TracedGraph
 from ._trace import autocast_dtype
@@ -44,12 +43,8 @@ class _ApplyStepGrads(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         ctx.deployed.apply_grads(grad)
-        return (None, None, None) + tuple(_to_user(grad * g, grad) for g in ctx.input_grads)
-
-
-def _to_user(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """An input's gradient where the user's tensors are."""
-    return grad.to(like.device)
+        # the inputs' gradients where the loss (and so the user's tensors) are
+        return (None, None, None) + tuple((grad * g).to(grad.device) for g in ctx.input_grads)
 
 
 class _NoGradientPath(torch.autograd.Function):
@@ -79,7 +74,7 @@ class _FillDrainOutputs(torch.autograd.Function):
     def forward(ctx, anchor, deployed, num_outputs, *tensors_and_inputs):
         """`tensors_and_inputs`: the `num_outputs` float outputs, then the inputs that
         require grad (so that autograd hands their gradients to backward)."""
-        ctx.deployed, ctx.num_outputs = deployed, num_outputs
+        ctx.deployed = deployed
         ctx.forward_id = deployed.fill_drain_forwards
         ctx.set_materialize_grads(False)
         return tuple(t.detach().clone() for t in tensors_and_inputs[:num_outputs])
@@ -107,10 +102,11 @@ class _FillDrainOutputs(torch.autograd.Function):
 class _Deployed:
     """One traced and planned mode (train or eval) of the model on this rank."""
 
-    def __init__(self, owner: "RaNNCModule", graph: TracedGraph, args, kwargs):
+    def __init__(self, owner: "RaNNCModule", graph: TracedGraph, args, kwargs, amp):
         opts, model = owner.options, owner.module
         self.owner = owner
         self.graph = graph
+        self.amp = amp  # the autocast dtype traced into the graph (None: fp32)
         ir = self.graph.ir
         rank, world = _C.get_rank(), _C.get_world_size()
         self._check_agreement(ir)
@@ -561,10 +557,8 @@ class RaNNCModule(torch.nn.Module):
             if getattr(e, "on_every_rank", False):
                 raise  # every rank raises it together: nobody is left waiting, nothing to tell
             # Say where before telling the others: their abort may end this process.
-            where = traceback.extract_tb(e.__traceback__)[-1]
             stage = f" | stage {deployed.engine.stage}" if deployed is not None else ""
-            message = (f"rank {_C.get_rank()}{stage} failed: {type(e).__name__}: {e} "
-                       f"(at {where.filename}:{where.lineno})")
+            message = f"rank {_C.get_rank()}{stage} failed: {failure.describe(e)}"
             print(f"[rannc] {message}", file=sys.stderr, flush=True)
             _C.report_failure(message)
             raise
@@ -598,8 +592,7 @@ class RaNNCModule(torch.nn.Module):
         with (torch.autocast(home, dtype=amp) if amp is not None
               else torch.autocast(home, enabled=False)):
             graph = TracedGraph(self.module, args, kwargs)
-        deployed = _Deployed(self, graph, args, kwargs)
-        deployed.amp = amp
+        deployed = _Deployed(self, graph, args, kwargs, amp)
         with torch.no_grad():
             for b, before in buffers:
                 b.copy_(before)

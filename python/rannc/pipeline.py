@@ -152,7 +152,7 @@ class Engine:
         self.before_last_backward = None  # called before the step's last backward action
         self.input_grad_vids = None       # graph inputs whose user tensors require grad
         self.input_grads = {}             # their gradients after a step: vid -> tensor
-        self._local_meta = {}             # graph input vid -> (shape, dtype) of this rank's
+        self._local_meta = {}             # those inputs: vid -> (shape, dtype) of this rank's
         self.set_input_grads(set())
 
     # ---- gradients of the inputs -----------------------------------------------------------
@@ -490,8 +490,8 @@ class Engine:
         has_forwards = any(kind == "F" for kind, _ in actions)
         if has_forwards:
             self._shapes, self._produced = {}, {}
-            self._local_meta = {vid: (t.shape, t.dtype) for vid, t in local.items()
-                                if isinstance(t, torch.Tensor)}
+            self._local_meta = {vid: (local[vid].shape, local[vid].dtype)
+                                for vid in self.input_grad_vids}
             for p in self.input_sends:
                 t = _narrow(local[p.vid], self.value(p.vid), p.rows, p.src_start).contiguous()
                 sends.append(self.host_channels.send(t, p.dst, INPUT_ROWS))

@@ -38,6 +38,24 @@ class APlanFile : public ::testing::Test {
   }
   std::string refusal(const Deployment& d) { return refusal(serializeDeployment(d)); }
 
+  // A deployment payload by hand up to its stage count: the graph's hash, the format's
+  // fields for `world` ranks and `batch` rows, one pipeline copy and micro-batch, 1f1b.
+  ir::BinaryWriter header(int world, int64_t batch) {
+    ir::BinaryWriter w;
+    w.u64(graph_.contentHash());
+    w.str("rannc");
+    w.i32(world);
+    w.i64(batch);
+    w.i32(1);
+    w.i32(1);
+    w.u8(0);
+    w.u8(2);
+    w.i64(1 << 20);
+    w.f64(1.0);
+    w.u8(1);
+    return w;
+  }
+
   ir::Graph graph_;
   AnalyticCostModel costs_;
   Deployment plan_;
@@ -60,18 +78,7 @@ TEST_F(APlanFile, AsPlannedIsAccepted) {
 TEST_F(APlanFile, WithACountPastItsBytesIsRefusedBeforeAllocating) {
   // The header of a valid plan, then a stage whose task count would need 2^64 bytes:
   // count x 4 wraps around to 0, which a multiplying check would let through.
-  ir::BinaryWriter w;
-  w.u64(graph_.contentHash());
-  w.str("rannc");
-  w.i32(plan_.world_size);
-  w.i64(plan_.batch_size);
-  w.i32(1);
-  w.i32(1);
-  w.u8(0);
-  w.u8(2);
-  w.i64(1 << 20);
-  w.f64(1.0);
-  w.u8(1);
+  ir::BinaryWriter w = header(plan_.world_size, plan_.batch_size);
   w.u64(1);
   w.u64(1ULL << 62);
   // Bytes enough for the stage, not for its tasks.
@@ -82,18 +89,7 @@ TEST_F(APlanFile, WithACountPastItsBytesIsRefusedBeforeAllocating) {
 }
 
 TEST_F(APlanFile, WithAStageCountBeyondTheWorldIsRefused) {
-  ir::BinaryWriter w;
-  w.u64(graph_.contentHash());
-  w.str("rannc");
-  w.i32(4);
-  w.i64(8);
-  w.i32(1);
-  w.i32(1);
-  w.u8(0);
-  w.u8(2);
-  w.i64(1 << 20);
-  w.f64(1.0);
-  w.u8(1);
+  ir::BinaryWriter w = header(4, 8);
   w.u64(1ULL << 40);
   const std::string msg = refusal(ir::frame("deployment", kDeploymentFormatVersion, w.bytes()));
   EXPECT_NAMES(msg, "stages: count 1099511627776");

@@ -56,12 +56,12 @@ global_batch = local_batch * world
 model, _, _ = zoo.make(a.model, batch=global_batch, seed=0)
 zoo.no_dropout(model)  # dropout masks cannot match a single process
 reference = copy.deepcopy(model)
-# eps well above float noise: some gradients are exactly zero in exact arithmetic (the key
-# bias of attention), and Adam would turn their rounding noise into full-size steps.
-if a.amp:  # Adam would turn rounding noise in near-zero gradients into full steps
+if a.amp:  # Adam would turn bf16/fp16 rounding noise in near-zero gradients into full steps
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 else:
+    # eps well above float noise: some gradients are exactly zero in exact arithmetic (the
+    # key bias of attention), and Adam would turn their rounding noise into full-size steps.
     ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2, eps=1e-5)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2, eps=1e-5)
 wrapped = rannc.RaNNCModule(model, opt, num_stages=a.stages, num_microbatches=a.micro, **options)
@@ -198,8 +198,9 @@ for step in range(a.steps):
             assert {"bf16": "BFloat16", "fp16": "Float16"}[a.amp] in dtypes, dtypes
         rows_out = batch_rows(out)
         if rows_out and not outside:  # batch-shaped outputs: this rank's own rows
-            for what, (mine, ref) in zip(rows_out, zip(rows_out.values(), batch_rows(ref_out).values())):
-                close(mine.detach(), local(ref).detach(), f"{what} rows")
+            ref_rows = batch_rows(ref_out)
+            for what, mine in rows_out.items():
+                close(mine, local(ref_rows[what]), f"{what} rows")
             try:  # no gradient path through outputs other than the loss: a clear error
                 next(iter(rows_out.values())).sum().backward()
                 raise AssertionError("backward through a non-loss output did not fail")
@@ -263,8 +264,9 @@ if a.eval:
         with autocast():
             ref_out = reference(*g_args, **g_kwargs)
     same_output(out, ref_out, "eval loss")
-    for what, (mine, ref) in zip(batch_rows(out), zip(batch_rows(out).values(), batch_rows(ref_out).values())):
-        close(mine, local(ref), f"eval {what} rows")
+    ref_rows = batch_rows(ref_out)
+    for what, mine in batch_rows(out).items():
+        close(mine, local(ref_rows[what]), f"eval {what} rows")
     wrapped.train()
     reference.train()
     # training goes on after eval, on the parameters both modes share
