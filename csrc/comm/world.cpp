@@ -154,7 +154,8 @@ void World::stopProgress() {
 }
 
 void World::reportFailure(const std::string& message) {
-  if (failed_reported_) return;
+  // Alone there is nobody to tell, and an error the user catches must not abort the exit.
+  if (failed_reported_ || size_ <= 1) return;
   failed_reported_ = true;
   for (int r = 0; r < size_; ++r) {
     if (r == rank_) continue;

@@ -1,7 +1,10 @@
 """RaNNCModule under real mpirun on CPU ranks equals single-process PyTorch on the
 concatenated global batch: the loss at every step, every gradient, every parameter after
 Adam steps, batch-shaped outputs, eval()/no_grad; over 1..4 ranks and several layouts."""
+import os
 import re
+import subprocess
+import sys
 import time
 
 import pytest
@@ -141,6 +144,29 @@ def test_ranks_map_to_gpus_by_local_rank_modulo_the_devices(monkeypatch, gpus):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     with pytest.raises(rannc.Error, match="sees no CUDA device"):
         transport.local_cuda_device()
+
+
+def test_an_error_caught_by_a_single_process_leaves_its_exit_status_alone():
+    """Without mpirun (a singleton MPI world) an error in forward has no peer to tell; the
+    process that catches it exits 0 (it used to abort in MPI's shutdown, exit status 1)."""
+    here = os.path.dirname(__file__)
+    script = f"""
+import sys
+sys.path[:0] = [{here!r}, {os.path.join(here, '..', '..', 'python')!r},
+                {os.path.join(here, '..', '..', 'examples')!r}]
+import torch, rannc, zoo
+model, args, kwargs = zoo.make("multi_io")
+module = rannc.RaNNCModule(model, torch.optim.SGD(model.parameters(), lr=0.1))
+module(*args, **kwargs)
+try:
+    module(*args, **{{**kwargs, "scale": 2.0}})
+except rannc.Error as e:
+    print("caught", type(e).__name__)
+"""
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert "caught" in res.stdout, res.stdout + res.stderr
+    assert res.returncode == 0, res.stderr[-3000:]
 
 
 # ---- what real training loops do (issue: training survives them) ---------------------------
