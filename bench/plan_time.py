@@ -3,16 +3,21 @@ PyTorch, and rannc.plan for 8 devices, cold and from the profile cache, with eac
 simulated iteration time. The table the plans-in-seconds work is measured by.
 
     OMP_NUM_THREADS=1 python bench/plan_time.py [--models gpt2,bert] [--seq 64] [--batch 8]
-        [--layers 12] [--device cpu|cuda]
+        [--plan-batch 1] [--layers 12] [--blocks 8] [--device cpu|cuda] [--skip-whole]
 
 Models: BERT-base-sized and GPT-2-small-sized (bench/profile_bench.py builds them).
-  first step   one rank: plain PyTorch's first step (forward, backward, Adam) and
-               RaNNCModule(num_stages=1)'s first call (trace, plan, deploy, step) plus
-               backward and Adam; also with profiling forced on (what one stage cost
-               before it planned from shapes, session 7)
-  plan cold    rannc.plan(world_size=8) with a fresh profile cache (traces, profiles, plans)
-  plan cached  the same again, every piece answered by the cache
-Writes bench/results/plan_time_<device>.json and .md.
+  first step   one rank, local batch --batch: plain PyTorch's first step (forward,
+               backward, Adam) and RaNNCModule(num_stages=1)'s first call (trace, plan,
+               deploy, step) plus backward and Adam; also with profiling forced on
+  plan cold    rannc.plan(world_size=8), --plan-batch rows per device, with a fresh
+               profile cache: traces, profiles (blocks measured, ranges composed, row
+               counts fitted: [Note: composed costs], [Note: fitted rows]), plans
+  plan cached  the same again, every measurement answered by the cache
+  whole        the plan as before session 8 (compose_costs=False, profile_fit_tolerance=0:
+               every candidate range measured whole at every row count), fresh cache;
+               the same plan hash means the faster planning found the same plan
+The defaults are the configuration of the issue's table (bench/results/profile_bench.md):
+seq 64, one row per device, 8 blocks. Writes bench/results/plan_time_<device>.json and .md.
 """
 import argparse
 import copy
@@ -65,17 +70,24 @@ def first_steps(name, a):
 
 
 def plans(name, a):
-    model, args, _ = build(name, a.seq, a.batch, a.layers, a.device)
-    cache = rannc.ProfileCache()
-    opts = dict(world_size=8, devices_per_node=8, device_memory="16GiB", profile_cache=cache,
-                num_blocks=a.blocks)
+    model, args, _ = build(name, a.seq, a.plan_batch, a.layers, a.device)
+    opts = dict(world_size=8, devices_per_node=8, device_memory="16GiB", num_blocks=a.blocks)
     out = {}
-    for key in ("cold", "cached"):
-        start = time.perf_counter()
-        plan = rannc.plan(model, args, **opts)
-        out[f"plan_{key}_s"] = time.perf_counter() - start
+    cache = rannc.ProfileCache()
+    runs = [("cold", cache, {}), ("cached", cache, {})]
+    if not a.skip_whole:
+        runs.append(("whole", rannc.ProfileCache(), dict(compose_costs=False, profile_fit_tolerance=0)))
+    for key, c, extra in runs:
+        plan = rannc.plan(model, args, profile_cache=c, **opts, **extra)
+        t = plan.times
+        out[f"plan_{key}_s"] = plan.planning_time
+        out[f"plan_{key}_split"] = dict(tracing=t.tracing, profiling=t.profiling, search=t.search,
+                                        measured=t.pieces_measured, fitted=t.records_fitted,
+                                        composed=t.unions_composed)
         out[f"iteration_{key}_ms"] = plan.deployment.iteration_time * 1e3
         out[f"plan_{key}_hash"] = plan.hash
+        print(f"{name} {key}: {plan.times.line()}; plan {plan.hash}, "
+              f"{plan.deployment.iteration_time * 1e3:.1f} ms", flush=True)
     return out
 
 
@@ -85,7 +97,9 @@ def main():
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--blocks", type=int, default=32)
+    ap.add_argument("--plan-batch", type=int, default=1, help="rows per device of the 8-device plans")
+    ap.add_argument("--blocks", type=int, default=8)
+    ap.add_argument("--skip-whole", action="store_true", help="no plan measured the old way")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--skip-plans", action="store_true", help="only the first steps")
     a = ap.parse_args()
@@ -105,13 +119,29 @@ def main():
     with open(base + ".md", "w") as f:
         f.write(f"# Plan time ({a.device}, torch {torch.__version__}; `bench/plan_time.py`)\n\n")
         f.write("| model | first step plain s | rannc 1 stage s | 1 stage profiled s | plan 8 dev cold s "
-                "| cached s | iteration ms (cold / cached) |\n|---|---|---|---|---|---|---|\n")
+                "| cached s | whole s (before) | iteration ms cold / cached / whole | same plan |\n"
+                "|---|---|---|---|---|---|---|---|---|\n")
         for r in rows:
-            plan = (f"{r['plan_cold_s']:.1f} | {r['plan_cached_s']:.1f} | "
-                    f"{r['iteration_cold_ms']:.1f} / {r['iteration_cached_ms']:.1f}"
-                    if "plan_cold_s" in r else "- | - | -")
-            f.write(f"| {r['model']} {r['layers']}L seq {r['seq']} x{r['batch']} | {r['plain_s']:.2f} | "
-                    f"{r['rannc_s']:.2f} | {r['rannc_profiled_s']:.1f} | {plan} |\n")
+            if "plan_cold_s" in r:
+                fmt = lambda key: "-" if key not in r else f"{r[key]:.1f}"  # noqa: E731
+                same = ("-" if "plan_whole_hash" not in r
+                        else "yes" if r["plan_whole_hash"] == r["plan_cold_hash"] else "no")
+                plan = (f"{fmt('plan_cold_s')} | {fmt('plan_cached_s')} | {fmt('plan_whole_s')} | "
+                        f"{fmt('iteration_cold_ms')} / {fmt('iteration_cached_ms')} / "
+                        f"{fmt('iteration_whole_ms')} | {same} |")
+            else:
+                plan = "- | - | - | - | - |"
+            f.write(f"| {r['model']} {r['layers']}L seq {r['seq']} | {r['plain_s']:.2f} | "
+                    f"{r['rannc_s']:.2f} | {r['rannc_profiled_s']:.1f} | {plan}\n")
+        f.write("\nTime split of the cold plans (tracing / profiling / search, s; pieces measured, "
+                "records fitted, unions composed):\n\n")
+        for r in rows:
+            for key in ("cold", "cached", "whole"):
+                sp = r.get(f"plan_{key}_split")
+                if sp:
+                    f.write(f"- {r['model']} {key}: {sp['tracing']:.2f} / {sp['profiling']:.2f} / "
+                            f"{sp['search']:.2f}; {sp['measured']} measured, {sp['fitted']} fitted, "
+                            f"{sp['composed']} composed\n")
     print(open(base + ".md").read())
 
 

@@ -218,7 +218,7 @@ void bindProfiler(py::module& m) {
          std::shared_ptr<profile::ProfileCache> cache, bool parallel, int warmup, int repetitions,
          int64_t memory_limit, bool fake_timer, double time_budget,
          const std::string& profile_device, const std::string& cpu_clock, bool forward_only,
-         py::object progress) -> py::object {
+         py::object progress, bool compose, double fit_tolerance, py::object stats) -> py::object {
         auto inputs = std::make_shared<profile::BoundaryInputs>(model, example);
         auto profiler = std::make_shared<profile::Profiler>(
             model, inputs,
@@ -228,6 +228,17 @@ void bindProfiler(py::module& m) {
         if (parallel && comm::World::get().size() > 1) comm = comm::worldCpuCommunicator();
         profile::ProfilingCostModel costs(model, profiler, cache, device, comm);
         costs.setProgress(progressFrom(progress));
+        costs.setComposeUnions(compose);
+        costs.setFitTolerance(fit_tolerance);
+        auto report = [&] {
+          if (stats.is_none()) return;
+          py::dict d = stats;
+          d["pieces_measured"] = costs.measured();
+          d["measuring_seconds"] = costs.measuringSeconds();
+          d["unions_composed"] = costs.composed();
+          d["records_fitted"] = costs.fitted();
+          d["cost_queries"] = costs.queries();
+        };
         if (comm && comm->rank() != 0) {
           py::gil_scoped_release release;
           costs.serve();
@@ -244,6 +255,7 @@ void bindProfiler(py::module& m) {
           }
           costs.finish();
         }
+        report();
         return py::cast(d);
       },
       py::arg("model"), py::arg("example"), py::arg("device"), py::arg("options"),
@@ -251,8 +263,12 @@ void bindProfiler(py::module& m) {
       py::arg("repetitions") = 3, py::arg("memory_limit") = 0, py::arg("fake_timer") = false,
       py::arg("time_budget") = 0.5, py::arg("profile_device") = "cpu",
       py::arg("cpu_clock") = "auto", py::arg("forward_only") = false,
-      py::arg("progress") = py::none(),
-      "Plans with measured costs. Collective when `parallel` and the world has several ranks: "
+      py::arg("progress") = py::none(), py::arg("compose") = true,
+      py::arg("fit_tolerance") = 0.1, py::arg("stats") = py::none(),
+      "Plans with measured costs (a union of blocks or groups composed from its parts' "
+      "measurements when `compose`; records between row counts fitted within `fit_tolerance`, 0: "
+      "off; `stats`, a dict, gets pieces_measured, measuring_seconds, unions_composed, records_fitted, "
+      "cost_queries). Collective when `parallel` and the world has several ranks: "
       "rank 0 plans and returns the Deployment, the others profile their shares and return None.");
 
   m.def("memory_counter_current", [] { return profile::MemoryCounter::get().current(); });

@@ -1,6 +1,7 @@
 #include "profile/profiling_cost_model.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <limits>
 #include <sstream>
@@ -27,7 +28,28 @@ std::string modelDtype(const ir::Graph& g) {
   return "Float32";
 }
 
+double secondsSince(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
 }  // namespace
+
+ProfileRecord composeRecords(const std::vector<ProfileRecord>& parts) {
+  ProfileRecord u;
+  int64_t held = 0;
+  for (const ProfileRecord& r : parts) {
+    u.forward_time += r.forward_time;
+    u.backward_time += r.backward_time;
+    u.peak_bytes = std::max(u.peak_bytes, held + r.peak_bytes);
+    held += r.activation_bytes;
+    u.out_of_memory = u.out_of_memory || r.out_of_memory;
+  }
+  u.activation_bytes = held;
+  if (u.out_of_memory) {
+    u.forward_time = u.backward_time = std::numeric_limits<double>::infinity();
+  }
+  return u;
+}
 
 partition::PieceCost pieceCostFrom(const ir::Graph& g, const ir::Subgraph& piece, int64_t rows,
                                    const ProfileRecord& record) {
@@ -84,8 +106,10 @@ ProfileKey ProfilingCostModel::key(const ir::Subgraph& piece, int64_t rows, bool
 
 ProfileRecord ProfilingCostModel::record(const ir::Subgraph& piece, int64_t rows, bool recompute) {
   const ProfileKey k = key(piece, rows, recompute);
-  if (auto hit = cache_->find(k)) return *hit;
+  if (auto hit = known(k)) return *hit;
+  const auto start = std::chrono::steady_clock::now();
   ProfileRecord r = profiler_->measure(piece, rows, recompute);
+  measuring_seconds_ += secondsSince(start);
   ++measured_;
   cache_->insert(k, r);
   return r;
@@ -95,28 +119,166 @@ partition::PieceCost ProfilingCostModel::computeCost(const ir::Subgraph& piece, 
   return pieceCostFrom(graph(), piece, rows, record(piece, rows, /*recompute=*/false));
 }
 
+ir::Subgraph ProfilingCostModel::pieceOf(const std::vector<ir::TaskId>& tasks) {
+  // Parts may list the same constant clone twice; makePiece wants each task once.
+  if (task_mark_.size() != static_cast<size_t>(graph().numTasks())) task_mark_.assign(graph().numTasks(), 0);
+  ++task_stamp_;
+  std::vector<ir::TaskId> uniq;
+  uniq.reserve(tasks.size());
+  for (ir::TaskId t : tasks) {
+    if (task_mark_[t] == task_stamp_) continue;
+    task_mark_[t] = task_stamp_;
+    uniq.push_back(t);
+  }
+  return partition::makePiece(graph(), uniq, topoPosition(), pureConstant());
+}
+
+ProfileRecord ProfilingCostModel::partRecord(const std::vector<ir::TaskId>& tasks, int64_t rows) {
+  const ir::Subgraph piece = pieceOf(tasks);
+  const ProfileKey k = key(piece, rows, false);
+  if (auto hit = known(k)) return *hit;
+  auto it = composed_.find(k);
+  if (it != composed_.end()) return it->second;
+  return record(piece, rows, false);
+}
+
+partition::PieceCost ProfilingCostModel::unionCost(const std::vector<const std::vector<ir::TaskId>*>& parts,
+                                                   int64_t rows) {
+  if (!compose_ || parts.size() < 2) return CostModel::unionCost(parts, rows);
+  std::vector<ir::TaskId> all;
+  for (const auto* p : parts) all.insert(all.end(), p->begin(), p->end());
+  const ir::Subgraph whole = pieceOf(all);
+  const ProfileKey k = key(whole, rows, false);
+  if (auto hit = cache_->find(k)) return pieceCostFrom(graph(), whole, rows, *hit);
+  auto it = composed_.find(k);
+  if (it == composed_.end()) {
+    std::vector<ProfileRecord> records;
+    records.reserve(parts.size());
+    for (const auto* p : parts) records.push_back(partRecord(*p, rows));
+    it = composed_.emplace(k, composeRecords(records)).first;
+  }
+  return pieceCostFrom(graph(), whole, rows, it->second);
+}
+
 void ProfilingCostModel::prefetch(const std::vector<std::vector<ir::TaskId>>& pieces, int64_t rows) {
-  std::vector<ir::Subgraph> todo;
+  std::vector<ir::Subgraph> distinct, todo;
   std::unordered_map<ProfileKey, bool, ProfileKeyHash> seen;
   for (const auto& tasks : pieces) {
     if (tasks.empty()) continue;
     ir::Subgraph piece = partition::makePiece(graph(), tasks, topoPosition(), pureConstant());
     ProfileKey k = key(piece, rows, false);
-    if (seen.count(k) || cache_->find(k)) continue;
+    if (seen.count(k)) continue;
     seen.emplace(k, true);
-    todo.push_back(std::move(piece));
+    if (!known(k)) todo.push_back(piece);
+    distinct.push_back(std::move(piece));
   }
+  if (!todo.empty() && fit_tolerance_ > 0.0 && min_rows_ > 0 && rows > min_rows_) {
+    todo = fitRows(distinct, rows);
+  }
+  measureBatch(todo, rows);
+  asked_rows_.insert(rows);
+}
+
+std::optional<ProfileRecord> ProfilingCostModel::known(const ProfileKey& k) const {
+  if (auto hit = cache_->find(k)) return hit;
+  auto it = fitted_.find(k);
+  if (it == fitted_.end()) return std::nullopt;
+  return it->second;
+}
+
+ProfileRecord interpolateRecords(const ProfileRecord& lo, int64_t lo_rows, const ProfileRecord& hi,
+                                 int64_t hi_rows, int64_t rows) {
+  const double w = static_cast<double>(rows - lo_rows) / static_cast<double>(hi_rows - lo_rows);
+  auto mix = [w](double a, double b) { return a + w * (b - a); };
+  ProfileRecord r;
+  r.forward_time = mix(lo.forward_time, hi.forward_time);
+  r.backward_time = mix(lo.backward_time, hi.backward_time);
+  r.activation_bytes = static_cast<int64_t>(std::llround(mix(static_cast<double>(lo.activation_bytes),
+                                                             static_cast<double>(hi.activation_bytes))));
+  r.peak_bytes = static_cast<int64_t>(std::llround(mix(static_cast<double>(lo.peak_bytes),
+                                                       static_cast<double>(hi.peak_bytes))));
+  return r;
+}
+
+std::vector<ir::Subgraph> ProfilingCostModel::fitRows(const std::vector<ir::Subgraph>& pieces, int64_t rows) {
+  // Every fit starts from the fewest rows the planner will ask for.
+  std::vector<ir::Subgraph> floor, todo;
+  for (const auto& piece : pieces) {
+    if (!cache_->find(key(piece, min_rows_, false))) floor.push_back(piece);
+    if (!known(key(piece, rows, false))) todo.push_back(piece);
+  }
+  measureBatch(floor, min_rows_);
+  asked_rows_.insert(min_rows_);
+  // Each piece's line: from the fewest rows to its nearest measured row count above.
+  struct Fit {
+    const ir::Subgraph* piece;
+    int64_t hi_rows;
+    ProfileRecord lo, hi;
+  };
+  auto fitOf = [&](const ir::Subgraph& piece) -> std::optional<Fit> {
+    const auto lo = cache_->find(key(piece, min_rows_, false));
+    if (!lo || lo->out_of_memory) return std::nullopt;
+    for (int64_t r : asked_rows_) {
+      if (r <= rows) continue;
+      const auto hi = cache_->find(key(piece, r, false));
+      if (!hi) continue;
+      if (hi->out_of_memory) return std::nullopt;
+      return Fit{&piece, r, *lo, *hi};
+    }
+    return std::nullopt;
+  };
+  // The check: of the batch's pieces, the one that takes longest at its upper row count
+  // (it matters most to the stage times) is measured at `rows` (or was, by an earlier
+  // plan: the same batch then checks on the same piece and measures nothing new).
+  auto total = [](const ProfileRecord& r) { return r.forward_time + r.backward_time; };
+  std::optional<Fit> check;
+  for (const auto& piece : pieces) {
+    auto f = fitOf(piece);
+    if (f && (!check || total(f->hi) > total(check->hi))) check = f;
+  }
+  if (!check) return todo;
+  const ProfileKey check_key = key(*check->piece, rows, false);
+  if (!cache_->find(check_key)) measureBatch({*check->piece}, rows);
+  const auto got = cache_->find(check_key);
+  const ProfileRecord predicted = interpolateRecords(check->lo, min_rows_, check->hi, check->hi_rows, rows);
+  const double error = got && total(*got) > 0.0 ? std::abs(total(predicted) - total(*got)) / total(*got)
+                                                 : std::numeric_limits<double>::infinity();
+  std::vector<ir::Subgraph> rest;
+  int64_t fitted = 0;
+  for (const auto& piece : todo) {
+    const ProfileKey k = key(piece, rows, false);
+    if (k == check_key) continue;
+    auto f = error <= fit_tolerance_ ? fitOf(piece) : std::nullopt;
+    if (f) {
+      fitted_.emplace(k, interpolateRecords(f->lo, min_rows_, f->hi, f->hi_rows, rows));
+      ++fitted;
+    } else {
+      rest.push_back(piece);
+    }
+  }
+  std::ostringstream os;
+  os << "rows " << rows << ": " << fitted << " pieces fitted between " << min_rows_
+     << " rows and measured rows above, " << rest.size() << " measured (the check on the longest piece was "
+     << error * 100.0 << "% off; tolerance " << fit_tolerance_ * 100.0 << "%)";
+  logDebug(os.str());
+  return rest;
+}
+
+void ProfilingCostModel::measureBatch(const std::vector<ir::Subgraph>& todo, int64_t rows) {
   if (todo.empty()) return;
   std::ostringstream os;
   os << "profiling " << todo.size() << " pieces at " << rows << " rows"
      << (comm_ ? " over " + std::to_string(comm_->size()) + " ranks" : std::string());
   logDebug(os.str());
+  const auto start = std::chrono::steady_clock::now();
   if (!comm_) {
     int64_t done = 0;
     for (const auto& piece : todo) {
       record(piece, rows, false);
       if (progress_) progress_(++done, static_cast<int64_t>(todo.size()));
     }
+    logDebug("profiled " + std::to_string(todo.size()) + " pieces at " + std::to_string(rows) +
+             " rows in " + std::to_string(secondsSince(start)) + " s");
     return;
   }
   RANNC_CHECK(comm_->rank() == 0, "prefetch with a communicator runs on rank 0 only");
@@ -131,6 +293,9 @@ void ProfilingCostModel::prefetch(const std::vector<std::vector<ir::TaskId>>& pi
   comm_->broadcast(header, 0)->wait();
   comm_->broadcast(at::tensor(flat), 0)->wait();
   runBatch(todo, rows);
+  measuring_seconds_ += secondsSince(start);
+  logDebug("profiled " + std::to_string(todo.size()) + " pieces at " + std::to_string(rows) +
+           " rows in " + std::to_string(secondsSince(start)) + " s");
 }
 
 void ProfilingCostModel::runBatch(const std::vector<ir::Subgraph>& pieces, int64_t rows) {

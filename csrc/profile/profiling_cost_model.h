@@ -11,7 +11,10 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
+#include <set>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "frontend/traced_model.h"
@@ -50,9 +53,41 @@ class ProfilingCostModel : public partition::CostModel {
   ProfileRecord record(const ir::Subgraph& piece, int64_t rows, bool recompute);
   ProfileKey key(const ir::Subgraph& piece, int64_t rows, bool recompute) const;
 
+  // [Note: composed costs] Measuring every candidate union whole made planning slow: the
+  // stage DP asks for every range of blocks (k(k+1)/2 pieces per micro-batch size, each
+  // as long as its range), and coarsening for every pair it considers merging. With
+  // composition on, a union costs the sum of its parts' measurements: times add, what the
+  // forward holds adds, and the peak is the largest of (held by the parts before + a
+  // part's own peak), the backward running while the earlier parts still hold theirs.
+  // Parts come from the cache of measurements first, then from earlier compositions
+  // (coarsening's groups), and are measured otherwise; a union measured whole keeps its
+  // measurement. Atoms, blocks and final stages are still measured as themselves.
+  void setComposeUnions(bool on) { compose_ = on; }
+  bool composesUnions() const override { return compose_; }
+  partition::PieceCost unionCost(const std::vector<const std::vector<ir::TaskId>*>& parts,
+                                 int64_t rows) override;
+
+  // [Note: fitted rows] A piece's time and memory grow about linearly with its rows on
+  // a device that is busy (a CPU; a GPU past small batches), and measuring every block at
+  // every row count the search tries cost most of the planning time. With a tolerance > 0,
+  // a batch at rows r between the fewest rows the planner will ask for (expectRows) and
+  // a row count measured before is fitted: the pieces are measured at the fewest rows,
+  // and each piece's record at r is interpolated between that and its nearest measured
+  // row count above. The batch's piece that takes longest there is measured at r as the
+  // check (a second plan finds it in the cache and checks on it again); when its fit is
+  // off by more than the tolerance (a GPU's flat region at small rows), the whole batch
+  // is measured instead. Fitted records are not saved to the cache.
+  void setFitTolerance(double tolerance) { fit_tolerance_ = tolerance; }
+  void expectRows(int64_t min_rows) override { min_rows_ = min_rows; }
+  int64_t fitted() const { return static_cast<int64_t>(fitted_.size()); }
+
   void setProgress(ProgressFn progress) { progress_ = std::move(progress); }
-  // Pieces measured on this rank / found in the cache.
+  // Pieces measured on this rank, and the seconds their measurements took (inputs,
+  // warm-up and timed runs; also the waits for the other ranks' shares).
   int64_t measured() const { return measured_; }
+  double measuringSeconds() const { return measuring_seconds_; }
+  // Unions costed by composition instead of a measurement.
+  int64_t composed() const { return static_cast<int64_t>(composed_.size()); }
   const std::string& dtype() const { return dtype_; }
 
  protected:
@@ -61,6 +96,15 @@ class ProfilingCostModel : public partition::CostModel {
  private:
   // The batch protocol: every rank measures its share of `pieces` and all get all.
   void runBatch(const std::vector<ir::Subgraph>& pieces, int64_t rows);
+  // Measures `pieces` at `rows` (spread over the ranks) into the cache.
+  void measureBatch(const std::vector<ir::Subgraph>& pieces, int64_t rows);
+  // The pieces of `todo` whose records at `rows` cannot be fitted ([Note: fitted rows]).
+  std::vector<ir::Subgraph> fitRows(const std::vector<ir::Subgraph>& pieces, int64_t rows);
+  // A measured or fitted record.
+  std::optional<ProfileRecord> known(const ProfileKey& k) const;
+  // A part of a union: measured, composed before, or measured now.
+  ProfileRecord partRecord(const std::vector<ir::TaskId>& tasks, int64_t rows);
+  ir::Subgraph pieceOf(const std::vector<ir::TaskId>& tasks);
 
   std::shared_ptr<const frontend::TracedModel> model_;
   std::shared_ptr<Profiler> profiler_;
@@ -69,8 +113,25 @@ class ProfilingCostModel : public partition::CostModel {
   std::string dtype_;
   ProgressFn progress_;
   int64_t measured_ = 0;
+  double measuring_seconds_ = 0.0;
   bool finished_ = false;
+  bool compose_ = false;
+  std::unordered_map<ProfileKey, ProfileRecord, ProfileKeyHash> composed_;
+  double fit_tolerance_ = 0.0;
+  int64_t min_rows_ = 0;
+  std::set<int64_t> asked_rows_;  // row counts announced so far
+  std::unordered_map<ProfileKey, ProfileRecord, ProfileKeyHash> fitted_;
+  std::vector<int> task_mark_;
+  int task_stamp_ = 0;
 };
+
+// The record at `rows` on the line through `lo` (at lo_rows) and `hi` (at hi_rows).
+ProfileRecord interpolateRecords(const ProfileRecord& lo, int64_t lo_rows, const ProfileRecord& hi,
+                                 int64_t hi_rows, int64_t rows);
+
+// The record of running `parts` one after another (forward in order, backward in reverse):
+// [Note: composed costs]. Out of memory when any part is.
+ProfileRecord composeRecords(const std::vector<ProfileRecord>& parts);
 
 // PieceCost from a measurement: times from the record, parameter/buffer/boundary bytes
 // from the IR, activations = what the forward holds plus the piece's inputs (the

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import sys
+import time
 import zlib
 
 import torch
@@ -102,9 +103,12 @@ class _FillDrainOutputs(torch.autograd.Function):
 class _Deployed:
     """One traced and planned mode (train or eval) of the model on this rank."""
 
-    def __init__(self, owner: "RaNNCModule", graph: TracedGraph, args, kwargs, amp):
+    def __init__(self, owner: "RaNNCModule", graph: TracedGraph, args, kwargs, amp,
+                 trace_seconds: float = 0.0):
         opts, model = owner.options, owner.module
         self.owner = owner
+        from .planning import PlanTimes
+        self.times = PlanTimes(tracing=trace_seconds)  # filled by planning
         self.graph = graph
         self.amp = amp  # the autocast dtype traced into the graph (None: fp32)
         ir = self.graph.ir
@@ -143,6 +147,7 @@ class _Deployed:
         self.fill_drain_forwards, self.fill_drain_backward_done = 0, False
         if rank == 0:
             print(deployment.report(), flush=True)
+            print(self.times.line(), flush=True)
 
     def _check_agreement(self, ir):
         """Every rank must trace the same graph with the same local batch size. Where the
@@ -225,9 +230,11 @@ class _Deployed:
             # Profile where the stages will run.
             where = str(self.owner.device)
             # Only rank 0 plans; the others profile their share of the pieces.
+            timed = time.perf_counter()
             update_rate = measure_update_rate(
                 self.owner.module.parameters(), self.owner.optimizer, optimizer,
                 device=where) if training and _C.get_rank() == 0 else 0.0
+            self.times.profiling += time.perf_counter() - timed
             device = _C.DeviceSpec()
             device.memory_bytes = opts.device_memory
             device.devices_per_node = max(1, _C.get_local_size())
@@ -240,7 +247,7 @@ class _Deployed:
                 num_stages=opts.num_stages, num_microbatches=opts.num_microbatches,
                 replicas=opts.replicas, schedule=self.schedule, plan_tolerance=opts.plan_tolerance,
                 profile_repetitions=opts.profile_repetitions, profile_warmup=opts.profile_warmup,
-                profile_device=where, profile_cache=self.owner.profile_cache)
+                profile_device=where, profile_cache=self.owner.profile_cache, times=self.times)
             if opts.profile_cache and _C.get_rank() == 0:
                 self.owner.profile_cache.save(opts.profile_cache)
             return deployment
@@ -259,7 +266,8 @@ class _Deployed:
             num_blocks=opts.num_blocks, memory_margin=opts.memory_margin,
             recompute="never" if opts.recompute == "never" else "auto",
             num_stages=opts.num_stages, num_microbatches=opts.num_microbatches,
-            replicas=opts.replicas, schedule=self.schedule, plan_tolerance=opts.plan_tolerance)
+            replicas=opts.replicas, schedule=self.schedule, plan_tolerance=opts.plan_tolerance,
+            times=self.times)
 
     # ---- running ------------------------------------------------------------------------
     def run(self, args, kwargs):
@@ -589,10 +597,11 @@ class RaNNCModule(torch.nn.Module):
         buffers = [(b, b.detach().clone()) for b in self.module.buffers()]
         # Traced where the model is, in the precision the stages' device would compute in.
         home = self._home.type
+        start = time.perf_counter()
         with (torch.autocast(home, dtype=amp) if amp is not None
               else torch.autocast(home, enabled=False)):
             graph = TracedGraph(self.module, args, kwargs)
-        deployed = _Deployed(self, graph, args, kwargs, amp)
+        deployed = _Deployed(self, graph, args, kwargs, amp, time.perf_counter() - start)
         with torch.no_grad():
             for b, before in buffers:
                 b.copy_(before)

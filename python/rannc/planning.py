@@ -54,6 +54,10 @@ _OPTIONS = {
                           "with analytic costs, 1 when profiling: every new piece is a measurement)"),
     "update_seconds_per_byte": (None, "optimizer step per parameter byte (None: timed on copies of "
                                 "the parameters for profiled plans, else from the device's bandwidth)"),
+    "compose_costs": (True, "profiled plans: a range of blocks (and a group being coarsened) costs the "
+                      "sum of its parts' measurements instead of being measured whole"),
+    "profile_fit_tolerance": (0.1, "profiled plans: records between measured row counts are interpolated "
+                              "when a check measurement agrees within this fraction (0: measure every row count)"),
     "plan_tolerance": (0.02, "plans within this fraction of the fastest count as equally fast: the "
                        "simplest wins (fewer stages, micro-batches, copies), so noise does not change the plan"),
 }
@@ -128,6 +132,29 @@ class _Progress:
 
 
 @dataclass
+class PlanTimes:
+    """Where the time before the first step went (seconds). Profiling is the measuring of
+    pieces (with the optimizer-step timing), search the rest of planning."""
+    tracing: float = 0.0
+    profiling: float = 0.0
+    search: float = 0.0
+    pieces_measured: int = 0
+    unions_composed: int = 0
+    records_fitted: int = 0
+
+    @property
+    def total(self) -> float:
+        return self.tracing + self.profiling + self.search
+
+    def line(self) -> str:
+        measured = (f" ({self.pieces_measured} pieces measured, {self.records_fitted} fitted, "
+                    f"{self.unions_composed} composed)"
+                    if self.pieces_measured or self.unions_composed else "")
+        return (f"rannc: planned in {self.total:.2f} s: tracing {self.tracing:.2f} s, profiling "
+                f"{self.profiling:.2f} s{measured}, search {self.search:.2f} s")
+
+
+@dataclass
 class StageSummary:
     index: int
     tasks: int
@@ -144,11 +171,13 @@ class StageSummary:
 class Plan:
     """A plan for a traced model: the Deployment and what it predicts."""
 
-    def __init__(self, graph: TracedGraph, deployment, cost_model: str, planning_time: float):
+    def __init__(self, graph: TracedGraph, deployment, cost_model: str, planning_time: float,
+                 times: PlanTimes | None = None):
         self.graph = graph
         self.deployment = deployment
         self.cost_model = cost_model
         self.planning_time = planning_time
+        self.times = times or PlanTimes(search=planning_time)
 
     @property
     def num_stages(self) -> int:
@@ -207,6 +236,7 @@ class Plan:
             f"predicted iteration {d.iteration_time * 1e3:.3f} ms, bubble fraction "
             f"{self.bubble_fraction:.1%}, memory limit {_human(d.memory_limit)}"
             + ("" if d.feasible else " (EXCEEDED)"),
+            self.times.line(),
             f"{'stage':>5} {'tasks':>6} {'params':>10} {'fwd ms':>9} {'bwd ms':>9} {'upd ms':>8} "
             f"{'memory':>10} {'/ limit':>8} {'replicas':>8} {'rows':>5} {'recomp':>6}",
         ]
@@ -301,14 +331,19 @@ def _replica_list(replicas) -> list:
 
 def plan_graph(graph: TracedGraph, flat_inputs: list, *, world_size: int, device,
                optimizer: str = "adam", cost_model: str = "profile", profile_cache=None,
-               broadcast: bool = True, **options):
+               broadcast: bool = True, times: PlanTimes | None = None, **options):
     """Plans an already traced graph. With cost_model="profile" and several MPI ranks this
     is collective: rank 0 plans while the others profile their share; with `broadcast`
-    every rank gets rank 0's Deployment, else the others get None."""
+    every rank gets rank 0's Deployment, else the others get None. `times` (PlanTimes)
+    gets the seconds spent profiling and searching added."""
+    start = time.perf_counter()
+    times = times if times is not None else PlanTimes()
     o = _resolve(options)
     popts = planner_options(graph, world_size, device, optimizer, o, cost_model)
     if cost_model == "analytic":
-        return _C.plan_analytic(graph.ir, device, popts)
+        deployment = _C.plan_analytic(graph.ir, device, popts)
+        times.search += time.perf_counter() - start
+        return deployment
     if cost_model != "profile":
         raise _C.Error(f"cost_model is {cost_model!r}; expected 'profile' or 'analytic'")
     if o["probe_bandwidth"]:
@@ -321,6 +356,7 @@ def plan_graph(graph: TracedGraph, flat_inputs: list, *, world_size: int, device
     if progress is None:
         progress = sys.stderr.isatty() and _C.get_rank() == 0
     limit = int(device.memory_bytes * (1.0 - popts.memory_margin))
+    stats = {}
     try:
         deployment = _C.plan_profiled(
             graph._trace.traced, flat_inputs, device, popts, cache, parallel=parallel,
@@ -329,13 +365,22 @@ def plan_graph(graph: TracedGraph, flat_inputs: list, *, world_size: int, device
             time_budget=float(o["profile_time_budget"]),
             profile_device=profile_device(o["profile_device"]), cpu_clock=str(o["profile_cpu_clock"]),
             forward_only=not bool(o["training"]),
-            progress=_Progress(bool(progress)))
+            progress=_Progress(bool(progress)), compose=bool(o["compose_costs"]),
+            fit_tolerance=float(o["profile_fit_tolerance"]), stats=stats)
     except Exception as e:
         if parallel and broadcast and _C.get_rank() == 0:
             _broadcast_plan(None, graph, failure=f"{type(e).__name__}: {e}")
         raise
     if parallel and broadcast:
         deployment = _broadcast_plan(deployment, graph, popts.batch_size, popts.world_size)
+    measuring = float(stats.get("measuring_seconds", 0.0))
+    times.profiling += measuring
+    times.search += max(0.0, time.perf_counter() - start - measuring)
+    times.pieces_measured += int(stats.get("pieces_measured", 0))
+    times.unions_composed += int(stats.get("unions_composed", 0))
+    times.records_fitted += int(stats.get("records_fitted", 0))
+    if progress:
+        sys.stderr.write(times.line() + "\n")
     return deployment
 
 
@@ -382,7 +427,9 @@ def plan(model: torch.nn.Module, args, kwargs: dict | None = None, *, world_size
         # meta arguments, then planned from shapes (analytic costs). See docs/profile.md.
         cost_model = "analytic"
         model, args, kwargs = _materialise(model, args, kwargs)
+    times = PlanTimes()
     graph = trace(model, args, kwargs)
+    times.tracing = time.perf_counter() - start
     device = _device_spec(world_size, devices_per_node, device_memory)
     cache, path = profile_cache, None
     if isinstance(profile_cache, (str, os.PathLike)):
@@ -393,11 +440,13 @@ def plan(model: torch.nn.Module, args, kwargs: dict | None = None, *, world_size
             and options.get("update_seconds_per_byte") is None):
         device_name = profile_device(options.get("profile_device"))
         _C.profile_device_kind(device_name)  # says what is wrong with the name first
+        timed = time.perf_counter()
         options["update_seconds_per_byte"] = measure_update_rate(
             model.parameters(), kind=optimizer, device=device_name)
+        times.profiling += time.perf_counter() - timed
     deployment = plan_graph(graph, flat, world_size=world_size, device=device,
                             optimizer=optimizer, cost_model=cost_model, profile_cache=cache,
-                            **options)
+                            times=times, **options)
     if path and _C.get_rank() == 0:
         cache.save(path)
-    return Plan(graph, deployment, cost_model, time.perf_counter() - start)
+    return Plan(graph, deployment, cost_model, time.perf_counter() - start, times)

@@ -58,13 +58,14 @@ def test_second_plan_of_the_same_model_is_served_from_the_cache():
     first = rannc.plan(model, args, kwargs, **opts)
     entries = len(cache)
     assert entries > 0
-    misses = cache.misses
     second = rannc.plan(model, args, kwargs, **opts)
-    # Nothing was measured again: every lookup of the second plan hit.
+    # Nothing was measured again: the second plan found every measurement in the cache
+    # (fitted rows and composed unions are recomputed from them, not measured).
+    assert first.times.pieces_measured == entries
+    assert second.times.pieces_measured == 0
     assert len(cache) == entries
     assert second.deployment.to_bytes() == first.deployment.to_bytes()
-    # The speed-up itself (>= 10x) is measured in bench/profile_bench.py, not asserted here.
-    assert cache.misses - misses <= 2 * entries
+    # The speed-up itself (>= 10x) is measured in bench/plan_time.py, not asserted here.
 
 
 def test_profile_cache_file_round_trip_and_corrupt_file(tmp_path):

@@ -58,11 +58,21 @@ class BlockPartitioner {
     }
     return out;
   }
-  std::pair<double, int64_t> evaluate(const std::vector<ir::TaskId>& tasks) {
-    const PieceCost c = costs_.cost(tasks, options_.rows);
-    const int64_t mem_rows = options_.memory_rows > 0 ? options_.memory_rows : options_.rows;
-    const PieceCost m = mem_rows == options_.rows ? c : costs_.cost(tasks, mem_rows);
+  int64_t memoryRows() const { return options_.memory_rows > 0 ? options_.memory_rows : options_.rows; }
+  // Time at `rows` and memory at `memory_rows` of the union of `parts` (listed in a
+  // topological order), which a measuring cost model may compose from the parts.
+  std::pair<double, int64_t> evaluate(const std::vector<const std::vector<ir::TaskId>*>& parts) {
+    const PieceCost c = costs_.unionCost(parts, options_.rows);
+    const int64_t mem_rows = memoryRows();
+    const PieceCost m = mem_rows == options_.rows ? c : costs_.unionCost(parts, mem_rows);
     return {c.forward_time + c.backward_time, replicaMemory(m, options_.optimizer, 1, false)};
+  }
+  std::pair<double, int64_t> evaluateAtoms(std::vector<int> atoms) {
+    std::sort(atoms.begin(), atoms.end());  // atoms are numbered in a topological order
+    std::vector<const std::vector<ir::TaskId>*> parts;
+    parts.reserve(atoms.size());
+    for (int a : atoms) parts.push_back(&atomic_.pieces[a].tasks);
+    return evaluate(parts);
   }
   std::vector<ir::TaskId> atomsTasks(const std::vector<int>& atoms) {
     std::vector<const std::vector<ir::TaskId>*> parts;
@@ -75,12 +85,14 @@ class BlockPartitioner {
     std::vector<std::vector<ir::TaskId>> all;
     for (const AtomicPiece& p : atomic_.pieces) all.push_back(p.tasks);
     costs_.prefetch(all, options_.rows);
+    // Merged groups are composed from the atoms at both row counts ([Note: composed costs]).
+    if (costs_.composesUnions() && memoryRows() != options_.rows) costs_.prefetch(all, memoryRows());
     groups_.resize(n);
     for (int a = 0; a < n; ++a) {
       Group& g = groups_[a];
       g.atoms = {a};
       g.tasks = atomic_.pieces[a].tasks;
-      std::tie(g.time, g.memory) = evaluate(g.tasks);
+      std::tie(g.time, g.memory) = evaluate({&g.tasks});
       for (auto [q, b] : atomic_.succ[a]) g.succ[q] += b;
       for (auto [q, b] : atomic_.pred[a]) g.pred[q] += b;
     }
@@ -194,7 +206,9 @@ class BlockPartitioner {
         auto consider = [&](int w) {
           if (!groups_[w].alive || matched_level[w] == level) return;
           auto tasks = unionTasks({&groups_[v].tasks, &groups_[w].tasks});
-          auto [time, memory] = evaluate(tasks);
+          const bool v_first = groups_[v].succ.count(w) > 0;
+          auto [time, memory] = v_first ? evaluate({&groups_[v].tasks, &groups_[w].tasks})
+                                        : evaluate({&groups_[w].tasks, &groups_[v].tasks});
           options.push_back(Option{w, time, memory, std::move(tasks)});
         };
         for (const auto& [w, b] : groups_[v].succ) consider(w);
@@ -337,7 +351,7 @@ class BlockPartitioner {
     if (best < 0) return;
     std::vector<int> merged_atoms = top_atoms_[best];
     merged_atoms.insert(merged_atoms.end(), atoms.begin(), atoms.end());
-    auto [time, memory] = evaluate(atomsTasks(merged_atoms));
+    auto [time, memory] = evaluateAtoms(merged_atoms);
     if (memory > options_.memory_limit || time > max_time) return;
     move(atoms, from, best);
     if (!topAcyclic()) {
@@ -376,7 +390,7 @@ class BlockPartitioner {
     RANNC_CHECK(list.size() == members.size(), "block groups form a cycle");
     for (Block& b : list) {
       b.tasks = atomsTasks(b.atoms);
-      std::tie(b.time, b.memory) = evaluate(b.tasks);
+      std::tie(b.time, b.memory) = evaluateAtoms(b.atoms);
     }
     if (options_.compact) compact(list);
 
@@ -431,7 +445,7 @@ class BlockPartitioner {
         std::vector<int> atoms = list[lo].atoms;
         atoms.insert(atoms.end(), list[hi].atoms.begin(), list[hi].atoms.end());
         auto tasks = atomsTasks(atoms);
-        auto [time, memory] = evaluate(tasks);
+        auto [time, memory] = evaluateAtoms(atoms);
         if (memory > options_.memory_limit) continue;
         list[lo] = Block{std::move(atoms), std::move(tasks), time, memory};
         list.erase(list.begin() + hi);

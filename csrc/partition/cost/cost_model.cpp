@@ -169,6 +169,12 @@ PieceCost CostModel::cost(const std::vector<ir::TaskId>& tasks, int64_t rows) {
   return result;
 }
 
+PieceCost CostModel::unionCost(const std::vector<const std::vector<ir::TaskId>*>& parts, int64_t rows) {
+  std::vector<ir::TaskId> all;
+  for (const auto* p : parts) all.insert(all.end(), p->begin(), p->end());
+  return cost(all, rows);
+}
+
 double CostModel::commTime(int64_t bytes, Link link) const {
   if (bytes <= 0) return 0.0;
   const double bw =

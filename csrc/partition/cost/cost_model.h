@@ -83,6 +83,18 @@ class CostModel {
   // cacheByContent() (identical layers then cost one query). Not thread-safe.
   PieceCost cost(const std::vector<ir::TaskId>& tasks, int64_t rows);
 
+  // Cost of the union of `parts`: disjoint pieces listed in a topological order whose union
+  // is convex (a range of blocks, two groups being merged). By default the union is costed
+  // as one piece; a model whose answers are measurements may compose it from the parts'
+  // costs instead ([Note: composed costs] in profile/profiling_cost_model.h).
+  virtual PieceCost unionCost(const std::vector<const std::vector<ir::TaskId>*>& parts, int64_t rows);
+  // Whether unionCost composes: the planner then announces the parts, not the unions.
+  virtual bool composesUnions() const { return false; }
+
+  // A hint that the planner will ask for no fewer than `rows` rows (a measuring model may
+  // fit costs between row counts it measured).
+  virtual void expectRows(int64_t /*min_rows*/) {}
+
   // A hint that `pieces` will be asked for at `rows` soon: a profiler can measure them in
   // one batch spread over all ranks. The default does nothing; answers still come from
   // cost().

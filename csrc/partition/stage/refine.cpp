@@ -17,10 +17,10 @@ namespace {
 // Re-cuts the piece sequence `seq` for fixed replicas.
 class Recutter {
  public:
-  Recutter(const AtomicPartition& atomic, std::vector<int> seq, CostModel& costs,
-           const PlanContext& ctx, const Deployment& plan)
-      : atomic_(atomic), seq_(std::move(seq)), costs_(costs), ctx_(ctx), plan_(plan),
-        micro_batches_(plan.micro_batches) {}
+  Recutter(const AtomicPartition& atomic, const BlockPartition& blocks, std::vector<int> seq,
+           std::vector<int> block_start, CostModel& costs, const PlanContext& ctx, const Deployment& plan)
+      : atomic_(atomic), blocks_(blocks), seq_(std::move(seq)), block_start_(std::move(block_start)),
+        costs_(costs), ctx_(ctx), plan_(plan), micro_batches_(plan.micro_batches) {}
 
   int microBatches() const { return micro_batches_; }
   void setMicroBatches(int m) {
@@ -37,6 +37,31 @@ class Recutter {
       t.insert(t.end(), p.begin(), p.end());
     }
     return t;
+  }
+
+  // Pieces [lo, hi) as parts: the blocks they cover whole, single pieces at either end.
+  std::vector<const std::vector<ir::TaskId>*> partsOf(int lo, int hi) const {
+    std::vector<const std::vector<ir::TaskId>*> parts;
+    for (int i = lo; i < hi;) {
+      auto it = std::lower_bound(block_start_.begin(), block_start_.end(), i);
+      if (it != block_start_.end() && *it == i && it + 1 != block_start_.end() && *(it + 1) <= hi) {
+        parts.push_back(&blocks_.blocks[it - block_start_.begin()].tasks);
+        i = *(it + 1);
+      } else {
+        parts.push_back(&atomic_.pieces[seq_[i]].tasks);
+        ++i;
+      }
+    }
+    return parts;
+  }
+
+  // Pieces [lo, hi) as one stage: composed from their parts where the cost model does.
+  PieceCost stageCost(int lo, int hi, int64_t rows) {
+    if (costs_.composesUnions()) {
+      const auto parts = partsOf(lo, hi);
+      if (parts.size() > 1) return costs_.unionCost(parts, rows);
+    }
+    return costs_.cost(tasksOf(lo, hi), rows);
   }
 
   // The min-max cut for `devices` (replicas per stage), starting from `cut` (whose
@@ -62,7 +87,7 @@ class Recutter {
       StageSlot slot{s, S, offsets[s], devices[s], D, plan_.pipelines, micro_batches_};
       const int64_t rows = stageRows(ctx_, slot);
       if (rows == 0) return kInf;
-      StageEstimate e = estimateStage(costs_, costs_.cost(tasksOf(lo, hi), rows), slot, ctx_);
+      StageEstimate e = estimateStage(costs_, stageCost(lo, hi, rows), slot, ctx_);
       return it->second = e.feasible ? e.score : kInf;
     };
     // Min-max over all cuts at once: for a bound T, each stage greedily takes the longest
@@ -123,7 +148,7 @@ class Recutter {
         StageSlot slot{s, S, offset, devices[s], D, plan_.pipelines, micro_batches_};
         const int64_t rows = stageRows(ctx_, slot);
         if (rows > 0 && cut[s + 1] > cut[s]) {
-          it->second = estimateStage(costs_, costs_.cost(tasksOf(cut[s], cut[s + 1]), rows), slot, ctx_);
+          it->second = estimateStage(costs_, stageCost(cut[s], cut[s + 1], rows), slot, ctx_);
         }
       }
       const StageEstimate& e = it->second;
@@ -315,6 +340,7 @@ class Recutter {
     std::vector<StageChoice> stages(S);
     for (int s = 0; s < S; ++s) {
       stages[s].tasks = tasksOf(cut[s], cut[s + 1]);
+      if (costs_.composesUnions()) stages[s].parts = partsOf(cut[s], cut[s + 1]);
       stages[s].devices = devices[s];
     }
     return assembleDeployment(costs_, ctx_, stages, plan_.pipelines, micro_batches_, plan_.planner);
@@ -322,7 +348,9 @@ class Recutter {
 
  private:
   const AtomicPartition& atomic_;
+  const BlockPartition& blocks_;
   std::vector<int> seq_;
+  std::vector<int> block_start_;  // where each block starts in seq_ (and the end)
   CostModel& costs_;
   const PlanContext& ctx_;
   const Deployment& plan_;
@@ -364,7 +392,7 @@ Deployment refineBoundaries(const Deployment& plan, const AtomicPartition& atomi
     cut[s + 1] = block_start[st.last_block];
     devices[s] = static_cast<int>(st.ranks.size()) / std::max(1, plan.pipelines);
   }
-  Recutter recutter(atomic, std::move(seq), costs, ctx, plan);
+  Recutter recutter(atomic, blocks, std::move(seq), block_start, costs, ctx, plan);
   Deployment best = plan;
   std::vector<int> best_cut = cut;
   // Settles the boundaries of `best` on the simulator itself.
@@ -503,7 +531,7 @@ Deployment settleBoundaries(const Deployment& plan, const AtomicPartition& atomi
     devices[s] = static_cast<int>(st.ranks.size()) / std::max(1, plan.pipelines);
   }
   if (cut[S] != static_cast<int>(seq.size())) return plan;
-  Recutter recutter(atomic, std::move(seq), costs, ctx, plan);
+  Recutter recutter(atomic, blocks, std::move(seq), block_start, costs, ctx, plan);
   std::vector<int> settled = cut;
   recutter.settle(devices, &settled, std::max(time_bound, plan.iteration_time));
   if (settled == cut) return plan;

@@ -124,7 +124,11 @@ Deployment assembleDeployment(CostModel& costs, const PlanContext& ctx,
     StageSlot slot{i, S, offset, c.devices, D, pipelines, micro_batches};
     const int64_t rows = stageRows(ctx, slot);
     StageEstimate e;
-    if (rows > 0) e = estimateStage(costs, costs.cost(c.tasks, rows), slot, ctx);
+    if (rows > 0) {
+      const PieceCost cost = c.parts.size() > 1 && costs.composesUnions() ? costs.unionCost(c.parts, rows)
+                                                                          : costs.cost(c.tasks, rows);
+      e = estimateStage(costs, cost, slot, ctx);
+    }
     d.feasible = d.feasible && e.feasible;
     StagePlan p;
     p.tasks = c.tasks;

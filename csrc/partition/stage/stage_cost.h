@@ -84,6 +84,9 @@ struct StageChoice {
   int devices = 1;  // replicas per pipeline copy
   int first_block = -1;
   int last_block = -1;
+  // The stage as consecutive parts (blocks, atomic pieces), for a cost model that composes
+  // a union from its parts (CostModel::unionCost); empty: costed as one piece.
+  std::vector<const std::vector<ir::TaskId>*> parts;
 };
 
 // Costs the stages (merged, at their rows), lays out ranks copy-major, simulates the

@@ -18,6 +18,12 @@ StageProblem::StageProblem(const BlockPartition& blocks, CostModel& costs, PlanC
   tasks_.resize(static_cast<size_t>(k + 1) * (k + 1));
 }
 
+std::vector<const std::vector<ir::TaskId>*> StageProblem::blockParts(int first, int last) const {
+  std::vector<const std::vector<ir::TaskId>*> parts;
+  for (int b = first; b < last; ++b) parts.push_back(&blocks_.blocks[b].tasks);
+  return parts;
+}
+
 const std::vector<ir::TaskId>& StageProblem::tasks(int first, int last) {
   auto& t = tasks_[static_cast<size_t>(first) * (numBlocks() + 1) + last];
   if (t.empty()) t = blockRangeTasks(blocks_, first, last, costs_.topoPosition());
@@ -47,6 +53,17 @@ void StageProblem::prefetch(int S, int D, int R, int M) {
     if (rows == 0) continue;
     std::vector<int32_t>& t = table(rows);
     std::vector<std::vector<ir::TaskId>> pieces;
+    if (costs_.composesUnions()) {
+      // Ranges are composed from their blocks: only the blocks are measured.
+      for (int b = 0; b < K; ++b) {
+        int32_t& entry = t[static_cast<size_t>(b) * (K + 1) + b + 1];
+        if (entry != kUnknown) continue;
+        entry = kAnnounced;
+        pieces.push_back(tasks(b, b + 1));
+      }
+      if (!pieces.empty()) costs_.prefetch(pieces, rows);
+      continue;
+    }
     for (int first = 0; first < K; ++first) {
       for (int last = first + 1; last <= K && last - first <= K - S + 1; ++last) {
         int32_t& entry = t[static_cast<size_t>(first) * (K + 1) + last];
@@ -64,7 +81,11 @@ StageEstimate StageProblem::estimate(int first, int last, const StageSlot& slot)
   if (rows == 0) return StageEstimate{};
   int32_t& entry = table(rows)[static_cast<size_t>(first) * (numBlocks() + 1) + last];
   if (entry < 0) {
-    costs_store_.push_back(costs_.cost(tasks(first, last), rows));
+    if (costs_.composesUnions() && last - first > 1) {
+      costs_store_.push_back(costs_.unionCost(blockParts(first, last), rows));
+    } else {
+      costs_store_.push_back(costs_.cost(tasks(first, last), rows));
+    }
     entry = static_cast<int32_t>(costs_store_.size() - 1);
   }
   return estimateStage(costs_, costs_store_[entry], slot, ctx_);
@@ -166,6 +187,7 @@ Deployment toDeployment(StageProblem& problem, const StageSolution& sol) {
     c.first_block = first;
     c.last_block = sol.block_ends[s];
     c.tasks = problem.tasks(first, c.last_block);
+    c.parts = problem.blockParts(first, c.last_block);
     c.devices = sol.devices[s];
     stages.push_back(std::move(c));
     first = sol.block_ends[s];
@@ -234,6 +256,12 @@ std::vector<Deployment> formStageCandidates(StageProblem& problem, const StageSe
                                             int keep) {
   const PlanContext& ctx = problem.context();
   const int K = problem.numBlocks();
+  {
+    // The fewest rows a stage can get: every device a replica, the most micro-batches.
+    const int64_t most_mb = options.fixed_micro_batches > 0 ? options.fixed_micro_batches : options.max_micro_batches;
+    const int64_t shares = std::max<int64_t>(1, std::min<int64_t>(ctx.batch_size, ctx.world_size * std::max<int64_t>(1, most_mb)));
+    problem.costs().expectRows((ctx.batch_size + shares - 1) / shares);
+  }
   const int per_node = effectiveDevicesPerNode(ctx);
   const int nodes = std::max(1, ctx.world_size / per_node);
   // The largest micro-batch count tried per (S, D, R): memory only falls as it grows, so

@@ -27,6 +27,8 @@ class StageProblem {
 
   // Tasks of blocks [first, last).
   const std::vector<ir::TaskId>& tasks(int first, int last);
+  // Blocks [first, last), each as a part (CostModel::unionCost).
+  std::vector<const std::vector<ir::TaskId>*> blockParts(int first, int last) const;
   // Announces to the cost model every interval Algorithm 1 may cost for this shape.
   void prefetch(int stages, int devices, int pipelines, int micro_batches);
   // The stage of blocks [first, last) at `slot` (infeasible when its rows would be 0).
