@@ -58,7 +58,7 @@ def first_steps(name, a):
     out = {"plain_s": first_step(lambda opt: model, model.parameters(), args, a.device)}
     for key, profiled in (("rannc_s", None), ("rannc_profiled_s", True)):
         m = copy.deepcopy(model)
-        original = rannc_module._Deployed._profiled
+        original = rannc_module._Deployed.__dict__["_profiled"]  # the staticmethod itself
         if profiled:  # profile even one stage, as before session 7
             rannc_module._Deployed._profiled = staticmethod(lambda o: o.cost_model == "profile")
         try:
@@ -100,12 +100,13 @@ def main():
     ap.add_argument("--plan-batch", type=int, default=1, help="rows per device of the 8-device plans")
     ap.add_argument("--blocks", type=int, default=8)
     ap.add_argument("--skip-whole", action="store_true", help="no plan measured the old way")
+    ap.add_argument("--report-only", action="store_true", help="rewrite the table from the json")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--skip-plans", action="store_true", help="only the first steps")
     a = ap.parse_args()
     torch.set_num_threads(1)
     rows = []
-    for name in a.models.split(","):
+    for name in ([] if a.report_only else a.models.split(",")):
         row = {"model": name, "layers": a.layers, "seq": a.seq, "batch": a.batch}
         row.update(first_steps(name, a))
         if not a.skip_plans:
@@ -114,6 +115,10 @@ def main():
         print(json.dumps(row), flush=True)
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
     base = os.path.join(HERE, "results", f"plan_time_{a.device}")
+    if os.path.exists(base + ".json"):  # keep the rows of models not run this time
+        with open(base + ".json") as f:
+            ran = {r["model"] for r in rows}
+            rows = [r for r in json.load(f).get("rows", []) if r["model"] not in ran] + rows
     with open(base + ".json", "w") as f:
         json.dump({"device": a.device, "torch": torch.__version__, "rows": rows}, f, indent=2)
     with open(base + ".md", "w") as f:

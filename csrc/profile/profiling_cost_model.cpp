@@ -172,11 +172,14 @@ void ProfilingCostModel::prefetch(const std::vector<std::vector<ir::TaskId>>& pi
     if (!known(k)) todo.push_back(piece);
     distinct.push_back(std::move(piece));
   }
+  const size_t fitted_before = fitted_.size();
   if (!todo.empty() && fit_tolerance_ > 0.0 && min_rows_ > 0 && rows > min_rows_) {
     todo = fitRows(distinct, rows);
   }
   measureBatch(todo, rows);
-  asked_rows_.insert(rows);
+  // Fits reach only to row counts measured whole, so a second plan from the cache fits
+  // exactly as the first did (a check measurement must not become a fit's end).
+  if (fitted_.size() == fitted_before) whole_rows_.insert(rows);
 }
 
 std::optional<ProfileRecord> ProfilingCostModel::known(const ProfileKey& k) const {
@@ -208,7 +211,7 @@ std::vector<ir::Subgraph> ProfilingCostModel::fitRows(const std::vector<ir::Subg
     if (!known(key(piece, rows, false))) todo.push_back(piece);
   }
   measureBatch(floor, min_rows_);
-  asked_rows_.insert(min_rows_);
+  whole_rows_.insert(min_rows_);
   // Each piece's line: from the fewest rows to its nearest measured row count above.
   struct Fit {
     const ir::Subgraph* piece;
@@ -218,7 +221,7 @@ std::vector<ir::Subgraph> ProfilingCostModel::fitRows(const std::vector<ir::Subg
   auto fitOf = [&](const ir::Subgraph& piece) -> std::optional<Fit> {
     const auto lo = cache_->find(key(piece, min_rows_, false));
     if (!lo || lo->out_of_memory) return std::nullopt;
-    for (int64_t r : asked_rows_) {
+    for (int64_t r : whole_rows_) {
       if (r <= rows) continue;
       const auto hi = cache_->find(key(piece, r, false));
       if (!hi) continue;
@@ -306,8 +309,12 @@ void ProfilingCostModel::runBatch(const std::vector<ir::Subgraph>& pieces, int64
   auto acc = mine.accessor<double, 2>();
   std::string failure;
   int64_t done = 0, share = 0;
-  for (int64_t i = me; i < n; i += size) ++share;
-  for (int64_t i = me, slot = 0; i < n; i += size, ++slot) {
+  // Piece i goes to rank (i + 1) mod size: rank 0, which also runs the search between
+  // batches, gets the smallest share when the pieces do not divide evenly.
+  auto owner = [size](int64_t i) { return static_cast<int>((i + 1) % size); };
+  const int64_t first = (me + size - 1) % size;
+  for (int64_t i = first; i < n; i += size) ++share;
+  for (int64_t i = first, slot = 0; i < n; i += size, ++slot) {
     ProfileRecord r;
     int64_t status = kOk;
     try {
@@ -330,7 +337,7 @@ void ProfilingCostModel::runBatch(const std::vector<ir::Subgraph>& pieces, int64
   auto got = all.accessor<double, 2>();
   int64_t failed_at = -1;
   for (int64_t i = 0; i < n; ++i) {
-    const int64_t row = (i % size) * per + i / size;
+    const int64_t row = owner(i) * per + i / size;
     const auto status = static_cast<int64_t>(got[row][4]);
     if (status == kFailed) {
       if (failed_at < 0) failed_at = i;
@@ -346,7 +353,7 @@ void ProfilingCostModel::runBatch(const std::vector<ir::Subgraph>& pieces, int64
   }
   if (failed_at >= 0) {
     std::ostringstream os;
-    os << "rank " << comm_->worldRank(static_cast<int>(failed_at % size))
+    os << "rank " << comm_->worldRank(owner(failed_at))
        << " could not profile a piece of " << pieces[failed_at].tasks.size() << " tasks at " << rows
        << " rows" << (failure.empty() ? std::string() : ": " + failure);
     throw Error(os.str());

@@ -4,7 +4,8 @@
 // [Note: parallel profiling] Rank 0 plans; the other ranks serve. When the planner
 // announces a batch of pieces (prefetch), rank 0 broadcasts the ones the cache lacks
 // (task ids; every rank traced the same graph), every rank measures the pieces i with
-// i mod size == rank, and an all-gather gives every rank all records. So the planner's
+// (i + 1) mod size == rank (rank 0, which also searches, gets the smallest share), and an
+// all-gather gives every rank all records. So the planner's
 // own control flow runs on one rank only and may depend on measured times freely; the
 // other ranks only follow broadcast commands until rank 0 calls finish(). Pieces the
 // planner asks for without announcing them are measured by rank 0 alone.
@@ -72,8 +73,8 @@ class ProfilingCostModel : public partition::CostModel {
   // every row count the search tries cost most of the planning time. With a tolerance > 0,
   // a batch at rows r between the fewest rows the planner will ask for (expectRows) and
   // a row count measured before is fitted: the pieces are measured at the fewest rows,
-  // and each piece's record at r is interpolated between that and its nearest measured
-  // row count above. The batch's piece that takes longest there is measured at r as the
+  // and each piece's record at r is interpolated between that and its nearest row count
+  // above whose batch was measured, not fitted. The batch's piece that takes longest there is measured at r as the
   // check (a second plan finds it in the cache and checks on it again); when its fit is
   // off by more than the tolerance (a GPU's flat region at small rows), the whole batch
   // is measured instead. Fitted records are not saved to the cache.
@@ -119,7 +120,7 @@ class ProfilingCostModel : public partition::CostModel {
   std::unordered_map<ProfileKey, ProfileRecord, ProfileKeyHash> composed_;
   double fit_tolerance_ = 0.0;
   int64_t min_rows_ = 0;
-  std::set<int64_t> asked_rows_;  // row counts announced so far
+  std::set<int64_t> whole_rows_;  // row counts whose batches were measured, none fitted
   std::unordered_map<ProfileKey, ProfileRecord, ProfileKeyHash> fitted_;
   std::vector<int> task_mark_;
   int task_stamp_ = 0;

@@ -100,17 +100,20 @@ def _resolve(options: dict) -> dict:
 
 
 class _Progress:
-    """tqdm or rich when installed, else one rewritten line on stderr."""
+    """Rank 0's progress while profiling: per batch of pieces, measured / to measure, the
+    time so far and an estimate of the rest; tqdm when installed, else one rewritten line
+    on stderr. Off (None: when stderr is a terminal) it prints nothing."""
 
     def __init__(self, enabled: bool):
         self.enabled, self.bar, self.last, self.kind = enabled, None, 0.0, None
-        self.batch = 0
+        self.batch, self.started = 0, 0.0
 
     def __call__(self, done: int, total: int):
         if not self.enabled:
             return
         if done == 1:
             self.batch += 1
+            self.started = time.monotonic()
             self._open(total)
         if self.kind == "tqdm":
             self.bar.update(1)
@@ -118,7 +121,10 @@ class _Progress:
                 self.bar.close()
         elif time.monotonic() - self.last > 0.5 or done == total:
             self.last = time.monotonic()
-            sys.stderr.write(f"\rrannc: profiling batch {self.batch}: {done}/{total} pieces"
+            elapsed = self.last - self.started
+            left = elapsed / done * (total - done)
+            sys.stderr.write(f"\rrannc: profiling batch {self.batch}: {done}/{total} pieces, "
+                             f"{elapsed:.1f} s, about {left:.0f} s left"
                              + ("\n" if done == total else ""))
             sys.stderr.flush()
 

@@ -430,3 +430,52 @@ def test_the_plan_stays_the_same_when_every_profiled_cost_moves_by_3_percent(nam
     assert [list(s.ranks) for s in again.stages] == [list(s.ranks) for s in base.stages]
     assert again.micro_batches == base.micro_batches
     assert again.hash == base.hash, (base.summary(), again.summary())
+
+
+# ---- plans in seconds: composed costs and fitted row counts ---------------------------------
+def test_composed_ranges_and_fitted_rows_find_the_plan_that_measuring_everything_finds():
+    """[Note: composed costs], [Note: fitted rows]. With the fake timer (times add over tasks
+    and grow linearly with the rows) a plan that composes ranges from measured blocks and
+    fits row counts between measured ones is the plan that measures every candidate range
+    at every row count, from a fraction of the measurements."""
+    model, args, kwargs = zoo.make("gpt", batch=8)
+    opts = dict(world_size=4, devices_per_node=4, device_memory="256MiB", profile_fake_timer=True,
+                probe_bandwidth=False, update_seconds_per_byte=1e-11)
+    fast = rannc.plan(model, args, kwargs, profile_cache=rannc.ProfileCache(), **opts)
+    whole = rannc.plan(model, args, kwargs, profile_cache=rannc.ProfileCache(),
+                       compose_costs=False, profile_fit_tolerance=0, **opts)
+    assert whole.times.records_fitted == whole.times.unions_composed == 0
+    assert fast.times.records_fitted > 0 and fast.times.unions_composed > 0
+    assert fast.times.pieces_measured * 3 < whole.times.pieces_measured
+    assert fast.hash == whole.hash, fast.summary() + "\n" + whole.summary()
+    assert fast.iteration_time == pytest.approx(whole.iteration_time, rel=0.02)
+    fast.validate()
+
+
+def test_row_counts_are_measured_where_the_fit_check_disagrees():
+    """A real clock never lands exactly on a line: with a tolerance of 1e-12 every check
+    fails, nothing is fitted, and every row count the search asks for is measured."""
+    model, args, kwargs = zoo.make("mlp", batch=8)
+    opts = dict(world_size=4, devices_per_node=4, device_memory="64MiB", probe_bandwidth=False, **FAST)
+    strict = rannc.plan(model, args, kwargs, profile_cache=rannc.ProfileCache(),
+                        profile_fit_tolerance=1e-12, **opts)
+    off = rannc.plan(model, args, kwargs, profile_cache=rannc.ProfileCache(),
+                     profile_fit_tolerance=0, **opts)
+    assert strict.times.records_fitted == 0
+    assert off.times.records_fitted == 0
+    assert strict.times.pieces_measured >= off.times.pieces_measured > 0
+
+
+def test_the_plan_reports_where_the_time_before_training_went(capfd):
+    model, args, kwargs = zoo.make("mlp", batch=8)
+    plan = rannc.plan(model, args, kwargs, world_size=2, device_memory="64MiB",
+                      profile_cache=rannc.ProfileCache(), progress=True, **FAST)
+    t = plan.times
+    assert t.tracing > 0 and t.profiling > 0 and t.search > 0 and t.pieces_measured > 0
+    assert t.total == pytest.approx(plan.planning_time, rel=0.1)
+    line = re.search(r"rannc: planned in ([0-9.]+) s: tracing ([0-9.]+) s, profiling ([0-9.]+) s "
+                     r"\((\d+) pieces measured, (\d+) fitted, (\d+) composed\), search ([0-9.]+) s",
+                     plan.summary())
+    assert line, plan.summary()
+    assert int(line.group(4)) == t.pieces_measured
+    assert "rannc: planned in" in capfd.readouterr().err  # the progress display's last line

@@ -1,6 +1,8 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <functional>
+#include <set>
 #include <limits>
 #include <random>
 
@@ -708,6 +710,69 @@ TEST(APlanSearch, FindsWhatThePinnedEvenSplitFindsOnResNet152x8) {
   ASSERT_TRUE(searched.feasible);
   ASSERT_TRUE(pinned.feasible);
   EXPECT_LE(searched.iteration_time, pinned.iteration_time * (1 + 1e-9));
+}
+
+}  // namespace
+}  // namespace rannc::partition
+
+namespace rannc::partition {
+namespace {
+
+// Composes unions the way a measuring cost model does ([Note: composed costs] in
+// profile/profiling_cost_model.h): times of the parts add; here memory comes from the
+// whole. Records what the planner announces and asks for whole.
+class ComposingCostModel : public AnalyticCostModel {
+ public:
+  using AnalyticCostModel::AnalyticCostModel;
+  bool composesUnions() const override { return true; }
+  PieceCost unionCost(const std::vector<const std::vector<ir::TaskId>*>& parts, int64_t rows) override {
+    ++unions;
+    PieceCost whole = CostModel::unionCost(parts, rows);
+    whole.forward_time = whole.backward_time = 0.0;
+    for (const auto* p : parts) {
+      const PieceCost c = cost(*p, rows);
+      whole.forward_time += c.forward_time;
+      whole.backward_time += c.backward_time;
+    }
+    return whole;
+  }
+  void prefetch(const std::vector<std::vector<ir::TaskId>>& pieces, int64_t rows) override {
+    for (auto p : pieces) {
+      std::sort(p.begin(), p.end());
+      announced.emplace_back(std::move(p), rows);
+    }
+  }
+  int64_t unions = 0;
+  std::vector<std::pair<std::vector<ir::TaskId>, int64_t>> announced;
+};
+
+// The stage search asks for ranges of blocks as unions of the blocks, so a measuring
+// cost model is only asked to measure the atomic pieces and the blocks; with times that
+// add (the analytic model's), the plan is as fast as the plan costed whole.
+TEST(AComposingCostModel, IsAnnouncedOnlyAtomsAndBlocksAndPlansAsFastAsWholeCosts) {
+  ir::Graph g = testing::smallTransformer();
+  PlannerOptions o;
+  o.world_size = 4;
+  o.num_blocks = 8;
+  ComposingCostModel composing(g, DeviceSpec{});
+  const PlanTrace trace = planTrace(g, composing, o);
+  EXPECT_NO_THROW(validateDeployment(g, trace.deployment));
+  EXPECT_GT(composing.unions, 0);
+  std::set<std::vector<ir::TaskId>> allowed;
+  auto sorted = [](std::vector<ir::TaskId> t) {
+    std::sort(t.begin(), t.end());
+    return t;
+  };
+  for (const AtomicPiece& a : trace.atomic.pieces) allowed.insert(sorted(a.tasks));
+  for (const Block& b : trace.blocks.blocks) allowed.insert(sorted(b.tasks));
+  ASSERT_FALSE(composing.announced.empty());
+  for (const auto& [tasks, rows] : composing.announced) {
+    EXPECT_TRUE(allowed.count(tasks)) << "announced a piece of " << tasks.size() << " tasks at " << rows
+                                      << " rows that is neither an atomic piece nor a block";
+  }
+  AnalyticCostModel whole(g, DeviceSpec{});
+  const Deployment reference = plan(g, whole, o);
+  EXPECT_LE(trace.deployment.iteration_time, reference.iteration_time * 1.02);
 }
 
 }  // namespace
