@@ -91,6 +91,7 @@ void bindProfiler(py::module& m) {
       .def_readwrite("search_patience", &partition::PlannerOptions::search_patience)
       .def_readwrite("refine_boundaries", &partition::PlannerOptions::refine_boundaries)
       .def_readwrite("refine_candidates", &partition::PlannerOptions::refine_candidates)
+      .def_readwrite("verify_finalists", &partition::PlannerOptions::verify_finalists)
       .def_readwrite("plan_tolerance", &partition::PlannerOptions::plan_tolerance)
       .def_property(
           "optimizer",

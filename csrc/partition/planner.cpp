@@ -1,6 +1,7 @@
 #include "partition/planner.h"
 
 #include <algorithm>
+#include <map>
 
 #include "common/error.h"
 #include "common/log_fmt.h"
@@ -35,6 +36,7 @@ PlanContext planContext(const ir::Graph& graph, const CostModel& costs, const Pl
     }
   }
   if (o.search_patience < 0) bad("search_patience must be >= 0, got " + std::to_string(o.search_patience));
+  if (o.verify_finalists < 0) bad("verify_finalists must be >= 0, got " + std::to_string(o.verify_finalists));
   if (o.refine_candidates < 1) bad("refine_candidates must be >= 1, got " + std::to_string(o.refine_candidates));
   if (o.max_micro_batches < 1) bad("max_micro_batches must be >= 1, got " + std::to_string(o.max_micro_batches));
   if (!(o.plan_tolerance >= 0.0 && o.plan_tolerance < 1.0)) {
@@ -55,6 +57,82 @@ PlanContext planContext(const ir::Graph& graph, const CostModel& costs, const Pl
   ctx.update_seconds_per_byte = o.update_seconds_per_byte;
   return ctx;
 }
+
+namespace {
+
+// Plans up to this much slower than the fastest (by composed costs) may be verified:
+// composing a big stage from its blocks came out up to ~10% fast on the CPU (session 8).
+constexpr double kFinalistMargin = 0.15;
+
+bool sameShape(const Deployment& a, const Deployment& b) {
+  const PlanShape x = planShape(a), y = planShape(b);
+  return x.stages == y.stages && x.micro_batches == y.micro_batches && x.pipelines == y.pipelines &&
+         x.replicas == y.replicas;
+}
+
+// `plan` with every stage costed as one piece (no parts to compose from).
+Deployment costedWhole(const Deployment& plan, CostModel& costs, const PlanContext& ctx) {
+  std::vector<StageChoice> stages;
+  for (const StagePlan& s : plan.stages) {
+    StageChoice c;
+    c.tasks = s.tasks;
+    c.devices = static_cast<int>(s.ranks.size()) / std::max(1, plan.pipelines);
+    c.first_block = s.first_block;
+    c.last_block = s.last_block;
+    stages.push_back(std::move(c));
+  }
+  return assembleDeployment(costs, ctx, stages, plan.pipelines, plan.micro_batches, plan.planner);
+}
+
+// [Note: verified finalists] Composed costs rank plans well but run big stages a little
+// fast (a whole stage allocates more fresh memory than its blocks one at a time), so
+// plans of different shapes within a few percent by composed costs can rank the other
+// way measured whole. The chosen plan and the fastest plans of other shapes within
+// kFinalistMargin are measured whole (their stages announced as one batch, so the ranks
+// share them) and the preference decides again.
+Deployment verifyFinalists(const Deployment& chosen, std::vector<Deployment> near, CostModel& costs,
+                           const PlanContext& ctx, const PlannerOptions& options) {
+  std::sort(near.begin(), near.end(),
+            [](const Deployment& a, const Deployment& b) { return a.iteration_time < b.iteration_time; });
+  std::vector<Deployment> finalists{chosen};
+  for (const Deployment& d : near) {
+    if (static_cast<int>(finalists.size()) >= options.verify_finalists) break;
+    if (!d.feasible || d.iteration_time > chosen.iteration_time * (1.0 + kFinalistMargin)) continue;
+    const bool seen = std::any_of(finalists.begin(), finalists.end(),
+                                  [&](const Deployment& f) { return sameShape(f, d); });
+    if (!seen) finalists.push_back(d);
+  }
+  if (finalists.size() < 2) return chosen;
+  std::map<int64_t, std::vector<std::vector<ir::TaskId>>> pieces;  // by rows
+  for (const Deployment& f : finalists) {
+    const int S = f.numStages();
+    int D = 0;
+    for (const StagePlan& s : f.stages) D += static_cast<int>(s.ranks.size()) / std::max(1, f.pipelines);
+    int offset = 0;
+    for (int i = 0; i < S; ++i) {
+      const int devices = static_cast<int>(f.stages[i].ranks.size()) / std::max(1, f.pipelines);
+      const int64_t rows = stageRows(ctx, StageSlot{i, S, offset, devices, D, f.pipelines, f.micro_batches});
+      if (rows > 0) pieces[rows].push_back(f.stages[i].tasks);
+      offset += devices;
+    }
+  }
+  for (const auto& [rows, list] : pieces) costs.prefetch(list, rows);
+  std::vector<Deployment> whole;
+  std::vector<PlanShape> shapes;
+  for (const Deployment& f : finalists) {
+    Deployment w = costedWhole(f, costs, ctx);
+    logger().info("finalist {} stage(s), {} micro-batch(es), {} pipeline cop(ies): {:.3f} ms composed, "
+                  "{:.3f} ms with its stages measured whole", w.numStages(), w.micro_batches, w.pipelines,
+                  f.iteration_time * 1e3, w.iteration_time * 1e3);
+    if (!w.feasible) continue;
+    shapes.push_back(planShape(w));
+    whole.push_back(std::move(w));
+  }
+  if (whole.empty()) return chosen;
+  return whole[preferredIndex(shapes, options.plan_tolerance)];
+}
+
+}  // namespace
 
 PlanTrace planTrace(const ir::Graph& graph, CostModel& costs, const PlannerOptions& options) {
   RANNC_CHECK(&costs.graph() == &graph, "the cost model was built over another graph");
@@ -110,13 +188,15 @@ PlanTrace planTrace(const ir::Graph& graph, CostModel& costs, const PlannerOptio
     ro.move_replicas = options.refine_replicas && options.fixed_replicas.empty();
     ro.move_micro_batches = options.refine_replicas && options.fixed_micro_batches == 0;
     ro.max_micro_batches = options.max_micro_batches;
-    PreferredPlan met(options.plan_tolerance);
+    const bool verify = costs.composesUnions() && options.verify_finalists > 1;
+    PreferredPlan met(verify ? std::max(options.plan_tolerance, kFinalistMargin) : options.plan_tolerance);
     for (const Deployment& c : candidates) {
       refineBoundaries(c, trace.atomic, trace.blocks, costs, ctx, ro, &met);
     }
     if (!met.empty()) {
-      trace.deployment = settleBoundaries(met.choice(), trace.atomic, trace.blocks, costs, ctx,
-                                          met.fastestTime() * (1.0 + options.plan_tolerance));
+      trace.deployment = settleBoundaries(met.choice(options.plan_tolerance), trace.atomic, trace.blocks,
+                                          costs, ctx, met.fastestTime() * (1.0 + options.plan_tolerance));
+      if (verify) trace.deployment = verifyFinalists(trace.deployment, met.near(), costs, ctx, options);
     }
   }
   logger().info("{} (planned: {} tasks, {} atomic pieces, {} blocks)", trace.deployment.summary(),

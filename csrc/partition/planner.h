@@ -43,6 +43,11 @@ struct PlannerOptions {
   // where the fewest bytes cross, so noise in measured costs does not change the plan
   // ([Note: plan tolerance] in stage/preference.h). 0: the fastest.
   double plan_tolerance = kDefaultPlanTolerance;
+  // [Note: verified finalists] With a cost model that composes unions, the preferred plan
+  // and the fastest plans of up to this many - 1 other shapes within kFinalistMargin of
+  // the fastest are costed again with every stage measured whole, and the preference
+  // picks among those costs. 0 or 1: the composed costs decide.
+  int verify_finalists = 2;
 };
 
 // The context the options describe for `graph` on `costs`' device.

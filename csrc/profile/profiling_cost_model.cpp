@@ -148,8 +148,9 @@ partition::PieceCost ProfilingCostModel::unionCost(const std::vector<const std::
   std::vector<ir::TaskId> all;
   for (const auto* p : parts) all.insert(all.end(), p->begin(), p->end());
   const ir::Subgraph whole = pieceOf(all);
+  // Always composed, even where the cache holds the union measured whole (a verified
+  // finalist's stage): a second plan from the cache must cost it as the first did.
   const ProfileKey k = key(whole, rows, false);
-  if (auto hit = cache_->find(k)) return pieceCostFrom(graph(), whole, rows, *hit);
   auto it = composed_.find(k);
   if (it == composed_.end()) {
     std::vector<ProfileRecord> records;

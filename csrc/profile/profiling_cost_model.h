@@ -60,9 +60,11 @@ class ProfilingCostModel : public partition::CostModel {
   // composition on, a union costs the sum of its parts' measurements: times add, what the
   // forward holds adds, and the peak is the largest of (held by the parts before + a
   // part's own peak), the backward running while the earlier parts still hold theirs.
-  // Parts come from the cache of measurements first, then from earlier compositions
-  // (coarsening's groups), and are measured otherwise; a union measured whole keeps its
-  // measurement. Atoms, blocks and final stages are still measured as themselves.
+  // Parts come from the cache of measurements (or fitted records) first, then from
+  // earlier compositions (coarsening's groups), and are measured otherwise. A union is
+  // composed even where the cache holds it measured whole, so that a second plan from
+  // the cache costs it as the first did. Atoms and blocks are measured as themselves, and
+  // the finalists' stages whole ([Note: verified finalists] in partition/planner.cpp).
   void setComposeUnions(bool on) { compose_ = on; }
   bool composesUnions() const override { return compose_; }
   partition::PieceCost unionCost(const std::vector<const std::vector<ir::TaskId>*>& parts,

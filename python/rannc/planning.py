@@ -58,6 +58,8 @@ _OPTIONS = {
                       "sum of its parts' measurements instead of being measured whole"),
     "profile_fit_tolerance": (0.1, "profiled plans: records between measured row counts are interpolated "
                               "when a check measurement agrees within this fraction (0: measure every row count)"),
+    "verify_finalists": (2, "profiled plans with compose_costs: the chosen plan and the fastest plans of "
+                         "other shapes, this many in all, costed again with their stages measured whole"),
     "plan_tolerance": (0.02, "plans within this fraction of the fastest count as equally fast: the "
                        "simplest wins (fewer stages, micro-batches, copies), so noise does not change the plan"),
 }
@@ -325,6 +327,7 @@ def planner_options(graph: TracedGraph, world_size, device, optimizer, o,
     refine = o["refine_candidates"]
     p.refine_candidates = int(refine) if refine is not None else (6 if cost_model == "analytic" else 1)
     p.plan_tolerance = float(o["plan_tolerance"])
+    p.verify_finalists = int(o["verify_finalists"])
     return p
 
 

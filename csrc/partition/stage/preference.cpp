@@ -65,11 +65,11 @@ void PreferredPlan::offer(const Deployment& plan) {
   if (t <= fastest_ * (1.0 + std::max(0.0, tolerance_))) near_.push_back(plan);
 }
 
-const Deployment& PreferredPlan::choice() const {
+const Deployment& PreferredPlan::choice(double tolerance) const {
   RANNC_CHECK(!near_.empty(), "no plan offered");
   std::vector<PlanShape> shapes;
   for (const Deployment& d : near_) shapes.push_back(planShape(d));
-  return near_[preferredIndex(shapes, tolerance_)];
+  return near_[preferredIndex(shapes, tolerance)];
 }
 
 }  // namespace rannc::partition

@@ -52,7 +52,11 @@ class PreferredPlan {
   bool empty() const { return near_.empty(); }
   double fastestTime() const { return fastest_; }
   // The preferred plan of those offered; not empty().
-  const Deployment& choice() const;
+  const Deployment& choice() const { return choice(tolerance_); }
+  // The preferred plan by a smaller `tolerance` (the collector may keep a wider margin).
+  const Deployment& choice(double tolerance) const;
+  // Every plan kept: those within the tolerance of the fastest.
+  const std::vector<Deployment>& near() const { return near_; }
 
  private:
   double tolerance_;
