@@ -115,10 +115,13 @@ def main():
         print(json.dumps(row), flush=True)
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
     base = os.path.join(HERE, "results", f"plan_time_{a.device}")
-    if os.path.exists(base + ".json"):  # keep the rows of models not run this time
-        with open(base + ".json") as f:
-            ran = {r["model"] for r in rows}
-            rows = [r for r in json.load(f).get("rows", []) if r["model"] not in ran] + rows
+    if os.path.exists(base + ".json"):  # keep the rows of models not run this time, and
+        with open(base + ".json") as f:  # columns not run (--skip-whole)
+            old = {r["model"]: r for r in json.load(f).get("rows", [])}
+        for r in rows:
+            for key, value in old.pop(r["model"], {}).items():
+                r.setdefault(key, value)
+        rows = list(old.values()) + rows
     with open(base + ".json", "w") as f:
         json.dump({"device": a.device, "torch": torch.__version__, "rows": rows}, f, indent=2)
     with open(base + ".md", "w") as f:
