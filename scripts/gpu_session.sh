@@ -8,7 +8,7 @@
 #   build.log     the build (or why it was skipped)
 #   log.txt       the output of every part, one after another under ===== headers
 #   _C.cpython-3XX-x86_64-linux-gnu.so   the extension built there (when built)
-#   runtime_cuda.json, profile_vs_stage_cuda.md/.json   the benchmark results
+#   runtime_cuda.json, profile_vs_stage_cuda.md/.json, plan_time_cuda.md/.json   the benchmark results
 # Steps: source scripts/gpu_env.sh (unpacks .deps into /opt/deps, never into /; sets
 # PATH, LD_LIBRARY_PATH, OPAL_PREFIX, CMAKE_PREFIX_PATH, CC/CXX=/usr/bin/gcc/g++, the
 # MCA settings, PYTHONPATH=python); build rannc against that machine's CUDA torch unless
@@ -18,12 +18,13 @@
 #   tests   python3 -m pytest -q tests/gpu
 #   hf      python3 -m pytest -q tests/python -k "hf or transformers"  ("none" if no test matches)
 #   bench   python3 bench/runtime.py --device cuda --out $OUT
+#   plans   python3 bench/plan_time.py --device cuda --skip-whole (plans in seconds)
 #   table   python3 bench/profile_vs_stage.py --device cuda $RANNC_GPU_TABLE_ARGS
 # Each part runs under `timeout` in a session of its own (what it leaves running is
 # killed); a failing part does not stop the others. All of it fits RANNC_GPU_BUDGET
 # seconds (default 570; the device tool stops a command at 600): a part gets at most its
 # own limit and what is left, and is skipped when less than 30 s is left.
-#   RANNC_GPU_PARTS="tests hf bench table" (default: all)
+#   RANNC_GPU_PARTS="tests hf bench plans table" (default: all)
 # Exits non-zero when a part failed or was skipped; prints summary.txt last.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -37,7 +38,7 @@ BUILD_LOG="$OUT/build.log"
 : > "$LOG"
 : > "$BUILD_LOG"
 BUDGET="${RANNC_GPU_BUDGET:-570}"
-PARTS=" ${RANNC_GPU_PARTS:-tests hf bench table} "
+PARTS=" ${RANNC_GPU_PARTS:-tests hf bench plans table} "
 failed=0
 
 note() { echo "$*" | tee -a "$SUMMARY"; }
@@ -145,8 +146,10 @@ part tests 300 "python3 -m pytest -q tests/gpu"
 part hf 240 "python3 -m pytest -q tests/python -k 'hf or transformers'"
 part bench 240 "python3 bench/runtime.py --device cuda --out '$OUT'"
 stamp="$(mktemp)"
+part plans 240 "python3 bench/plan_time.py --device cuda --skip-whole"
 part table 600 "python3 bench/profile_vs_stage.py --device cuda ${RANNC_GPU_TABLE_ARGS:-}"
-find bench/results -maxdepth 1 -name 'profile_vs_stage_*' -newer "$stamp" -exec cp {} "$OUT/" \;
+find bench/results -maxdepth 1 \( -name 'profile_vs_stage_*' -o -name 'plan_time_cuda*' \) -newer "$stamp" \
+  -exec cp {} "$OUT/" \;
 rm -f "$stamp"
 
 # the device tool brings back files of at most 16 MiB
