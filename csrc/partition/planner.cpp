@@ -70,20 +70,6 @@ bool sameShape(const Deployment& a, const Deployment& b) {
          x.replicas == y.replicas;
 }
 
-// `plan` with every stage costed as one piece (no parts to compose from).
-Deployment costedWhole(const Deployment& plan, CostModel& costs, const PlanContext& ctx) {
-  std::vector<StageChoice> stages;
-  for (const StagePlan& s : plan.stages) {
-    StageChoice c;
-    c.tasks = s.tasks;
-    c.devices = static_cast<int>(s.ranks.size()) / std::max(1, plan.pipelines);
-    c.first_block = s.first_block;
-    c.last_block = s.last_block;
-    stages.push_back(std::move(c));
-  }
-  return assembleDeployment(costs, ctx, stages, plan.pipelines, plan.micro_batches, plan.planner);
-}
-
 // [Note: verified finalists] Composed costs rank plans well but run big stages a little
 // fast (a whole stage allocates more fresh memory than its blocks one at a time), so
 // plans of different shapes within a few percent by composed costs can rank the other
@@ -105,22 +91,15 @@ Deployment verifyFinalists(const Deployment& chosen, std::vector<Deployment> nea
   if (finalists.size() < 2) return chosen;
   std::map<int64_t, std::vector<std::vector<ir::TaskId>>> pieces;  // by rows
   for (const Deployment& f : finalists) {
-    const int S = f.numStages();
-    int D = 0;
-    for (const StagePlan& s : f.stages) D += static_cast<int>(s.ranks.size()) / std::max(1, f.pipelines);
-    int offset = 0;
-    for (int i = 0; i < S; ++i) {
-      const int devices = static_cast<int>(f.stages[i].ranks.size()) / std::max(1, f.pipelines);
-      const int64_t rows = stageRows(ctx, StageSlot{i, S, offset, devices, D, f.pipelines, f.micro_batches});
-      if (rows > 0) pieces[rows].push_back(f.stages[i].tasks);
-      offset += devices;
+    for (const StagePlan& s : f.stages) {
+      if (s.micro_batch_rows > 0) pieces[s.micro_batch_rows].push_back(s.tasks);
     }
   }
   for (const auto& [rows, list] : pieces) costs.prefetch(list, rows);
   std::vector<Deployment> whole;
   std::vector<PlanShape> shapes;
   for (const Deployment& f : finalists) {
-    Deployment w = costedWhole(f, costs, ctx);
+    Deployment w = assembleWhole(costs, ctx, f);
     logger().info("finalist {} stage(s), {} micro-batch(es), {} pipeline cop(ies): {:.3f} ms composed, "
                   "{:.3f} ms with its stages measured whole", w.numStages(), w.micro_batches, w.pipelines,
                   f.iteration_time * 1e3, w.iteration_time * 1e3);

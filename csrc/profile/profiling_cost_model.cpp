@@ -119,20 +119,6 @@ partition::PieceCost ProfilingCostModel::computeCost(const ir::Subgraph& piece, 
   return pieceCostFrom(graph(), piece, rows, record(piece, rows, /*recompute=*/false));
 }
 
-ir::Subgraph ProfilingCostModel::pieceOf(const std::vector<ir::TaskId>& tasks) {
-  // Parts may list the same constant clone twice; makePiece wants each task once.
-  if (task_mark_.size() != static_cast<size_t>(graph().numTasks())) task_mark_.assign(graph().numTasks(), 0);
-  ++task_stamp_;
-  std::vector<ir::TaskId> uniq;
-  uniq.reserve(tasks.size());
-  for (ir::TaskId t : tasks) {
-    if (task_mark_[t] == task_stamp_) continue;
-    task_mark_[t] = task_stamp_;
-    uniq.push_back(t);
-  }
-  return partition::makePiece(graph(), uniq, topoPosition(), pureConstant());
-}
-
 ProfileRecord ProfilingCostModel::partRecord(const std::vector<ir::TaskId>& tasks, int64_t rows) {
   const ir::Subgraph piece = pieceOf(tasks);
   const ProfileKey k = key(piece, rows, false);
@@ -275,14 +261,17 @@ void ProfilingCostModel::measureBatch(const std::vector<ir::Subgraph>& todo, int
      << (comm_ ? " over " + std::to_string(comm_->size()) + " ranks" : std::string());
   logDebug(os.str());
   const auto start = std::chrono::steady_clock::now();
+  auto done_log = [&] {
+    logDebug("profiled " + std::to_string(todo.size()) + " pieces at " + std::to_string(rows) +
+             " rows in " + std::to_string(secondsSince(start)) + " s");
+  };
   if (!comm_) {
     int64_t done = 0;
     for (const auto& piece : todo) {
-      record(piece, rows, false);
+      record(piece, rows, false);  // adds to measuring_seconds_
       if (progress_) progress_(++done, static_cast<int64_t>(todo.size()));
     }
-    logDebug("profiled " + std::to_string(todo.size()) + " pieces at " + std::to_string(rows) +
-             " rows in " + std::to_string(secondsSince(start)) + " s");
+    done_log();
     return;
   }
   RANNC_CHECK(comm_->rank() == 0, "prefetch with a communicator runs on rank 0 only");
@@ -298,8 +287,7 @@ void ProfilingCostModel::measureBatch(const std::vector<ir::Subgraph>& todo, int
   comm_->broadcast(at::tensor(flat), 0)->wait();
   runBatch(todo, rows);
   measuring_seconds_ += secondsSince(start);
-  logDebug("profiled " + std::to_string(todo.size()) + " pieces at " + std::to_string(rows) +
-           " rows in " + std::to_string(secondsSince(start)) + " s");
+  done_log();
 }
 
 void ProfilingCostModel::runBatch(const std::vector<ir::Subgraph>& pieces, int64_t rows) {

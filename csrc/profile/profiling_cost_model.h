@@ -107,7 +107,6 @@ class ProfilingCostModel : public partition::CostModel {
   std::optional<ProfileRecord> known(const ProfileKey& k) const;
   // A part of a union: measured, composed before, or measured now.
   ProfileRecord partRecord(const std::vector<ir::TaskId>& tasks, int64_t rows);
-  ir::Subgraph pieceOf(const std::vector<ir::TaskId>& tasks);
 
   std::shared_ptr<const frontend::TracedModel> model_;
   std::shared_ptr<Profiler> profiler_;
@@ -124,8 +123,6 @@ class ProfilingCostModel : public partition::CostModel {
   int64_t min_rows_ = 0;
   std::set<int64_t> whole_rows_;  // row counts whose batches were measured, none fitted
   std::unordered_map<ProfileKey, ProfileRecord, ProfileKeyHash> fitted_;
-  std::vector<int> task_mark_;
-  int task_stamp_ = 0;
 };
 
 // The record at `rows` on the line through `lo` (at lo_rows) and `hi` (at hi_rows).

@@ -117,12 +117,7 @@ uint64_t CostModel::graphHash() const {
   return graph_hash_;
 }
 
-PieceCost CostModel::cost(const std::vector<ir::TaskId>& tasks, int64_t rows) {
-  RANNC_CHECK(!tasks.empty(), "cost of an empty piece");
-  RANNC_CHECK(rows >= 1, "cost at " << rows << " rows");
-  ++queries_;
-  // Order-free key of the task set: two independent sums of mixed ids. Duplicates (the
-  // same clone listed by two atomic pieces) are removed first so they do not change it.
+std::vector<ir::TaskId> CostModel::uniqueTasks(const std::vector<ir::TaskId>& tasks) {
   ++task_stamp_;
   std::vector<ir::TaskId> uniq;
   uniq.reserve(tasks.size());
@@ -132,6 +127,20 @@ PieceCost CostModel::cost(const std::vector<ir::TaskId>& tasks, int64_t rows) {
     task_mark_[t] = task_stamp_;
     uniq.push_back(t);
   }
+  return uniq;
+}
+
+ir::Subgraph CostModel::pieceOf(const std::vector<ir::TaskId>& tasks) {
+  return makePiece(graph_, uniqueTasks(tasks), topo_pos_, pure_constant_);
+}
+
+PieceCost CostModel::cost(const std::vector<ir::TaskId>& tasks, int64_t rows) {
+  RANNC_CHECK(!tasks.empty(), "cost of an empty piece");
+  RANNC_CHECK(rows >= 1, "cost at " << rows << " rows");
+  ++queries_;
+  // Order-free key of the task set: two independent sums of mixed ids. Duplicates (the
+  // same clone listed by two atomic pieces) are removed first so they do not change it.
+  const std::vector<ir::TaskId> uniq = uniqueTasks(tasks);
   uint64_t a = uniq.size(), b = 0;
   for (ir::TaskId t : uniq) {
     a += mix(static_cast<uint64_t>(t));

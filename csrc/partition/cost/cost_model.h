@@ -105,6 +105,11 @@ class CostModel {
   // Seconds of a ring all-reduce of `bytes` over `participants` devices (0 for one).
   double allReduceTime(int64_t bytes, int participants, Link link) const;
 
+  // `tasks` with repeats removed (the same constant clone listed by two parts), in order.
+  std::vector<ir::TaskId> uniqueTasks(const std::vector<ir::TaskId>& tasks);
+  // The piece of `tasks` (repeats allowed), as makePiece builds it.
+  ir::Subgraph pieceOf(const std::vector<ir::TaskId>& tasks);
+
   int64_t queries() const { return queries_; }
   int64_t misses() const { return misses_; }
 

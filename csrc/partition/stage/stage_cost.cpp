@@ -172,4 +172,17 @@ Deployment assembleDeployment(CostModel& costs, const PlanContext& ctx,
   return d;
 }
 
+Deployment assembleWhole(CostModel& costs, const PlanContext& ctx, const Deployment& plan) {
+  std::vector<StageChoice> stages;
+  for (const StagePlan& s : plan.stages) {
+    StageChoice c;
+    c.tasks = s.tasks;
+    c.devices = static_cast<int>(s.ranks.size()) / std::max(1, plan.pipelines);
+    c.first_block = s.first_block;
+    c.last_block = s.last_block;
+    stages.push_back(std::move(c));
+  }
+  return assembleDeployment(costs, ctx, stages, plan.pipelines, plan.micro_batches, plan.planner);
+}
+
 }  // namespace rannc::partition

@@ -95,4 +95,7 @@ Deployment assembleDeployment(CostModel& costs, const PlanContext& ctx,
                               const std::vector<StageChoice>& stages, int pipelines,
                               int micro_batches, const std::string& planner);
 
+// `plan` assembled again with every stage costed as one piece (no parts to compose from).
+Deployment assembleWhole(CostModel& costs, const PlanContext& ctx, const Deployment& plan);
+
 }  // namespace rannc::partition

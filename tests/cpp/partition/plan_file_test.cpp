@@ -164,14 +164,20 @@ TEST_F(APlanFile, WithImpossibleCountsIsRefused) {
 namespace rannc::ir {
 namespace {
 
-TEST(AGraphFile, WithACountPastItsBytesIsRefusedNamingTheField) {
+// A graph file's body up to its first value's dtype (batch size 4, one value named "x").
+BinaryWriter graphUpToTheFirstDtype(uint8_t dtype) {
   BinaryWriter w;
   w.i64(4);
   w.u64(1);
   w.str("x");
   w.u8(0);
   w.u8(0);
-  w.u8(1);
+  w.u8(dtype);
+  return w;
+}
+
+TEST(AGraphFile, WithACountPastItsBytesIsRefusedNamingTheField) {
+  BinaryWriter w = graphUpToTheFirstDtype(1);
   w.u64(1ULL << 62);  // shape: 2^62 dimensions of 8 bytes
   try {
     deserializeGraph(frame("graph", kGraphFormatVersion, w.bytes() + std::string(4096, '\0')), "model.rannc");
@@ -184,13 +190,7 @@ TEST(AGraphFile, WithACountPastItsBytesIsRefusedNamingTheField) {
 }
 
 TEST(AGraphFile, WithAnUnknownDtypeIsRefusedNamingTheField) {
-  BinaryWriter w;
-  w.i64(4);
-  w.u64(1);
-  w.str("x");
-  w.u8(0);
-  w.u8(0);
-  w.u8(200);
+  BinaryWriter w = graphUpToTheFirstDtype(200);
   try {
     deserializeGraph(frame("graph", kGraphFormatVersion, w.bytes() + std::string(4096, '\0')), "model.rannc");
     FAIL() << "expected SerializationError";

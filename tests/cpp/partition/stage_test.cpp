@@ -751,18 +751,6 @@ class ComposingCostModel : public AnalyticCostModel {
   double bias_;
 };
 
-// `plan` with every stage costed as one piece by `costs`.
-Deployment costedWhole(const ir::Graph& g, const Deployment& plan, CostModel& costs, const PlannerOptions& o) {
-  std::vector<StageChoice> stages;
-  for (const StagePlan& s : plan.stages) {
-    StageChoice c;
-    c.tasks = s.tasks;
-    c.devices = static_cast<int>(s.ranks.size()) / plan.pipelines;
-    stages.push_back(std::move(c));
-  }
-  return assembleDeployment(costs, planContext(g, costs, o), stages, plan.pipelines, plan.micro_batches, "test");
-}
-
 // The stage search asks for ranges of blocks as unions of the blocks, so a measuring
 // cost model is only asked to measure the atomic pieces and the blocks; with times that
 // add (the analytic model's), the plan is as fast as the plan costed whole.
@@ -809,11 +797,11 @@ TEST(AComposingCostModel, ReturnsAFinalistCostedWholeNoSlowerThanTheComposedChoi
     ComposingCostModel verified_costs(g, DeviceSpec{}, 0.9);
     const Deployment verified = plan(g, verified_costs, o);
     AnalyticCostModel whole(g, DeviceSpec{});
-    const Deployment verified_whole = costedWhole(g, verified, whole, o);
+    const Deployment verified_whole = assembleWhole(whole, planContext(g, whole, o), verified);
     EXPECT_NEAR(verified.iteration_time, verified_whole.iteration_time, 1e-9 + 1e-6 * verified.iteration_time)
         << "the verified plan keeps its composed costs";
     EXPECT_LE(verified.iteration_time,
-              costedWhole(g, unverified, whole, o).iteration_time * (1.0 + o.plan_tolerance) + 1e-12);
+              assembleWhole(whole, planContext(g, whole, o), unverified).iteration_time * (1.0 + o.plan_tolerance) + 1e-12);
     EXPECT_NO_THROW(validateDeployment(g, verified));
   }
 }
