@@ -1,166 +1,664 @@
-"""Checkpoints of a RaNNCModule whose ranks keep only their stages' state ([Note: freed
-state] in module.py): the full model state and the optimizer's state gathered under the
-original names and indices on every rank, and loaded back from plain PyTorch's format
-(from any world size). All gathers are collectives."""
+"""Sharded checkpoints: every rank writes the state of the stages it owns, all at once, and
+reads back only the state of its stages in whatever layout it runs now.
+
+    model.save_checkpoint("ckpt/step-1000", extra={"scheduler": sched.state_dict()})
+    extra = model.load_checkpoint("ckpt/step-1000")    # any world size, any plan
+    python -m rannc.checkpoint consolidate ckpt/step-1000 model.pt   # no MPI
+
+[Note: checkpoint layout] A checkpoint is a directory, on a filesystem every rank sees:
+- model-KKKKK-of-NNNNN.safetensors: the parameters and persistent buffers one rank wrote,
+  under their names in the user's module.state_dict() (tied weights once, under their first
+  name), with model.safetensors.index.json ({"metadata": {"total_size"}, "weight_map"}) as
+  Hugging Face writes it. So `safetensors`, and `transformers`' from_pretrained (config.json
+  is written for its models), read the weights directly.
+- optimizer-KKKKK-of-NNNNN.safetensors: the optimizer's per-parameter tensors, the key
+  "<parameter name>#<state key>" ("encoder.w#exp_avg"); optimizer.pt holds the param
+  groups (hyperparameters, parameters by name) and non-tensor per-parameter values.
+- rng/rank-RRRRR.pt: each rank's random generators (torch CPU and CUDA, Python, NumPy).
+- plan-train.rannc / plan-eval.rannc: the deployed plans (option load_plan reads them).
+- extra.pt: the caller's `extra` object (rank 0's); rannc_checkpoint.json: the metadata
+  (format version, world size, optimizer step, every tensor's file, shape, dtype and sha256,
+  every file's size), written last.
+Each tensor is written by one rank among those holding its current value (and, for a
+parameter, its optimizer state): the replicas of a stage share its tensors out by bytes, so
+no tensor is written twice and the replicas write in parallel. A save writes into
+DIR.tmp-<token>; when every rank has finished, rank 0 renames the old DIR aside, renames the
+new one into place and deletes the old: a rank that dies mid-save leaves DIR as it was.
+
+[Note: checkpoint memory] No rank ever holds more than its own state plus one tensor: the
+writer streams each tensor's bytes from its storage (one copy of one tensor for GPU
+tensors), the reader reads each tensor's bytes into the tensor that keeps it (the
+optimizer's state tensors too, where they exist), and nothing is gathered.
+safetensors_io.py says why the safetensors library's own functions are not used.
+
+A checkpoint loaded before the first forward (the plan, so which stages this rank keeps, is
+not known yet) is checked at once and read when the first deployment has freed what this
+rank does not keep: the weights of every rank's stages, and the optimizer state when the
+training mode deploys. The random generators are restored at once (deploying draws from
+them nothing, see RaNNCModule._deploy).
+"""
 from __future__ import annotations
 
+import argparse
 import collections
-import copy
-import io
+import glob
+import json
+import os
+import random
+import secrets
+import shutil
+import sys
+from dataclasses import dataclass, field
 
 import torch
 
-from . import _C
+from . import _C, failure
+from . import safetensors_io as sio
+
+METADATA = "rannc_checkpoint.json"
+INDEX = "model.safetensors.index.json"
+OPTIMIZER = "optimizer.pt"
+EXTRA = "extra.pt"
+FORMAT, VERSION = "rannc-checkpoint", 1
 
 
-def _all_gather_objects(obj) -> list:
-    """Copies of every rank's `obj` (anything torch.save takes), in rank order, on every
-    rank; this rank's too, so nothing returned aliases live state."""
-    comm, rank = _C.Communicator.world_cpu(), _C.get_rank()
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    data = buf.getvalue()
-    sizes = torch.empty(comm.size, 1, dtype=torch.int64)
-    comm.all_gather(torch.tensor([len(data)], dtype=torch.int64), sizes).wait()
-    parts = []
-    for r, size in enumerate(sizes[:, 0].tolist()):
-        part = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if r == rank
-                else torch.empty(size, dtype=torch.uint8))
-        comm.broadcast(part, r).wait()
-        parts.append(torch.load(io.BytesIO(part.numpy().tobytes()), weights_only=False,
-                                map_location="cpu"))
-    return parts
+# ---- the model's state as a checkpoint sees it ------------------------------------------------
+@dataclass
+class _Entry:
+    """One state tensor of the user's module."""
+    name: str                    # its first name in module.state_dict()
+    aliases: list[str]           # its other names (tied weights)
+    tensor: torch.Tensor
+    shape: torch.Size            # the full shape (a rank that does not keep it holds it empty)
+    holders: list[int]           # ranks holding its current value (and optimizer state)
+    here: bool                   # whether this rank keeps it
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape.numel() * self.tensor.element_size()
 
 
-def gather_state_dict(wrapped, *args, destination=None, prefix="", keep_vars=False):
-    """The full model state (parameters and persistent buffers) under the original names,
-    as `module.state_dict()` of plain PyTorch gives it, on every rank (a collective:
-    every rank must call it). The tensors are fresh copies on the CPU (the whole model
-    need not fit on one device); the model keeps only its stage's state."""
-    if not wrapped._users:
-        return wrapped.module.state_dict(*args, destination=destination, prefix=prefix,
-                                      keep_vars=keep_vars)
-    comm, rank = _C.Communicator.world_cpu(), _C.get_rank()
-    world = set(range(_C.get_world_size()))
-    gathered = {}
-    for i, (t, (owner, current)) in enumerate(zip(wrapped._state_tensors(), wrapped._sources())):
-        if current == world:
-            value = t.detach().to("cpu", copy=True)
-        else:
-            value = (t.detach().to("cpu", copy=True, memory_format=torch.contiguous_format)
-                     if rank == owner
-                     else torch.empty(wrapped._freed.get(i, t.shape), dtype=t.dtype))
-            comm.broadcast(value, owner).wait()
-        gathered[id(t)] = value
-    out = wrapped.module.state_dict(*args, destination=destination, prefix=prefix, keep_vars=True)
-    for k, v in out.items():
-        if isinstance(v, torch.Tensor) and id(v) in gathered:
-            out[k] = gathered[id(v)]
-    return out
+def _entries(wrapped) -> list[_Entry]:
+    """The module's parameters and persistent buffers in state_dict order, one entry per
+    tensor, with where they live ([Note: freed state] in module.py)."""
+    world = list(range(_C.get_world_size()))
+    placement = wrapped._placement()
+    entries, by_id = [], {}
+    for name, t in wrapped.module.state_dict(keep_vars=True).items():
+        if not isinstance(t, torch.Tensor):
+            continue
+        if id(t) in by_id:
+            by_id[id(t)].aliases.append(name)
+            continue
+        shape, holders, here = placement.get(id(t), (t.shape, world, True))
+        by_id[id(t)] = _Entry(name, [], t, torch.Size(shape), holders, here)
+        entries.append(by_id[id(t)])
+    return entries
 
 
-def load_state_dict(wrapped, state_dict, strict: bool = True, assign: bool = False):
-    """Loads a full model state (from plain PyTorch or another world size; every rank
-    passes the whole dict) into the tensors this rank keeps. Keys and shapes are checked
-    as torch does, the freed tensors' included."""
-    if assign and wrapped._deployed:
-        raise _C.Error("load_state_dict(assign=True) would replace the tensors the deployed "
-                       "stages run with; load with assign=False (the default)")
-    if not wrapped._freed:
-        return wrapped.module.load_state_dict(state_dict, strict=strict, assign=assign)
-    tensors = wrapped._state_tensors()
-    freed = {id(tensors[i]): shape for i, shape in wrapped._freed.items()}
-    shapes = {k: freed[id(v)] for k, v in wrapped.module.state_dict(keep_vars=True).items()
-              if isinstance(v, torch.Tensor) and id(v) in freed}  # the freed tensors' keys
-    errors = [f"size mismatch for {k}: copying a param with shape {state_dict[k].shape} from "
-              f"checkpoint, the shape in current model is {shapes[k]}."
-              for k in shapes if k in state_dict and isinstance(state_dict[k], torch.Tensor)
-              and state_dict[k].shape != shapes[k]]
-    if errors:
-        raise RuntimeError(f"Error(s) in loading state_dict for {type(wrapped.module).__name__}:"
-                           "\n\t" + "\n\t".join(errors))
-    kept = collections.OrderedDict((k, v) for k, v in state_dict.items() if k not in shapes)
-    if getattr(state_dict, "_metadata", None) is not None:
-        kept._metadata = state_dict._metadata
-    result = wrapped.module.load_state_dict(kept, strict=False)
-    missing = [k for k in result.missing_keys if k not in state_dict]
-    unexpected = list(result.unexpected_keys)
-    if strict and (missing or unexpected):
-        errors = []
-        if missing:
-            errors.append("Missing key(s) in state_dict: "
-                          + ", ".join(f'"{k}"' for k in missing) + ". ")
-        if unexpected:
-            errors.append("Unexpected key(s) in state_dict: "
-                          + ", ".join(f'"{k}"' for k in unexpected) + ". ")
-        raise RuntimeError(f"Error(s) in loading state_dict for {type(wrapped.module).__name__}:"
-                           "\n\t" + "\n\t".join(errors))
-    return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+def _writers(entries: list[_Entry], world_size: int) -> list[int]:
+    """The rank that writes each entry: among its holders, the one with the fewest bytes so
+    far (the same on every rank: entries and holders agree)."""
+    load = [0] * world_size
+    chosen = []
+    for e in entries:
+        r = min(e.holders, key=lambda h: (load[h], h))
+        load[r] += e.nbytes
+        chosen.append(r)
+    return chosen
 
 
-def gather_optimizer_state(wrapped) -> dict:
-    """The optimizer's full state in the format of the original optimizer's state_dict()
-    ('state' keyed by each parameter's index in the original param_groups, 'param_groups'
-    with the original index lists), gathered from the ranks that update each parameter,
-    on every rank (a collective). It loads into a plain torch optimizer over the same
-    model's parameters."""
-    if wrapped.optimizer is None:
-        raise _C.Error("optimizer_state_dict: this RaNNCModule was built without an optimizer")
-    if not wrapped._patched:
-        return wrapped.optimizer.state_dict()
+# ---- agreement ------------------------------------------------------------------------------
+def _agree(what: str, action, cleanup=None, gather: bool = False):
+    """Runs `action` on every rank (a collective) and returns its result here, or with
+    `gather` every rank's result in rank order. If it fails anywhere, every rank runs
+    `cleanup` and raises one error naming each failed rank and its cause."""
+    from .transport import all_gather_objects
+    result, error = None, None
+    try:
+        result = action()
+    except Exception as e:  # told to every rank below, then raised everywhere
+        error = f"{type(e).__name__}: {e}"
+    everyone = all_gather_objects((error, result if gather else None))
+    failed = [(r, err) for r, (err, _) in enumerate(everyone) if err is not None]
+    if failed:
+        if cleanup is not None:
+            try:
+                cleanup()
+            except OSError:
+                pass
+        raise failure.agreed(f"{what} failed: " + "; ".join(f"rank {r}: {err}"
+                                                          for r, err in failed))
+    return [r for _, r in everyone] if gather else result
+
+
+# ---- saving ---------------------------------------------------------------------------------
+def save_checkpoint(wrapped, directory: str, extra=None) -> None:
+    """Writes a sharded checkpoint of `wrapped` (its weights, optimizer state, random
+    generators, plans and `extra`) to `directory` (a collective; [Note: checkpoint
+    layout]). Replaces an earlier checkpoint there only once the new one is complete."""
+    rank, world = _C.get_rank(), _C.get_world_size()
+    directory = os.path.abspath(directory)
+    what = f"save_checkpoint({directory})"
+    token = _agree(what, lambda: _prepare(directory) if rank == 0 else None, gather=True)[0]
+    tmp = f"{directory}.tmp-{token}"
+    remove_tmp = (lambda: shutil.rmtree(tmp, ignore_errors=True)) if rank == 0 else None
+    entries = _entries(wrapped)
+    writers = _writers(entries, world)
+    reports = _agree(what, lambda: _write_shards(wrapped, tmp, entries, writers), remove_tmp,
+                     gather=True)
+    _agree(what, lambda: (_write_metadata(wrapped, tmp, entries, reports, extra)
+                          if rank == 0 else None), remove_tmp)
+    # no cleanup here: a failed rename may have moved the old checkpoint aside already
+    _agree(what, lambda: _replace(directory, tmp, token) if rank == 0 else None)
+
+
+def _prepare(directory: str) -> str:
+    """Rank 0: checks that `directory` may be replaced, removes what earlier saves that died
+    left behind, creates the temporary directory; returns its token."""
+    if os.path.exists(directory) and not (
+            os.path.isdir(directory)
+            and (not os.listdir(directory) or os.path.exists(os.path.join(directory, METADATA)))):
+        raise _C.Error(f"{directory} exists and is not a rannc checkpoint; save_checkpoint "
+                       "replaces only checkpoints (choose another directory or remove it)")
+    for stale in glob.glob(glob.escape(directory) + ".tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    token = secrets.token_hex(4)
+    os.makedirs(os.path.join(f"{directory}.tmp-{token}", "rng"))
+    return token
+
+
+def _shard_name(kind: str, rank: int, writers: list[int]) -> str:
+    ranks = sorted(set(writers))
+    return f"{kind}-{ranks.index(rank) + 1:05d}-of-{len(ranks):05d}.safetensors"
+
+
+def _write_shards(wrapped, tmp: str, entries: list[_Entry], writers: list[int]) -> dict:
+    """This rank's files: its share of the weights and optimizer state, its generators.
+    Returns what the metadata needs of them."""
     rank = _C.get_rank()
-    position = {id(t): i for i, t in enumerate(wrapped._state_tensors())}
-    sources = wrapped._sources()
-    groups, mine, start = [], {}, 0
-    for group, (params, names) in zip(wrapped.optimizer.param_groups, wrapped._optimizer_groups):
-        packed = {k: v for k, v in group.items() if k not in ("params", "param_names")}
-        packed["params"] = list(range(start, start + len(params)))
-        if names is not None:
-            packed["param_names"] = list(names)
-        for index, p in zip(packed["params"], params):
-            i = position.get(id(p))
-            if i is not None and sources[i][0] == rank and wrapped.optimizer.state.get(p):
-                mine[index] = wrapped.optimizer.state[p]
-        start += len(params)
-        groups.append(packed)
-    state = {}
-    for part in _all_gather_objects(mine):
-        state.update(part)
-    return {"state": dict(sorted(state.items())), "param_groups": groups}
+    mine = [e for e, w in zip(entries, writers) if w == rank]
+    report = {"tensors": {}, "optimizer": {}, "values": {}, "files": {}, "step": None}
+
+    def write(fname, tensors):
+        hashes = sio.write_file(os.path.join(tmp, fname), tensors, {"format": "pt"})
+        report["files"][fname] = os.path.getsize(os.path.join(tmp, fname))
+        return {key: {"file": fname, "shape": list(t.shape), "dtype": sio.dtype_name(t.dtype),
+                      "sha256": hashes[key]} for key, t in tensors}
+
+    if mine:
+        report["tensors"] = write(_shard_name("model", rank, writers),
+                                  [(e.name, e.tensor) for e in mine])
+    optimizer = wrapped.optimizer
+    if mine and optimizer is not None:
+        tensors, keys = [], {}
+        for e in mine:
+            for key, value in (optimizer.state.get(e.tensor) or {}).items():
+                if isinstance(value, torch.Tensor):
+                    tensors.append((f"{e.name}#{key}", value))
+                    keys[f"{e.name}#{key}"] = (e.name, key)
+                else:
+                    report["values"].setdefault(e.name, {})[key] = value
+                if key == "step":
+                    step = int(value)
+                    report["step"] = step if report["step"] is None else max(step, report["step"])
+        if tensors:
+            for full, info in write(_shard_name("optimizer", rank, writers), tensors).items():
+                name, key = keys[full]
+                report["optimizer"].setdefault(name, {})[key] = {**info, "key": full}
+    rng = os.path.join("rng", f"rank-{rank:05d}.pt")
+    torch.save(_rng_state(), os.path.join(tmp, rng))
+    report["files"][rng] = os.path.getsize(os.path.join(tmp, rng))
+    return report
 
 
-def load_optimizer_state(wrapped, state_dict: dict) -> None:
-    """Loads an optimizer state in the original optimizer's format (from
-    optimizer_state_dict(), from a plain torch optimizer over the same model, or from
-    another world size; every rank passes the whole dict): each rank takes the state of
-    the parameters it updates. Hyperparameters come from the dict, as in torch."""
-    if wrapped.optimizer is None:
-        raise _C.Error("load_optimizer_state_dict: this RaNNCModule was built without an "
-                       "optimizer")
-    if not wrapped._patched:
-        wrapped.optimizer.load_state_dict({**state_dict,
-                                        "state": copy.deepcopy(state_dict["state"])})
+def _write_metadata(wrapped, tmp: str, entries: list[_Entry], reports: list[dict], extra):
+    """Rank 0: the index, the optimizer's groups, the plans, `extra`, the model's config and,
+    last, the metadata."""
+    files, tensors, optimizer, values, steps = {}, {}, {}, {}, []
+    for report in reports:
+        files.update(report["files"])
+        tensors.update(report["tensors"])
+        optimizer.update(report["optimizer"])
+        values.update(report["values"])
+        if report["step"] is not None:
+            steps.append(report["step"])
+
+    def keep(fname, writer):
+        writer(os.path.join(tmp, fname))
+        files[fname] = os.path.getsize(os.path.join(tmp, fname))
+
+    index = {"metadata": {"total_size": sum(e.nbytes for e in entries)},
+             "weight_map": {name: info["file"] for name, info in sorted(tensors.items())}}
+    keep(INDEX, lambda path: _write_json(path, index))
+    names = {id(e.tensor): e.name for e in entries}
+    has_optimizer = wrapped.optimizer is not None
+    if has_optimizer:
+        groups = []
+        for group, params in zip(wrapped.optimizer.param_groups, wrapped._original_param_groups()):
+            saved = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+            saved["params"] = [names[id(p)] for p in params]
+            groups.append(saved)
+        keep(OPTIMIZER, lambda path: torch.save({"param_groups": groups, "values": values}, path))
+    plans = {}
+    for mode, deployed in wrapped._deployed.items():
+        fname = f"plan-{'train' if mode else 'eval'}.rannc"
+        keep(fname, lambda path: deployed.deployment.save(path))
+        plans["train" if mode else "eval"] = {"file": fname, "summary": deployed.deployment.summary()}
+    if extra is not None:
+        keep(EXTRA, lambda path: torch.save(extra, path))
+    for config in (getattr(wrapped.module, "config", None),
+                   getattr(wrapped.module, "generation_config", None)):
+        if config is not None and hasattr(config, "save_pretrained"):
+            config.save_pretrained(tmp)  # transformers' from_pretrained(dir) needs config.json
+    meta = {
+        "format": FORMAT, "version": VERSION, "world_size": _C.get_world_size(),
+        "model": type(wrapped.module).__qualname__,
+        "optimizer_step": max(steps) if steps else None,
+        "names": list(wrapped.module.state_dict(keep_vars=True)),
+        "tensors": tensors,
+        "aliases": {alias: e.name for e in entries for alias in e.aliases},
+        "optimizer": {"groups": OPTIMIZER, "state": optimizer} if has_optimizer else None,
+        "rng": [os.path.join("rng", f"rank-{r:05d}.pt") for r in range(len(reports))],
+        "plans": plans,
+        "extra": EXTRA if extra is not None else None,
+        "files": files,
+    }
+    _write_json(os.path.join(tmp, METADATA), meta)
+
+
+def _write_json(path: str, value) -> None:
+    with open(path, "w") as f:
+        json.dump(value, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _replace(directory: str, tmp: str, token: str) -> None:
+    """Rank 0: the finished checkpoint takes the place of the old one."""
+    old = None
+    if os.path.exists(directory):
+        old = f"{directory}.old-{token}"
+        os.rename(directory, old)
+    os.rename(tmp, directory)
+    fd = os.open(os.path.dirname(directory), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    if old is not None:
+        shutil.rmtree(old)
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        state["numpy"] = numpy.random.get_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        for i, s in enumerate(state["cuda"][:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(s, i)
+    if "numpy" in state:
+        import numpy
+        numpy.random.set_state(state["numpy"])
+
+
+# ---- reading ----------------------------------------------------------------------------------
+class Source:
+    """Named tensors to load: a rannc checkpoint, a Hugging Face checkpoint directory
+    (sharded or single safetensors, or pytorch_model.bin), a safetensors file, or a file
+    torch.save wrote holding a state_dict. Opening checks that every file is there and
+    complete; reading checks each tensor's sha256 where the metadata has one."""
+
+    def __init__(self, path: str):
+        self.path = os.path.abspath(path)
+        self.meta = None
+        self._readers = {}
+        self._torch = None
+        self.shapes, self.dtypes, self._where = {}, {}, {}  # name -> shape, dtype, (file, key, sha)
+        if os.path.isdir(self.path):
+            self._open_directory()
+        elif os.path.exists(self.path):
+            if self.path.endswith(".safetensors"):
+                self._open_safetensors([os.path.basename(self.path)], os.path.dirname(self.path))
+            else:
+                self._open_torch(self.path)
+        else:
+            leftovers = sorted(glob.glob(glob.escape(self.path) + ".old-*"))
+            hint = (f"; {leftovers[-1]} holds the checkpoint that was there (a save stopped "
+                    f"between its two renames): rename it to {self.path}" if leftovers else "")
+            raise _C.Error(f"no checkpoint at {self.path}{hint}")
+
+    def _open_directory(self):
+        def there(name):
+            return os.path.exists(os.path.join(self.path, name))
+
+        if there(METADATA):
+            with open(os.path.join(self.path, METADATA)) as f:
+                self.meta = json.load(f)
+            if self.meta.get("format") != FORMAT or self.meta.get("version", 0) > VERSION:
+                raise _C.Error(f"{self.path}: {METADATA} is not a rannc checkpoint of version "
+                               f"{VERSION} or older (format {self.meta.get('format')!r}, version "
+                               f"{self.meta.get('version')!r})")
+            self._check_files()
+            for name, info in self.meta["tensors"].items():
+                self.shapes[name] = torch.Size(info["shape"])
+                self.dtypes[name] = sio.torch_dtype(info["dtype"])
+                self._where[name] = (info["file"], name, info["sha256"])
+        elif there(INDEX):
+            with open(os.path.join(self.path, INDEX)) as f:
+                weight_map = json.load(f)["weight_map"]
+            self._open_safetensors(sorted(set(weight_map.values())), self.path)
+        elif there("model.safetensors"):
+            self._open_safetensors(["model.safetensors"], self.path)
+        elif there("pytorch_model.bin"):
+            self._open_torch(os.path.join(self.path, "pytorch_model.bin"))
+        else:
+            raise _C.Error(f"{self.path} holds no checkpoint: none of {METADATA}, {INDEX}, "
+                           "model.safetensors or pytorch_model.bin is there")
+
+    def _check_files(self):
+        """Every file the metadata lists is there, with its size."""
+        problems = []
+        for fname, size in self.meta["files"].items():
+            path = os.path.join(self.path, fname)
+            if not os.path.exists(path):
+                problems.append(f"{fname} is missing")
+            elif os.path.getsize(path) != size:
+                problems.append(f"{fname} has {os.path.getsize(path)} bytes, not {size} "
+                                "(truncated or overwritten)")
+        if problems:
+            raise _C.Error(f"the checkpoint {self.path} is incomplete: " + "; ".join(problems))
+
+    def _open_safetensors(self, fnames, directory):
+        self.path = directory
+        for fname in fnames:
+            reader = self._reader(fname)
+            for key in reader.keys():
+                self.shapes[key], self.dtypes[key] = reader.shape(key), reader.dtype(key)
+                self._where[key] = (fname, key, None)
+
+    def _open_torch(self, path):
+        # mmap: a rank reads the pages of the tensors it takes, not the whole file
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        if not isinstance(state, collections.abc.Mapping):
+            raise _C.Error(f"{path} holds a {type(state).__name__}, not a state_dict")
+        self._torch = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+        for k, v in self._torch.items():
+            self.shapes[k], self.dtypes[k] = v.shape, v.dtype
+
+    def _reader(self, fname) -> sio.Reader:
+        if fname not in self._readers:
+            try:
+                self._readers[fname] = sio.Reader(os.path.join(self.path, fname))
+            except (OSError, ValueError) as e:
+                raise _C.Error(f"cannot read {os.path.join(self.path, fname)}: {e}") from None
+        return self._readers[fname]
+
+    def keys(self):
+        return self.shapes.keys()
+
+    def read(self, name: str, dest: torch.Tensor | None = None) -> torch.Tensor:
+        """Tensor `name` read into `dest` (cast to its dtype and device) or a new CPU tensor."""
+        if self._torch is not None:
+            value = self._torch[name]
+            if dest is None:
+                return value.clone()
+            with torch.no_grad():
+                dest.copy_(value)
+            return dest
+        fname, key, sha = self._where[name]
+        return self._read_file(fname, key, sha, dest)
+
+    def _read_file(self, fname, key, sha, dest):
+        tensor, digest = self._reader(fname).read_into(key, dest)
+        if sha is not None and digest != sha:
+            raise _C.Error(f"{os.path.join(self.path, fname)}: the bytes of {key} do not match "
+                           "their sha256 in the metadata (the file is corrupt)")
+        return tensor
+
+    # -- what only a rannc checkpoint has
+    @property
+    def aliases(self) -> dict:
+        return self.meta["aliases"] if self.meta else {}
+
+    def optimizer_groups(self) -> dict | None:
+        if not self.meta or not self.meta.get("optimizer"):
+            return None
+        return torch.load(os.path.join(self.path, self.meta["optimizer"]["groups"]),
+                          weights_only=False)
+
+    def optimizer_state(self, name: str, values: dict, existing: dict) -> dict:
+        """Parameter `name`'s optimizer state: its tensors read (into `existing`'s tensors
+        of the same shape and dtype, where there are) and its other values."""
+        state = dict(values.get(name, {}))
+        for key, info in self.meta["optimizer"]["state"].get(name, {}).items():
+            old = existing.get(key)
+            fits = (isinstance(old, torch.Tensor) and list(old.shape) == info["shape"]
+                    and old.dtype == sio.torch_dtype(info["dtype"]))
+            state[key] = self._read_file(info["file"], info["key"], info["sha256"],
+                                         old if fits else None)
+        return state
+
+    def rng_state(self, rank: int) -> dict | None:
+        if not self.meta:
+            return None
+        files = self.meta["rng"]
+        return torch.load(os.path.join(self.path, files[rank % len(files)]), weights_only=False)
+
+    def extra(self):
+        if not self.meta or not self.meta.get("extra"):
+            return None
+        return torch.load(os.path.join(self.path, self.meta["extra"]), weights_only=False)
+
+    def close(self):
+        for reader in self._readers.values():
+            reader.close()
+        self._readers, self._torch = {}, None
+
+
+# ---- loading ----------------------------------------------------------------------------------
+@dataclass
+class _Pending:
+    """A checkpoint loaded before the plan said what this rank keeps."""
+    source: Source
+    matched: dict                   # entry name -> the source's key
+    weights: bool = True
+    optimizer: bool = False
+    what: str = ""
+    groups: dict | None = field(default=None)
+
+
+def load_checkpoint(wrapped, path: str, strict: bool = True):
+    """Loads a checkpoint into `wrapped` (a collective): a rannc checkpoint (weights,
+    optimizer state, random generators), or the weights of a Hugging Face checkpoint
+    directory or a state_dict file. Each rank reads only the tensors it keeps, whatever
+    layout saved them. Returns the `extra` object saved with it (None if none).
+    With `strict`, the names must match the module's as in torch's load_state_dict."""
+    rank = _C.get_rank()
+    what = f"load_checkpoint({os.path.abspath(path)})"
+
+    def open_and_match():
+        source = Source(path)
+        try:
+            return source, _match(_entries(wrapped), source, strict, type(wrapped.module).__name__)
+        except Exception:
+            source.close()
+            raise
+
+    source, matched = _agree(what, open_and_match)
+    groups = source.optimizer_groups() if wrapped.optimizer is not None else None
+    pending = _Pending(source, matched, weights=True, optimizer=groups is not None, what=what,
+                       groups=groups)
+    forget_pending(wrapped)
+    wrapped._pending_checkpoint = pending
+    rng = source.rng_state(rank)
+    if rng is not None:
+        _set_rng_state(rng)
+    extra = source.extra()
+    if wrapped._deployed:
+        apply_pending(wrapped)
+    return extra
+
+
+def _match(entries, source: Source, strict: bool, model: str) -> dict:
+    """Entry name -> the source's key for it (any of the tensor's names, or an alias the
+    checkpoint recorded); checks shapes, and with `strict`, missing and unexpected keys."""
+    keys = set(source.keys())
+    known = {n for e in entries for n in (e.name, *e.aliases)}
+    matched, missing, errors = {}, [], []
+    for e in entries:
+        key = next((n for n in (e.name, *e.aliases) if n in keys), None)
+        if key is None:
+            missing.append(e.name)
+            continue
+        if source.shapes[key] != e.shape:
+            errors.append(f"size mismatch for {e.name}: copying a param with shape "
+                          f"{source.shapes[key]} from checkpoint, the shape in current model "
+                          f"is {e.shape}.")
+        matched[e.name] = key
+    unexpected = sorted(keys - known - set(source.aliases))
+    if strict and missing:
+        errors.append("Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in missing) + ".")
+    if strict and unexpected:
+        errors.append("Unexpected key(s) in state_dict: "
+                      + ", ".join(f'"{k}"' for k in unexpected) + ".")
+    if errors:
+        raise _C.Error(f"Error(s) in loading {source.path} into {model}:\n\t" + "\n\t".join(errors))
+    return matched
+
+
+def forget_pending(wrapped, weights: bool = True, optimizer: bool = True) -> None:
+    """A later load replaces what an earlier load_checkpoint left to read."""
+    pending = getattr(wrapped, "_pending_checkpoint", None)
+    if pending is None:
         return
-    saved_groups = state_dict["param_groups"]
-    if len(saved_groups) != len(wrapped._optimizer_groups):
-        raise ValueError("loaded state dict has a different number of parameter groups")
+    pending.weights &= not weights
+    pending.optimizer &= not optimizer
+    if not (pending.weights or pending.optimizer):
+        pending.source.close()
+        wrapped._pending_checkpoint = None
+
+
+def apply_pending(wrapped, everything: bool = False) -> None:
+    """Reads what a load_checkpoint left to read (a collective): the weights this rank keeps
+    and, once the optimizer holds only this rank's parameters (or with `everything`,
+    before any deployment), its optimizer state."""
+    pending = getattr(wrapped, "_pending_checkpoint", None)
+    if pending is None:
+        return
+    entries = _entries(wrapped)
+    if pending.weights:
+        def read_weights():
+            for e in entries:
+                if e.here and e.name in pending.matched:
+                    pending.source.read(pending.matched[e.name], e.tensor)
+        try:
+            _agree(pending.what, read_weights)
+        except Exception:
+            forget_pending(wrapped)
+            raise
+        wrapped._loaded_everywhere()
+        forget_pending(wrapped, weights=True, optimizer=False)
+    if pending.optimizer and (wrapped._patched or everything):
+        try:
+            _agree(pending.what, lambda: _load_optimizer(wrapped, pending, entries))
+        finally:
+            forget_pending(wrapped, weights=False, optimizer=True)
+
+
+def _load_optimizer(wrapped, pending: _Pending, entries) -> None:
+    """The optimizer's state for the parameters it holds here, in torch's state_dict format
+    with the checkpoint's hyperparameters, through its own load_state_dict."""
+    optimizer, saved = wrapped.optimizer, pending.groups
+    names = {id(e.tensor): e.name for e in entries}
+    if len(saved["param_groups"]) != len(optimizer.param_groups):
+        raise _C.Error(f"the optimizer has {len(optimizer.param_groups)} parameter groups, the "
+                       f"checkpoint's has {len(saved['param_groups'])}")
     local = {"state": {}, "param_groups": []}
-    for saved, group, (params, _) in zip(saved_groups, wrapped.optimizer.param_groups,
-                                         wrapped._optimizer_groups):
-        if len(saved["params"]) != len(params):
-            raise ValueError("loaded state dict contains a parameter group that doesn't "
-                             "match the size of optimizer's group")
-        keep = {id(p) for p in group["params"]}
-        chosen = [j for j, p in enumerate(params) if id(p) in keep]
-        mine = {k: v for k, v in saved.items() if k not in ("params", "param_names")}
-        mine["params"] = [saved["params"][j] for j in chosen]
-        if "param_names" in saved:
-            mine["param_names"] = [saved["param_names"][j] for j in chosen]
+    index = 0
+    for g, (group, saved_group) in enumerate(zip(optimizer.param_groups, saved["param_groups"])):
+        in_saved = set(saved_group["params"])
+        mine = {k: v for k, v in saved_group.items() if k not in ("params", "param_names")}
+        mine["params"] = []
+        if "param_names" in group:
+            mine["param_names"] = list(group["param_names"])
+        for p in group["params"]:
+            name = names.get(id(p))
+            if name not in in_saved:
+                raise _C.Error(f"parameter {name} is in group {g} of the optimizer but not in "
+                               f"group {g} of the checkpoint's optimizer")
+            state = pending.source.optimizer_state(
+                pending.matched.get(name, name), saved["values"], optimizer.state.get(p) or {})
+            if state:
+                local["state"][index] = state
+            mine["params"].append(index)
+            index += 1
         local["param_groups"].append(mine)
-        for index in mine["params"]:
-            if index in state_dict["state"]:
-                local["state"][index] = state_dict["state"][index]
-    # torch keeps Adam's `step` tensors of the dict it loads; a copy keeps the caller's
-    # dict (perhaps another optimizer's live state) apart from this optimizer's.
-    local["state"] = copy.deepcopy(local["state"])
-    wrapped.optimizer.load_state_dict(local)
+    optimizer.load_state_dict(local)
+
+
+# ---- consolidation (no MPI) ---------------------------------------------------------------
+def consolidate(directory: str, out: str, optimizer_out: str | None = None) -> None:
+    """Writes the whole model state of a sharded checkpoint as one plain PyTorch state_dict
+    (every name, tied weights sharing one tensor) to `out`, and with `optimizer_out` the
+    optimizer's state in torch's format (parameters numbered across the groups as the
+    original optimizer numbered them)."""
+    source = Source(directory)
+    try:
+        names = source.meta["names"] if source.meta else sorted(source.keys())
+        aliases = source.aliases
+        state = collections.OrderedDict()
+        for name in names:
+            key = aliases.get(name, name)
+            state[name] = state[key] if key in state else source.read(key)
+        torch.save(state, out)
+        if optimizer_out is not None:
+            saved = source.optimizer_groups()
+            if saved is None:
+                raise _C.Error(f"{directory} holds no optimizer state")
+            result = {"state": {}, "param_groups": []}
+            index = 0
+            for saved_group in saved["param_groups"]:
+                group = {k: v for k, v in saved_group.items() if k != "params"}
+                group["params"] = []
+                for name in saved_group["params"]:
+                    s = source.optimizer_state(name, saved["values"], {})
+                    if s:
+                        result["state"][index] = s
+                    group["params"].append(index)
+                    index += 1
+                result["param_groups"].append(group)
+            torch.save(result, optimizer_out)
+    finally:
+        source.close()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m rannc.checkpoint",
+                                 description="Tools for rannc's sharded checkpoints.")
+    sub = ap.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("consolidate", help="write one plain PyTorch state_dict file")
+    c.add_argument("directory")
+    c.add_argument("out")
+    c.add_argument("--optimizer", metavar="PATH",
+                   help="also write the optimizer's state_dict (torch's format) to PATH")
+    a = ap.parse_args(argv)
+    try:
+        consolidate(a.directory, a.out, a.optimizer)
+    except _C.Error as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

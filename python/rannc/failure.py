@@ -23,6 +23,14 @@ from . import _C
 _installed = False
 
 
+def agreed(message: str) -> _C.Error:
+    """An error that every rank raises in the same call (from values all ranks gathered): no
+    failure notice, and the job can go on if the user catches it."""
+    error = _C.Error(message)
+    error.on_every_rank = True
+    return error
+
+
 def describe(error: BaseException) -> str:
     """'ValueError: boom (at train.py:42)': the exception and the innermost frame."""
     frames = traceback.extract_tb(error.__traceback__)

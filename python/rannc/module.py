@@ -22,7 +22,7 @@ import zlib
 
 import torch
 
-from . import _C, checkpoint, failure
+from . import _C, failure, full_state
 from .grad_sync import GradBuckets
 from .graph import TracedGraph
 from ._trace import autocast_dtype
@@ -164,14 +164,14 @@ class _Deployed:
         comm.all_gather(mine, everyone).wait()
         hashes, batches, models = (everyone[:, i].tolist() for i in range(3))
         if len(set(batches)) > 1:
-            raise _agreed(f"local batches must have the same size on every rank; got "
+            raise failure.agreed(f"local batches must have the same size on every rank; got "
                            f"{dict(enumerate(batches))} (rank: rows)")
         if len(set(models)) > 1:
-            raise _agreed("the ranks built different models (their parameters and buffers "
+            raise failure.agreed("the ranks built different models (their parameters and buffers "
                            "differ in names, shapes or dtypes); every rank must build the same "
                            "model")
         if len(set(hashes)) > 1:
-            raise _agreed(
+            raise failure.agreed(
                 f"the ranks traced different graphs from the same model (graph hash per rank: "
                 f"{[hex(h) for h in hashes]}): the model's control flow depends on its input "
                 "data (an `if` on a tensor's value, a loop over data), and the ranks' batches "
@@ -318,7 +318,7 @@ class _Deployed:
             comm.all_gather(torch.tensor([rows], dtype=torch.int64), everyone).wait()
             sizes = everyone.tolist()
             if len(set(sizes)) > 1:
-                raise _agreed(f"local batches must have the same size on every rank in each "
+                raise failure.agreed(f"local batches must have the same size on every rank in each "
                                f"call; got {dict(enumerate(sizes))} (rank: rows)")
         if self.engine.use_batch(rows) and _C.get_rank() == 0:
             now, planned = self.engine.layout.micro_batches, self.deployment.micro_batches
@@ -457,12 +457,11 @@ class _Deployed:
         return self.graph._rebuild_output(tensors)
 
 
-def _agreed(message: str) -> _C.Error:
-    """An error that every rank raises in the same call (from values all ranks gathered): no
-    failure notice, and the job can go on if the user catches it."""
-    error = _C.Error(message)
-    error.on_every_rank = True
-    return error
+def _checkpoint():
+    """checkpoint.py, imported on first use: `python -m rannc.checkpoint` runs it as
+    __main__, which must not have been imported with the package."""
+    from . import checkpoint
+    return checkpoint
 
 
 def _autocast_off():
@@ -533,6 +532,7 @@ class RaNNCModule(torch.nn.Module):
         self._users = {}        # mode -> per state tensor, the ranks whose stage uses it
         self._freed = {}        # state tensor position -> its shape, for tensors freed here
         self._optimizer_groups = None  # the optimizer's groups before patching: (params, names)
+        self._pending_checkpoint = None  # loaded before the plan was known (checkpoint.py)
 
     def forward(self, *args, **kwargs):
         mode = self.module.training
@@ -598,10 +598,15 @@ class RaNNCModule(torch.nn.Module):
         # Traced where the model is, in the precision the stages' device would compute in.
         home = self._home.type
         start = time.perf_counter()
-        with (torch.autocast(home, dtype=amp) if amp is not None
-              else torch.autocast(home, enabled=False)):
-            graph = TracedGraph(self.module, args, kwargs)
-        deployed = _Deployed(self, graph, args, kwargs, amp, time.perf_counter() - start)
+        # Deploying draws no random numbers from the user's generators (profiling fills
+        # inputs at random), so a run resumed from a checkpoint, which deploys after
+        # restoring them, draws what the uninterrupted run drew.
+        devices = [d.index or 0 for d in {self._home, self.device} if d.type == "cuda"]
+        with torch.random.fork_rng(devices=devices):
+            with (torch.autocast(home, dtype=amp) if amp is not None
+                  else torch.autocast(home, enabled=False)):
+                graph = TracedGraph(self.module, args, kwargs)
+            deployed = _Deployed(self, graph, args, kwargs, amp, time.perf_counter() - start)
         with torch.no_grad():
             for b, before in buffers:
                 b.copy_(before)
@@ -612,6 +617,7 @@ class RaNNCModule(torch.nn.Module):
             self._patch_optimizer(deployed)
         self._release()
         self._place()
+        _checkpoint().apply_pending(self)  # a checkpoint loaded before the plan was known
         return deployed
 
     @staticmethod
@@ -645,6 +651,32 @@ class RaNNCModule(torch.nn.Module):
                 result.append((min(trained or keepers),
                                trained if trained and self._weights_stale else keepers))
         return result
+
+    def _placement(self) -> dict[int, tuple[torch.Size, list[int], bool]]:
+        """For checkpoints: id(state tensor) -> (its full shape, the ranks holding its current
+        value and, once training is deployed, a parameter's optimizer state; whether this
+        rank holds storage for it). Empty before the first deployment (every rank holds
+        everything)."""
+        if not self._users:
+            return {}
+        train = self._users.get(True)
+        placement = {}
+        for i, (t, (_, current)) in enumerate(zip(self._state_tensors(), self._sources())):
+            trained = train[i] if train is not None else set()
+            placement[id(t)] = (self._freed.get(i, t.shape), sorted(trained or current),
+                                i not in self._freed)
+        return placement
+
+    def _loaded_everywhere(self):
+        """Every rank keeping a tensor now holds its current value (a checkpoint was loaded
+        into all of them)."""
+        self._weights_stale = False
+
+    def _original_param_groups(self) -> list[list[torch.Tensor]]:
+        """The optimizer's parameter lists as the user built them (before patching)."""
+        if self._optimizer_groups is not None:
+            return [params for params, _ in self._optimizer_groups]
+        return [list(g["params"]) for g in self.optimizer.param_groups]
 
     def _materialize(self):
         """Gives every state tensor real storage and its current value on every rank (a
@@ -728,27 +760,45 @@ class RaNNCModule(torch.nn.Module):
                 copies.append((owner, eval_users - current, t.data))
         self._transfer(copies)
 
-    # ---- checkpoints (python/rannc/checkpoint.py) -------------------------------------------
+    # ---- checkpoints -----------------------------------------------------------------------
+    def save_checkpoint(self, directory: str, extra=None) -> None:
+        """Every rank writes the weights and optimizer state of its stages to `directory` at
+        once, with the random generators, the plans and `extra` (anything torch.save takes,
+        such as an LR scheduler's state_dict); a collective. Sharded safetensors that
+        transformers and safetensors read; see checkpoint.py."""
+        _checkpoint().save_checkpoint(self, directory, extra)
+
+    def load_checkpoint(self, path: str, strict: bool = True):
+        """Loads a checkpoint saved by save_checkpoint in any world size or plan (each rank
+        reads only its stages' tensors), or the weights of a Hugging Face checkpoint
+        directory or a state_dict file; a collective. Returns the saved `extra`."""
+        return _checkpoint().load_checkpoint(self, path, strict)
+
     def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
-        """The full model state under the original names on every rank (a collective);
-        see checkpoint.gather_state_dict."""
-        return checkpoint.gather_state_dict(self, *args, destination=destination, prefix=prefix,
+        """The full model state under the original names on every rank (a collective that
+        gathers the whole model on every rank: for small models; large ones use
+        save_checkpoint); see full_state.gather_state_dict."""
+        _checkpoint().apply_pending(self, everything=True)
+        return full_state.gather_state_dict(self, *args, destination=destination, prefix=prefix,
                                             keep_vars=keep_vars)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Loads a full model state into the tensors this rank keeps; see
-        checkpoint.load_state_dict."""
-        return checkpoint.load_state_dict(self, state_dict, strict=strict, assign=assign)
+        full_state.load_state_dict."""
+        _checkpoint().forget_pending(self, weights=True, optimizer=False)
+        return full_state.load_state_dict(self, state_dict, strict=strict, assign=assign)
 
     def optimizer_state_dict(self) -> dict:
         """The optimizer's full state in the original optimizer's format, on every rank (a
-        collective); see checkpoint.gather_optimizer_state."""
-        return checkpoint.gather_optimizer_state(self)
+        collective that gathers it whole); see full_state.gather_optimizer_state."""
+        _checkpoint().apply_pending(self, everything=True)
+        return full_state.gather_optimizer_state(self)
 
     def load_optimizer_state_dict(self, state_dict: dict) -> None:
         """Loads an optimizer state in the original optimizer's format; see
-        checkpoint.load_optimizer_state."""
-        checkpoint.load_optimizer_state(self, state_dict)
+        full_state.load_optimizer_state."""
+        _checkpoint().forget_pending(self, weights=False, optimizer=True)
+        full_state.load_optimizer_state(self, state_dict)
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0,
                        scaler: torch.amp.GradScaler | None = None) -> torch.Tensor:

@@ -17,6 +17,8 @@ fails loudly on CPU ranks too, where every test runs.
 """
 from __future__ import annotations
 
+import io
+
 import torch
 
 from . import _C
@@ -165,3 +167,22 @@ def group_communicator(ranks, device: torch.device, nccl: bool):
         return _C.Communicator.world_cuda().subgroup(list(ranks))
     sub = _C.Communicator.world_cpu().subgroup(list(ranks))
     return _StagedCollective(sub) if device.type != "cpu" else sub
+
+
+def all_gather_objects(obj) -> list:
+    """Copies of every rank's `obj` (anything torch.save takes), in rank order, on every
+    rank; this rank's too, so nothing returned aliases live state."""
+    comm, rank = _C.Communicator.world_cpu(), _C.get_rank()
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    data = buf.getvalue()
+    sizes = torch.empty(comm.size, 1, dtype=torch.int64)
+    comm.all_gather(torch.tensor([len(data)], dtype=torch.int64), sizes).wait()
+    parts = []
+    for r, size in enumerate(sizes[:, 0].tolist()):
+        part = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if r == rank
+                else torch.empty(size, dtype=torch.uint8))
+        comm.broadcast(part, r).wait()
+        parts.append(torch.load(io.BytesIO(part.numpy().tobytes()), weights_only=False,
+                                map_location="cpu"))
+    return parts

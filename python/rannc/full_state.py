@@ -1,0 +1,148 @@
+"""The whole state of a RaNNCModule in memory, for small models: the full model state and
+the optimizer's state gathered under the original names and indices on every rank, and
+loaded back from plain PyTorch's format (from any world size), though each rank keeps only
+its stages' state ([Note: freed state] in module.py). All gathers are collectives. Large
+models save and load sharded checkpoints instead (checkpoint.py): nothing is gathered."""
+from __future__ import annotations
+
+import collections
+import copy
+
+import torch
+
+from . import _C
+from .transport import all_gather_objects
+
+
+def gather_state_dict(wrapped, *args, destination=None, prefix="", keep_vars=False):
+    """The full model state (parameters and persistent buffers) under the original names,
+    as `module.state_dict()` of plain PyTorch gives it, on every rank (a collective:
+    every rank must call it). The tensors are fresh copies on the CPU (the whole model
+    need not fit on one device); the model keeps only its stage's state."""
+    if not wrapped._users:
+        return wrapped.module.state_dict(*args, destination=destination, prefix=prefix,
+                                      keep_vars=keep_vars)
+    comm, rank = _C.Communicator.world_cpu(), _C.get_rank()
+    world = set(range(_C.get_world_size()))
+    gathered = {}
+    for i, (t, (owner, current)) in enumerate(zip(wrapped._state_tensors(), wrapped._sources())):
+        if current == world:
+            value = t.detach().to("cpu", copy=True)
+        else:
+            value = (t.detach().to("cpu", copy=True, memory_format=torch.contiguous_format)
+                     if rank == owner
+                     else torch.empty(wrapped._freed.get(i, t.shape), dtype=t.dtype))
+            comm.broadcast(value, owner).wait()
+        gathered[id(t)] = value
+    out = wrapped.module.state_dict(*args, destination=destination, prefix=prefix, keep_vars=True)
+    for k, v in out.items():
+        if isinstance(v, torch.Tensor) and id(v) in gathered:
+            out[k] = gathered[id(v)]
+    return out
+
+
+def load_state_dict(wrapped, state_dict, strict: bool = True, assign: bool = False):
+    """Loads a full model state (from plain PyTorch or another world size; every rank
+    passes the whole dict) into the tensors this rank keeps. Keys and shapes are checked
+    as torch does, the freed tensors' included."""
+    if assign and wrapped._deployed:
+        raise _C.Error("load_state_dict(assign=True) would replace the tensors the deployed "
+                       "stages run with; load with assign=False (the default)")
+    if not wrapped._freed:
+        return wrapped.module.load_state_dict(state_dict, strict=strict, assign=assign)
+    tensors = wrapped._state_tensors()
+    freed = {id(tensors[i]): shape for i, shape in wrapped._freed.items()}
+    shapes = {k: freed[id(v)] for k, v in wrapped.module.state_dict(keep_vars=True).items()
+              if isinstance(v, torch.Tensor) and id(v) in freed}  # the freed tensors' keys
+    errors = [f"size mismatch for {k}: copying a param with shape {state_dict[k].shape} from "
+              f"checkpoint, the shape in current model is {shapes[k]}."
+              for k in shapes if k in state_dict and isinstance(state_dict[k], torch.Tensor)
+              and state_dict[k].shape != shapes[k]]
+    if errors:
+        raise RuntimeError(f"Error(s) in loading state_dict for {type(wrapped.module).__name__}:"
+                           "\n\t" + "\n\t".join(errors))
+    kept = collections.OrderedDict((k, v) for k, v in state_dict.items() if k not in shapes)
+    if getattr(state_dict, "_metadata", None) is not None:
+        kept._metadata = state_dict._metadata
+    result = wrapped.module.load_state_dict(kept, strict=False)
+    missing = [k for k in result.missing_keys if k not in state_dict]
+    unexpected = list(result.unexpected_keys)
+    if strict and (missing or unexpected):
+        errors = []
+        if missing:
+            errors.append("Missing key(s) in state_dict: "
+                          + ", ".join(f'"{k}"' for k in missing) + ". ")
+        if unexpected:
+            errors.append("Unexpected key(s) in state_dict: "
+                          + ", ".join(f'"{k}"' for k in unexpected) + ". ")
+        raise RuntimeError(f"Error(s) in loading state_dict for {type(wrapped.module).__name__}:"
+                           "\n\t" + "\n\t".join(errors))
+    return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+
+def gather_optimizer_state(wrapped) -> dict:
+    """The optimizer's full state in the format of the original optimizer's state_dict()
+    ('state' keyed by each parameter's index in the original param_groups, 'param_groups'
+    with the original index lists), gathered from the ranks that update each parameter,
+    on every rank (a collective). It loads into a plain torch optimizer over the same
+    model's parameters."""
+    if wrapped.optimizer is None:
+        raise _C.Error("optimizer_state_dict: this RaNNCModule was built without an optimizer")
+    if not wrapped._patched:
+        return wrapped.optimizer.state_dict()
+    rank = _C.get_rank()
+    position = {id(t): i for i, t in enumerate(wrapped._state_tensors())}
+    sources = wrapped._sources()
+    groups, mine, start = [], {}, 0
+    for group, (params, names) in zip(wrapped.optimizer.param_groups, wrapped._optimizer_groups):
+        packed = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+        packed["params"] = list(range(start, start + len(params)))
+        if names is not None:
+            packed["param_names"] = list(names)
+        for index, p in zip(packed["params"], params):
+            i = position.get(id(p))
+            if i is not None and sources[i][0] == rank and wrapped.optimizer.state.get(p):
+                mine[index] = wrapped.optimizer.state[p]
+        start += len(params)
+        groups.append(packed)
+    state = {}
+    for part in all_gather_objects(mine):
+        state.update(part)
+    return {"state": dict(sorted(state.items())), "param_groups": groups}
+
+
+def load_optimizer_state(wrapped, state_dict: dict) -> None:
+    """Loads an optimizer state in the original optimizer's format (from
+    optimizer_state_dict(), from a plain torch optimizer over the same model, or from
+    another world size; every rank passes the whole dict): each rank takes the state of
+    the parameters it updates. Hyperparameters come from the dict, as in torch."""
+    if wrapped.optimizer is None:
+        raise _C.Error("load_optimizer_state_dict: this RaNNCModule was built without an "
+                       "optimizer")
+    if not wrapped._patched:
+        wrapped.optimizer.load_state_dict({**state_dict,
+                                        "state": copy.deepcopy(state_dict["state"])})
+        return
+    saved_groups = state_dict["param_groups"]
+    if len(saved_groups) != len(wrapped._optimizer_groups):
+        raise ValueError("loaded state dict has a different number of parameter groups")
+    local = {"state": {}, "param_groups": []}
+    for saved, group, (params, _) in zip(saved_groups, wrapped.optimizer.param_groups,
+                                         wrapped._optimizer_groups):
+        if len(saved["params"]) != len(params):
+            raise ValueError("loaded state dict contains a parameter group that doesn't "
+                             "match the size of optimizer's group")
+        keep = {id(p) for p in group["params"]}
+        chosen = [j for j, p in enumerate(params) if id(p) in keep]
+        mine = {k: v for k, v in saved.items() if k not in ("params", "param_names")}
+        mine["params"] = [saved["params"][j] for j in chosen]
+        if "param_names" in saved:
+            mine["param_names"] = [saved["param_names"][j] for j in chosen]
+        local["param_groups"].append(mine)
+        for index in mine["params"]:
+            if index in state_dict["state"]:
+                local["state"][index] = state_dict["state"][index]
+    # torch keeps Adam's `step` tensors of the dict it loads; a copy keeps the caller's
+    # dict (perhaps another optimizer's live state) apart from this optimizer's.
+    local["state"] = copy.deepcopy(local["state"])
+    wrapped.optimizer.load_state_dict(local)
