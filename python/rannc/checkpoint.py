@@ -127,6 +127,7 @@ def _agree(what: str, action, cleanup=None, gather: bool = False):
                 cleanup()
             except OSError:
                 pass
+        _C.barrier()  # the cleanup is done when any rank returns
         raise failure.agreed(f"{what} failed: " + "; ".join(f"rank {r}: {err}"
                                                           for r, err in failed))
     return [r for _, r in everyone] if gather else result
