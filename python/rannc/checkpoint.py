@@ -17,7 +17,7 @@ reads back only the state of its stages in whatever layout it runs now.
 - rng/rank-RRRRR.pt: each rank's random generators (torch CPU and CUDA, Python, NumPy).
 - plan-train.rannc / plan-eval.rannc: the deployed plans (option load_plan reads them).
 - extra.pt: the caller's `extra` object (rank 0's); rannc_checkpoint.json: the metadata
-  (format version, world size, optimizer step, every tensor's file, shape, dtype and sha256,
+  (format version, world size, optimizer step, every tensor's file, shape, dtype and CRC-32,
   every file's size), written last.
 Each tensor is written by one rank among those holding its current value (and, for a
 parameter, its optimizer state): the replicas of a stage share its tensors out by bytes, so
@@ -182,10 +182,10 @@ def _write_shards(wrapped, tmp: str, entries: list[_Entry], writers: list[int]) 
     report = {"tensors": {}, "optimizer": {}, "values": {}, "files": {}, "step": None}
 
     def write(fname, tensors):
-        hashes = sio.write_file(os.path.join(tmp, fname), tensors, {"format": "pt"})
+        checksums = sio.write_file(os.path.join(tmp, fname), tensors, {"format": "pt"})
         report["files"][fname] = os.path.getsize(os.path.join(tmp, fname))
         return {key: {"file": fname, "shape": list(t.shape), "dtype": sio.dtype_name(t.dtype),
-                      "sha256": hashes[key]} for key, t in tensors}
+                      "crc32": checksums[key]} for key, t in tensors}
 
     if mine:
         report["tensors"] = write(_shard_name("model", rank, writers),
@@ -317,14 +317,14 @@ class Source:
     """Named tensors to load: a rannc checkpoint, a Hugging Face checkpoint directory
     (sharded or single safetensors, or pytorch_model.bin), a safetensors file, or a file
     torch.save wrote holding a state_dict. Opening checks that every file is there and
-    complete; reading checks each tensor's sha256 where the metadata has one."""
+    complete; reading checks each tensor's CRC-32 where the metadata has one."""
 
     def __init__(self, path: str):
         self.path = os.path.abspath(path)
         self.meta = None
         self._readers = {}
         self._torch = None
-        self.shapes, self.dtypes, self._where = {}, {}, {}  # name -> shape, dtype, (file, key, sha)
+        self.shapes, self.dtypes, self._where = {}, {}, {}  # name -> shape, dtype, (file, key, crc32)
         if os.path.isdir(self.path):
             self._open_directory()
         elif os.path.exists(self.path):
@@ -353,7 +353,7 @@ class Source:
             for name, info in self.meta["tensors"].items():
                 self.shapes[name] = torch.Size(info["shape"])
                 self.dtypes[name] = sio.torch_dtype(info["dtype"])
-                self._where[name] = (info["file"], name, info["sha256"])
+                self._where[name] = (info["file"], name, info["crc32"])
         elif there(INDEX):
             with open(os.path.join(self.path, INDEX)) as f:
                 weight_map = json.load(f)["weight_map"]
@@ -416,14 +416,14 @@ class Source:
             with torch.no_grad():
                 dest.copy_(value)
             return dest
-        fname, key, sha = self._where[name]
-        return self._read_file(fname, key, sha, dest)
+        fname, key, crc = self._where[name]
+        return self._read_file(fname, key, crc, dest)
 
-    def _read_file(self, fname, key, sha, dest):
-        tensor, digest = self._reader(fname).read_into(key, dest)
-        if sha is not None and digest != sha:
+    def _read_file(self, fname, key, crc, dest):
+        tensor, found = self._reader(fname).read_into(key, dest)
+        if crc is not None and found != crc:
             raise _C.Error(f"{os.path.join(self.path, fname)}: the bytes of {key} do not match "
-                           "their sha256 in the metadata (the file is corrupt)")
+                           "their CRC-32 in the metadata (the file is corrupt)")
         return tensor
 
     # -- what only a rannc checkpoint has
@@ -445,7 +445,7 @@ class Source:
             old = existing.get(key)
             fits = (isinstance(old, torch.Tensor) and list(old.shape) == info["shape"]
                     and old.dtype == sio.torch_dtype(info["dtype"]))
-            state[key] = self._read_file(info["file"], info["key"], info["sha256"],
+            state[key] = self._read_file(info["file"], info["key"], info["crc32"],
                                          old if fits else None)
         return state
 

@@ -14,10 +14,10 @@ then the tensors' bytes back to back.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import struct
+import zlib
 
 import torch
 
@@ -28,6 +28,10 @@ _DTYPES = {
     torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
 }
 _TORCH = {v: k for k, v in _DTYPES.items()}
+# Bytes are written, read and checksummed in pieces of this size: the checksum reads each
+# piece while it is in the CPU's cache (CRC-32 adds about a quarter to a write, a sha256
+# about as much as the write itself, measured).
+_PIECE = 1 << 20
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -62,7 +66,8 @@ def _host_bytes(t: torch.Tensor):
 def write_file(path: str, tensors: list[tuple[str, torch.Tensor]],
                metadata: dict[str, str] | None = None) -> dict[str, str]:
     """Writes `tensors` (name, tensor) in this order to a safetensors file at `path` and
-    makes it durable (fsync). Returns the sha256 of each tensor's bytes, by name."""
+    makes it durable (fsync). Returns the CRC-32 of each tensor's bytes (8 hex digits), by
+    name."""
     header, offset = {}, 0
     for name, t in tensors:
         size = _nbytes(t.shape, t.dtype)
@@ -73,17 +78,20 @@ def write_file(path: str, tensors: list[tuple[str, torch.Tensor]],
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    hashes = {}
+    checksums = {}
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         for name, t in tensors:
-            data = _host_bytes(t)
-            hashes[name] = hashlib.sha256(data).hexdigest()
-            f.write(memoryview(data))
+            data, crc = memoryview(_host_bytes(t)), 0
+            for i in range(0, len(data), _PIECE):  # checksummed while in the cache
+                piece = data[i:i + _PIECE]
+                crc = zlib.crc32(piece, crc)
+                f.write(piece)
+            checksums[name] = f"{crc:08x}"
         f.flush()
         os.fsync(f.fileno())
-    return hashes
+    return checksums
 
 
 class Reader:
@@ -121,7 +129,7 @@ class Reader:
     def read_into(self, name: str, dest: torch.Tensor | None = None) -> tuple[torch.Tensor, str]:
         """Reads tensor `name` into `dest` (copying into it, cast to its dtype and device, when
         it is not a contiguous CPU tensor of the stored dtype) or into a new CPU tensor.
-        Returns (the tensor read into, the sha256 of the stored bytes)."""
+        Returns (the tensor read into, the CRC-32 of the stored bytes as write_file gives it)."""
         entry = self.entries[name]
         shape, dtype = self.shape(name), self.dtype(name)
         begin, end = entry["data_offsets"]
@@ -133,18 +141,18 @@ class Reader:
             raise ValueError(f"{self.path}: tensor {name} holds {end - begin} bytes, but "
                              f"{list(shape)} x {dtype} needs {len(view)}")
         self._file.seek(self._data_start + begin)
-        done = 0
+        done, crc = 0, 0
         while done < len(view):
-            got = self._file.readinto(view[done:])
+            got = self._file.readinto(view[done:done + _PIECE])
             if not got:
                 raise ValueError(f"{self.path} ends inside tensor {name}")
+            crc = zlib.crc32(view[done:done + got], crc)
             done += got
-        digest = hashlib.sha256(view).hexdigest()
         if dest is not None and not direct:
             with torch.no_grad():
                 dest.copy_(target)
             target = dest
-        return target, digest
+        return target, f"{crc:08x}"
 
     def close(self):
         self._file.close()

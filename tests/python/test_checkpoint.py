@@ -33,7 +33,7 @@ def test_streamed_safetensors_files_read_back_with_the_safetensors_library(tmp_p
                ("mask", torch.rand(2, 2) > 0.5), ("step", torch.tensor(7.0)),
                ("empty", torch.zeros(0, 3)), ("cols", torch.randn(5, 3).t())]  # not contiguous
     path = str(tmp_path / "x.safetensors")
-    hashes = sio.write_file(path, tensors, {"format": "pt"})
+    checksums = sio.write_file(path, tensors, {"format": "pt"})
     loaded = load_file(path)
     assert list(loaded) == [n for n, _ in tensors] or set(loaded) == {n for n, _ in tensors}
     for name, t in tensors:
@@ -42,7 +42,7 @@ def test_streamed_safetensors_files_read_back_with_the_safetensors_library(tmp_p
         assert reader.metadata == {"format": "pt"}
         for name, t in tensors:
             got, digest = reader.read_into(name)
-            assert torch.equal(got, t) and digest == hashes[name], name
+            assert torch.equal(got, t) and digest == checksums[name], name
         # into a tensor of another dtype, and into a non-contiguous one: copied and cast
         dest = torch.zeros(3, 5, dtype=torch.float64)
         reader.read_into("w", dest)
@@ -202,7 +202,7 @@ def _damage(src, dst, how):
 @pytest.mark.parametrize("how,error", [
     ("missing", "model-00002-of-00002.safetensors is missing"),
     ("truncated", "model-00002-of-00002.safetensors has"),
-    ("corrupt", "do not match their sha256")])
+    ("corrupt", "do not match their CRC-32")])
 def test_a_damaged_checkpoint_fails_to_load_on_every_rank_naming_the_damage(small, tmp_path,
                                                                             how, error):
     _damage(small, tmp_path / "ckpt", how)
