@@ -17,7 +17,7 @@ Models: BERT-base-sized and GPT-2-small-sized (bench/profile_bench.py builds the
                every candidate range measured whole at every row count), fresh cache;
                the same plan hash means the faster planning found the same plan
 The defaults are the configuration of the issue's table (bench/results/profile_bench.md):
-seq 64, one row per device, 8 blocks. Writes bench/results/plan_time_<device>.json and .md.
+seq 64, one row per device, 8 blocks. Writes bench/results/plan_time.{json,md} (plan_time_cuda.* with --device cuda).
 """
 import argparse
 import copy
@@ -114,7 +114,8 @@ def main():
         rows.append(row)
         print(json.dumps(row), flush=True)
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    base = os.path.join(HERE, "results", f"plan_time_{a.device}")
+    # the CPU cases are the issue's table (plan_time.*); the GPU cases sit beside them
+    base = os.path.join(HERE, "results", "plan_time" if a.device == "cpu" else f"plan_time_{a.device}")
     if os.path.exists(base + ".json"):  # keep the rows of models not run this time, and
         with open(base + ".json") as f:  # columns not run (--skip-whole)
             old = {r["model"]: r for r in json.load(f).get("rows", [])}
