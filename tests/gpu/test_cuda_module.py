@@ -56,6 +56,16 @@ def test_checkpoints_of_a_cuda_model_save_and_load(model):
     _ok(res, 2)
 
 
+def test_a_sharded_checkpoint_of_cuda_stages_resumes_in_another_layout(tmp_path):
+    """Two ranks sharing the GPU save their stages' shares (tensors pass the host one at a
+    time); one rank on the GPU resumes from them, equal to plain PyTorch."""
+    cuda = ["--opt", "device=cuda", "data_plane=mpi"]
+    _ok(mpirun("sharded_checkpoint_check.py", 2, "save", "--dir", tmp_path / "ckpt", *cuda,
+               timeout=300), 2)
+    _ok(mpirun("sharded_checkpoint_check.py", 1, "resume", "--dir", tmp_path / "ckpt",
+               "--stages", 1, "--micro", 1, "--opt", "device=cuda", timeout=300), 1)
+
+
 @pytest.mark.parametrize("name", ["mlp", "gpt"])
 def test_recompute_restores_the_cuda_generator(name):
     model, args, kwargs = zoo.make(name, batch=6)  # dropout active

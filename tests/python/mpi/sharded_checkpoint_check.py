@@ -39,6 +39,7 @@ a = ap.parse_args()
 options = dict(o.split("=", 1) for o in a.opt)
 rank, world = rannc.get_rank(), rannc.get_world_size()
 torch.set_num_threads(1)
+zoo.full_fp32()  # with option device=cuda: no TF32 against the CPU's float32
 
 N, M = 3, 2
 GLOBAL = 8
