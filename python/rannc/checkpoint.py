@@ -80,9 +80,9 @@ class _Entry:
 
 def _entries(wrapped) -> list[_Entry]:
     """The module's parameters and persistent buffers in state_dict order, one entry per
-    tensor, with where they live ([Note: freed state] in module.py)."""
+    tensor, with where they live ([Note: freed state] in placement.py)."""
     world = list(range(_C.get_world_size()))
-    placement = wrapped._placement()
+    placement = wrapped.placement.holders()
     entries, by_id = [], {}
     for name, t in wrapped.module.state_dict(keep_vars=True).items():
         if not isinstance(t, torch.Tensor):
@@ -567,7 +567,7 @@ def apply_pending(wrapped, everything: bool = False) -> None:
         except Exception:
             forget_pending(wrapped)
             raise
-        wrapped._loaded_everywhere()
+        wrapped.placement.current_everywhere()
         forget_pending(wrapped, weights=True, optimizer=False)
     if pending.optimizer and (wrapped._patched or everything):
         try:

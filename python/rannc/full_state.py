@@ -1,7 +1,7 @@
 """The whole state of a RaNNCModule in memory, for small models: the full model state and
 the optimizer's state gathered under the original names and indices on every rank, and
 loaded back from plain PyTorch's format (from any world size), though each rank keeps only
-its stages' state ([Note: freed state] in module.py). All gathers are collectives. Large
+its stages' state ([Note: freed state] in placement.py). All gathers are collectives. Large
 models save and load sharded checkpoints instead (checkpoint.py): nothing is gathered."""
 from __future__ import annotations
 
@@ -19,19 +19,20 @@ def gather_state_dict(wrapped, *args, destination=None, prefix="", keep_vars=Fal
     as `module.state_dict()` of plain PyTorch gives it, on every rank (a collective:
     every rank must call it). The tensors are fresh copies on the CPU (the whole model
     need not fit on one device); the model keeps only its stage's state."""
-    if not wrapped._users:
+    placement = wrapped.placement
+    if not placement.deployed:
         return wrapped.module.state_dict(*args, destination=destination, prefix=prefix,
                                       keep_vars=keep_vars)
     comm, rank = _C.Communicator.world_cpu(), _C.get_rank()
     world = set(range(_C.get_world_size()))
     gathered = {}
-    for i, (t, (owner, current)) in enumerate(zip(wrapped._state_tensors(), wrapped._sources())):
+    for i, (t, (owner, current)) in enumerate(zip(placement.tensors(), placement.sources())):
         if current == world:
             value = t.detach().to("cpu", copy=True)
         else:
             value = (t.detach().to("cpu", copy=True, memory_format=torch.contiguous_format)
                      if rank == owner
-                     else torch.empty(wrapped._freed.get(i, t.shape), dtype=t.dtype))
+                     else torch.empty(placement.full_shape(i, t), dtype=t.dtype))
             comm.broadcast(value, owner).wait()
         gathered[id(t)] = value
     out = wrapped.module.state_dict(*args, destination=destination, prefix=prefix, keep_vars=True)
@@ -48,10 +49,11 @@ def load_state_dict(wrapped, state_dict, strict: bool = True, assign: bool = Fal
     if assign and wrapped._deployed:
         raise _C.Error("load_state_dict(assign=True) would replace the tensors the deployed "
                        "stages run with; load with assign=False (the default)")
-    if not wrapped._freed:
+    freed_here = wrapped.placement.freed()
+    if not freed_here:
         return wrapped.module.load_state_dict(state_dict, strict=strict, assign=assign)
-    tensors = wrapped._state_tensors()
-    freed = {id(tensors[i]): shape for i, shape in wrapped._freed.items()}
+    tensors = wrapped.placement.tensors()
+    freed = {id(tensors[i]): shape for i, shape in freed_here.items()}
     shapes = {k: freed[id(v)] for k, v in wrapped.module.state_dict(keep_vars=True).items()
               if isinstance(v, torch.Tensor) and id(v) in freed}  # the freed tensors' keys
     errors = [f"size mismatch for {k}: copying a param with shape {state_dict[k].shape} from "
@@ -91,8 +93,8 @@ def gather_optimizer_state(wrapped) -> dict:
     if not wrapped._patched:
         return wrapped.optimizer.state_dict()
     rank = _C.get_rank()
-    position = {id(t): i for i, t in enumerate(wrapped._state_tensors())}
-    sources = wrapped._sources()
+    position = {id(t): i for i, t in enumerate(wrapped.placement.tensors())}
+    sources = wrapped.placement.sources()
     groups, mine, start = [], {}, 0
     for group, (params, names) in zip(wrapped.optimizer.param_groups, wrapped._optimizer_groups):
         packed = {k: v for k, v in group.items() if k not in ("params", "param_names")}

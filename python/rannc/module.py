@@ -28,7 +28,8 @@ from .graph import TracedGraph
 from ._trace import autocast_dtype
 from .options import PRECISIONS, Options
 from .pipeline import Engine
-from .transport import group_communicator, recv_staged, resolve_device, send_staged, uses_nccl
+from .placement import StatePlacement
+from .transport import group_communicator, resolve_device, uses_nccl
 
 
 class _ApplyStepGrads(torch.autograd.Function):
@@ -482,10 +483,6 @@ def _dtype(value):
     return _DTYPES[value["dtype"]]
 
 
-# Tag of the point-to-point copies of parameters and buffers between ranks (RaNNCModule._transfer).
-_STATE_TAG = 7
-
-
 def _optimizer_kind(optimizer) -> str:
     if optimizer is None:
         return "sgd"
@@ -513,13 +510,12 @@ class RaNNCModule(torch.nn.Module):
         _C.set_comm_timeout(self.options.comm_timeout)
         self.module = model
         self.optimizer = optimizer
-        # [Note: placement] Tracing runs the whole model where the user keeps it (`_home`);
-        # each rank then moves its stages' parameters and buffers to its device (the same
-        # tensor objects, so the optimizer's references stay valid).
+        # [Note: placement] in placement.py
         self.device = resolve_device(self.options.device, model)
         self.nccl = uses_nccl(self.device, self.options.data_plane)
         first = next(itertools.chain(model.parameters(), model.buffers()), None)
         self._home = first.device if first is not None else torch.device("cpu")
+        self.placement = StatePlacement(model, self._home, self.device)
         from . import planning
         self.profile_cache = planning.default_profile_cache()
         if self.options.profile_cache:
@@ -527,10 +523,7 @@ class RaNNCModule(torch.nn.Module):
             self.profile_cache.load(self.options.profile_cache)
         self._deployed = {}
         self._anchor = torch.zeros((), requires_grad=True)
-        self._weights_stale = False  # trained since the ranks that only evaluate a tensor got it
         self._patched = False
-        self._users = {}        # mode -> per state tensor, the ranks whose stage uses it
-        self._freed = {}        # state tensor position -> its shape, for tensors freed here
         self._optimizer_groups = None  # the optimizer's groups before patching: (params, names)
         self._pending_checkpoint = None  # loaded before the plan was known (checkpoint.py)
 
@@ -553,11 +546,10 @@ class RaNNCModule(torch.nn.Module):
                 # mode whose plan may place it elsewhere runs, the owners share the weights.
                 if deployed is None:
                     deployed = self._deploy(mode, args, kwargs, amp)
-                elif not mode and self._weights_stale:
-                    self._sync_parameters()
-                    self._weights_stale = False
+                elif not mode:
+                    self.placement.before_eval()
                 if mode:
-                    self._weights_stale = True
+                    self.placement.trained()
                 return deployed.run(args, kwargs)
         except _C.CommError:
             raise
@@ -571,15 +563,7 @@ class RaNNCModule(torch.nn.Module):
             _C.report_failure(message)
             raise
 
-    # ---- deployment; where each parameter and buffer lives ---------------------------------
-    # [Note: freed state] A rank keeps real storage only for the parameters and buffers that
-    # its stage of some deployed mode (train, eval) uses; the module's other state tensors
-    # are empty (numel 0, same objects; their shapes are in self._freed). Every rank computes
-    # the same placement from the plans, so the copies below need no negotiation. A tensor's
-    # owner, which holds its current value, is the first rank whose training stage updates it
-    # (else the first rank keeping it). Tracing a new mode runs the whole model, so it
-    # re-materialises every tensor first and frees again after deploying.
-
+    # ---- deployment ([Note: freed state] in placement.py) ------------------------------------
     def _precision(self):
         """The autocast dtype this call computes in (None: fp32): the option precision, else
         the caller's torch.autocast state for the device the stages run on."""
@@ -591,7 +575,7 @@ class RaNNCModule(torch.nn.Module):
     def _deploy(self, mode, args, kwargs, amp):
         """Traces, plans and deploys `mode` (a collective) in precision `amp`, then frees the
         state tensors that no deployed stage on this rank uses."""
-        self._materialize()
+        self.placement.materialize()
         # Profiling runs the pieces on the module's own buffers, and a batch norm in training
         # mode updates its running statistics each time: keep the values from before.
         buffers = [(b, b.detach().clone()) for b in self.module.buffers()]
@@ -612,122 +596,17 @@ class RaNNCModule(torch.nn.Module):
                 b.copy_(before)
         del buffers
         self._deployed[mode] = deployed
-        self._users[mode] = self._stage_users(deployed)
         if mode:
             self._patch_optimizer(deployed)
-        self._release()
-        self._place()
+        self.placement.add_mode(mode, deployed)
         _checkpoint().apply_pending(self)  # a checkpoint loaded before the plan was known
         return deployed
-
-    @staticmethod
-    def _stage_users(deployed) -> list[set[int]]:
-        """Per state tensor (trace order): the ranks whose stage of `deployed` uses it."""
-        position = {v: i for i, v in enumerate(deployed.state_ids)}
-        users = [set() for _ in deployed.state_ids]
-        engine = deployed.engine
-        for s, piece in enumerate(engine.pieces):
-            for v in piece.inputs:
-                if v in position:
-                    users[position[v]].update(engine.layout.stage_ranks[s])
-        return users
-
-    def _state_tensors(self) -> list[torch.Tensor]:
-        """The module's parameters and buffers in trace order (the same in every mode)."""
-        return next(iter(self._deployed.values())).graph._trace.state.tensors(self.module)
-
-    def _sources(self) -> list[tuple]:
-        """Per state tensor: (owner, ranks whose copy is current). A tensor no stage uses is
-        kept everywhere and never changes: (None, all ranks)."""
-        world = set(range(_C.get_world_size()))
-        train = self._users.get(True)
-        result = []
-        for i in range(len(next(iter(self._users.values())))):
-            keepers = set().union(*(users[i] for users in self._users.values()))
-            trained = train[i] if train is not None else set()
-            if not keepers:
-                result.append((None, world))
-            else:  # after training, only the ranks that trained it are up to date
-                result.append((min(trained or keepers),
-                               trained if trained and self._weights_stale else keepers))
-        return result
-
-    def _placement(self) -> dict[int, tuple[torch.Size, list[int], bool]]:
-        """For checkpoints: id(state tensor) -> (its full shape, the ranks holding its current
-        value and, once training is deployed, a parameter's optimizer state; whether this
-        rank holds storage for it). Empty before the first deployment (every rank holds
-        everything)."""
-        if not self._users:
-            return {}
-        train = self._users.get(True)
-        placement = {}
-        for i, (t, (_, current)) in enumerate(zip(self._state_tensors(), self._sources())):
-            trained = train[i] if train is not None else set()
-            placement[id(t)] = (self._freed.get(i, t.shape), sorted(trained or current),
-                                i not in self._freed)
-        return placement
-
-    def _loaded_everywhere(self):
-        """Every rank keeping a tensor now holds its current value (a checkpoint was loaded
-        into all of them)."""
-        self._weights_stale = False
 
     def _original_param_groups(self) -> list[list[torch.Tensor]]:
         """The optimizer's parameter lists as the user built them (before patching)."""
         if self._optimizer_groups is not None:
             return [params for params, _ in self._optimizer_groups]
         return [list(g["params"]) for g in self.optimizer.param_groups]
-
-    def _materialize(self):
-        """Gives every state tensor real storage and its current value on every rank (a
-        collective), for tracing a new mode."""
-        if not self._users:
-            return
-        world = set(range(_C.get_world_size()))
-        copies = []
-        for i, (t, (owner, current)) in enumerate(zip(self._state_tensors(), self._sources())):
-            if i in self._freed:
-                t.data = torch.empty(self._freed.pop(i), dtype=t.dtype, device=self._home)
-            elif t.device != self._home:  # tracing runs the whole model at home
-                t.data = t.data.to(self._home)
-            if current != world:
-                copies.append((owner, world - current, t.data))
-        self._transfer(copies)
-        self._weights_stale = False
-
-    def _place(self):
-        """Moves the state tensors this rank keeps to its device ([Note: placement])."""
-        if self.device == self._home:
-            return
-        for i, t in enumerate(self._state_tensors()):
-            if i not in self._freed and t.device != self.device:
-                t.data = t.data.to(self.device)
-
-    def _release(self):
-        """Frees the storage of the state tensors that no deployed stage on this rank uses."""
-        rank = _C.get_rank()
-        for i, t in enumerate(self._state_tensors()):
-            keepers = set().union(*(users[i] for users in self._users.values()))
-            if keepers and rank not in keepers and i not in self._freed:
-                self._freed[i] = t.shape
-                t.grad = None
-                t.data = torch.empty(0, dtype=t.dtype, device=t.device)
-
-    @staticmethod
-    def _transfer(copies):
-        """Point-to-point copies [(owner, receivers, tensor)], listed in the same order on
-        every rank: the owner sends its tensor to each receiver, which receives into its own.
-        [Note: the engine's transfers are all finished between calls, so one tag suffices:
-        MPI keeps the order of messages between a pair.]"""
-        comm, rank = _C.Communicator.world_cpu(), _C.get_rank()
-        works = []
-        for owner, receivers, t in copies:
-            if rank == owner:
-                works += [send_staged(comm, t, r, _STATE_TAG) for r in sorted(receivers) if r != rank]
-            elif rank in receivers:
-                works.append(recv_staged(comm, t, owner, _STATE_TAG))
-        for w in works:
-            w.wait()
 
     def _patch_optimizer(self, deployed):
         """The optimizer keeps only the parameters this rank's stage updates (and their
@@ -747,18 +626,6 @@ class RaNNCModule(torch.nn.Module):
                 if not k:
                     self.optimizer.state.pop(p, None)
         self._patched = True
-
-    def _sync_parameters(self):
-        """Before eval after training: each tensor that training updated goes from its owner
-        to the ranks whose eval stage uses it and whose copy is stale (point-to-point)."""
-        users = self._users.get(False)
-        if users is None or True not in self._users:
-            return
-        copies = []
-        for t, eval_users, (owner, current) in zip(self._state_tensors(), users, self._sources()):
-            if owner is not None and eval_users - current:
-                copies.append((owner, eval_users - current, t.data))
-        self._transfer(copies)
 
     # ---- checkpoints -----------------------------------------------------------------------
     def save_checkpoint(self, directory: str, extra=None) -> None:

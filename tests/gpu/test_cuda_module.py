@@ -1,4 +1,4 @@
-"""RaNNCModule with its stages on the GPU ([Note: placement] in python/rannc/module.py):
+"""RaNNCModule with its stages on the GPU ([Note: placement] in python/rannc/placement.py):
 training equals plain PyTorch (on the CPU, float32 without TF32) step by step, for the zoo
 and the transformers models (tests/python/hf_zoo.py), one rank
 with the NCCL data plane's collectives, two ranks sharing the one GPU over MPI through host
