@@ -236,7 +236,8 @@ def _write_metadata(wrapped, tmp: str, entries: list[_Entry], reports: list[dict
     has_optimizer = wrapped.optimizer is not None
     if has_optimizer:
         groups = []
-        for group, params in zip(wrapped.optimizer.param_groups, wrapped._original_param_groups()):
+        for group, (params, _) in zip(wrapped.optimizer.param_groups,
+                                      wrapped.optimizer_share.original_groups()):
             saved = {k: v for k, v in group.items() if k not in ("params", "param_names")}
             saved["params"] = [names[id(p)] for p in params]
             groups.append(saved)
@@ -569,7 +570,7 @@ def apply_pending(wrapped, everything: bool = False) -> None:
             raise
         wrapped.placement.current_everywhere()
         forget_pending(wrapped, weights=True, optimizer=False)
-    if pending.optimizer and (wrapped._patched or everything):
+    if pending.optimizer and (wrapped.optimizer_share.patched or everything):
         try:
             _agree(pending.what, lambda: _load_optimizer(wrapped, pending, entries))
         finally:

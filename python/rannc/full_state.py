@@ -90,13 +90,14 @@ def gather_optimizer_state(wrapped) -> dict:
     model's parameters."""
     if wrapped.optimizer is None:
         raise _C.Error("optimizer_state_dict: this RaNNCModule was built without an optimizer")
-    if not wrapped._patched:
+    share = wrapped.optimizer_share
+    if not share.patched:
         return wrapped.optimizer.state_dict()
     rank = _C.get_rank()
     position = {id(t): i for i, t in enumerate(wrapped.placement.tensors())}
     sources = wrapped.placement.sources()
     groups, mine, start = [], {}, 0
-    for group, (params, names) in zip(wrapped.optimizer.param_groups, wrapped._optimizer_groups):
+    for group, (params, names) in zip(wrapped.optimizer.param_groups, share.original_groups()):
         packed = {k: v for k, v in group.items() if k not in ("params", "param_names")}
         packed["params"] = list(range(start, start + len(params)))
         if names is not None:
@@ -121,16 +122,17 @@ def load_optimizer_state(wrapped, state_dict: dict) -> None:
     if wrapped.optimizer is None:
         raise _C.Error("load_optimizer_state_dict: this RaNNCModule was built without an "
                        "optimizer")
-    if not wrapped._patched:
+    share = wrapped.optimizer_share
+    if not share.patched:
         wrapped.optimizer.load_state_dict({**state_dict,
                                         "state": copy.deepcopy(state_dict["state"])})
         return
     saved_groups = state_dict["param_groups"]
-    if len(saved_groups) != len(wrapped._optimizer_groups):
+    if len(saved_groups) != len(share.original_groups()):
         raise ValueError("loaded state dict has a different number of parameter groups")
     local = {"state": {}, "param_groups": []}
     for saved, group, (params, _) in zip(saved_groups, wrapped.optimizer.param_groups,
-                                         wrapped._optimizer_groups):
+                                         share.original_groups()):
         if len(saved["params"]) != len(params):
             raise ValueError("loaded state dict contains a parameter group that doesn't "
                              "match the size of optimizer's group")

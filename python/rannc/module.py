@@ -28,6 +28,7 @@ from .graph import TracedGraph
 from ._trace import autocast_dtype
 from .options import PRECISIONS, Options
 from .pipeline import Engine
+from .optimizer_share import OptimizerShare
 from .placement import StatePlacement
 from .transport import group_communicator, resolve_device, uses_nccl
 
@@ -523,8 +524,7 @@ class RaNNCModule(torch.nn.Module):
             self.profile_cache.load(self.options.profile_cache)
         self._deployed = {}
         self._anchor = torch.zeros((), requires_grad=True)
-        self._patched = False
-        self._optimizer_groups = None  # the optimizer's groups before patching: (params, names)
+        self.optimizer_share = OptimizerShare(optimizer)
         self._pending_checkpoint = None  # loaded before the plan was known (checkpoint.py)
 
     def forward(self, *args, **kwargs):
@@ -597,35 +597,10 @@ class RaNNCModule(torch.nn.Module):
         del buffers
         self._deployed[mode] = deployed
         if mode:
-            self._patch_optimizer(deployed)
+            self.optimizer_share.keep_only({id(t) for t in deployed.own.values()})
         self.placement.add_mode(mode, deployed)
         _checkpoint().apply_pending(self)  # a checkpoint loaded before the plan was known
         return deployed
-
-    def _original_param_groups(self) -> list[list[torch.Tensor]]:
-        """The optimizer's parameter lists as the user built them (before patching)."""
-        if self._optimizer_groups is not None:
-            return [params for params, _ in self._optimizer_groups]
-        return [list(g["params"]) for g in self.optimizer.param_groups]
-
-    def _patch_optimizer(self, deployed):
-        """The optimizer keeps only the parameters this rank's stage updates (and their
-        state); the original groups are remembered for optimizer_state_dict()."""
-        if self.optimizer is None or self._patched:
-            return
-        own = {id(t) for t in deployed.own.values()}
-        self._optimizer_groups = []
-        for group in self.optimizer.param_groups:
-            params, names = list(group["params"]), group.get("param_names")
-            self._optimizer_groups.append((params, None if names is None else list(names)))
-            keep = [id(p) in own for p in params]
-            group["params"] = [p for p, k in zip(params, keep) if k]
-            if names is not None:
-                group["param_names"] = [n for n, k in zip(names, keep) if k]
-            for p, k in zip(params, keep):
-                if not k:
-                    self.optimizer.state.pop(p, None)
-        self._patched = True
 
     # ---- checkpoints -----------------------------------------------------------------------
     def save_checkpoint(self, directory: str, extra=None) -> None:
