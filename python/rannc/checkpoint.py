@@ -48,12 +48,13 @@ import random
 import secrets
 import shutil
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from . import _C, failure
 from . import safetensors_io as sio
+from .transport import all_gather_objects
 
 METADATA = "rannc_checkpoint.json"
 INDEX = "model.safetensors.index.json"
@@ -113,7 +114,6 @@ def _agree(what: str, action, cleanup=None, gather: bool = False):
     """Runs `action` on every rank (a collective) and returns its result here, or with
     `gather` every rank's result in rank order. If it fails anywhere, every rank runs
     `cleanup` and raises one error naming each failed rank and its cause."""
-    from .transport import all_gather_objects
     result, error = None, None
     try:
         result = action()
@@ -325,7 +325,7 @@ class Source:
         self.meta = None
         self._readers = {}
         self._torch = None
-        self.shapes, self.dtypes, self._where = {}, {}, {}  # name -> shape, dtype, (file, key, crc32)
+        self.shapes, self._where = {}, {}  # name -> shape, (file, key, crc32)
         if os.path.isdir(self.path):
             self._open_directory()
         elif os.path.exists(self.path):
@@ -353,7 +353,6 @@ class Source:
             self._check_files()
             for name, info in self.meta["tensors"].items():
                 self.shapes[name] = torch.Size(info["shape"])
-                self.dtypes[name] = sio.torch_dtype(info["dtype"])
                 self._where[name] = (info["file"], name, info["crc32"])
         elif there(INDEX):
             with open(os.path.join(self.path, INDEX)) as f:
@@ -385,7 +384,7 @@ class Source:
         for fname in fnames:
             reader = self._reader(fname)
             for key in reader.keys():
-                self.shapes[key], self.dtypes[key] = reader.shape(key), reader.dtype(key)
+                self.shapes[key] = reader.shape(key)
                 self._where[key] = (fname, key, None)
 
     def _open_torch(self, path):
@@ -395,7 +394,7 @@ class Source:
             raise _C.Error(f"{path} holds a {type(state).__name__}, not a state_dict")
         self._torch = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
         for k, v in self._torch.items():
-            self.shapes[k], self.dtypes[k] = v.shape, v.dtype
+            self.shapes[k] = v.shape
 
     def _reader(self, fname) -> sio.Reader:
         if fname not in self._readers:
@@ -476,7 +475,7 @@ class _Pending:
     weights: bool = True
     optimizer: bool = False
     what: str = ""
-    groups: dict | None = field(default=None)
+    groups: dict | None = None      # the checkpoint's optimizer groups and values
 
 
 def load_checkpoint(wrapped, path: str, strict: bool = True):
@@ -488,15 +487,14 @@ def load_checkpoint(wrapped, path: str, strict: bool = True):
     rank = _C.get_rank()
     what = f"load_checkpoint({os.path.abspath(path)})"
 
-    def open_and_match():
-        source = Source(path)
-        try:
-            return source, _match(_entries(wrapped), source, strict, type(wrapped.module).__name__)
-        except Exception:
-            source.close()
-            raise
+    opened = []  # closed again if any rank fails
 
-    source, matched = _agree(what, open_and_match)
+    def open_and_match():
+        opened.append(Source(path))
+        return _match(_entries(wrapped), opened[0], strict, type(wrapped.module).__name__)
+
+    matched = _agree(what, open_and_match, cleanup=lambda: [s.close() for s in opened])
+    source = opened[0]
     groups = source.optimizer_groups() if wrapped.optimizer is not None else None
     pending = _Pending(source, matched, weights=True, optimizer=groups is not None, what=what,
                        groups=groups)

@@ -167,11 +167,11 @@ class _Deployed:
         hashes, batches, models = (everyone[:, i].tolist() for i in range(3))
         if len(set(batches)) > 1:
             raise failure.agreed(f"local batches must have the same size on every rank; got "
-                           f"{dict(enumerate(batches))} (rank: rows)")
+                                 f"{dict(enumerate(batches))} (rank: rows)")
         if len(set(models)) > 1:
-            raise failure.agreed("the ranks built different models (their parameters and buffers "
-                           "differ in names, shapes or dtypes); every rank must build the same "
-                           "model")
+            raise failure.agreed("the ranks built different models (their parameters and "
+                                 "buffers differ in names, shapes or dtypes); every rank must "
+                                 "build the same model")
         if len(set(hashes)) > 1:
             raise failure.agreed(
                 f"the ranks traced different graphs from the same model (graph hash per rank: "
@@ -320,8 +320,8 @@ class _Deployed:
             comm.all_gather(torch.tensor([rows], dtype=torch.int64), everyone).wait()
             sizes = everyone.tolist()
             if len(set(sizes)) > 1:
-                raise failure.agreed(f"local batches must have the same size on every rank in each "
-                               f"call; got {dict(enumerate(sizes))} (rank: rows)")
+                raise failure.agreed(f"local batches must have the same size on every rank in "
+                                     f"each call; got {dict(enumerate(sizes))} (rank: rows)")
         if self.engine.use_batch(rows) and _C.get_rank() == 0:
             now, planned = self.engine.layout.micro_batches, self.deployment.micro_batches
             note = (f"; {now} micro-batch(es) instead of the plan's {planned} (each replica "
@@ -585,7 +585,7 @@ class RaNNCModule(torch.nn.Module):
         # Deploying draws no random numbers from the user's generators (profiling fills
         # inputs at random), so a run resumed from a checkpoint, which deploys after
         # restoring them, draws what the uninterrupted run drew.
-        devices = [d.index or 0 for d in {self._home, self.device} if d.type == "cuda"]
+        devices = sorted({d.index or 0 for d in (self._home, self.device) if d.type == "cuda"})
         with torch.random.fork_rng(devices=devices):
             with (torch.autocast(home, dtype=amp) if amp is not None
                   else torch.autocast(home, enabled=False)):

@@ -35,7 +35,7 @@ def test_streamed_safetensors_files_read_back_with_the_safetensors_library(tmp_p
     path = str(tmp_path / "x.safetensors")
     checksums = sio.write_file(path, tensors, {"format": "pt"})
     loaded = load_file(path)
-    assert list(loaded) == [n for n, _ in tensors] or set(loaded) == {n for n, _ in tensors}
+    assert set(loaded) == {n for n, _ in tensors}
     for name, t in tensors:
         assert torch.equal(loaded[name], t), name
     with sio.Reader(path) as reader:
@@ -129,7 +129,6 @@ def test_consolidate_writes_a_state_dict_and_optimizer_state_plain_pytorch_loads
 
 # ---- other formats in, transformers out ------------------------------------------------------
 def test_transformers_reads_a_sharded_checkpoint_with_from_pretrained(tmp_path):
-    pytest.importorskip("transformers")
     res = mpirun("sharded_checkpoint_check.py", 2, "save", "--dir", tmp_path / "ckpt",
                  "--model", "hf_gpt2", timeout=300, env=ENV)
     ok(res, 2)
@@ -148,7 +147,6 @@ def test_transformers_reads_a_sharded_checkpoint_with_from_pretrained(tmp_path):
 @pytest.mark.parametrize("kind", ["hf_dir", "state_dict_file"])
 def test_a_hugging_face_directory_or_a_state_dict_file_loads_into_a_rannc_module(tmp_path, kind):
     if kind == "hf_dir":
-        pytest.importorskip("transformers")
         model, _, _ = zoo.make("hf_gpt2", batch=8, seed=0)
         model.save_pretrained(tmp_path / "src")
         args = ["--model", "hf_gpt2", "--dir", tmp_path / "src"]
