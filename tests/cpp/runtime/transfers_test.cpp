@@ -1,0 +1,198 @@
+// The transfer plan and the step program, checked without ranks: every rank's view of a
+// deployment is computed here, and the two ends of every channel must agree.
+#include <gtest/gtest.h>
+
+#include <map>
+#include <tuple>
+
+#include "common/error.h"
+#include "partition/partition_graphs.h"
+#include "partition/plan.h"
+#include "runtime/step_program.h"
+#include "runtime/transfers.h"
+
+namespace rannc::runtime {
+namespace {
+
+using partition::testing::linearChain;
+
+// A deployment of linearChain's tasks cut into stages at `cuts` (task index where each stage
+// after the first begins), with `ranks[s]` per stage.
+partition::Deployment deploymentOf(const ir::Graph& g, std::vector<size_t> cuts,
+                                   std::vector<std::vector<int>> ranks, int pipelines, int M,
+                                   int world) {
+  partition::Deployment d;
+  d.graph_hash = g.contentHash();
+  d.world_size = world;
+  d.pipelines = pipelines;
+  d.micro_batches = M;
+  cuts.insert(cuts.begin(), 0);
+  cuts.push_back(g.tasks().size());
+  for (size_t s = 0; s + 1 < cuts.size(); ++s) {
+    partition::StagePlan st;
+    for (size_t t = cuts[s]; t < cuts[s + 1]; ++t) st.tasks.push_back(static_cast<ir::TaskId>(t));
+    st.ranks = ranks.at(s);
+    d.stages.push_back(st);
+  }
+  return d;
+}
+
+std::vector<ir::Subgraph> piecesOf(const ir::Graph& g, const partition::Deployment& d) {
+  std::vector<ir::Subgraph> pieces;
+  for (const auto& s : d.stages) pieces.push_back(partition::stageSubgraph(g, s));
+  return pieces;
+}
+
+TEST(Layout, SplitsRowsOverCopiesMicroBatchesAndReplicas) {
+  ir::Graph g = linearChain({8, 8});
+  auto d = deploymentOf(g, {1}, {{0, 1, 2, 3}, {4, 5}}, /*pipelines=*/2, /*M=*/2, 6);
+  Layout L(d, 6, 4);
+  EXPECT_EQ(L.globalBatch(), 24);
+  EXPECT_EQ(L.replicas(0), 2);
+  EXPECT_EQ(L.replicas(1), 1);
+  EXPECT_EQ(L.microBatchRows(1, 0), (Rows{12, 18}));
+  EXPECT_EQ(L.share(0, 1, 0, 1), (Rows{15, 18}));
+  EXPECT_EQ(L.rankOf(0, 1, 1), 3);
+  Place p = L.place(3);
+  EXPECT_EQ(std::make_tuple(p.stage, p.copy, p.replica), std::make_tuple(0, 1, 1));
+  EXPECT_EQ(L.owned(5), (Rows{20, 24}));
+}
+
+TEST(Layout, NamesTheRowsATooSmallBatchLacksAndCapsWhenAsked) {
+  ir::Graph g = linearChain({8});
+  auto d = deploymentOf(g, {}, {{0, 1}}, 1, 4, 2);
+  try {
+    Layout(d, 2, 2);
+    FAIL() << "a batch of 4 rows cannot feed 4 micro-batches of 2 replicas";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("need at least 8 rows"), std::string::npos) << e.what();
+  }
+  Layout capped(d, 2, 2, /*cap_micro_batches=*/true);
+  EXPECT_EQ(capped.microBatches(), 2);
+}
+
+// Sender's and receiver's order of every channel, over a whole step, from every rank's plan.
+void expectChannelsAgree(const ir::Graph& g, const partition::Deployment& d, int world, int64_t batch) {
+  Layout L(d, world, batch);
+  auto pieces = piecesOf(g, d);
+  std::map<std::tuple<int, int, int>, std::vector<Transfer>> sent, received;
+  for (int r = 0; r < world; ++r) {
+    TransferPlan p = planTransfers(g, pieces, L, r, nullptr);
+    for (int m = 0; m < L.microBatches(); ++m) {
+      for (const auto& [vid, list] : p.recv[m]) {
+        for (const auto& t : list) {
+          EXPECT_EQ(t.dst, r);
+          if (t.src != r) received[{t.src, r, 0}].push_back(t);
+        }
+      }
+      for (const auto& [vid, list] : p.send[m]) {
+        for (const auto& t : list) sent[{r, t.dst, 0}].push_back(t);
+      }
+      for (const auto& [vid, list] : p.out_send[m]) {
+        for (const auto& t : list) {
+          if (t.dst != r) sent[{r, t.dst, 1}].push_back(t);
+        }
+      }
+    }
+    for (const auto& t : p.input_sends) sent[{r, t.dst, 0}].push_back(t);
+    for (const auto& [vid, list] : p.out_recv) {
+      for (const auto& t : list) {
+        if (t.src != r) received[{t.src, r, 1}].push_back(t);
+      }
+    }
+  }
+  EXPECT_EQ(sent, received);
+}
+
+TEST(TransferPlan, MovesEachRowOnceBetweenStagesOfDifferentReplicaCounts) {
+  ir::Graph g = linearChain({8, 8, 8});
+  auto d = deploymentOf(g, {1, 2}, {{0, 1}, {2}, {3, 4, 5}}, 1, 2, 6);
+  Layout L(d, 6, 2);  // 12 rows, 6 per micro-batch
+  auto pieces = piecesOf(g, d);
+  TransferPlan p2 = planTransfers(g, pieces, L, 2, nullptr);
+  // stage 1 (rank 2) gets micro-batch 1's rows [6, 12) of h0 from both replicas of stage 0
+  ir::ValueId h0 = pieces[0].outputs.at(0);
+  const auto& in = p2.recv[1].at(h0);
+  ASSERT_EQ(in.size(), 2u);
+  EXPECT_EQ(in[0].src, 0);
+  EXPECT_EQ(in[0].rows, (Rows{6, 9}));
+  EXPECT_EQ(in[1].src, 1);
+  EXPECT_EQ(in[1].rows, (Rows{9, 12}));
+  EXPECT_EQ(in[1].dst_start, 6);
+  // the graph input x: rank 2 owns rows [4, 6), which stage 0 runs, so it sends them
+  TransferPlan p0 = planTransfers(g, pieces, L, 0, nullptr);
+  ir::ValueId x = g.inputs().at(0);
+  EXPECT_TRUE(p2.recv[0].count(x) == 0);
+  EXPECT_FALSE(p2.input_sends.empty());
+  // rank 0 runs micro-batch 0 rows [0, 3): its own [0, 2) and rank 1's [2, 3)
+  const auto& xin = p0.recv[0].at(x);
+  ASSERT_EQ(xin.size(), 2u);
+  EXPECT_EQ(xin[0].src, 0);
+  EXPECT_EQ(xin[1].src, 1);
+  EXPECT_EQ(xin[1].rows, (Rows{2, 3}));
+  expectChannelsAgree(g, d, 6, 2);
+}
+
+TEST(TransferPlan, BothEndsOfEveryChannelAgreeOnEveryLayout) {
+  ir::Graph g = linearChain({8, 8, 8, 8});
+  expectChannelsAgree(g, deploymentOf(g, {}, {{0, 1, 2}}, 1, 3, 3), 3, 4);
+  expectChannelsAgree(g, deploymentOf(g, {2}, {{0}, {1, 2, 3}}, 1, 4, 4), 4, 5);
+  expectChannelsAgree(g, deploymentOf(g, {1, 2, 3}, {{0}, {1}, {2}, {3}}, 1, 4, 4), 4, 2);
+  expectChannelsAgree(g, deploymentOf(g, {2}, {{0, 2}, {1, 3}}, 2, 2, 4), 4, 3);
+}
+
+TEST(TransferPlan, ListsDeviceChannelsBothWays) {
+  ir::Graph g = linearChain({8, 8});
+  auto d = deploymentOf(g, {1}, {{0}, {1}}, 1, 2, 2);
+  Layout L(d, 2, 4);
+  auto pieces = piecesOf(g, d);
+  auto channels = planTransfers(g, pieces, L, 0, nullptr).deviceChannels(g);
+  std::vector<ChannelKey> expected = {{0, 1, Channel::Activation}, {1, 0, Channel::Gradient},
+                                      {1, 0, Channel::BatchOutput}, {0, 1, Channel::OutputGradient}};
+  std::sort(expected.begin(), expected.end());
+  EXPECT_EQ(channels, expected);
+}
+
+TEST(TransferPlan, GroupsTheRanksSharingEachParameter) {
+  ir::Graph g = linearChain({8, 8});
+  auto d = deploymentOf(g, {1}, {{0, 1}, {2}}, 1, 2, 3);
+  Layout L(d, 3, 4);
+  std::vector<ir::ValueId> state;
+  for (const auto& v : g.values()) {
+    if (v.isModelState()) state.push_back(v.id);
+  }
+  auto groups = gradientGroups(piecesOf(g, d), L, state);
+  ASSERT_EQ(groups.size(), 2u);
+  EXPECT_EQ(groups[0].first, (std::vector<int>{0, 1}));
+  EXPECT_EQ(groups[1].first, (std::vector<int>{2}));
+}
+
+TEST(StepProgram, PostsReceivesOneActionAheadAndArmsTheAllReduceBeforeTheLastBackward) {
+  ir::Graph g = linearChain({8, 8});
+  auto d = deploymentOf(g, {1}, {{0}, {1, 2}}, 1, 2, 3);
+  Layout L(d, 3, 4);
+  auto pieces = piecesOf(g, d);
+  TransferPlan p1 = planTransfers(g, pieces, L, 1, nullptr);
+  auto schedule = partition::buildSchedule(partition::ScheduleKind::OneFOneB, 2, 2);
+  StageBoundary boundary{pieces[1].inputs, pieces[1].outputs};
+  boundary.input_ids.erase(std::remove_if(boundary.input_ids.begin(), boundary.input_ids.end(),
+                                          [&](ir::ValueId v) { return g.value(v).isModelState(); }),
+                           boundary.input_ids.end());
+  StepProgram prog = lowerStep(schedule[1], p1, g, boundary, {}, /*all_reduce=*/true);
+  std::vector<std::string> kinds;
+  for (const auto& a : prog.actions) kinds.push_back(stepActionName(a.kind) + (a.micro_batch >= 0 ? std::to_string(a.micro_batch) : ""));
+  // rank 1 owns rows [4, 8) of x, which stage 0 (rank 0) runs: it sends them first
+  std::vector<std::string> expected = {"send-input-rows", "recv0", "recv0", "F0", "send0", "recv1", "B0", "send0",
+                                       "recv1", "F1", "send1", "arm-allreduce", "B1", "send1",
+                                       "collect-outputs", "finish"};
+  EXPECT_EQ(kinds, expected) << prog.str();
+  // F0's receive: rows [0, 4) of micro-batch 0 from stage 0 (rank 0), over the activation channel
+  const auto& recv = prog.actions[1];
+  ASSERT_EQ(recv.transfers.size(), 1u);
+  EXPECT_EQ(recv.transfers[0].channel, Channel::Activation);
+  EXPECT_EQ(recv.transfers[0].transfer.rows, (Rows{0, 3}));
+  EXPECT_NE(prog.str().find("recv F0: activation"), std::string::npos) << prog.str();
+}
+
+}  // namespace
+}  // namespace rannc::runtime
