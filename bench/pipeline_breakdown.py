@@ -1,6 +1,7 @@
 """Where a pipelined step's time goes, per rank, against the plan: forward and backward
-compute (the stage executor's calls), receive waits, the optimizer step, and the rest
-(Python orchestration, sends). The model and batch are bench/runtime.py's.
+compute (the stage executor's calls), waits for transfers and the all-reduce (as the C++
+engine measures them, `last_step_times`), the optimizer step, and the rest (the engine's
+own work and RaNNCModule's). The model and batch are bench/runtime.py's.
 
     python bench/pipeline_breakdown.py [--ranks 2] [--stages 2] [--single-copy] [--repeats 15]
 
@@ -24,55 +25,22 @@ from runtime import ROOT, mpirun_command, mpirun_env, warmed_up_pipeline  # noqa
 import rannc  # noqa: E402  (runtime put python/ on the path)
 
 
-class _TimedExecutor:
-    """The stage executor with its forward and backward calls timed."""
-
-    def __init__(self, executor, log):
-        self._executor, self._log = executor, log
-
-    def __getattr__(self, name):
-        return getattr(self._executor, name)
-
-    def forward(self, *args):
-        start = time.perf_counter()
-        out = self._executor.forward(*args)
-        self._log["F"] += time.perf_counter() - start
-        return out
-
-    def backward(self, *args):
-        start = time.perf_counter()
-        out = self._executor.backward(*args)
-        self._log["B"] += time.perf_counter() - start
-        return out
-
-
 def worker(stages, repeats):
-    from rannc import pipeline
     wrapped, opt, batch = warmed_up_pipeline(stages)
     deployed = wrapped._deployed[True]
-    log = {"F": 0.0, "B": 0.0, "wait": 0.0}
-    deployed.engine.executor = _TimedExecutor(deployed.engine.executor, log)
-    for name in ("_gather", "_output_grad"):  # where the engine waits for its receives
-        original = getattr(pipeline.Engine, name)
-
-        def timed(self, *args, _original=original):
-            start = time.perf_counter()
-            out = _original(self, *args)
-            log["wait"] += time.perf_counter() - start
-            return out
-        setattr(pipeline.Engine, name, timed)
     rows = {k: [] for k in ("step", "F", "B", "wait", "update")}
     for _ in range(repeats):
         rannc.barrier(60)
-        log.update(F=0.0, B=0.0, wait=0.0)
         start = time.perf_counter()
         wrapped(*batch).backward()
         before_update = time.perf_counter()
         opt.step()
         opt.zero_grad()
         end = time.perf_counter()
-        for k in ("F", "B", "wait"):
-            rows[k].append(log[k])
+        times = deployed.engine.last_step_times  # measured by the C++ engine
+        rows["F"].append(times["forward"])
+        rows["B"].append(times["backward"])
+        rows["wait"].append(times["wait"])
         rows["update"].append(end - before_update)
         rows["step"].append(end - start)
     med = {k: statistics.median(v) * 1e3 for k, v in rows.items()}

@@ -11,6 +11,7 @@ namespace rannc::bind {
 
 void bindPlanner(pybind11::module& m);
 void bindProfiler(pybind11::module& m);
+void bindRuntime(pybind11::module& m);
 
 // Names Python uses: "adam"/"adamw", "sgd_momentum", "sgd"; "1f1b", "fill_drain".
 // Throw rannc::Error naming the accepted names.

@@ -1,5 +1,6 @@
-// The only pybind11 code: exposes the IR, the traced model and the library's exceptions
-// to python/rannc. Torch's own pybind11 is used so torch._C.Graph and tensors pass through.
+// rannc._C's entry: the IR, the traced model, the MPI world and the library's exceptions;
+// plan_bindings.cpp, profile_bindings.cpp and runtime_bindings.cpp add the
+// rest. Torch's own pybind11 is used so torch._C.Graph and tensors pass through.
 #include <torch/extension.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 
@@ -192,6 +193,7 @@ PYBIND11_MODULE(_C, m) {
 #endif
   bind::bindPlanner(m);
   bind::bindProfiler(m);
+  bind::bindRuntime(m);
 
   py::class_<ir::Subgraph>(m, "Piece", "A convex piece of a graph: tasks and boundary values.")
       .def_readonly("tasks", &ir::Subgraph::tasks)

@@ -10,6 +10,7 @@
 #include "common/error.h"
 #include "common/hash.h"
 #include "common/log.h"
+#include "frontend/dtypes.h"
 #include "frontend/interpreter.h"
 
 namespace rannc::frontend {
@@ -64,24 +65,6 @@ std::string describeNodeIn(const Node* node,
   std::string loc = sourceLocation(node);
   if (!loc.empty()) os << " at " << loc;
   return os.str();
-}
-
-ir::DType toDType(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return ir::DType::Float32;
-    case at::kDouble: return ir::DType::Float64;
-    case at::kHalf: return ir::DType::Float16;
-    case at::kBFloat16: return ir::DType::BFloat16;
-    case at::kLong: return ir::DType::Int64;
-    case at::kInt: return ir::DType::Int32;
-    case at::kShort: return ir::DType::Int16;
-    case at::kChar: return ir::DType::Int8;
-    case at::kByte: return ir::DType::UInt8;
-    case at::kBool: return ir::DType::Bool;
-    case at::kComplexFloat: return ir::DType::Complex64;
-    case at::kComplexDouble: return ir::DType::Complex128;
-    default: return ir::DType::Undefined;
-  }
 }
 
 ir::ValueKind toKind(const c10::TypePtr& type) {

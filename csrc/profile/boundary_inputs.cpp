@@ -8,6 +8,7 @@
 
 #include "common/error.h"
 #include "common/log.h"
+#include "frontend/dtypes.h"
 #include "frontend/interpreter.h"
 
 namespace rannc::profile {
@@ -18,25 +19,6 @@ bool keepValue(const ir::Value& v, const c10::IValue& iv) {
   if (!iv.isTensor()) return true;
   const at::Tensor& t = iv.toTensor();
   return t.defined() && !t.is_floating_point() && !t.is_complex();
-}
-
-at::ScalarType scalarType(ir::DType d) {
-  switch (d) {
-    case ir::DType::Float32: return at::kFloat;
-    case ir::DType::Float64: return at::kDouble;
-    case ir::DType::Float16: return at::kHalf;
-    case ir::DType::BFloat16: return at::kBFloat16;
-    case ir::DType::Int64: return at::kLong;
-    case ir::DType::Int32: return at::kInt;
-    case ir::DType::Int16: return at::kShort;
-    case ir::DType::Int8: return at::kChar;
-    case ir::DType::UInt8: return at::kByte;
-    case ir::DType::Bool: return at::kBool;
-    case ir::DType::Complex64: return at::kComplexFloat;
-    case ir::DType::Complex128: return at::kComplexDouble;
-    case ir::DType::Undefined: break;
-  }
-  return at::kFloat;
 }
 
 // The shape of `v` at `rows` rows (its batch dimension scaled).
@@ -157,7 +139,7 @@ std::shared_ptr<const BoundaryInputs::DataValues> BoundaryInputs::runDataPass(in
   auto placeholder = [&](const ir::Value& v) -> bool {
     if (!v.isTensor() || !ir::isFloatingPoint(v.dtype)) return false;
     if (!v.shape.empty() && std::find(v.shape.begin(), v.shape.end(), 0) != v.shape.end()) return false;
-    env[v.id] = at::zeros({}, at::TensorOptions().dtype(scalarType(v.dtype)).device(home_))
+    env[v.id] = at::zeros({}, at::TensorOptions().dtype(frontend::toScalarType(v.dtype)).device(home_))
                     .expand(shapeAt(v, rows));
     ready[v.id] = 1;
     return true;
@@ -228,7 +210,7 @@ c10::IValue BoundaryInputs::build(const ir::Value& v, int64_t rows) const {
       ints.push_back(k ? k * rows : v.int_values[i]);
     }
     if (v.kind == ir::ValueKind::IntList) return c10::IValue(ints);
-    if (v.isTensor()) return at::scalar_tensor(ints.at(0), at::TensorOptions().dtype(scalarType(v.dtype)));
+    if (v.isTensor()) return at::scalar_tensor(ints.at(0), at::TensorOptions().dtype(frontend::toScalarType(v.dtype)));
     // An int, or a number typed Scalar (aten::ScalarImplicit of a size feeding arange).
     return c10::IValue(ints.at(0));
   }
@@ -258,7 +240,7 @@ c10::IValue BoundaryInputs::build(const ir::Value& v, int64_t rows) const {
                 std::string(ir::valueKindName(v.kind)) + " that was not observed)");
   }
   at::Tensor t = at::randn(batch > 0 ? shapeAt(v, rows) : v.shape,
-                          at::TensorOptions().dtype(scalarType(v.dtype)));
+                          at::TensorOptions().dtype(frontend::toScalarType(v.dtype)));
   return t.is_floating_point() ? t.requires_grad_(true) : t;
 }
 

@@ -23,14 +23,13 @@ import zlib
 import torch
 
 from . import _C, failure, full_state
-from .grad_sync import GradBuckets
 from .graph import TracedGraph
 from ._trace import autocast_dtype
 from .options import PRECISIONS, Options
 from .pipeline import Engine
 from .optimizer_share import OptimizerShare
 from .placement import StatePlacement
-from .transport import group_communicator, resolve_device, uses_nccl
+from .transport import resolve_device, uses_nccl
 
 
 class _ApplyStepGrads(torch.autograd.Function):
@@ -134,15 +133,7 @@ class _Deployed:
         self.engine = Engine(self.graph._trace.traced, deployment, rank, world,
                              self.graph.batch_size, state, opts.recompute == "always",
                              device=owner.device, nccl=owner.nccl)
-        self.own = {v: t for v, t in self.engine.my_state.items() if t.requires_grad}
-        self.groups = []
-        for ranks, vids in self.engine.grad_groups(set(self.state_ids)):
-            if rank in ranks:
-                sub = (group_communicator(ranks, owner.device, owner.nccl) if len(ranks) > 1
-                       else None)
-                self.groups.append((sub, [v for v in vids if v in self.own]))
-        self.buckets = GradBuckets(self.groups, self.own)
-        self.engine.before_last_backward = self.buckets.arm
+        self.own = self.engine.own  # the parameters this rank updates
         self.step_grads = {}
         self.grad_input_ids, self.grad_inputs = [], []  # arguments that require grad
         # fill-drain: forwards so far, and whether the last one's backward ran
@@ -281,7 +272,7 @@ class _Deployed:
                                self.owner.device)
         self._use_rows(self._local_rows(local))
         training = torch.is_grad_enabled() and self.owner.module.training
-        # [Note: input gradients] in pipeline.py
+        # [Note: input gradients] in csrc/runtime/engine.h
         grad_inputs = {vid: t for vid, t in local.items() if training and
                        isinstance(t, torch.Tensor) and t.requires_grad}
         self.grad_input_ids = sorted(grad_inputs)
@@ -294,12 +285,13 @@ class _Deployed:
             return self._outputs(produced, batch_outputs, "fill_drain")
         train = training and self.engine.loss_vid is not None
         if train:
-            produced, batch_outputs = self._run_backwards(lambda: self.engine.step(local, True))
+            produced, batch_outputs = self.engine.step(local, True)
+            self.step_grads = self.engine.step_grads
         else:
             produced, batch_outputs = self.engine.step(local, False)
         return self._outputs(produced, batch_outputs, "1f1b" if train else None)
 
-    # ---- batch sizes ([Note: batch sizes] in pipeline.py) ----------------------------------
+    # ---- batch sizes ([Note: batch sizes] in csrc/runtime/engine.h) -----------------------
     def _local_rows(self, local: dict) -> int:
         """This call's local batch: the rows of the arguments that carry the batch."""
         rows = {}
@@ -331,24 +323,6 @@ class _Deployed:
             _C.log_info(f"local batch of {rows} rows (traced with {self.graph.batch_size}): "
                         f"the plan's stages and replicas re-split the rows{note}{big}")
 
-    def _run_backwards(self, work):
-        """Runs `work` (pipeline actions with backwards) with this rank's .grad set aside:
-        what the backwards accumulate becomes step_grads, summed over each gradient group
-        ([Note: bucketed all-reduce] in grad_sync.py). Returns what `work` returns."""
-        saved = {v: t.grad for v, t in self.own.items()}
-        for t in self.own.values():
-            t.grad = None
-        try:
-            result = work()
-            self.step_grads = {v: (t.grad if t.grad is not None else torch.zeros_like(t))
-                               for v, t in self.own.items()}
-            self.buckets.finish(self.step_grads)
-        finally:
-            self.buckets.disarm()
-            for v, t in self.own.items():
-                t.grad = saved[v]
-        return result
-
     def backward_from_outputs(self, grads):
         """Backward of a fill-drain forward: `grads` are the user's gradients of the float
         outputs (None where unused). As with DistributedDataParallel, the parameter
@@ -362,12 +336,13 @@ class _Deployed:
             if g is not None and by_vid.get(vid) is not None:
                 g = by_vid[vid] + g
             by_vid[vid] = g if g is not None else by_vid.get(vid)
+        batch_ids = set(engine.batch_output_ids)
         batch = {vid: (g / world if g is not None else None) for vid, g in by_vid.items()
-                 if vid in engine.out_recv}
+                 if vid in batch_ids}
         seeds = engine.scatter_output_grads(batch)
         # Scalars and other whole outputs: every rank's gradient, averaged over the ranks.
         whole = [vid for vid in dict.fromkeys(self._float_outputs)
-                 if vid not in engine.out_recv and vid in engine.producer]
+                 if vid not in batch_ids and engine.producer_of(vid) >= 0]
         sums = {}
         for vid in whole:
             g = by_vid[vid]
@@ -381,14 +356,15 @@ class _Deployed:
                 if vid not in engine.executor.output_ids:
                     continue
                 v = engine.value(vid)
-                dtype = engine._shapes[m][vid][1]
+                dtype = engine.output_dtype(m, vid)
                 if v["batch_dependent"] and v["shape"] == []:
                     # the output is the row-weighted mean of the shares
                     seeds.setdefault(m, {})[vid] = (sums[vid] * len(rows) / layout.global_batch).to(dtype)
                 elif m == 0 and engine.copy == 0 and engine.replica == 0:
                     # returned from micro-batch 0 of the first replica: its gradient goes there
                     seeds.setdefault(m, {})[vid] = sums[vid].to(dtype)
-        self._run_backwards(lambda: engine.backward_from(seeds))
+        engine.backward_from(seeds)
+        self.step_grads = engine.step_grads
         self.apply_grads(1.0)
 
     def apply_grads(self, scale):
@@ -438,9 +414,10 @@ class _Deployed:
                     value = _ApplyStepGrads.apply(anchor, value, self, *self.grad_inputs)
                 tensors.append(value)
             else:
-                root = layout.rank_of(engine.producer[vid], 0, 0) if vid in engine.producer else 0
+                producer = engine.producer_of(vid)
+                root = layout.rank_of(producer, 0, 0) if producer >= 0 else 0
                 buf = (produced[0][vid].detach().to("cpu", copy=True) if _C.get_rank() == root
-                       else engine._empty(vid, None, device="cpu"))
+                       else engine.empty(vid))
                 if comm.size > 1:
                     comm.broadcast(buf, root).wait()
                 tensors.append(buf.to(self.out_device))
@@ -480,8 +457,8 @@ def _precision_name(amp) -> str:
 
 
 def _dtype(value):
-    from .pipeline import _DTYPES
-    return _DTYPES[value["dtype"]]
+    from .pipeline import DTYPES
+    return DTYPES[value["dtype"]]
 
 
 def _optimizer_kind(optimizer) -> str:
@@ -662,7 +639,7 @@ class RaNNCModule(torch.nn.Module):
         mine = torch.zeros((), dtype=torch.float64)
         rank = _C.get_rank()
         counted = set()
-        for ranks, vids in deployed.engine.grad_groups(set(deployed.state_ids)):
+        for ranks, vids in deployed.engine.grad_groups():
             if min(ranks) != rank:
                 continue
             for v in vids:

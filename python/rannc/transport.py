@@ -1,19 +1,7 @@
-"""How the pipeline moves tensors between ranks: MPI for CPU stages, NCCL for CUDA stages
-(or MPI through host memory where NCCL is missing or option data_plane="mpi").
-
-[Note: channels] The engine's point-to-point transfers go over channels: one per (sender,
-receiver, kind), kinds being the graph-input rows, activations, gradients, batch outputs
-and their gradients. A channel delivers in order: the n-th receive that a rank posts on it
-gets the n-th message sent on it, whatever the size. The engine issues the transfers of
-each channel in one canonical order on both sides (micro-batch, value, first row), so no
-tags are needed. This is what NCCL point-to-point gives (ncclSend/ncclRecv match by order
-on a communicator, and operations on one communicator run one after another on its
-stream): one NCCL communicator per channel keeps a blocked receive of one kind from
-holding back a send of another kind, which would deadlock 1F1B (a stage posts the receive
-of a gradient before it sends the next activation, its neighbour the other way round).
-Over MPI a channel is a tag, and MPI keeps the order of messages with the same tag between
-two ranks; a receive whose message does not fill its buffer raises, so an ordering mistake
-fails loudly on CPU ranks too, where every test runs.
+"""Moving tensors and objects between ranks from Python: the device choice per rank, the
+data plane choice (NCCL or MPI), MPI transfers of tensors on any device (through host
+memory), and gathering objects. The pipeline's own transfers are in C++
+(csrc/runtime/channels.h, [Note: channels] in csrc/runtime/transfers.h).
 """
 from __future__ import annotations
 
@@ -22,11 +10,6 @@ import io
 import torch
 
 from . import _C
-
-# Channel kinds; over MPI, a channel's tag is _TAG_BASE + kind.
-INPUT_ROWS, ACTIVATION, GRADIENT, BATCH_OUTPUT, OUTPUT_GRADIENT, INPUT_GRADIENT = range(6)
-_TAG_BASE = 100
-
 
 def local_cuda_device() -> torch.device:
     """This rank's GPU: its rank among the ranks of its host modulo the CUDA devices it
@@ -100,73 +83,6 @@ class _Staged:
 
 def _host_like(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
-
-
-class MpiChannels:
-    """Channels over MPI ([Note: channels]); tensors on a CUDA device go through host memory."""
-
-    def __init__(self):
-        self.comm = _C.Communicator.world_cpu()
-
-    def send(self, t: torch.Tensor, dst: int, kind: int):
-        return send_staged(self.comm, t, dst, _TAG_BASE + kind)
-
-    def recv(self, buf: torch.Tensor, src: int, kind: int):
-        return recv_staged(self.comm, buf, src, _TAG_BASE + kind)
-
-
-# (sender, receiver, kind) -> its NCCL communicator, shared by the deployments of all modes.
-_nccl_channels = {}
-
-
-class NcclChannels:
-    """Channels over NCCL: one two-rank communicator per (sender, receiver, kind) this rank
-    uses ([Note: channels]). `channels` lists them; every rank creates the ones it lacks in
-    ascending order, so the members of each pair meet (each creation is collective over the
-    pair, and both ends of a channel have created it before or neither has)."""
-
-    def __init__(self, channels, device: torch.device):
-        self.device = device
-        world = _C.Communicator.world_cuda()
-        me = _C.get_rank()
-        self.comms = {}
-        for key in sorted(set(channels)):
-            src, dst, _ = key
-            if me in (src, dst) and src != dst:
-                if key not in _nccl_channels:
-                    _nccl_channels[key] = world.subgroup(sorted((src, dst)))
-                self.comms[key] = _nccl_channels[key]
-
-    def _peer(self, comm, rank):
-        return 0 if comm.world_rank(0) == rank else 1
-
-    def send(self, t: torch.Tensor, dst: int, kind: int):
-        comm = self.comms[(_C.get_rank(), dst, kind)]
-        return comm.send(t.to(self.device).contiguous(), self._peer(comm, dst))
-
-    def recv(self, buf: torch.Tensor, src: int, kind: int):
-        comm = self.comms[(src, _C.get_rank(), kind)]
-        return comm.recv(buf, self._peer(comm, src))
-
-
-class _StagedCollective:
-    """An MPI sub-communicator's all-reduce for tensors on a CUDA device (through host)."""
-
-    def __init__(self, comm):
-        self.comm = comm
-
-    def all_reduce(self, t: torch.Tensor):
-        host = t.to("cpu")
-        return _Staged(self.comm.all_reduce(host), host, t)
-
-
-def group_communicator(ranks, device: torch.device, nccl: bool):
-    """The communicator that all-reduces gradients among `ranks` (ascending, this rank
-    among them; collective over them): NCCL for CUDA stages where available, else MPI."""
-    if nccl:
-        return _C.Communicator.world_cuda().subgroup(list(ranks))
-    sub = _C.Communicator.world_cpu().subgroup(list(ranks))
-    return _StagedCollective(sub) if device.type != "cpu" else sub
 
 
 def all_gather_objects(obj) -> list:

@@ -1,0 +1,175 @@
+// rannc._C's pipeline engine: the layout of a deployment and the C++ engine that runs one
+// rank's step in one call (csrc/runtime/engine.h).
+#include <torch/extension.h>
+#include <torch/csrc/DynamicTypes.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
+
+#include "bind/bindings.h"
+#include "common/error.h"
+#include "runtime/engine.h"
+
+namespace py = pybind11;
+
+namespace rannc::bind {
+namespace {
+
+std::map<ir::ValueId, c10::IValue> localValues(const py::dict& local) {
+  std::map<ir::ValueId, c10::IValue> out;
+  for (const auto& [k, v] : local) {
+    out[py::cast<ir::ValueId>(k)] = THPVariable_Check(v.ptr()) ? c10::IValue(py::cast<at::Tensor>(v))
+                                                                : torch::jit::toIValue(v, c10::AnyType::get());
+  }
+  return out;
+}
+
+py::tuple toPython(const runtime::StepOutputs& outs) {
+  py::dict produced;
+  for (const auto& [m, values] : outs.produced) {
+    py::dict d;
+    for (const auto& [vid, v] : values) d[py::int_(vid)] = torch::jit::toPyObject(v);
+    produced[py::int_(m)] = d;
+  }
+  py::dict batch;
+  for (const auto& [vid, t] : outs.batch_outputs) batch[py::int_(vid)] = t;
+  return py::make_tuple(produced, batch);
+}
+
+runtime::StepMode modeFromName(const std::string& name) {
+  if (name == "train") return runtime::StepMode::Train;
+  if (name == "eval") return runtime::StepMode::Eval;
+  if (name == "fill_drain_forward") return runtime::StepMode::FillDrainForward;
+  if (name == "fill_drain_backward") return runtime::StepMode::FillDrainBackward;
+  throw rannc::Error("unknown step mode '" + name + "' (expected train, eval, fill_drain_forward or fill_drain_backward)");
+}
+
+}  // namespace
+
+void bindRuntime(py::module& m) {
+  py::class_<runtime::Rows>(m, "Rows", "A half-open interval of global batch rows.")
+      .def_readonly("start", &runtime::Rows::start)
+      .def_readonly("stop", &runtime::Rows::stop)
+      .def("__len__", &runtime::Rows::size)
+      .def("__repr__", &runtime::Rows::str);
+
+  py::class_<runtime::Layout>(m, "Layout", "Stages, pipeline copies, replicas and their rows.")
+      .def_property_readonly("world_size", &runtime::Layout::worldSize)
+      .def_property_readonly("local_batch", &runtime::Layout::localBatch)
+      .def_property_readonly("global_batch", &runtime::Layout::globalBatch)
+      .def_property_readonly("pipelines", &runtime::Layout::pipelines)
+      .def_property_readonly("micro_batches", &runtime::Layout::microBatches)
+      .def_property_readonly("stage_ranks", [](const runtime::Layout& L) {
+        std::vector<std::vector<int>> out;
+        for (int s = 0; s < L.numStages(); ++s) out.push_back(L.stageRanks(s));
+        return out;
+      })
+      .def("replicas", &runtime::Layout::replicas, py::arg("stage"))
+      .def("rank_of", &runtime::Layout::rankOf, py::arg("stage"), py::arg("copy"), py::arg("replica"))
+      .def("share", &runtime::Layout::share, py::arg("stage"), py::arg("copy"), py::arg("micro_batch"),
+           py::arg("replica"))
+      .def("owned", &runtime::Layout::owned, py::arg("rank"));
+
+  using runtime::PipelineEngine;
+  py::class_<PipelineEngine>(m, "PipelineEngine", "Runs this rank's stage of a deployment, one step per call.")
+      .def(py::init([](std::shared_ptr<frontend::TracedModel> model, const partition::Deployment& deployment,
+                       int rank, int world_size, int64_t local_batch,
+                       std::unordered_map<ir::ValueId, at::Tensor> state, bool recompute,
+                       const std::string& device, bool nccl) {
+             return std::make_unique<PipelineEngine>(model, deployment, rank, world_size, local_batch, state,
+                                                     recompute, c10::Device(device), nccl);
+           }),
+           py::arg("model"), py::arg("deployment"), py::arg("rank"), py::arg("world_size"),
+           py::arg("local_batch"), py::arg("state"), py::arg("recompute"), py::arg("device"), py::arg("nccl"))
+      .def_property_readonly("layout", &PipelineEngine::layout, py::return_value_policy::reference_internal)
+      .def_property_readonly("stage", [](const PipelineEngine& e) { return e.place().stage; })
+      .def_property_readonly("copy", [](const PipelineEngine& e) { return e.place().copy; })
+      .def_property_readonly("replica", [](const PipelineEngine& e) { return e.place().replica; })
+      .def_property_readonly("pieces", &PipelineEngine::pieces)
+      .def_property_readonly("executor", &PipelineEngine::executor, py::return_value_policy::reference_internal)
+      .def_property_readonly("loss_vid", [](const PipelineEngine& e) -> py::object {
+        return e.lossId() == ir::kNoId ? py::none() : py::cast(e.lossId());
+      })
+      .def_property_readonly("my_state", &PipelineEngine::stageState)
+      .def_property_readonly("own", &PipelineEngine::ownParameters)
+      .def_property_readonly("batch_output_ids", &PipelineEngine::batchOutputIds)
+      .def("producer_of", &PipelineEngine::producerOf, py::arg("value"))
+      .def("grad_groups", &PipelineEngine::gradientGroups)
+      .def("use_batch", &PipelineEngine::useBatch, py::arg("local_batch"))
+      .def("set_input_grads", &PipelineEngine::setInputGrads, py::arg("ids"))
+      .def("step",
+           [](PipelineEngine& e, const py::dict& local, bool train) {
+             auto values = localValues(local);
+             runtime::StepOutputs outs;
+             {
+               py::gil_scoped_release release;
+               outs = e.step(values, train);
+             }
+             return toPython(outs);
+           },
+           py::arg("local"), py::arg("train"))
+      .def("forward_for_backward",
+           [](PipelineEngine& e, const py::dict& local) {
+             auto values = localValues(local);
+             runtime::StepOutputs outs;
+             {
+               py::gil_scoped_release release;
+               outs = e.forwardForBackward(values);
+             }
+             return toPython(outs);
+           },
+           py::arg("local"))
+      .def("backward_from",
+           [](PipelineEngine& e, const py::dict& seeds) {
+             runtime::Seeds s;
+             for (const auto& [m, table] : seeds) {
+               for (const auto& [vid, v] : py::cast<py::dict>(table)) {
+                 runtime::Seed seed;
+                 if (THPVariable_Check(v.ptr())) {
+                   seed.tensor = py::cast<at::Tensor>(v);
+                 } else {
+                   seed.value = py::cast<double>(v);
+                 }
+                 s[py::cast<int>(m)][py::cast<ir::ValueId>(vid)] = seed;
+               }
+             }
+             py::gil_scoped_release release;
+             e.backwardFrom(std::move(s));
+           },
+           py::arg("seeds"))
+      .def("scatter_output_grads",
+           [](PipelineEngine& e, const std::map<ir::ValueId, std::optional<at::Tensor>>& grads) {
+             std::map<ir::ValueId, at::Tensor> g;
+             for (const auto& [vid, t] : grads) g[vid] = t ? *t : at::Tensor();
+             runtime::Seeds seeds;
+             {
+               py::gil_scoped_release release;
+               seeds = e.scatterOutputGrads(g);
+             }
+             py::dict out;
+             for (const auto& [m, table] : seeds) {
+               py::dict d;
+               for (const auto& [vid, seed] : table) d[py::int_(vid)] = seed.tensor;
+               out[py::int_(m)] = d;
+             }
+             return out;
+           },
+           py::arg("grads"))
+      .def_property_readonly("step_grads", &PipelineEngine::stepGrads)
+      .def_property_readonly("input_grads", &PipelineEngine::inputGrads)
+      .def("output_dtype", [](const PipelineEngine& e, int m, ir::ValueId vid) {
+        return py::reinterpret_borrow<py::object>(
+            reinterpret_cast<PyObject*>(torch::getTHPDtype(e.outputDtype(m, vid))));
+      })
+      .def_property_readonly("last_step_times", [](const PipelineEngine& e) {
+        const auto& t = e.lastStepTimes();
+        py::dict d;
+        d["forward"] = t.forward;
+        d["backward"] = t.backward;
+        d["wait"] = t.wait;
+        d["total"] = t.total;
+        return d;
+      })
+      .def("program", [](PipelineEngine& e, const std::string& mode) { return e.program(modeFromName(mode)); },
+           py::arg("mode") = "train", "This rank's step as typed actions, one per line.");
+}
+
+}  // namespace rannc::bind

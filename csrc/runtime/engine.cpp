@@ -1,0 +1,548 @@
+#include "runtime/engine.h"
+
+#include <algorithm>
+#include <deque>
+#include <optional>
+#include <tuple>
+
+#include "comm/world.h"
+#include "common/error.h"
+#include "frontend/dtypes.h"
+
+namespace rannc::runtime {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+// Restores the parameters' .grad on leaving a step with backwards, however it leaves.
+class GradsAside {
+ public:
+  explicit GradsAside(const std::map<ir::ValueId, at::Tensor>& own) : own_(own) {
+    for (const auto& [v, t] : own_) {
+      saved_[v] = t.grad();
+      const_cast<at::Tensor&>(t).mutable_grad() = at::Tensor();
+    }
+  }
+  ~GradsAside() {
+    for (const auto& [v, t] : own_) const_cast<at::Tensor&>(t).mutable_grad() = saved_[v];
+  }
+
+ private:
+  const std::map<ir::ValueId, at::Tensor>& own_;
+  std::map<ir::ValueId, at::Tensor> saved_;
+};
+
+}  // namespace
+
+PipelineEngine::PipelineEngine(std::shared_ptr<const frontend::TracedModel> model,
+                               partition::Deployment deployment, int rank, int world_size,
+                               int64_t local_batch,
+                               const std::unordered_map<ir::ValueId, at::Tensor>& state,
+                               bool recompute, c10::Device device, bool nccl, int64_t bucket_bytes)
+    : model_(std::move(model)), graph_(model_->graph), deployment_(std::move(deployment)),
+      rank_(rank), world_size_(world_size), device_(device), nccl_(nccl) {
+  for (int s = 0; s < deployment_.numStages(); ++s) {
+    pieces_.push_back(partition::stageSubgraph(graph_, deployment_.stages[s]));
+    for (ir::ValueId v : pieces_.back().outputs) producer_[v] = s;
+  }
+  graph_inputs_ = {graph_.inputs().begin(), graph_.inputs().end()};
+  graph_outputs_ = {graph_.outputs().begin(), graph_.outputs().end()};
+  int losses = 0;
+  for (ir::ValueId v : graph_.outputs()) {
+    if (graph_.value(v).is_loss) {
+      loss_id_ = v;
+      ++losses;
+    }
+  }
+  if (losses != 1) loss_id_ = ir::kNoId;
+  host_channels_ = mpiChannels();
+  configure(local_batch, false);
+  place_ = config_->layout.place(rank_);
+  const auto& stage = deployment_.stages.at(place_.stage);
+  recompute_ = recompute || stage.recompute;
+  std::unordered_map<ir::ValueId, at::Tensor> mine;
+  for (ir::ValueId v : pieces_[place_.stage].inputs) {
+    auto it = state.find(v);
+    if (it == state.end()) continue;
+    mine[v] = it->second;
+    stage_state_[v] = it->second;
+    if (it->second.requires_grad()) own_[v] = it->second;
+  }
+  executor_ = std::make_unique<StageExecutor>(model_, pieces_[place_.stage], mine, device_);
+  // the gradient groups this rank is in, their communicators created in one order everywhere
+  std::vector<std::pair<std::shared_ptr<comm::Communicator>, std::vector<ir::ValueId>>> groups;
+  for (auto& [ranks, ids] : gradientGroups()) {
+    if (std::find(ranks.begin(), ranks.end(), rank_) == ranks.end()) continue;
+    std::vector<ir::ValueId> owned;
+    for (ir::ValueId v : ids) {
+      if (own_.count(v)) owned.push_back(v);
+    }
+    auto comm = ranks.size() > 1 ? groupCommunicator(ranks, nccl_) : nullptr;
+    groups.emplace_back(std::move(comm), std::move(owned));
+  }
+  buckets_ = std::make_unique<GradBuckets>(std::move(groups), own_, device_.is_cuda() && !nccl_, bucket_bytes);
+  setInputGrads({});
+}
+
+int PipelineEngine::producerOf(ir::ValueId value) const {
+  auto it = producer_.find(value);
+  return it == producer_.end() ? -1 : it->second;
+}
+
+std::vector<ir::ValueId> PipelineEngine::batchOutputIds() const {
+  std::vector<ir::ValueId> out;
+  for (const auto& [v, _] : config_->plan.out_recv) out.push_back(v);
+  return out;
+}
+
+std::vector<std::pair<std::vector<int>, std::vector<ir::ValueId>>> PipelineEngine::gradientGroups() const {
+  std::vector<ir::ValueId> state;
+  for (ir::ValueId v : graph_.inputs()) {
+    if (graph_.value(v).isModelState()) state.push_back(v);
+  }
+  return runtime::gradientGroups(pieces_, config_->layout, state);
+}
+
+void PipelineEngine::configure(int64_t local_batch, bool cap_micro_batches) {
+  auto config = std::unique_ptr<BatchConfig>(new BatchConfig{
+      Layout(deployment_, world_size_, local_batch, cap_micro_batches), {}, {}, nullptr, {}});
+  DescribeTask describe = [this](ir::TaskId t) { return model_->describeTask(t); };
+  config->plan = planTransfers(graph_, pieces_, config->layout, rank_, describe);
+  int stage = config->layout.place(rank_).stage;
+  config->train_actions = partition::buildSchedule(deployment_.schedule, deployment_.numStages(),
+                                                   config->layout.microBatches())[stage];
+  if (nccl_) config->device_channels = ncclChannels(config->plan.deviceChannels(graph_), device_);
+  config_ = config.get();
+  configs_[local_batch] = std::move(config);
+}
+
+bool PipelineEngine::useBatch(int64_t local_batch) {
+  if (local_batch == config_->layout.localBatch()) return false;
+  auto it = configs_.find(local_batch);
+  if (it != configs_.end()) {
+    config_ = it->second.get();
+    return false;
+  }
+  configure(local_batch, true);
+  return true;
+}
+
+void PipelineEngine::setInputGrads(std::set<ir::ValueId> ids) {
+  if (input_grads_known_ && ids == input_grad_ids_) return;
+  input_grad_ids_ = std::move(ids);
+  input_grads_known_ = true;
+  std::vector<ir::ValueId> no_grad;
+  for (ir::ValueId v : executor_->inputIds()) {
+    if (graph_inputs_.count(v) && !input_grad_ids_.count(v)) no_grad.push_back(v);
+  }
+  executor_->setNoGradInputs(no_grad);
+  for (auto& [_, c] : configs_) c->programs.clear();
+}
+
+const StepProgram& PipelineEngine::programFor(StepMode mode) {
+  auto it = config_->programs.find(mode);
+  if (it != config_->programs.end()) return it->second;
+  std::vector<partition::Action> compute;
+  const auto& train = config_->train_actions;
+  auto only = [&](partition::ActionKind kind) {
+    for (const auto& a : train) {
+      if (a.kind == kind) compute.push_back(a);
+    }
+  };
+  switch (mode) {
+    case StepMode::Train: compute = train; break;
+    case StepMode::Eval:
+      for (int m = 0; m < config_->layout.microBatches(); ++m) compute.push_back({partition::ActionKind::Forward, m});
+      break;
+    case StepMode::FillDrainForward: only(partition::ActionKind::Forward); break;
+    case StepMode::FillDrainBackward: only(partition::ActionKind::Backward); break;
+  }
+  StageBoundary boundary{executor_->inputIds(), executor_->outputIds()};
+  auto program = lowerStep(compute, config_->plan, graph_, boundary, input_grad_ids_, !buckets_->empty());
+  return config_->programs[mode] = std::move(program);
+}
+
+std::string PipelineEngine::program(StepMode mode) { return programFor(mode).str(); }
+
+StepOutputs PipelineEngine::step(const std::map<ir::ValueId, c10::IValue>& local, bool train) {
+  seeds_.clear();
+  if (train && loss_id_ != ir::kNoId) {
+    const Layout& L = config_->layout;
+    for (int m = 0; m < L.microBatches(); ++m) {
+      Rows rows = L.share(place_.stage, place_.copy, m, place_.replica);
+      seeds_[m][loss_id_] = Seed{double(rows.size()) / double(L.globalBatch()), {}};
+    }
+  }
+  return execute(programFor(train ? StepMode::Train : StepMode::Eval), &local, train);
+}
+
+StepOutputs PipelineEngine::forwardForBackward(const std::map<ir::ValueId, c10::IValue>& local) {
+  executor_->discard();  // a training forward whose backward never came
+  return execute(programFor(StepMode::FillDrainForward), &local, true);
+}
+
+void PipelineEngine::backwardFrom(Seeds seeds) {
+  seeds_ = std::move(seeds);
+  execute(programFor(StepMode::FillDrainBackward), nullptr, true);
+}
+
+at::Tensor PipelineEngine::empty(ir::ValueId vid, const Transfer* rows, c10::Device device) const {
+  const ir::Value& v = graph_.value(vid);
+  std::vector<int64_t> shape = v.shape;
+  if (rows != nullptr && !rows->whole) shape[v.batch_dim] = rows->rows.size() * v.batch_multiple;
+  return at::empty(shape, at::TensorOptions().dtype(frontend::toScalarType(v.dtype)).device(device));
+}
+
+at::Tensor PipelineEngine::narrow(const at::Tensor& t, ir::ValueId vid, const Transfer& tr, int64_t start) const {
+  if (tr.whole) return t;
+  const ir::Value& v = graph_.value(vid);
+  return t.narrow(v.batch_dim, (tr.rows.start - start) * v.batch_multiple, tr.rows.size() * v.batch_multiple);
+}
+
+PipelineEngine::PostedByValue PipelineEngine::post(const StepAction& receive) {
+  PostedByValue posted;
+  const bool forward = receive.feeds == partition::ActionKind::Forward;
+  for (const ChannelTransfer& ct : receive.transfers) {
+    const Transfer& t = ct.transfer;
+    auto& list = posted[t.value];
+    if (ct.local) {
+      list.push_back({&t, {}, nullptr});
+      continue;
+    }
+    at::Tensor buf = empty(t.value, &t, device_);
+    int peer = forward ? t.src : t.dst;  // a gradient comes back from the consumer
+    list.push_back({&t, buf, channelsFor(ct.channel).recv(buf, peer, ct.channel)});
+  }
+  return posted;
+}
+
+c10::IValue PipelineEngine::shapeValue(ir::ValueId vid, int m) const {
+  const ir::Value& v = graph_.value(vid);
+  const Layout& L = config_->layout;
+  int64_t rows = L.share(place_.stage, place_.copy, m, place_.replica).size();
+  std::vector<int64_t> ints;
+  for (size_t i = 0; i < v.int_values.size(); ++i) {
+    int64_t k = v.int_batch_multiples.at(i);
+    ints.push_back(k != 0 ? k * rows : v.int_values[i]);
+  }
+  if (v.kind == ir::ValueKind::Int) return ints.at(0);
+  if (v.kind == ir::ValueKind::IntList) return ints;
+  return at::scalar_tensor(ints.at(0), at::TensorOptions().dtype(frontend::toScalarType(v.dtype)));
+}
+
+c10::IValue PipelineEngine::gather(ir::ValueId vid, int m, const std::map<ir::ValueId, c10::IValue>& local,
+                                   PostedByValue& posted) {
+  if (isShapeValue(graph_.value(vid))) return shapeValue(vid, m);
+  auto it = posted.find(vid);
+  RANNC_CHECK(it != posted.end(), "rank " << rank_ << ": input " << vid << " of micro-batch " << m
+                                          << " was never received");
+  std::vector<at::Tensor> parts;
+  for (Posted& p : it->second) {
+    if (p.work == nullptr) {
+      auto lt = local.find(vid);
+      RANNC_CHECK(lt != local.end(), "rank " << rank_ << " lacks its own rows of argument " << vid);
+      if (!lt->second.isTensor()) return lt->second;  // a non-tensor argument, whole
+      parts.push_back(narrow(lt->second.toTensor(), vid, *p.transfer, p.transfer->src_start).to(device_));
+    } else {
+      auto t0 = Clock::now();
+      p.work->wait();
+      times_.wait += since(t0);
+      parts.push_back(p.buffer);
+    }
+  }
+  if (parts.size() == 1) return parts[0];
+  return at::cat(parts, graph_.value(vid).batch_dim);
+}
+
+at::Tensor PipelineEngine::outputGrad(ir::ValueId vid, int m, PostedByValue& posted) {
+  auto shape_it = shapes_[m].find(vid);
+  at::Tensor grad;
+  auto sm = seeds_.find(m);
+  if (sm != seeds_.end()) {
+    auto s = sm->second.find(vid);
+    if (s != sm->second.end()) {
+      if (s->second.tensor.defined()) {
+        grad = s->second.tensor.to(device_, /*non_blocking=*/false, /*copy=*/true);
+      } else {
+        RANNC_CHECK(shape_it != shapes_[m].end(), "no forward output " << vid << " for micro-batch " << m);
+        grad = at::full(shape_it->second.first, s->second.value,
+                        at::TensorOptions().dtype(shape_it->second.second).device(device_));
+      }
+    }
+  }
+  auto it = posted.find(vid);
+  if (it != posted.end()) {
+    if (!grad.defined()) {
+      RANNC_CHECK(shape_it != shapes_[m].end(), "no forward output " << vid << " for micro-batch " << m);
+      grad = at::zeros(shape_it->second.first, at::TensorOptions().dtype(shape_it->second.second).device(device_));
+    }
+    for (Posted& p : it->second) {
+      auto t0 = Clock::now();
+      p.work->wait();
+      times_.wait += since(t0);
+      narrow(grad, vid, *p.transfer, p.transfer->src_start).add_(p.buffer);
+    }
+  }
+  return grad;
+}
+
+void PipelineEngine::sendBackward(const StepAction& send, int m, std::vector<comm::WorkPtr>& sends) {
+  const auto& ids = executor_->inputIds();
+  const auto& grads = input_grads_of_.at(m);
+  std::map<ir::ValueId, at::Tensor> by_id;
+  for (size_t i = 0; i < ids.size(); ++i) by_id[ids[i]] = grads[i];
+  const int64_t mine = config_->layout.owned(rank_).start;
+  for (const ChannelTransfer& ct : send.transfers) {
+    const Transfer& t = ct.transfer;
+    const at::Tensor& g = by_id.at(t.value);
+    if (ct.channel == Channel::InputGradient) {
+      if (!g.defined()) continue;
+      at::Tensor& total = input_grads_.at(t.value);
+      if (t.whole) {
+        total.add_(g.to(total.scalar_type()));
+      } else if (ct.local) {
+        narrow(total, t.value, t, mine).add_(narrow(g, t.value, t, t.dst_start));
+      } else {
+        sends.push_back(host_channels_->send(narrow(g, t.value, t, t.dst_start).contiguous(), t.src,
+                                             Channel::InputGradient));
+      }
+      continue;
+    }
+    at::Tensor piece = g.defined() ? narrow(g, t.value, t, t.dst_start).contiguous()
+                                   : empty(t.value, &t, device_).zero_();
+    sends.push_back(channels().send(piece, t.src, Channel::Gradient));
+  }
+  input_grads_of_.erase(m);
+}
+
+std::vector<PipelineEngine::Posted> PipelineEngine::beginInputGrads() {
+  input_grads_.clear();
+  for (const auto& [vid, meta] : local_meta_) {
+    if (input_grad_ids_.count(vid)) {
+      input_grads_[vid] = at::zeros(meta.first, at::TensorOptions().dtype(meta.second).device(device_));
+    }
+  }
+  std::vector<Posted> posted;
+  for (const Transfer& t : config_->plan.input_sends) {
+    if (!input_grad_ids_.count(t.value)) continue;
+    at::Tensor buf = empty(t.value, &t, device_);
+    posted.push_back({&t, buf, host_channels_->recv(buf, t.dst, Channel::InputGradient)});
+  }
+  return posted;
+}
+
+void PipelineEngine::finishInputGrads(std::vector<Posted>& posted) {
+  const int64_t mine = config_->layout.owned(rank_).start;
+  for (Posted& p : posted) {
+    p.work->wait();
+    narrow(input_grads_.at(p.transfer->value), p.transfer->value, *p.transfer, mine).add_(p.buffer);
+  }
+  for (auto& [vid, grad] : input_grads_) {  // every rank, in one order: a collective
+    if (graph_.value(vid).isBatch()) continue;
+    at::Tensor total = grad.to(c10::kCPU, at::kDouble);
+    comm::worldCpuCommunicator()->allReduce(total)->wait();
+    grad = total.to(device_, grad.scalar_type());
+  }
+}
+
+std::map<ir::ValueId, at::Tensor> PipelineEngine::collectBatchOutputs(
+    const std::map<int, std::map<ir::ValueId, c10::IValue>>& produced) {
+  std::vector<const Transfer*> order;
+  for (const auto& [_, list] : config_->plan.out_recv) {
+    for (const Transfer& t : list) order.push_back(&t);
+  }
+  std::stable_sort(order.begin(), order.end(), [](const Transfer* a, const Transfer* b) {
+    return std::make_tuple(a->micro_batch, a->value, a->rows.start) <
+           std::make_tuple(b->micro_batch, b->value, b->rows.start);
+  });
+  std::map<ir::ValueId, std::vector<std::pair<int64_t, at::Tensor>>> parts;
+  std::vector<comm::WorkPtr> works;
+  for (const Transfer* t : order) {
+    at::Tensor part;
+    if (t->src == rank_) {
+      part = narrow(produced.at(t->micro_batch).at(t->value).toTensor(), t->value, *t, t->src_start);
+    } else {
+      part = empty(t->value, t, device_);
+      works.push_back(channels().recv(part, t->src, Channel::BatchOutput));
+    }
+    parts[t->value].emplace_back(t->rows.start, part);
+  }
+  auto t0 = Clock::now();
+  for (auto& w : works) w->wait();
+  times_.wait += since(t0);
+  std::map<ir::ValueId, at::Tensor> out;
+  for (auto& [vid, list] : parts) {
+    std::stable_sort(list.begin(), list.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+    std::vector<at::Tensor> tensors;
+    for (auto& [_, t] : list) tensors.push_back(t);
+    out[vid] = at::cat(tensors, graph_.value(vid).batch_dim);
+  }
+  return out;
+}
+
+StepOutputs PipelineEngine::execute(const StepProgram& program,
+                                    const std::map<ir::ValueId, c10::IValue>* local, bool train) {
+  auto start = Clock::now();
+  times_ = StepTimes{};
+  StepOutputs result;
+  std::vector<comm::WorkPtr> sends;
+  std::deque<PostedByValue> upcoming;
+  std::vector<Posted> input_grad_receives;
+  const bool has_backward = std::any_of(program.actions.begin(), program.actions.end(),
+                                        [](const StepAction& a) { return a.kind == StepActionKind::Backward; });
+  const bool has_forward = local != nullptr;
+  std::optional<GradsAside> aside;
+  if (has_backward) aside.emplace(own_);
+  if (has_forward) {
+    shapes_.clear();
+    local_meta_.clear();
+    for (ir::ValueId vid : input_grad_ids_) {
+      const at::Tensor& t = local->at(vid).toTensor();
+      local_meta_[vid] = {t.sizes().vec(), t.scalar_type()};
+    }
+  }
+  if (has_backward && !input_grad_ids_.empty()) input_grad_receives = beginInputGrads();
+  struct Disarm {
+    GradBuckets& b;
+    ~Disarm() { b.disarm(); }
+  } disarm{*buckets_};
+
+  for (const StepAction& a : program.actions) {
+    switch (a.kind) {
+      case StepActionKind::SendInputRows:
+        for (const ChannelTransfer& ct : a.transfers) {
+          const Transfer& t = ct.transfer;
+          at::Tensor rows = narrow(local->at(t.value).toTensor(), t.value, t, t.src_start).contiguous();
+          sends.push_back(host_channels_->send(rows, t.dst, Channel::InputRows));
+        }
+        break;
+      case StepActionKind::Receive:
+        upcoming.push_back(post(a));
+        break;
+      case StepActionKind::Forward: {
+        RANNC_CHECK(!upcoming.empty(), "forward " << a.micro_batch << " without its receives");
+        PostedByValue posted = std::move(upcoming.front());
+        upcoming.pop_front();
+        std::vector<c10::IValue> ins;
+        for (ir::ValueId vid : executor_->inputIds()) ins.push_back(gather(vid, a.micro_batch, *local, posted));
+        auto t0 = Clock::now();
+        auto outs = executor_->forward(a.micro_batch, ins, train, recompute_);
+        times_.forward += since(t0);
+        const auto& ids = executor_->outputIds();
+        auto& shapes = shapes_[a.micro_batch];
+        auto& produced = result.produced[a.micro_batch];
+        for (size_t i = 0; i < ids.size(); ++i) {
+          if (outs[i].isTensor()) shapes[ids[i]] = {outs[i].toTensor().sizes().vec(), outs[i].toTensor().scalar_type()};
+          if (graph_outputs_.count(ids[i])) produced[ids[i]] = outs[i];
+        }
+        outputs_[a.micro_batch] = std::move(outs);
+        break;
+      }
+      case StepActionKind::Backward: {
+        RANNC_CHECK(!upcoming.empty(), "backward " << a.micro_batch << " without its receives");
+        PostedByValue posted = std::move(upcoming.front());
+        upcoming.pop_front();
+        std::vector<at::Tensor> grads;
+        for (ir::ValueId vid : executor_->outputIds()) grads.push_back(outputGrad(vid, a.micro_batch, posted));
+        auto t0 = Clock::now();
+        input_grads_of_[a.micro_batch] = executor_->backward(a.micro_batch, grads);
+        times_.backward += since(t0);
+        break;
+      }
+      case StepActionKind::Send:
+        if (a.feeds == partition::ActionKind::Forward) {
+          const auto& ids = executor_->outputIds();
+          const auto& outs = outputs_.at(a.micro_batch);
+          for (const ChannelTransfer& ct : a.transfers) {
+            const Transfer& t = ct.transfer;
+            size_t i = std::find(ids.begin(), ids.end(), t.value) - ids.begin();
+            RANNC_CHECK(i < ids.size(), "value " << t.value << " is not an output of this stage");
+            at::Tensor piece = narrow(outs[i].toTensor(), t.value, t, t.src_start).contiguous();
+            sends.push_back(channels().send(piece, t.dst, ct.channel));
+          }
+          outputs_.erase(a.micro_batch);
+        } else {
+          sendBackward(a, a.micro_batch, sends);
+        }
+        break;
+      case StepActionKind::ArmAllReduce:
+        buckets_->arm();
+        break;
+      case StepActionKind::CollectOutputs:
+        result.batch_outputs = collectBatchOutputs(result.produced);
+        break;
+      case StepActionKind::Finish: {
+        auto t0 = Clock::now();
+        for (auto& w : sends) w->wait();
+        if (has_backward && !input_grad_ids_.empty()) finishInputGrads(input_grad_receives);
+        if (has_backward) {
+          step_grads_.clear();
+          for (const auto& [v, t] : own_) step_grads_[v] = t.grad().defined() ? t.grad() : at::zeros_like(t);
+          buckets_->finish(step_grads_);
+        }
+        times_.wait += since(t0);
+        break;
+      }
+    }
+  }
+  times_.total = since(start);
+  return result;
+}
+
+Seeds PipelineEngine::scatterOutputGrads(const std::map<ir::ValueId, at::Tensor>& grads) {
+  std::vector<const Transfer*> order;
+  for (const auto& [_, list] : config_->plan.out_recv) {
+    for (const Transfer& t : list) order.push_back(&t);
+  }
+  std::stable_sort(order.begin(), order.end(), [](const Transfer* a, const Transfer* b) {
+    return std::make_tuple(a->micro_batch, a->value, a->rows.start) <
+           std::make_tuple(b->micro_batch, b->value, b->rows.start);
+  });
+  std::vector<comm::WorkPtr> sends;
+  std::map<std::tuple<int, ir::ValueId, int64_t>, at::Tensor> mine;
+  for (const Transfer* t : order) {
+    auto g = grads.find(t->value);
+    at::Tensor piece = g != grads.end() && g->second.defined()
+                           ? narrow(g->second, t->value, *t, t->dst_start).to(device_).contiguous()
+                           : empty(t->value, t, device_).zero_();
+    if (t->src == rank_) {
+      mine[{t->micro_batch, t->value, t->rows.start}] = piece;
+    } else {
+      sends.push_back(channels().send(piece, t->src, Channel::OutputGradient));
+    }
+  }
+  std::vector<Posted> posted;
+  for (const auto& table : config_->plan.out_send) {
+    for (const auto& [vid, list] : table) {
+      for (const Transfer& t : list) {
+        if (t.dst == rank_) {
+          posted.push_back({&t, mine.at({t.micro_batch, vid, t.rows.start}), nullptr});
+        } else {
+          at::Tensor buf = empty(vid, &t, device_);
+          posted.push_back({&t, buf, channels().recv(buf, t.dst, Channel::OutputGradient)});
+        }
+      }
+    }
+  }
+  Seeds seeds;
+  for (Posted& p : posted) {
+    if (p.work) p.work->wait();
+    const Transfer& t = *p.transfer;
+    Seed& seed = seeds[t.micro_batch][t.value];
+    if (!seed.tensor.defined()) {
+      const auto& meta = shapes_.at(t.micro_batch).at(t.value);
+      seed.tensor = at::zeros(meta.first, at::TensorOptions().dtype(meta.second).device(device_));
+    }
+    narrow(seed.tensor, t.value, t, t.src_start).add_(p.buffer);
+  }
+  for (auto& w : sends) w->wait();
+  return seeds;
+}
+
+at::ScalarType PipelineEngine::outputDtype(int m, ir::ValueId value) const {
+  return shapes_.at(m).at(value).second;
+}
+
+}  // namespace rannc::runtime

@@ -1,0 +1,188 @@
+#pragma once
+// The pipeline engine: runs this rank's stage of a deployment for one step, in one call.
+// It lowers the planned schedule (partition/sim/schedule.h, the lists the simulator ran)
+// with the transfer plan (transfers.h) into typed actions (step_program.h) and executes
+// them over the channels (channels.h) and the stage executor (stage.h), with the bucketed
+// gradient all-reduce (grad_buckets.h) overlapped with the last backward.
+//
+// [Note: batch sizes] The plan's stages and replicas hold for any batch; what depends on
+// the batch size (the rows of each micro-batch and replica, the micro-batch count, the
+// transfer plan, the channels and the step programs) is built per local batch size and
+// cached. A batch smaller than the plan's runs fewer micro-batches when its rows do not
+// fill them all.
+//
+// [Note: input gradients] An argument whose tensor requires grad gets its gradient, as in
+// PyTorch: each replica's backward returns the gradient of the rows it received, and sends
+// each row range back to the rank that owns it (the reverse of the input rows' transfer,
+// over MPI like them). A tensor without a batch dimension (every rank passes its own copy)
+// gets the sum over all ranks' rows, as the concatenated batch would.
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <set>
+#include <unordered_map>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+#include "partition/plan.h"
+#include "runtime/channels.h"
+#include "runtime/grad_buckets.h"
+#include "runtime/layout.h"
+#include "runtime/stage.h"
+#include "runtime/step_program.h"
+#include "runtime/transfers.h"
+
+namespace rannc::runtime {
+
+// A gradient seed of a stage output for one micro-batch: `tensor` where defined, else
+// `value` filled to the output's shape and dtype.
+struct Seed {
+  double value = 0.0;
+  at::Tensor tensor;
+};
+using Seeds = std::map<int, std::map<ir::ValueId, Seed>>;
+
+struct StepOutputs {
+  // Per micro-batch, the model outputs this rank's stage produced.
+  std::map<int, std::map<ir::ValueId, c10::IValue>> produced;
+  // This rank's own rows of each batch output, in row order.
+  std::map<ir::ValueId, at::Tensor> batch_outputs;
+};
+
+// Where one step's time went on this rank (seconds): for bench/pipeline_breakdown.py.
+struct StepTimes {
+  double forward = 0.0;
+  double backward = 0.0;
+  double wait = 0.0;  // waiting for receives, sends and the all-reduce
+  double total = 0.0;
+};
+
+enum class StepMode { Train, Eval, FillDrainForward, FillDrainBackward };
+
+class PipelineEngine {
+ public:
+  // `state`: value id -> the module's tensor (this rank's stage's ones on `device`); `nccl`:
+  // CUDA stages talk over NCCL (else MPI, through host memory for CUDA tensors). Collective:
+  // creates the gradient groups' communicators.
+  PipelineEngine(std::shared_ptr<const frontend::TracedModel> model, partition::Deployment deployment,
+                 int rank, int world_size, int64_t local_batch,
+                 const std::unordered_map<ir::ValueId, at::Tensor>& state, bool recompute,
+                 c10::Device device, bool nccl, int64_t bucket_bytes = 4 << 20);
+
+  const partition::Deployment& deployment() const { return deployment_; }
+  const Layout& layout() const { return config_->layout; }
+  const Place& place() const { return place_; }
+  const std::vector<ir::Subgraph>& pieces() const { return pieces_; }
+  StageExecutor& executor() { return *executor_; }
+  // Stage producing `value` (-1 for none: a model argument, a constant).
+  int producerOf(ir::ValueId value) const;
+  ir::ValueId lossId() const { return loss_id_; }
+  // Its stage's parameters and buffers (value id -> the module's tensor).
+  const std::map<ir::ValueId, at::Tensor>& stageState() const { return stage_state_; }
+  // The parameters this rank updates (its stage's state that requires grad).
+  const std::map<ir::ValueId, at::Tensor>& ownParameters() const { return own_; }
+  // Batch outputs this rank receives rows of (see StepOutputs::batch_outputs).
+  std::vector<ir::ValueId> batchOutputIds() const;
+  // (ranks, parameter ids) sharing gradients, for every parameter of every stage.
+  std::vector<std::pair<std::vector<int>, std::vector<ir::ValueId>>> gradientGroups() const;
+
+  // Runs the next steps on local batches of `local_batch` rows (every rank calls it with the
+  // same size). Returns true when this size is new.
+  bool useBatch(int64_t local_batch);
+  // The model arguments whose tensors require grad in the next steps.
+  void setInputGrads(std::set<ir::ValueId> ids);
+
+  // One step: with `train`, the planned schedule seeded by the scalar loss (its share of
+  // each micro-batch), else forwards only. `local`: model argument ids -> this rank's values.
+  StepOutputs step(const std::map<ir::ValueId, c10::IValue>& local, bool train);
+  // The forwards of a fill-drain step, stashing for backwardFrom().
+  StepOutputs forwardForBackward(const std::map<ir::ValueId, c10::IValue>& local);
+  // The backwards of the fill-drain step begun by forwardForBackward().
+  void backwardFrom(Seeds seeds);
+  // Sends the gradients of this rank's rows of the batch outputs (id -> tensor shaped like
+  // the local output, undefined for zeros) to the replicas that produced those rows; returns
+  // the seeds of the batch outputs this stage produced (the reverse of the outputs' moves).
+  Seeds scatterOutputGrads(const std::map<ir::ValueId, at::Tensor>& grads);
+
+  // After a step with backwards: the gradients of ownParameters(), summed over each group.
+  const std::map<ir::ValueId, at::Tensor>& stepGrads() const { return step_grads_; }
+  // After a step with backwards: the gradients of the arguments setInputGrads() named.
+  const std::map<ir::ValueId, at::Tensor>& inputGrads() const { return input_grads_; }
+  // The dtype of output `value` of micro-batch `m` in the last forwards.
+  at::ScalarType outputDtype(int m, ir::ValueId value) const;
+  const StepTimes& lastStepTimes() const { return times_; }
+  // The step program of `mode` for the current batch, printed.
+  std::string program(StepMode mode);
+
+ private:
+  struct BatchConfig {
+    Layout layout;
+    TransferPlan plan;
+    std::vector<partition::Action> train_actions;
+    std::unique_ptr<Channels> device_channels;  // null: the host channels
+    std::map<StepMode, StepProgram> programs;
+  };
+  struct Posted {
+    const Transfer* transfer;
+    at::Tensor buffer;
+    comm::WorkPtr work;  // null: this rank's own rows
+  };
+  using PostedByValue = std::map<ir::ValueId, std::vector<Posted>>;
+
+  void configure(int64_t local_batch, bool cap_micro_batches);
+  const StepProgram& programFor(StepMode mode);
+  StepOutputs execute(const StepProgram& program, const std::map<ir::ValueId, c10::IValue>* local,
+                      bool train);
+  Channels& channels() { return config_->device_channels ? *config_->device_channels : *host_channels_; }
+  Channels& channelsFor(Channel c) {
+    return c == Channel::InputRows || c == Channel::InputGradient ? *host_channels_ : channels();
+  }
+
+  PostedByValue post(const StepAction& receive);
+  c10::IValue gather(ir::ValueId vid, int m, const std::map<ir::ValueId, c10::IValue>& local,
+                     PostedByValue& posted);
+  c10::IValue shapeValue(ir::ValueId vid, int m) const;
+  at::Tensor outputGrad(ir::ValueId vid, int m, PostedByValue& posted);
+  void sendBackward(const StepAction& send, int m, std::vector<comm::WorkPtr>& sends);
+  std::vector<Posted> beginInputGrads();
+  void finishInputGrads(std::vector<Posted>& posted);
+  std::map<ir::ValueId, at::Tensor> collectBatchOutputs(
+      const std::map<int, std::map<ir::ValueId, c10::IValue>>& produced);
+  at::Tensor empty(ir::ValueId vid, const Transfer* rows, c10::Device device) const;
+  at::Tensor narrow(const at::Tensor& t, ir::ValueId vid, const Transfer& tr, int64_t start) const;
+
+  std::shared_ptr<const frontend::TracedModel> model_;
+  const ir::Graph& graph_;
+  partition::Deployment deployment_;
+  int rank_, world_size_;
+  c10::Device device_;
+  bool nccl_, recompute_;
+  std::vector<ir::Subgraph> pieces_;
+  std::map<ir::ValueId, int> producer_;
+  std::set<ir::ValueId> graph_inputs_, graph_outputs_;
+  ir::ValueId loss_id_ = ir::kNoId;
+  Place place_;
+  std::unique_ptr<StageExecutor> executor_;
+  std::map<ir::ValueId, at::Tensor> stage_state_;
+  std::map<ir::ValueId, at::Tensor> own_;
+  std::unique_ptr<GradBuckets> buckets_;
+  std::unique_ptr<Channels> host_channels_;
+  std::map<int64_t, std::unique_ptr<BatchConfig>> configs_;
+  BatchConfig* config_ = nullptr;
+  std::set<ir::ValueId> input_grad_ids_;
+  bool input_grads_known_ = false;
+
+  // per step
+  Seeds seeds_;
+  std::map<int, std::map<ir::ValueId, std::pair<std::vector<int64_t>, at::ScalarType>>> shapes_;
+  std::map<int, std::vector<c10::IValue>> outputs_;      // the last forward outputs per m (until sent)
+  std::map<int, std::vector<at::Tensor>> input_grads_of_;  // the last backward's input grads per m
+  std::map<ir::ValueId, std::pair<std::vector<int64_t>, at::ScalarType>> local_meta_;
+  std::map<ir::ValueId, at::Tensor> input_grads_;
+  std::map<ir::ValueId, at::Tensor> step_grads_;
+  StepTimes times_;
+};
+
+}  // namespace rannc::runtime

@@ -1,0 +1,102 @@
+#include "runtime/grad_buckets.h"
+
+#include <torch/csrc/autograd/utils/lambda_post_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include "runtime/channels.h"
+
+namespace rannc::runtime {
+
+GradBuckets::GradBuckets(
+    std::vector<std::pair<std::shared_ptr<comm::Communicator>, std::vector<ir::ValueId>>> groups,
+    std::map<ir::ValueId, at::Tensor> own, bool staged, int64_t bucket_bytes)
+    : own_(std::move(own)), staged_(staged) {
+  for (auto& [comm, ids] : groups) {
+    if (!comm || ids.empty()) continue;
+    std::sort(ids.rbegin(), ids.rend());
+    Bucket current{comm, {}};
+    int64_t size = 0;
+    for (ir::ValueId v : ids) {
+      current.ids.push_back(v);
+      const at::Tensor& t = own_.at(v);
+      size += t.numel() * t.element_size();
+      if (size >= bucket_bytes) {
+        buckets_.push_back(std::move(current));
+        current = Bucket{comm, {}};
+        size = 0;
+      }
+    }
+    if (!current.ids.empty()) buckets_.push_back(std::move(current));
+  }
+}
+
+GradBuckets::~GradBuckets() { disarm(); }
+
+void GradBuckets::arm() {
+  ready_.clear();
+  for (const auto& b : buckets_) {
+    for (ir::ValueId v : b.ids) {
+      auto acc = torch::autograd::impl::grad_accumulator(own_.at(v));
+      auto key = acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+          [this, v](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {
+            final(v);
+            return outputs;
+          }));
+      unhook_.push_back([acc, key] { acc->del_post_hook(key); });
+    }
+  }
+}
+
+void GradBuckets::disarm() {
+  for (auto& f : unhook_) f();
+  unhook_.clear();
+}
+
+void GradBuckets::final(ir::ValueId id) {
+  ready_.insert(id);
+  launch(false);
+}
+
+at::Tensor GradBuckets::gradOf(ir::ValueId id) const {
+  const at::Tensor& t = own_.at(id);
+  return t.grad().defined() ? t.grad() : at::zeros_like(t);
+}
+
+void GradBuckets::launch(bool all) {
+  while (launched_.size() < buckets_.size()) {
+    const Bucket& b = buckets_[launched_.size()];
+    if (!all) {
+      for (ir::ValueId v : b.ids) {
+        if (!ready_.count(v)) return;
+      }
+    }
+    std::vector<at::Tensor> parts;
+    for (ir::ValueId v : b.ids) parts.push_back(gradOf(v).reshape(-1));
+    at::Tensor flat = at::cat(parts);
+    comm::WorkPtr work;
+    if (staged_ && !flat.is_cpu()) {
+      at::Tensor host = flat.to(c10::kCPU);
+      work = stagedThroughHost(b.comm->allReduce(host), host, flat);
+    } else {
+      work = b.comm->allReduce(flat);
+    }
+    launched_.push_back({&b, flat, std::move(work)});
+  }
+}
+
+void GradBuckets::finish(std::map<ir::ValueId, at::Tensor>& grads) {
+  disarm();
+  launch(true);
+  for (auto& l : launched_) {
+    l.work->wait();
+    int64_t offset = 0;
+    for (ir::ValueId v : l.bucket->ids) {
+      const at::Tensor& p = own_.at(v);
+      grads[v] = l.flat.narrow(0, offset, p.numel()).view(p.sizes());
+      offset += p.numel();
+    }
+  }
+  launched_.clear();
+}
+
+}  // namespace rannc::runtime
