@@ -54,7 +54,7 @@ class MpiWork : public Work {
   MPI_Request* request() { return &request_; }
 
   // A receive checks that the message filled its buffer: transfers matched by order
-  // (pipeline.py's channels) must never pair a message with another's buffer.
+  // (the pipeline's channels, runtime/channels.h) must never pair a message with another's buffer.
   void expect(int count, MPI_Datatype type) {
     expected_ = count;
     type_ = type;
