@@ -154,6 +154,17 @@ void bindRuntime(py::module& m) {
            },
            py::arg("grads"))
       .def_property_readonly("step_grads", &PipelineEngine::stepGrads)
+      .def("apply_step_grads",
+           [](PipelineEngine& e, const py::object& scale) {
+             if (scale.is_none()) {
+               e.applyStepGrads(at::Tensor());
+             } else if (THPVariable_Check(scale.ptr())) {
+               e.applyStepGrads(py::cast<at::Tensor>(scale));
+             } else {
+               e.applyStepGrads(py::cast<double>(scale));
+             }
+           },
+           py::arg("scale"), ".grad += scale * the step's gradients (None: 1) of this rank's parameters")
       .def_property_readonly("input_grads", &PipelineEngine::inputGrads)
       .def("output_dtype", [](const PipelineEngine& e, int m, ir::ValueId vid) {
         return py::reinterpret_borrow<py::object>(

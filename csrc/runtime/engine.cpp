@@ -541,6 +541,39 @@ Seeds PipelineEngine::scatterOutputGrads(const std::map<ir::ValueId, at::Tensor>
   return seeds;
 }
 
+void PipelineEngine::applyStepGrads(const at::Tensor& scale) {
+  std::vector<at::Tensor> params, grads;
+  for (const auto& [v, t] : own_) {
+    params.push_back(t);
+    grads.push_back(step_grads_.at(v));
+  }
+  if (params.empty()) return;
+  addToGrads(params, scale.defined() ? at::_foreach_mul(grads, scale) : grads);
+}
+
+void PipelineEngine::applyStepGrads(double scale) {
+  std::vector<at::Tensor> params, grads;
+  for (const auto& [v, t] : own_) {
+    params.push_back(t);
+    grads.push_back(step_grads_.at(v));
+  }
+  if (params.empty()) return;
+  addToGrads(params, scale == 1.0 ? grads : at::_foreach_mul(grads, at::Scalar(scale)));
+}
+
+void PipelineEngine::addToGrads(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads) {
+  std::vector<at::Tensor> into, add;
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (params[i].grad().defined()) {
+      into.push_back(params[i].grad());
+      add.push_back(grads[i]);
+    } else {
+      params[i].mutable_grad() = grads[i];
+    }
+  }
+  if (!into.empty()) at::_foreach_add_(into, add);
+}
+
 at::ScalarType PipelineEngine::outputDtype(int m, ir::ValueId value) const {
   return shapes_.at(m).at(value).second;
 }

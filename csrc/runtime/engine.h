@@ -108,6 +108,10 @@ class PipelineEngine {
 
   // After a step with backwards: the gradients of ownParameters(), summed over each group.
   const std::map<ir::ValueId, at::Tensor>& stepGrads() const { return step_grads_; }
+  // .grad += scale * stepGrads() for ownParameters() (undefined scale: 1), one foreach
+  // call each (a per-tensor loop cost 0.2 ms per step on a 150-tensor model).
+  void applyStepGrads(const at::Tensor& scale);
+  void applyStepGrads(double scale);
   // After a step with backwards: the gradients of the arguments setInputGrads() named.
   const std::map<ir::ValueId, at::Tensor>& inputGrads() const { return input_grads_; }
   // The dtype of output `value` of micro-batch `m` in the last forwards.
@@ -132,6 +136,7 @@ class PipelineEngine {
   using PostedByValue = std::map<ir::ValueId, std::vector<Posted>>;
 
   void configure(int64_t local_batch, bool cap_micro_batches);
+  void addToGrads(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads);
   const StepProgram& programFor(StepMode mode);
   StepOutputs execute(const StepProgram& program, const std::map<ir::ValueId, c10::IValue>* local,
                       bool train);

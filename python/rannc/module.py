@@ -134,7 +134,6 @@ class _Deployed:
                              self.graph.batch_size, state, opts.recompute == "always",
                              device=owner.device, nccl=owner.nccl)
         self.own = self.engine.own  # the parameters this rank updates
-        self.step_grads = {}
         self.grad_input_ids, self.grad_inputs = [], []  # arguments that require grad
         # fill-drain: forwards so far, and whether the last one's backward ran
         self.fill_drain_forwards, self.fill_drain_backward_done = 0, False
@@ -286,7 +285,6 @@ class _Deployed:
         train = training and self.engine.loss_vid is not None
         if train:
             produced, batch_outputs = self.engine.step(local, True)
-            self.step_grads = self.engine.step_grads
         else:
             produced, batch_outputs = self.engine.step(local, False)
         return self._outputs(produced, batch_outputs, "1f1b" if train else None)
@@ -364,28 +362,16 @@ class _Deployed:
                     # returned from micro-batch 0 of the first replica: its gradient goes there
                     seeds.setdefault(m, {})[vid] = sums[vid].to(dtype)
         engine.backward_from(seeds)
-        self.step_grads = engine.step_grads
         self.apply_grads(1.0)
 
     def apply_grads(self, scale):
-        """.grad += scale * the step's gradient, for this rank's parameters (one foreach
-        call each: a per-tensor loop cost 0.2 ms per step on a 150-tensor model)."""
-        if not self.own:
-            return
-        params = list(self.own.values())
-        grads = [self.step_grads[v] for v in self.own]
+        """.grad += scale * the step's gradient, for this rank's parameters (in C++, with
+        one foreach call each)."""
         # loss.backward() seeds 1: nothing to multiply (read only where reading is free; on
         # a GPU the fused multiply is cheaper than a synchronisation)
         unit = not isinstance(scale, torch.Tensor) or scale.device.type == "cpu"
         unit = unit and float(scale) == 1.0
-        scaled = grads if unit else torch._foreach_mul(grads, scale)
-        fresh = [t.grad is None for t in params]
-        if not all(fresh):
-            torch._foreach_add_([t.grad for t, f in zip(params, fresh) if not f],
-                                [g for g, f in zip(scaled, fresh) if not f])
-        for t, g, f in zip(params, scaled, fresh):
-            if f:
-                t.grad = g
+        self.engine.apply_step_grads(None if unit else scale)
 
     def _outputs(self, produced, batch_outputs, schedule):
         """The user's outputs from what the stages produced; `schedule` says how training
