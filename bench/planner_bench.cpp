@@ -29,7 +29,7 @@
 #include "partition/baseline/baselines.h"
 #include "partition/cost/analytic_cost_model.h"
 #include "partition/planner.h"
-#include "partition/synthetic.h"
+#include "synthetic/synthetic.h"
 
 using namespace rannc::partition;
 

@@ -121,15 +121,8 @@ std::string Deployment::report() const {
 
 SimStage simStage(const StagePlan& st) {
   SimStage s;
-  s.forward_time = st.forward_time;
-  s.backward_time = st.backward_time;
-  s.send_forward_time = st.send_forward_time;
-  s.send_backward_time = st.send_backward_time;
-  s.allreduce_time = st.allreduce_time;
-  s.update_time = st.update_time;
-  s.static_bytes = st.static_bytes;
-  s.stash_bytes = st.stash_bytes;
-  s.working_bytes = st.working_bytes;
+  static_cast<StageTimes&>(s) = st;
+  static_cast<StageMemory&>(s) = st;
   return s;
 }
 

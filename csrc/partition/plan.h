@@ -17,7 +17,7 @@ namespace rannc::partition {
 // 2: stages carry the optimizer step's time.
 inline constexpr uint32_t kDeploymentFormatVersion = 2;
 
-struct StagePlan {
+struct StagePlan : StageTimes, StageMemory {
   // [Note: stage tasks] Tasks in topological order. Constant tasks are cloned into every
   // stage that reads them, so one constant task may be listed by several stages; the
   // non-constant tasks of the stages are disjoint and each stage is convex over them.
@@ -29,20 +29,10 @@ struct StagePlan {
   int last_block = -1;
   bool recompute = false;         // rebuild activations during the backward
   int64_t micro_batch_rows = 0;   // rows one replica runs per micro-batch (the largest share)
-  // Predictions for one replica and one micro-batch.
-  double forward_time = 0.0;
-  double backward_time = 0.0;     // including recomputation
-  double send_forward_time = 0.0;
-  double send_backward_time = 0.0;
-  double allreduce_time = 0.0;    // gradient all-reduce among all replicas, per iteration
-  double update_time = 0.0;       // the optimizer step, per iteration
+  // Predictions for one replica: StageTimes per micro-batch (all-reduce and optimizer
+  // step per iteration) and StageMemory's parts of the peak.
   int64_t param_bytes = 0;
   int64_t memory_bytes = 0;       // predicted peak per replica
-  // Its parts: model state, bytes stashed per in-flight micro-batch, transient bytes of
-  // one recomputed micro-batch (0 without recomputation).
-  int64_t static_bytes = 0;
-  int64_t stash_bytes = 0;
-  int64_t working_bytes = 0;
   double busy_time = 0.0;         // per iteration (simulated)
   double bubble_time = 0.0;
 };

@@ -172,28 +172,15 @@ class _Deployed:
                 "value as a constant argument")
 
     def _plan(self, ir, world, opts):
-        comm = _C.Communicator.world_cpu()
         # A plan runs only for the batch and world it was made for: local batch x ranks.
         batch = self.graph.batch_size * world
         if opts.load_plan:
             return _C.load_deployment(opts.load_plan, ir, batch_size=batch, world_size=world)
         if _C.get_rank() != 0 and self._profiled(opts) and world > 1:
             self._make_plan(ir, world, opts)  # profiles a share of the pieces for rank 0
-        if _C.get_rank() == 0:
-            try:
-                data = self._make_plan(ir, world, opts).to_bytes()
-            except Exception as e:  # tell the others before failing
-                _C.report_failure(f"rank 0 could not plan: {type(e).__name__}: {e}")
-                raise
-            size = torch.tensor([len(data)], dtype=torch.int64)
-        else:
-            size = torch.zeros(1, dtype=torch.int64)
-        comm.broadcast(size, 0).wait()
-        buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if _C.get_rank() == 0
-               else torch.empty(int(size.item()), dtype=torch.uint8))
-        comm.broadcast(buf, 0).wait()
-        deployment = _C.deployment_from_bytes(bytes(buf.numpy().tobytes()), ir, "the plan from rank 0",
-                                              batch_size=batch, world_size=world)
+        from .planning import broadcast_plan
+        deployment = broadcast_plan(lambda: self._make_plan(ir, world, opts), ir,
+                                    batch_size=batch, world_size=world)
         if opts.save_plan and _C.get_rank() == 0:
             deployment.save(opts.save_plan)
         return deployment

@@ -377,11 +377,12 @@ def plan_graph(graph: TracedGraph, flat_inputs: list, *, world_size: int, device
             progress=_Progress(bool(progress)), compose=bool(o["compose_costs"]),
             fit_tolerance=float(o["profile_fit_tolerance"]), stats=stats)
     except Exception as e:
-        if parallel and broadcast and _C.get_rank() == 0:
-            _broadcast_plan(None, graph, failure=f"{type(e).__name__}: {e}")
+        if parallel and _C.get_rank() == 0:  # the others are in collectives with rank 0
+            _C.report_failure(f"rank 0 could not plan: {type(e).__name__}: {e}")
         raise
     if parallel and broadcast:
-        deployment = _broadcast_plan(deployment, graph, popts.batch_size, popts.world_size)
+        planned = deployment
+        deployment = broadcast_plan(lambda: planned, graph.ir, popts.batch_size, popts.world_size)
     measuring = float(stats.get("measuring_seconds", 0.0))
     times.profiling += measuring
     times.search += max(0.0, time.perf_counter() - start - measuring)
@@ -393,23 +394,26 @@ def plan_graph(graph: TracedGraph, flat_inputs: list, *, world_size: int, device
     return deployment
 
 
-def _broadcast_plan(deployment, graph, batch_size=0, world_size=0, failure: str = ""):
-    """Rank 0's plan to every rank; a size of -1 tells the others that rank 0 failed."""
+def broadcast_plan(make, ir, batch_size: int = 0, world_size: int = 0):
+    """Rank 0's plan to every rank: `make()` runs on rank 0 only and returns its
+    Deployment. A rank 0 that fails tells the others through the failure channel before it
+    raises (csrc/comm/world.h), so every rank raises with its message, wherever it waits:
+    here, or in a profiling collective with rank 0. `batch_size`/`world_size` > 0: what
+    the plan must be for (checked on every rank)."""
     comm = _C.Communicator.world_cpu()
+    data = b""
     if _C.get_rank() == 0:
-        data = b"" if failure else deployment.to_bytes()
-        size = torch.tensor([-1 if failure else len(data)], dtype=torch.int64)
-    else:
-        size = torch.zeros(1, dtype=torch.int64)
+        try:
+            data = make().to_bytes()
+        except Exception as e:
+            _C.report_failure(f"rank 0 could not plan: {type(e).__name__}: {e}")
+            raise
+    size = torch.tensor([len(data)], dtype=torch.int64)
     comm.broadcast(size, 0).wait()
-    if failure:
-        return None
-    if int(size.item()) < 0:
-        raise _C.Error("rank 0 could not plan (its error says why)")
     buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if _C.get_rank() == 0
            else torch.empty(int(size.item()), dtype=torch.uint8))
     comm.broadcast(buf, 0).wait()
-    return _C.deployment_from_bytes(bytes(buf.numpy().tobytes()), graph.ir, "the plan from rank 0",
+    return _C.deployment_from_bytes(bytes(buf.numpy().tobytes()), ir, "the plan from rank 0",
                                     batch_size=batch_size, world_size=world_size)
 
 

@@ -10,19 +10,27 @@
 namespace rannc::partition {
 
 // Costs of one stage replica for one micro-batch.
-struct SimStage {
+// One stage's times per micro-batch (seconds), as the stage estimate, the plan and the
+// simulator share them: copied as one (`static_cast<StageTimes&>(to) = from`).
+struct StageTimes {
   double forward_time = 0.0;
   double backward_time = 0.0;       // including recomputation when the stage recomputes
   double send_forward_time = 0.0;   // activations to the next stage (overlaps compute)
   double send_backward_time = 0.0;  // gradients to the previous stage (overlaps compute)
-  // Gradient all-reduce among the stage's replicas. It is bucketed and overlaps the last
-  // backward, so only max(0, allreduce - backward) adds to the iteration.
+  // Gradient all-reduce among the stage's replicas, per iteration. It is bucketed and
+  // overlaps the last backward, so only max(0, allreduce - backward) adds to the iteration.
   double allreduce_time = 0.0;
-  double update_time = 0.0;   // the optimizer step, after the all-reduce
+  double update_time = 0.0;   // the optimizer step, after the all-reduce, per iteration
+};
+
+// One replica's memory parts (bytes).
+struct StageMemory {
   int64_t static_bytes = 0;   // parameters, gradients, optimizer state, buffers
   int64_t stash_bytes = 0;    // kept per in-flight micro-batch from forward to backward
   int64_t working_bytes = 0;  // transient during a backward (recomputed activations)
 };
+
+struct SimStage : StageTimes, StageMemory {};
 
 struct SimResult {
   double iteration_time = 0.0;

@@ -153,12 +153,7 @@ class Recutter {
       }
       const StageEstimate& e = it->second;
       if (!e.feasible) return std::numeric_limits<double>::infinity();
-      sim[s].forward_time = e.forward_time;
-      sim[s].backward_time = e.backward_time;
-      sim[s].send_forward_time = e.send_forward_time;
-      sim[s].send_backward_time = e.send_backward_time;
-      sim[s].allreduce_time = e.allreduce_time;
-      sim[s].update_time = e.update_time;
+      static_cast<StageTimes&>(sim[s]) = e;
       offset += devices[s];
     }
     return simulate(sim, ctx_.schedule, micro_batches_).iteration_time;

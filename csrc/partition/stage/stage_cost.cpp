@@ -142,16 +142,9 @@ Deployment assembleDeployment(CostModel& costs, const PlanContext& ctx,
     p.last_block = c.last_block;
     p.recompute = e.recompute;
     p.micro_batch_rows = rows;
-    p.forward_time = e.forward_time;
-    p.backward_time = e.backward_time;
-    p.send_forward_time = e.send_forward_time;
-    p.send_backward_time = e.send_backward_time;
-    p.allreduce_time = e.allreduce_time;
-    p.update_time = e.update_time;
+    static_cast<StageTimes&>(p) = e;
+    static_cast<StageMemory&>(p) = e;
     p.param_bytes = e.cost.param_bytes;
-    p.static_bytes = e.static_bytes;
-    p.stash_bytes = e.stash_bytes;
-    p.working_bytes = e.working_bytes;
     if (!e.feasible) {
       // Not runnable as planned; still report what it would need.
       p.static_bytes = e.min_memory_bytes;

@@ -41,22 +41,15 @@ struct StageSlot {
   int micro_batches = 1;
 };
 
-struct StageEstimate {
+// Times and memory parts as StageTimes and StageMemory (the optimizer step over the
+// stage's parameters; the memory with the chosen recomputation).
+struct StageEstimate : StageTimes, StageMemory {
   bool feasible = false;  // rows >= 1 and fits memory (with recomputation if allowed)
   bool recompute = false;
   int64_t rows = 0;       // 0 when the batch has too few rows for the replicas
   PieceCost cost;
-  double forward_time = 0.0;
-  double backward_time = 0.0;  // including recomputation
-  double send_forward_time = 0.0;
-  double send_backward_time = 0.0;
-  double allreduce_time = 0.0;
-  double update_time = 0.0;  // the optimizer step over the stage's parameters
   int64_t memory_bytes = 0;      // with the chosen recomputation
   int64_t min_memory_bytes = 0;  // the least this stage can need (recomputing if allowed)
-  int64_t static_bytes = 0;
-  int64_t stash_bytes = 0;
-  int64_t working_bytes = 0;
   // The stage's share of the DP objective: (M + S - 1)(f + b), the sends of its boundary
   // as the schedule exposes them, and the all-reduce its last backward cannot hide,
   // max(0, allreduce - b); the pipeline's iteration is about the largest share (see

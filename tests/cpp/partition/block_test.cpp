@@ -8,7 +8,7 @@
 #include "partition/block/block.h"
 #include "partition/cost/analytic_cost_model.h"
 #include "partition/partition_graphs.h"
-#include "partition/synthetic.h"
+#include "synthetic/synthetic.h"
 
 namespace rannc::partition {
 namespace {

@@ -3,7 +3,7 @@
 #include "partition/cost/analytic_cost_model.h"
 #include "partition/cost/memory.h"
 #include "partition/partition_graphs.h"
-#include "partition/synthetic.h"
+#include "synthetic/synthetic.h"
 
 namespace rannc::partition {
 namespace {

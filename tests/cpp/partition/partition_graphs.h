@@ -6,7 +6,7 @@
 
 #include "ir/graph.h"
 #include "partition/cost/cost_model.h"
-#include "partition/synthetic.h"
+#include "synthetic/synthetic.h"
 
 namespace rannc::partition::testing {
 

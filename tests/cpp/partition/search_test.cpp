@@ -6,7 +6,7 @@
 #include "partition/cost/analytic_cost_model.h"
 #include "partition/partition_graphs.h"
 #include "partition/planner.h"
-#include "partition/synthetic.h"
+#include "synthetic/synthetic.h"
 
 namespace rannc::partition {
 namespace {

@@ -7,7 +7,7 @@
 #include "ir/subgraph.h"
 #include "partition/atomic/atomic.h"
 #include "partition/cost/analytic_cost_model.h"
-#include "partition/synthetic.h"
+#include "synthetic/synthetic.h"
 
 namespace rannc::partition {
 namespace {

@@ -1,4 +1,4 @@
-#include "partition/synthetic.h"
+#include "synthetic/synthetic.h"
 
 #include <string>
 
