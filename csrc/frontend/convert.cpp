@@ -597,128 +597,157 @@ std::vector<ir::ValueId> findBatchValues(ir::Graph& ir, const Observed& at1, con
   return interleaved;
 }
 
-}  // namespace
+// [Note: row-coupling flags] The argument of each op that makes rows depend on each other
+// (batch statistics) or on the RNG (dropout): switched off while observing, so that the rows
+// two observations share can be compared.
+struct RowCouplingFlag {
+  c10::Symbol op;
+  size_t argument;
+  c10::IValue off;
+};
 
-std::string TracedModel::describeTask(ir::TaskId task) const {
-  return describeNodeIn(task_nodes.at(task), module_classes);
+const std::vector<RowCouplingFlag>& rowCouplingFlags() {
+  static const std::vector<RowCouplingFlag> flags = {
+      {c10::aten::batch_norm, 5, false},        // training
+      {c10::aten::instance_norm, 5, false},     // use_input_stats
+      {c10::aten::dropout, 2, false},           // train
+      {c10::aten::feature_dropout, 2, false},
+      {c10::aten::alpha_dropout, 2, false},
+      {c10::aten::feature_alpha_dropout, 2, false},
+      {c10::aten::scaled_dot_product_attention, 4, 0.0},  // dropout_p
+  };
+  return flags;
 }
 
-std::shared_ptr<TracedModel> buildTracedModel(
-    const TraceExample& first, const TraceExample& second, const std::vector<GraphInput>& inputs,
-    std::unordered_map<std::string, std::string> module_classes) {
-  if (first.batch_size == second.batch_size) {
-    throw TraceError("the two traces need different batch sizes (both are " +
-                     std::to_string(first.batch_size) + ")");
-  }
-  const auto& g = first.graph;
-  if (g->inputs().size() != inputs.size()) {
-    throw TraceError("the traced graph has " + std::to_string(g->inputs().size()) +
-                     " inputs but " + std::to_string(inputs.size()) + " were described");
-  }
-  checkSameProgram(first, second, module_classes);
+// Builds the IR of a traced graph with the values in `glue` kept inside tasks.
+class IrBuilder {
+ public:
+  IrBuilder(const std::shared_ptr<torch::jit::Graph>& graph, const std::vector<GraphInput>& inputs,
+            const std::unordered_map<std::string, std::string>& module_classes, int64_t batch_size)
+      : graph_(graph), inputs_(inputs), module_classes_(module_classes), batch_size_(batch_size) {}
 
-  // Builds the IR with the values in `glue` kept inside tasks; returns it with, per IR value,
-  // its TorchScript value.
-  auto build = [&](const std::unordered_set<const JitValue*>& glue,
-                   std::vector<const JitValue*>& jit_of,
-                   std::vector<std::pair<ir::ValueId, c10::IValue>>& row_local_flags) {
-  auto model = std::make_shared<TracedModel>();
-  model->jit_graph = g;
-  model->module_classes = module_classes;
-  ir::Graph& ir = model->graph;
-  ir.setBatchSize(first.batch_size);
-  std::unordered_map<const JitValue*, ir::ValueId> ids;
+  // The model, with (in `jit_of`) each IR value's TorchScript value and (in `flags`) the
+  // constants to switch off while observing ([Note: row-coupling flags]).
+  std::shared_ptr<TracedModel> build(const std::unordered_set<const JitValue*>& glue,
+                                     std::vector<const JitValue*>& jit_of,
+                                     std::vector<std::pair<ir::ValueId, c10::IValue>>& flags) {
+    model_ = std::make_shared<TracedModel>();
+    model_->jit_graph = graph_;
+    model_->module_classes = module_classes_;
+    model_->graph.setBatchSize(batch_size_);
+    ids_.clear();
+    jit_of_ = &jit_of;
+    addInputs();
+    std::vector<Node*> nodes = addConstants();
+    addTasks(nodes, glue);
+    flags = offFlags(nodes);
+    ir::Graph& ir = model_->graph;
+    model_->order = ir.topologicalOrder();
+    model_->constants.resize(ir.numValues());
+    std::vector<ir::ValueId> outs;
+    for (const JitValue* v : graph_->outputs()) outs.push_back(ids_.at(v));
+    ir.setOutputs(outs);
+    ir.validate();
+    return model_;
+  }
 
-  auto addValue = [&](const JitValue* v, ir::ValueRole role, std::string name) {
+ private:
+  ir::ValueId addValue(const JitValue* v, ir::ValueRole role, std::string name) {
     ir::Value val;
     val.name = name.empty() ? (v->hasDebugName() ? v->debugName() : "") : std::move(name);
     val.kind = toKind(v->type());
     val.role = role;
-    ir::ValueId id = ir.addValue(std::move(val));
-    ids[v] = id;
-    jit_of.push_back(v);
+    ir::ValueId id = model_->graph.addValue(std::move(val));
+    ids_[v] = id;
+    jit_of_->push_back(v);
     return id;
-  };
-
-  std::vector<ir::ValueId> graph_inputs;
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    graph_inputs.push_back(addValue(g->inputs()[i], inputs[i].role, inputs[i].name));
   }
-  ir.setInputs(graph_inputs);
 
-  // Constants first: they become values, not tasks.
-  std::vector<Node*> nodes;
-  for (Node* node : g->nodes()) {
-    if (!node->blocks().empty()) {
-      throw TraceError(describeNodeIn(node, model->module_classes) +
-                       " has nested blocks, which a trace should not produce");
+  void addInputs() {
+    std::vector<ir::ValueId> graph_inputs;
+    for (size_t i = 0; i < inputs_.size(); ++i) {
+      graph_inputs.push_back(addValue(graph_->inputs()[i], inputs_[i].role, inputs_[i].name));
     }
-    if (node->kind() != c10::prim::Constant) {
-      nodes.push_back(node);
-      continue;
-    }
-    ir::ValueId id = addValue(node->output(), ir::ValueRole::Constant, "");
-    c10::IValue c = *torch::jit::toIValue(node->output());
-    ir.mutableValue(id).constant = printConstant(c);
-    if (c.isTensor()) {
-      const at::Tensor& t = c.toTensor();
-      ir.mutableValue(id).dtype = toDType(t.scalar_type());
-      ir.mutableValue(id).shape = t.sizes().vec();
-    }
-    model->constants.resize(ir.numValues());
-    model->constants[id] = std::move(c);
+    model_->graph.setInputs(graph_inputs);
   }
+
+  // Constants become values, not tasks; returns the other nodes.
+  std::vector<Node*> addConstants() {
+    ir::Graph& ir = model_->graph;
+    std::vector<Node*> nodes;
+    for (Node* node : graph_->nodes()) {
+      if (!node->blocks().empty()) {
+        throw TraceError(describeNodeIn(node, module_classes_) +
+                         " has nested blocks, which a trace should not produce");
+      }
+      if (node->kind() != c10::prim::Constant) {
+        nodes.push_back(node);
+        continue;
+      }
+      ir::ValueId id = addValue(node->output(), ir::ValueRole::Constant, "");
+      c10::IValue c = *torch::jit::toIValue(node->output());
+      ir.mutableValue(id).constant = printConstant(c);
+      if (c.isTensor()) {
+        const at::Tensor& t = c.toTensor();
+        ir.mutableValue(id).dtype = toDType(t.scalar_type());
+        ir.mutableValue(id).shape = t.sizes().vec();
+      }
+      model_->constants.resize(ir.numValues());
+      model_->constants[id] = std::move(c);
+    }
+    return nodes;
+  }
+
   // [Note: fused list ops] A list or tuple of tensors (aten::split -> prim::ListUnpack,
   // prim::ListConstruct -> aten::cat) lives inside one task: its producer and consumers are
   // fused, so what flows between tasks, and so between stages, is tensors and shapes.
   // Values first, tasks second: a fused group may read what a later-starting group makes.
-  const std::vector<TaskGroup> groups = groupListOps(nodes, glue);
-  for (const TaskGroup& group : groups) {
-    for (const JitValue* v : group.outputs) addValue(v, ir::ValueRole::Intermediate, "");
-  }
-  for (const TaskGroup& group : groups) {
-    std::vector<ir::ValueId> ins, outs;
-    for (const JitValue* v : group.inputs) ins.push_back(ids.at(v));
-    for (const JitValue* v : group.outputs) outs.push_back(ids.at(v));
-    std::string op;
-    for (Node* n : group.nodes) op += (op.empty() ? "" : "+") + std::string(n->kind().toQualString());
-    Node* main = group.mainNode();
-    ir.addTask(op, std::move(ins), std::move(outs), modulePath(main), sourceLocation(main));
-    model->task_nodes.push_back(main);
-    model->operations.push_back(group.nodes.size() == 1
-                                    ? resolveOperation(group.nodes[0], model->module_classes)
-                                    : fuseOperations(group, model->module_classes));
-  }
-  model->order = ir.topologicalOrder();
-  // Flags that make rows depend on each other (batch statistics) or on the RNG (dropout):
-  // off while observing, so that the rows two observations share can be compared.
-  for (Node* node : nodes) {
-    int index = -1;
-    c10::IValue off = false;
-    const auto kind = node->kind();
-    if (kind == c10::aten::batch_norm || kind == c10::aten::instance_norm) index = 5;
-    if (kind == c10::aten::dropout || kind == c10::aten::feature_dropout ||
-        kind == c10::aten::alpha_dropout || kind == c10::aten::feature_alpha_dropout) {
-      index = 2;
+  void addTasks(const std::vector<Node*>& nodes, const std::unordered_set<const JitValue*>& glue) {
+    const std::vector<TaskGroup> groups = groupListOps(nodes, glue);
+    for (const TaskGroup& group : groups) {
+      for (const JitValue* v : group.outputs) addValue(v, ir::ValueRole::Intermediate, "");
     }
-    if (kind == c10::aten::scaled_dot_product_attention) index = 4, off = 0.0;
-    if (index < 0 || static_cast<size_t>(index) >= node->inputs().size()) continue;
-    const JitValue* v = node->inputs()[index];
-    if (v->node()->kind() == c10::prim::Constant && ids.count(v)) {
-      row_local_flags.emplace_back(ids.at(v), off);
+    for (const TaskGroup& group : groups) {
+      std::vector<ir::ValueId> ins, outs;
+      for (const JitValue* v : group.inputs) ins.push_back(ids_.at(v));
+      for (const JitValue* v : group.outputs) outs.push_back(ids_.at(v));
+      std::string op;
+      for (Node* n : group.nodes) op += (op.empty() ? "" : "+") + std::string(n->kind().toQualString());
+      Node* main = group.mainNode();
+      model_->graph.addTask(op, std::move(ins), std::move(outs), modulePath(main), sourceLocation(main));
+      model_->task_nodes.push_back(main);
+      model_->operations.push_back(group.nodes.size() == 1
+                                       ? resolveOperation(group.nodes[0], module_classes_)
+                                       : fuseOperations(group, module_classes_));
     }
   }
-  model->constants.resize(ir.numValues());
-  std::vector<ir::ValueId> outs;
-  for (const JitValue* v : g->outputs()) outs.push_back(ids.at(v));
-  ir.setOutputs(outs);
-  ir.validate();
 
-  return model;
-  };
+  std::vector<std::pair<ir::ValueId, c10::IValue>> offFlags(const std::vector<Node*>& nodes) const {
+    std::vector<std::pair<ir::ValueId, c10::IValue>> out;
+    for (Node* node : nodes) {
+      for (const RowCouplingFlag& f : rowCouplingFlags()) {
+        if (node->kind() != f.op || f.argument >= node->inputs().size()) continue;
+        const JitValue* v = node->inputs()[f.argument];
+        if (v->node()->kind() == c10::prim::Constant && ids_.count(v)) out.emplace_back(ids_.at(v), f.off);
+      }
+    }
+    return out;
+  }
 
-  // Shapes and dtypes as the graph really computes them, at both batch sizes; values whose
-  // rows cannot be cut apart are glued inside tasks and the IR is built again.
+  const std::shared_ptr<torch::jit::Graph>& graph_;
+  const std::vector<GraphInput>& inputs_;
+  const std::unordered_map<std::string, std::string>& module_classes_;
+  const int64_t batch_size_;
+  std::shared_ptr<TracedModel> model_;
+  std::unordered_map<const JitValue*, ir::ValueId> ids_;
+  std::vector<const JitValue*>* jit_of_ = nullptr;
+};
+
+// Shapes and dtypes as the graph really computes them, at both batch sizes; values whose
+// rows cannot be cut apart are glued inside tasks and the IR is built again (at most five
+// times).
+std::shared_ptr<TracedModel> buildGluedModel(IrBuilder& builder, const TraceExample& first,
+                                             const TraceExample& second) {
   std::unordered_set<const JitValue*> glue;
   std::shared_ptr<TracedModel> model;
   // The first attempt's observations: gluing only hides values inside tasks, so a later
@@ -729,7 +758,7 @@ std::shared_ptr<TracedModel> buildTracedModel(
   for (int attempt = 0;; ++attempt) {
     std::vector<const JitValue*> jit_of;
     std::vector<std::pair<ir::ValueId, c10::IValue>> flags;
-    model = build(glue, jit_of, flags);
+    model = builder.build(glue, jit_of, flags);
     Observed at1, at2;
     if (attempt == 0 || !remapObserved(first_at2, first_jit, jit_of, &at2) ||
         !remapObserved(first_at1, first_jit, jit_of, &at1)) {
@@ -748,10 +777,14 @@ std::shared_ptr<TracedModel> buildTracedModel(
     logDebug("gluing " + std::to_string(glue.size() - before) +
              " values whose rows cannot be cut apart into their tasks");
   }
-  ir::Graph& ir = model->graph;
-  // Gradients flow from parameters (and inputs that require grad) through float tensors.
+  return model;
+}
+
+// Gradients flow from parameters (and inputs that require grad) through float tensors; a
+// scalar output that reduces over the batch and requires grad is the loss.
+void markGradientsAndLoss(ir::Graph& ir, const std::vector<at::Tensor>& inputs) {
   for (size_t i = 0; i < ir.inputs().size(); ++i) {
-    ir.mutableValue(ir.inputs()[i]).requires_grad = first.inputs.at(i).requires_grad();
+    ir.mutableValue(ir.inputs()[i]).requires_grad = inputs.at(i).requires_grad();
   }
   for (ir::TaskId t : ir.topologicalOrder()) {
     bool grad = false;
@@ -768,6 +801,30 @@ std::shared_ptr<TracedModel> buildTracedModel(
     ir::Value& v = ir.mutableValue(id);
     v.is_loss = v.isTensor() && v.shape.empty() && v.batch_dependent && v.requires_grad;
   }
+}
+
+}  // namespace
+
+std::string TracedModel::describeTask(ir::TaskId task) const {
+  return describeNodeIn(task_nodes.at(task), module_classes);
+}
+
+std::shared_ptr<TracedModel> buildTracedModel(
+    const TraceExample& first, const TraceExample& second, const std::vector<GraphInput>& inputs,
+    std::unordered_map<std::string, std::string> module_classes) {
+  if (first.batch_size == second.batch_size) {
+    throw TraceError("the two traces need different batch sizes (both are " +
+                     std::to_string(first.batch_size) + ")");
+  }
+  if (first.graph->inputs().size() != inputs.size()) {
+    throw TraceError("the traced graph has " + std::to_string(first.graph->inputs().size()) +
+                     " inputs but " + std::to_string(inputs.size()) + " were described");
+  }
+  checkSameProgram(first, second, module_classes);
+  IrBuilder builder(first.graph, inputs, module_classes, first.batch_size);
+  std::shared_ptr<TracedModel> model = buildGluedModel(builder, first, second);
+  ir::Graph& ir = model->graph;
+  markGradientsAndLoss(ir, first.inputs);
   logInfo("traced: " + std::to_string(ir.numTasks()) + " tasks, " + std::to_string(ir.numValues()) +
           " values, " +
           std::to_string(std::count_if(ir.values().begin(), ir.values().end(),

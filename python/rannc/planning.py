@@ -37,7 +37,7 @@ _OPTIONS = {
     "num_microbatches": (0, "> 0: fix the number of micro-batches"),
     "replicas": ("", "with num_stages: replicas per stage of one pipeline copy, \"2,1,1\""),
     "max_microbatches": (64, "upper end of the micro-batch search"),
-    "recompute": ("auto", "auto (where memory needs it) or never"),
+    "recompute": ("auto", "auto (where memory needs it), never, or always (every stage)"),
     "schedule": ("1f1b", "1f1b or fill_drain"),
     "batch_size": (0, "global batch (0: the example's batch x world_size)"),
     "profile_warmup": (1, "untimed runs before measuring a piece"),
@@ -97,7 +97,7 @@ def _resolve(options: dict) -> dict:
     out = {k: v[0] for k, v in _OPTIONS.items()}
     out.update(options)
     if out["recompute"] not in ("auto", "never", "always"):
-        raise _C.Error(f"option recompute is {out['recompute']!r}; expected auto or never")
+        raise _C.Error(f"option recompute is {out['recompute']!r}; expected auto, never or always")
     return out
 
 

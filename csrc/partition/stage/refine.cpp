@@ -368,6 +368,128 @@ std::vector<int> blockOrder(const BlockPartition& blocks, std::vector<int>* bloc
   return seq;
 }
 
+// refineBoundaries step by step: the best plan so far (its cut and replicas), improved by
+// a piece-level re-cut, polishing on the simulator, replica moves and micro-batch moves.
+class Refinement {
+ public:
+  Refinement(Recutter& recutter, const Deployment& plan, std::vector<int> cut, std::vector<int> devices,
+             const PlanContext& ctx, const RefineOptions& options, PreferredPlan* visited)
+      : recutter_(recutter), options_(options), visited_(visited), best_(plan), best_cut_(std::move(cut)),
+        devices_(std::move(devices)), S_(plan.numStages()),
+        rows_per_copy_(ctx.batch_size / std::max(1, plan.pipelines)) {
+    all_pairs_ = S_ <= options.all_pairs_up_to ||
+                 static_cast<double>(S_) * (S_ - 1) * recutter.pieces() <= options.all_pairs_budget;
+  }
+
+  const Deployment& best() const { return best_; }
+
+  // The block plan's stages re-cut at piece level.
+  void recut() {
+    std::vector<int> cut = best_cut_;
+    if (recutter_.recut(devices_, &cut)) offer(recutter_.assemble(devices_, cut), cut, devices_);
+  }
+
+  // Settles the boundaries of the best plan on the simulator itself.
+  void polish() {
+    std::vector<int> polished = best_cut_;
+    recutter_.polish(devices_, &polished);
+    const std::vector<int> stepped = polished;
+    recutter_.leanPolish(devices_, &polished);
+    if (polished != stepped) recutter_.polish(devices_, &polished);
+    if (polished == best_cut_) return;
+    offer(recutter_.assemble(devices_, polished), polished, devices_);
+  }
+
+  // The best move of one or two (up to max_move_size) replicas between two stages, re-cut,
+  // while the simulator improves. True when any move was taken.
+  bool moveReplicas() {
+    bool any = false;
+    for (int moves = 0; options_.move_replicas && moves < options_.max_moves; ++moves) {
+      std::vector<int> move_devices, move_cut;
+      Deployment move_best;
+      bool improved = false;
+      for (int from = 0; from < S_; ++from) {
+        for (int to = 0; to < S_; ++to) {
+          if (to == from || (!all_pairs_ && std::abs(to - from) != 1)) continue;
+          for (int k = 1; k <= options_.max_move_size && k < devices_[from]; k *= 2) {
+            std::vector<int> d = devices_;
+            d[from] -= k;
+            d[to] += k;
+            std::vector<int> c = best_cut_;
+            if (!recutter_.recut(d, &c)) continue;
+            Deployment t = recutter_.assemble(d, c);
+            if (!t.feasible) continue;
+            const double bar = improved ? move_best.iteration_time : best_.iteration_time;
+            if (t.iteration_time < bar * (1 - 1e-9)) {
+              move_best = std::move(t);
+              move_devices = d;
+              move_cut = c;
+              improved = true;
+            }
+          }
+        }
+      }
+      if (!improved) break;
+      take(std::move(move_best), move_cut, move_devices);
+      any = true;
+    }
+    return any;
+  }
+
+  // The block DP chose M for its own cut; a piece-level cut (and other replicas) can prefer
+  // another. Hill-climbs M by factors of 2, then about 1.25, taking the first count that
+  // improves. True when M moved.
+  bool moveMicroBatches() {
+    bool any = false;
+    for (double factor : {2.0, 1.25}) {
+      for (bool improved = true; improved;) {
+        improved = false;
+        const int m = recutter_.microBatches();
+        for (int next : {static_cast<int>(m * factor + 0.5), static_cast<int>(m / factor + 0.5)}) {
+          if (next < 1 || next == m || next > options_.max_micro_batches || next > rows_per_copy_) continue;
+          recutter_.setMicroBatches(next);
+          std::vector<int> c = best_cut_;
+          if (recutter_.recut(devices_, &c)) {
+            Deployment t = recutter_.assemble(devices_, c);
+            if (t.feasible && t.iteration_time < best_.iteration_time * (1 - 1e-9)) {
+              take(std::move(t), c, devices_);
+              improved = any = true;
+              break;
+            }
+          }
+          recutter_.setMicroBatches(m);
+        }
+      }
+    }
+    return any;
+  }
+
+ private:
+  // Takes `candidate` when it is feasible and faster than the best.
+  void offer(Deployment candidate, const std::vector<int>& cut, const std::vector<int>& devices) {
+    if (candidate.feasible && candidate.iteration_time < best_.iteration_time) {
+      take(std::move(candidate), cut, devices);
+    }
+  }
+
+  void take(Deployment candidate, const std::vector<int>& cut, const std::vector<int>& devices) {
+    best_ = std::move(candidate);
+    best_cut_ = cut;
+    devices_ = devices;
+    if (visited_) visited_->offer(best_);
+  }
+
+  Recutter& recutter_;
+  const RefineOptions& options_;
+  PreferredPlan* visited_;
+  Deployment best_;
+  std::vector<int> best_cut_;
+  std::vector<int> devices_;
+  const int S_;
+  const int64_t rows_per_copy_;
+  bool all_pairs_ = false;
+};
+
 }  // namespace
 
 Deployment refineBoundaries(const Deployment& plan, const AtomicPartition& atomic,
@@ -388,110 +510,18 @@ Deployment refineBoundaries(const Deployment& plan, const AtomicPartition& atomi
     devices[s] = static_cast<int>(st.ranks.size()) / std::max(1, plan.pipelines);
   }
   Recutter recutter(atomic, blocks, std::move(seq), block_start, costs, ctx, plan);
-  Deployment best = plan;
-  std::vector<int> best_cut = cut;
-  // Settles the boundaries of `best` on the simulator itself.
-  auto polishBest = [&]() {
-    std::vector<int> polished = best_cut;
-    recutter.polish(devices, &polished);
-    const std::vector<int> stepped = polished;
-    recutter.leanPolish(devices, &polished);
-    if (polished != stepped) recutter.polish(devices, &polished);
-    if (polished == best_cut) return;
-    Deployment p = recutter.assemble(devices, polished);
-    if (p.feasible && p.iteration_time < best.iteration_time) {
-      best = std::move(p);
-      best_cut = polished;
-      if (visited) visited->offer(best);
-    }
-  };
-  if (recutter.recut(devices, &cut)) {
-    Deployment refined = recutter.assemble(devices, cut);
-    if (refined.feasible && refined.iteration_time < best.iteration_time) {
-      best = std::move(refined);
-      best_cut = cut;
-      if (visited) visited->offer(best);
-    }
-  }
+  Refinement refinement(recutter, plan, cut, devices, ctx, options, visited);
+  refinement.recut();
   // Moves below must beat the polished plan, so they never end slower than a plain re-cut.
-  polishBest();
-  // Replica moves: the best move of one or two (up to max_move_size) replicas between two
-  // stages, re-cut, while the simulator improves. True when any move was taken.
-  const bool all_pairs = S <= options.all_pairs_up_to ||
-                         static_cast<double>(S) * (S - 1) * recutter.pieces() <= options.all_pairs_budget;
-  auto moveReplicas = [&]() {
-    bool any = false;
-    for (int moves = 0; options.move_replicas && moves < options.max_moves; ++moves) {
-      std::vector<int> move_devices, move_cut;
-      Deployment move_best;
-      bool improved = false;
-      for (int from = 0; from < S; ++from) {
-        for (int to = 0; to < S; ++to) {
-          if (to == from || (!all_pairs && std::abs(to - from) != 1)) continue;
-          for (int k = 1; k <= options.max_move_size && k < devices[from]; k *= 2) {
-            std::vector<int> d = devices;
-            d[from] -= k;
-            d[to] += k;
-            std::vector<int> c = best_cut;
-            if (!recutter.recut(d, &c)) continue;
-            Deployment t = recutter.assemble(d, c);
-            if (!t.feasible) continue;
-            const double bar = improved ? move_best.iteration_time : best.iteration_time;
-            if (t.iteration_time < bar * (1 - 1e-9)) {
-              move_best = std::move(t);
-              move_devices = d;
-              move_cut = c;
-              improved = true;
-            }
-          }
-        }
-      }
-      if (!improved) break;
-      best = std::move(move_best);
-      devices = move_devices;
-      best_cut = move_cut;
-      any = true;
-      if (visited) visited->offer(best);
-    }
-    return any;
-  };
-  // Micro-batch moves: the block DP chose M for its own cut; a piece-level cut (and other
-  // replicas) can prefer another. Hill-climb M by factors of 2, then about 1.25, taking
-  // the first count that improves. True when M moved.
-  const int64_t rows_per_copy = ctx.batch_size / std::max(1, plan.pipelines);
-  auto moveMicroBatches = [&]() {
-    bool any = false;
-    for (double factor : {2.0, 1.25}) {
-      for (bool improved = true; improved;) {
-        improved = false;
-        const int m = recutter.microBatches();
-        for (int next : {static_cast<int>(m * factor + 0.5), static_cast<int>(m / factor + 0.5)}) {
-          if (next < 1 || next == m || next > options.max_micro_batches || next > rows_per_copy) continue;
-          recutter.setMicroBatches(next);
-          std::vector<int> c = best_cut;
-          if (recutter.recut(devices, &c)) {
-            Deployment t = recutter.assemble(devices, c);
-            if (t.feasible && t.iteration_time < best.iteration_time * (1 - 1e-9)) {
-              best = std::move(t);
-              best_cut = c;
-              improved = any = true;
-              if (visited) visited->offer(best);
-              break;
-            }
-          }
-          recutter.setMicroBatches(m);
-        }
-      }
-    }
-    return any;
-  };
+  refinement.polish();
   // A new M can want other replicas (more micro-batches favour more stages of fewer
   // replicas over a bubble) and those another M, so the two alternate until neither helps.
-  moveReplicas();
+  refinement.moveReplicas();
   for (int round = 0; options.move_micro_batches && round < options.max_rounds; ++round) {
-    if (!moveMicroBatches() || !moveReplicas()) break;
+    if (!refinement.moveMicroBatches() || !refinement.moveReplicas()) break;
   }
-  polishBest();
+  refinement.polish();
+  const Deployment& best = refinement.best();
   if (best.iteration_time < plan.iteration_time) {
     logger().info("boundary refinement: {:.3f} ms -> {:.3f} ms per iteration", plan.iteration_time * 1e3,
                   best.iteration_time * 1e3);

@@ -252,84 +252,117 @@ Deployment formStage(StageProblem& problem, const StageSearchOptions& options) {
   return formStageCandidates(problem, options, 1).front();
 }
 
-std::vector<Deployment> formStageCandidates(StageProblem& problem, const StageSearchOptions& options,
-                                            int keep) {
-  const PlanContext& ctx = problem.context();
-  const int K = problem.numBlocks();
-  {
-    // The fewest rows a stage can get: every device a replica, the most micro-batches.
-    const int64_t most_mb = options.fixed_micro_batches > 0 ? options.fixed_micro_batches : options.max_micro_batches;
-    const int64_t shares = std::max<int64_t>(1, std::min<int64_t>(ctx.batch_size, ctx.world_size * std::max<int64_t>(1, most_mb)));
-    problem.costs().expectRows((ctx.batch_size + shares - 1) / shares);
+namespace {
+
+// The search over pipeline shapes of formStageCandidates, step by step: sweep the node
+// counts (each: its stage counts, each: its micro-batch counts) collecting every feasible
+// candidate; pick the preferred one and the starting points for refinement; or explain
+// why nothing fits.
+class ShapeSearch {
+ public:
+  ShapeSearch(StageProblem& problem, const StageSearchOptions& options)
+      : problem_(problem), options_(options), ctx_(problem.context()), K_(problem.numBlocks()),
+        per_node_(effectiveDevicesPerNode(ctx_)), nodes_(std::max(1, ctx_.world_size / per_node_)),
+        patience_(options.patience > 0 ? options.patience : std::numeric_limits<int>::max()) {
+    for (int r : options.fixed_replicas) fixed_devices_ += r;
   }
-  const int per_node = effectiveDevicesPerNode(ctx);
-  const int nodes = std::max(1, ctx.world_size / per_node);
-  // The largest micro-batch count tried per (S, D, R): memory only falls as it grows, so
-  // the memory search for an infeasible request needs no other.
-  std::vector<std::tuple<int, int, int, int>> tried;  // (S, D, R, M)
-  const int patience = options.patience > 0 ? options.patience : std::numeric_limits<int>::max();
+
+  // The fewest rows a stage can get: every device a replica, the most micro-batches.
+  void announceRows() {
+    const int64_t most_mb = options_.fixed_micro_batches > 0 ? options_.fixed_micro_batches
+                                                             : options_.max_micro_batches;
+    const int64_t shares = std::max<int64_t>(
+        1, std::min<int64_t>(ctx_.batch_size, ctx_.world_size * std::max<int64_t>(1, most_mb)));
+    problem_.costs().expectRows((ctx_.batch_size + shares - 1) / shares);
+  }
+
+  void sweepNodeCounts() {
+    const bool fixed_layout = !options_.fixed_replicas.empty();
+    for (int n = 1; n <= nodes_; ++n) {
+      if (nodes_ % n != 0 && !fixed_layout) continue;
+      sweepStageCounts(n, fixed_layout);
+      // The paper stops at the first node count with a plan (the most data parallelism).
+      // For models with many parameters per layer fewer, deeper pipelines can win (smaller
+      // all-reduces per device), so by default every node count competes.
+      if (fixed_layout || (!found_.empty() && !options_.every_node_count)) break;
+    }
+  }
+
+  bool foundAny() const { return !found_.empty(); }
+
+  // The preferred plan, then (keep > 1) the starting points for refinement.
+  std::vector<Deployment> pick(int keep) {
+    std::vector<size_t> all(found_.size());
+    for (size_t i = 0; i < found_.size(); ++i) all[i] = i;
+    const size_t chosen = preferredIndexAmong(all, options_.tolerance);
+    std::vector<Deployment> out{rebuild(chosen)};
+    const Deployment& best = out.front();
+    logger().info("stage partitioning: {} stage(s), {} pipeline(s), {} micro-batch(es), "
+                  "predicted iteration {:.3f} ms",
+                  best.numStages(), best.pipelines, best.micro_batches, best.iteration_time * 1e3);
+    if (keep > 1) addStartingPoints(keep, chosen, out);
+    return out;
+  }
+
+  // Throws InfeasiblePlanError saying why no shape gave a plan.
+  [[noreturn]] void explainInfeasible() {
+    if (tried_.empty()) {
+      std::ostringstream os;
+      os << "no pipeline shape to try: " << K_ << " block(s), " << ctx_.world_size
+         << " device(s), global batch " << ctx_.batch_size;
+      if (options_.fixed_stages > 0) os << ", fixed_stages=" << options_.fixed_stages;
+      os << " (stages must not exceed the blocks or the devices of the pipeline, and every "
+            "pipeline copy needs at least one row)";
+      throw InfeasiblePlanError(os.str(), 0);
+    }
+    // Nothing fits: the least, over every candidate shape, of the largest stage memory.
+    int64_t needed = std::numeric_limits<int64_t>::max();
+    for (auto [S, D, R, M] : tried_) {
+      StageSolution sol = formStageDp(problem_, S, D, R, M, StageObjective::Memory, options_.fixed_replicas);
+      if (sol.feasible) needed = std::min(needed, static_cast<int64_t>(sol.value));
+    }
+    std::ostringstream os;
+    if (needed != std::numeric_limits<int64_t>::max()) {
+      os << "no plan fits " << bytesText(ctx_.memory_limit) << " of usable memory per device on "
+         << ctx_.world_size << " device(s) with global batch " << ctx_.batch_size
+         << "; the smallest plan needs " << bytesText(needed)
+         << " per device: use devices with more memory, more devices, a smaller batch"
+         << (ctx_.allow_recompute ? "" : ", or allow recomputation");
+    } else {
+      // Not memory: no shape had a row for every replica and micro-batch.
+      os << "no plan for " << ctx_.world_size << " device(s) with global batch " << ctx_.batch_size
+         << ": " << tooFewRows(ctx_, options_, tried_);
+    }
+    throw InfeasiblePlanError(os.str(), needed == std::numeric_limits<int64_t>::max() ? 0 : needed);
+  }
+
+ private:
   // Every feasible candidate, light: the preference needs them all ([Note: plan
   // tolerance]), and the few kept are rebuilt from their DP (its costs are cached).
   struct Candidate {
     int D, R, S, M;
     PlanShape shape;
   };
-  std::vector<Candidate> found;
-  std::vector<std::tuple<int, int, int>> deep;  // shapes tried past the stage patience
-  int fixed_devices = 0;
-  for (int r : options.fixed_replicas) fixed_devices += r;
-  const bool fixed_layout = !options.fixed_replicas.empty();
-  for (int n = 1; n <= nodes; ++n) {
-    if (nodes % n != 0 && !fixed_layout) continue;
+
+  // The stage counts of a pipeline copy spanning `n` nodes.
+  void sweepStageCounts(int n, bool fixed_layout) {
     // A fixed layout is one shape: its devices per copy and world / devices copies.
-    const int D = fixed_layout ? fixed_devices : per_node * n;
-    const int R = fixed_layout ? ctx.world_size / fixed_devices : nodes / n;
+    const int D = fixed_layout ? fixed_devices_ : per_node_ * n;
+    const int R = fixed_layout ? ctx_.world_size / fixed_devices_ : nodes_ / n;
     // The paper tries S in (D_node (n - 1), D_node n] only; with every_node_count, all S
     // up to D compete, since a copy spanning n nodes with few stages of many replicas
     // (all-reduced inside a node) can beat both deep pipelines and more copies.
-    int s_lo = options.every_node_count ? 1 : per_node * (n - 1) + 1, s_hi = per_node * n;
-    if (options.fixed_stages > 0) s_lo = s_hi = options.fixed_stages;
-    s_hi = std::min(s_hi, std::min(K, D));
+    int s_lo = options_.every_node_count ? 1 : per_node_ * (n - 1) + 1, s_hi = per_node_ * n;
+    if (options_.fixed_stages > 0) s_lo = s_hi = options_.fixed_stages;
+    s_hi = std::min(s_hi, std::min(K_, D));
     // Patience is judged against the best of this node count (stage sweep) and of this
     // stage count (micro-batch sweep), never the overall best: another shape's plan must
     // not cut a sweep short before it reaches its own good micro-batch counts.
     double best_n = std::numeric_limits<double>::infinity();
     int stale_stages = 0;
-    // The micro-batch sweep of one stage count; the fastest simulated time (infinite when
-    // nothing fits).
-    auto sweepMicroBatches = [&](int S) {
-      double best_s = std::numeric_limits<double>::infinity();
-      const int64_t rows_per_copy = ctx.batch_size / R;
-      std::vector<int> mbs = options.fixed_micro_batches > 0
-                                 ? std::vector<int>{options.fixed_micro_batches}
-                                 : microBatchCandidates(rows_per_copy, options.max_micro_batches);
-      if (mbs.empty()) return best_s;
-      tried.emplace_back(S, D, R, mbs.back());
-      int best_m = 0, stale = 0;
-      for (int M : mbs) {
-        // Rounding rows up to whole micro-batches makes the time jagged in M, so a run of
-        // non-improving counts ends the sweep only once M is four times the best one: the
-        // next even split (a divisor of the rows) can be twice as far as the last one.
-        if (stale >= patience && M > 4 * best_m) break;
-        StageSolution sol = formStageDp(problem, S, D, R, M, StageObjective::Time, options.fixed_replicas);
-        if (!sol.feasible) continue;
-        const Deployment d = toDeployment(problem, sol);
-        logger().debug("stage candidate: n={} S={} M={} dp={:.6f} simulated={:.6f}", n, S, M,
-                       sol.value, d.iteration_time);
-        if (d.iteration_time < best_s) {
-          best_s = d.iteration_time;
-          best_m = M;
-          stale = 0;
-        } else {
-          ++stale;
-        }
-        found.push_back(Candidate{D, R, S, M, planShape(d)});
-      }
-      return best_s;
-    };
     int S = s_lo;
-    for (; S <= s_hi && stale_stages < patience; ++S) {
-      const double best_s = sweepMicroBatches(S);
+    for (; S <= s_hi && stale_stages < patience_; ++S) {
+      const double best_s = sweepMicroBatches(n, S, D, R);
       if (best_s == std::numeric_limits<double>::infinity()) continue;  // nothing fits at this S
       if (best_s < best_n) {
         best_n = best_s;
@@ -342,48 +375,73 @@ std::vector<Deployment> formStageCandidates(StageProblem& problem, const StageSe
     // stages are not replicated at all (no all-reduce, which wins for parameter-heavy
     // models). Patience stops in the first, so the stage counts dividing D (every stage
     // can have the same replicas, down to one) past it are still tried.
-    if (options.fixed_stages == 0) {
+    if (options_.fixed_stages == 0) {
       for (; S <= s_hi; ++S) {
         if (D % S != 0) continue;
-        sweepMicroBatches(S);
-        deep.emplace_back(D, R, S);
+        sweepMicroBatches(n, S, D, R);
+        deep_.emplace_back(D, R, S);
       }
     }
-    // The paper stops at the first node count with a plan (the most data parallelism).
-    // For models with many parameters per layer fewer, deeper pipelines can win (smaller
-    // all-reduces per device), so by default every node count competes.
-    if (fixed_layout || (!found.empty() && !options.every_node_count)) break;
   }
-  if (!found.empty()) {
-    auto rebuild = [&](size_t i) {
-      const Candidate& c = found[i];
-      return toDeployment(problem, formStageDp(problem, c.S, c.D, c.R, c.M, StageObjective::Time,
-                                               options.fixed_replicas));
-    };
-    auto preferredIndexAmong = [&](const std::vector<size_t>& among, double tolerance) {
-      std::vector<PlanShape> shapes;
-      for (size_t i : among) shapes.push_back(found[i].shape);
-      return among[preferredIndex(shapes, tolerance)];
-    };
-    std::vector<size_t> all(found.size());
-    for (size_t i = 0; i < found.size(); ++i) all[i] = i;
-    const size_t chosen = preferredIndexAmong(all, options.tolerance);
-    std::vector<Deployment> out{rebuild(chosen)};
-    const Deployment& best = out.front();
-    logger().info("stage partitioning: {} stage(s), {} pipeline(s), {} micro-batch(es), "
-                  "predicted iteration {:.3f} ms",
-                  best.numStages(), best.pipelines, best.micro_batches, best.iteration_time * 1e3);
-    if (keep <= 1) return out;
-    // Then the fastest plan of each of the `keep` fastest shapes (the first two with the
-    // runner-up micro-batch count too: block-level times rank the counts of one shape
-    // poorly; ResNet-152 x8 with links at half speed: the runner-up refines to 1.348 s,
-    // the block-level best to 1.380 s), then the deep-pipeline shapes past the patience:
-    // their block-level plans are coarse (about one block per stage) and their micro-batch
-    // sweep short, so they are worth a refinement even when slow here. Fastest, not
-    // preferred: these are starting points of a search whose plans all compete later.
+
+  // The micro-batch sweep of one stage count; the fastest simulated time (infinite when
+  // nothing fits).
+  double sweepMicroBatches(int n, int S, int D, int R) {
+    double best_s = std::numeric_limits<double>::infinity();
+    const int64_t rows_per_copy = ctx_.batch_size / R;
+    std::vector<int> mbs = options_.fixed_micro_batches > 0
+                               ? std::vector<int>{options_.fixed_micro_batches}
+                               : microBatchCandidates(rows_per_copy, options_.max_micro_batches);
+    if (mbs.empty()) return best_s;
+    // The largest count tried per shape: memory only falls as it grows, so the memory
+    // search for an infeasible request needs no other.
+    tried_.emplace_back(S, D, R, mbs.back());
+    int best_m = 0, stale = 0;
+    for (int M : mbs) {
+      // Rounding rows up to whole micro-batches makes the time jagged in M, so a run of
+      // non-improving counts ends the sweep only once M is four times the best one: the
+      // next even split (a divisor of the rows) can be twice as far as the last one.
+      if (stale >= patience_ && M > 4 * best_m) break;
+      StageSolution sol = formStageDp(problem_, S, D, R, M, StageObjective::Time, options_.fixed_replicas);
+      if (!sol.feasible) continue;
+      const Deployment d = toDeployment(problem_, sol);
+      logger().debug("stage candidate: n={} S={} M={} dp={:.6f} simulated={:.6f}", n, S, M,
+                     sol.value, d.iteration_time);
+      if (d.iteration_time < best_s) {
+        best_s = d.iteration_time;
+        best_m = M;
+        stale = 0;
+      } else {
+        ++stale;
+      }
+      found_.push_back(Candidate{D, R, S, M, planShape(d)});
+    }
+    return best_s;
+  }
+
+  Deployment rebuild(size_t i) {
+    const Candidate& c = found_[i];
+    return toDeployment(problem_, formStageDp(problem_, c.S, c.D, c.R, c.M, StageObjective::Time,
+                                              options_.fixed_replicas));
+  }
+
+  size_t preferredIndexAmong(const std::vector<size_t>& among, double tolerance) const {
+    std::vector<PlanShape> shapes;
+    for (size_t i : among) shapes.push_back(found_[i].shape);
+    return among[preferredIndex(shapes, tolerance)];
+  }
+
+  // The fastest plan of each of the `keep` fastest shapes (the first two with the
+  // runner-up micro-batch count too: block-level times rank the counts of one shape
+  // poorly; ResNet-152 x8 with links at half speed: the runner-up refines to 1.348 s, the
+  // block-level best to 1.380 s), then the deep-pipeline shapes past the patience: their
+  // block-level plans are coarse (about one block per stage) and their micro-batch sweep
+  // short, so they are worth a refinement even when slow here. Fastest, not preferred:
+  // these are starting points of a search whose plans all compete later.
+  void addStartingPoints(int keep, size_t chosen, std::vector<Deployment>& out) {
     std::map<std::tuple<int, int, int>, std::vector<size_t>> of_shape;
-    for (size_t i = 0; i < found.size(); ++i) {
-      of_shape[std::make_tuple(found[i].D, found[i].R, found[i].S)].push_back(i);
+    for (size_t i = 0; i < found_.size(); ++i) {
+      of_shape[std::make_tuple(found_[i].D, found_[i].R, found_[i].S)].push_back(i);
     }
     struct Ranked {
       std::tuple<int, int, int> shape;
@@ -393,7 +451,7 @@ std::vector<Deployment> formStageCandidates(StageProblem& problem, const StageSe
     std::vector<Ranked> ranked;
     for (const auto& [shape, members] : of_shape) {
       const size_t fastest = preferredIndexAmong(members, 0.0);
-      ranked.push_back(Ranked{shape, found[fastest].shape.time, fastest});
+      ranked.push_back(Ranked{shape, found_[fastest].shape.time, fastest});
     }
     std::stable_sort(ranked.begin(), ranked.end(),
                      [](const Ranked& a, const Ranked& b) { return a.fastest < b.fastest; });
@@ -405,47 +463,41 @@ std::vector<Deployment> formStageCandidates(StageProblem& problem, const StageSe
     };
     const int kRunnerUps = 2;  // shapes whose runner-up count is refined too
     for (size_t r = 0; r < ranked.size(); ++r) {
-      const bool is_deep = std::find(deep.begin(), deep.end(), ranked[r].shape) != deep.end();
+      const bool is_deep = std::find(deep_.begin(), deep_.end(), ranked[r].shape) != deep_.end();
       if (static_cast<int>(r) < keep || is_deep) take(ranked[r].pick);
       if (static_cast<int>(r) >= kRunnerUps) continue;
       // The fastest plan of the shape at another micro-batch count.
-      size_t runner_up = found.size();
+      size_t runner_up = found_.size();
       for (size_t i : of_shape[ranked[r].shape]) {
-        if (found[i].M == found[ranked[r].pick].M) continue;
-        if (runner_up == found.size() || found[i].shape.time < found[runner_up].shape.time) runner_up = i;
+        if (found_[i].M == found_[ranked[r].pick].M) continue;
+        if (runner_up == found_.size() || found_[i].shape.time < found_[runner_up].shape.time) runner_up = i;
       }
-      if (runner_up != found.size()) take(runner_up);
+      if (runner_up != found_.size()) take(runner_up);
     }
-    return out;
   }
-  if (tried.empty()) {
-    std::ostringstream os;
-    os << "no pipeline shape to try: " << K << " block(s), " << ctx.world_size << " device(s), global batch "
-       << ctx.batch_size;
-    if (options.fixed_stages > 0) os << ", fixed_stages=" << options.fixed_stages;
-    os << " (stages must not exceed the blocks or the devices of the pipeline, and every "
-          "pipeline copy needs at least one row)";
-    throw InfeasiblePlanError(os.str(), 0);
-  }
-  // Nothing fits: the least, over every candidate shape, of the largest stage memory.
-  int64_t needed = std::numeric_limits<int64_t>::max();
-  for (auto [S, D, R, M] : tried) {
-    StageSolution sol = formStageDp(problem, S, D, R, M, StageObjective::Memory, options.fixed_replicas);
-    if (sol.feasible) needed = std::min(needed, static_cast<int64_t>(sol.value));
-  }
-  std::ostringstream os;
-  if (needed != std::numeric_limits<int64_t>::max()) {
-    os << "no plan fits " << bytesText(ctx.memory_limit) << " of usable memory per device on "
-       << ctx.world_size << " device(s) with global batch " << ctx.batch_size
-       << "; the smallest plan needs " << bytesText(needed)
-       << " per device: use devices with more memory, more devices, a smaller batch"
-       << (ctx.allow_recompute ? "" : ", or allow recomputation");
-  } else {
-    // Not memory: no shape had a row for every replica and micro-batch.
-    os << "no plan for " << ctx.world_size << " device(s) with global batch " << ctx.batch_size << ": "
-       << tooFewRows(ctx, options, tried);
-  }
-  throw InfeasiblePlanError(os.str(), needed == std::numeric_limits<int64_t>::max() ? 0 : needed);
+
+  StageProblem& problem_;
+  const StageSearchOptions& options_;
+  const PlanContext& ctx_;
+  const int K_;
+  const int per_node_;
+  const int nodes_;
+  const int patience_;
+  int fixed_devices_ = 0;
+  std::vector<std::tuple<int, int, int, int>> tried_;  // (S, D, R, M)
+  std::vector<Candidate> found_;
+  std::vector<std::tuple<int, int, int>> deep_;  // shapes tried past the stage patience
+};
+
+}  // namespace
+
+std::vector<Deployment> formStageCandidates(StageProblem& problem, const StageSearchOptions& options,
+                                            int keep) {
+  ShapeSearch search(problem, options);
+  search.announceRows();
+  search.sweepNodeCounts();
+  if (!search.foundAny()) search.explainInfeasible();
+  return search.pick(keep);
 }
 
 }  // namespace rannc::partition
