@@ -347,8 +347,7 @@ void PipelineEngine::finishInputGrads(std::vector<Posted>& posted) {
   }
 }
 
-std::map<ir::ValueId, at::Tensor> PipelineEngine::collectBatchOutputs(
-    const std::map<int, std::map<ir::ValueId, c10::IValue>>& produced) {
+std::vector<const Transfer*> PipelineEngine::ownedOutputRows() const {
   std::vector<const Transfer*> order;
   for (const auto& [_, list] : config_->plan.out_recv) {
     for (const Transfer& t : list) order.push_back(&t);
@@ -357,6 +356,12 @@ std::map<ir::ValueId, at::Tensor> PipelineEngine::collectBatchOutputs(
     return std::make_tuple(a->micro_batch, a->value, a->rows.start) <
            std::make_tuple(b->micro_batch, b->value, b->rows.start);
   });
+  return order;
+}
+
+std::map<ir::ValueId, at::Tensor> PipelineEngine::collectBatchOutputs(
+    const std::map<int, std::map<ir::ValueId, c10::IValue>>& produced) {
+  const std::vector<const Transfer*> order = ownedOutputRows();
   std::map<ir::ValueId, std::vector<std::pair<int64_t, at::Tensor>>> parts;
   std::vector<comm::WorkPtr> works;
   for (const Transfer* t : order) {
@@ -492,14 +497,7 @@ StepOutputs PipelineEngine::execute(const StepProgram& program,
 }
 
 Seeds PipelineEngine::scatterOutputGrads(const std::map<ir::ValueId, at::Tensor>& grads) {
-  std::vector<const Transfer*> order;
-  for (const auto& [_, list] : config_->plan.out_recv) {
-    for (const Transfer& t : list) order.push_back(&t);
-  }
-  std::stable_sort(order.begin(), order.end(), [](const Transfer* a, const Transfer* b) {
-    return std::make_tuple(a->micro_batch, a->value, a->rows.start) <
-           std::make_tuple(b->micro_batch, b->value, b->rows.start);
-  });
+  const std::vector<const Transfer*> order = ownedOutputRows();
   std::vector<comm::WorkPtr> sends;
   std::map<std::tuple<int, ir::ValueId, int64_t>, at::Tensor> mine;
   for (const Transfer* t : order) {
@@ -542,34 +540,34 @@ Seeds PipelineEngine::scatterOutputGrads(const std::map<ir::ValueId, at::Tensor>
 }
 
 void PipelineEngine::applyStepGrads(const at::Tensor& scale) {
-  std::vector<at::Tensor> params, grads;
-  for (const auto& [v, t] : own_) {
-    params.push_back(t);
-    grads.push_back(step_grads_.at(v));
-  }
-  if (params.empty()) return;
-  addToGrads(params, scale.defined() ? at::_foreach_mul(grads, scale) : grads);
+  if (own_.empty()) return;
+  auto grads = stepGradList();
+  addToGrads(scale.defined() ? at::_foreach_mul(grads, scale) : grads);
 }
 
 void PipelineEngine::applyStepGrads(double scale) {
-  std::vector<at::Tensor> params, grads;
-  for (const auto& [v, t] : own_) {
-    params.push_back(t);
-    grads.push_back(step_grads_.at(v));
-  }
-  if (params.empty()) return;
-  addToGrads(params, scale == 1.0 ? grads : at::_foreach_mul(grads, at::Scalar(scale)));
+  if (own_.empty()) return;
+  auto grads = stepGradList();
+  addToGrads(scale == 1.0 ? grads : at::_foreach_mul(grads, at::Scalar(scale)));
 }
 
-void PipelineEngine::addToGrads(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads) {
+std::vector<at::Tensor> PipelineEngine::stepGradList() const {
+  std::vector<at::Tensor> grads;
+  for (const auto& [v, _] : own_) grads.push_back(step_grads_.at(v));
+  return grads;
+}
+
+void PipelineEngine::addToGrads(const std::vector<at::Tensor>& grads) {
   std::vector<at::Tensor> into, add;
-  for (size_t i = 0; i < params.size(); ++i) {
-    if (params[i].grad().defined()) {
-      into.push_back(params[i].grad());
+  size_t i = 0;
+  for (const auto& [_, p] : own_) {
+    if (p.grad().defined()) {
+      into.push_back(p.grad());
       add.push_back(grads[i]);
     } else {
-      params[i].mutable_grad() = grads[i];
+      p.mutable_grad() = grads[i];
     }
+    ++i;
   }
   if (!into.empty()) at::_foreach_add_(into, add);
 }

@@ -136,7 +136,11 @@ class PipelineEngine {
   using PostedByValue = std::map<ir::ValueId, std::vector<Posted>>;
 
   void configure(int64_t local_batch, bool cap_micro_batches);
-  void addToGrads(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads);
+  // The step's gradients of ownParameters(), in its order; .grad += each.
+  std::vector<at::Tensor> stepGradList() const;
+  void addToGrads(const std::vector<at::Tensor>& grads);
+  // The rows of batch outputs this rank owns, by (micro-batch, value, first row).
+  std::vector<const Transfer*> ownedOutputRows() const;
   const StepProgram& programFor(StepMode mode);
   StepOutputs execute(const StepProgram& program, const std::map<ir::ValueId, c10::IValue>* local,
                       bool train);
