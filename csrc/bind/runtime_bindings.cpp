@@ -153,7 +153,6 @@ void bindRuntime(py::module& m) {
              return out;
            },
            py::arg("grads"))
-      .def_property_readonly("step_grads", &PipelineEngine::stepGrads)
       .def("apply_step_grads",
            [](PipelineEngine& e, const py::object& scale) {
              if (scale.is_none()) {

@@ -5,7 +5,6 @@
 #include <optional>
 #include <tuple>
 
-#include "comm/world.h"
 #include "common/error.h"
 #include "frontend/dtypes.h"
 
@@ -22,11 +21,11 @@ class GradsAside {
   explicit GradsAside(const std::map<ir::ValueId, at::Tensor>& own) : own_(own) {
     for (const auto& [v, t] : own_) {
       saved_[v] = t.grad();
-      const_cast<at::Tensor&>(t).mutable_grad() = at::Tensor();
+      t.mutable_grad() = at::Tensor();
     }
   }
   ~GradsAside() {
-    for (const auto& [v, t] : own_) const_cast<at::Tensor&>(t).mutable_grad() = saved_[v];
+    for (const auto& [v, t] : own_) t.mutable_grad() = saved_[v];
   }
 
  private:
@@ -62,15 +61,17 @@ PipelineEngine::PipelineEngine(std::shared_ptr<const frontend::TracedModel> mode
   place_ = config_->layout.place(rank_);
   const auto& stage = deployment_.stages.at(place_.stage);
   recompute_ = recompute || stage.recompute;
-  std::unordered_map<ir::ValueId, at::Tensor> mine;
   for (ir::ValueId v : pieces_[place_.stage].inputs) {
     auto it = state.find(v);
     if (it == state.end()) continue;
-    mine[v] = it->second;
     stage_state_[v] = it->second;
     if (it->second.requires_grad()) own_[v] = it->second;
   }
-  executor_ = std::make_unique<StageExecutor>(model_, pieces_[place_.stage], mine, device_);
+  executor_ = std::make_unique<StageExecutor>(
+      model_, pieces_[place_.stage],
+      std::unordered_map<ir::ValueId, at::Tensor>(stage_state_.begin(), stage_state_.end()), device_);
+  for (size_t i = 0; i < executor_->inputIds().size(); ++i) input_index_[executor_->inputIds()[i]] = i;
+  for (size_t i = 0; i < executor_->outputIds().size(); ++i) output_index_[executor_->outputIds()[i]] = i;
   // the gradient groups this rank is in, their communicators created in one order everywhere
   std::vector<std::pair<std::shared_ptr<comm::Communicator>, std::vector<ir::ValueId>>> groups;
   for (auto& [ranks, ids] : gradientGroups()) {
@@ -289,14 +290,11 @@ at::Tensor PipelineEngine::outputGrad(ir::ValueId vid, int m, PostedByValue& pos
 }
 
 void PipelineEngine::sendBackward(const StepAction& send, int m, std::vector<comm::WorkPtr>& sends) {
-  const auto& ids = executor_->inputIds();
   const auto& grads = input_grads_of_.at(m);
-  std::map<ir::ValueId, at::Tensor> by_id;
-  for (size_t i = 0; i < ids.size(); ++i) by_id[ids[i]] = grads[i];
   const int64_t mine = config_->layout.owned(rank_).start;
   for (const ChannelTransfer& ct : send.transfers) {
     const Transfer& t = ct.transfer;
-    const at::Tensor& g = by_id.at(t.value);
+    const at::Tensor& g = grads.at(input_index_.at(t.value));
     if (ct.channel == Channel::InputGradient) {
       if (!g.defined()) continue;
       at::Tensor& total = input_grads_.at(t.value);
@@ -458,13 +456,11 @@ StepOutputs PipelineEngine::execute(const StepProgram& program,
       }
       case StepActionKind::Send:
         if (a.feeds == partition::ActionKind::Forward) {
-          const auto& ids = executor_->outputIds();
           const auto& outs = outputs_.at(a.micro_batch);
           for (const ChannelTransfer& ct : a.transfers) {
             const Transfer& t = ct.transfer;
-            size_t i = std::find(ids.begin(), ids.end(), t.value) - ids.begin();
-            RANNC_CHECK(i < ids.size(), "value " << t.value << " is not an output of this stage");
-            at::Tensor piece = narrow(outs[i].toTensor(), t.value, t, t.src_start).contiguous();
+            const c10::IValue& out = outs.at(output_index_.at(t.value));
+            at::Tensor piece = narrow(out.toTensor(), t.value, t, t.src_start).contiguous();
             sends.push_back(channels().send(piece, t.dst, ct.channel));
           }
           outputs_.erase(a.micro_batch);

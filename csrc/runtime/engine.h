@@ -106,9 +106,8 @@ class PipelineEngine {
   // the seeds of the batch outputs this stage produced (the reverse of the outputs' moves).
   Seeds scatterOutputGrads(const std::map<ir::ValueId, at::Tensor>& grads);
 
-  // After a step with backwards: the gradients of ownParameters(), summed over each group.
-  const std::map<ir::ValueId, at::Tensor>& stepGrads() const { return step_grads_; }
-  // .grad += scale * stepGrads() for ownParameters() (undefined scale: 1), one foreach
+  // After a step with backwards: .grad += scale * the step's gradients (summed over each
+  // gradient group) for ownParameters() (undefined scale: 1), one foreach
   // call each (a per-tensor loop cost 0.2 ms per step on a 150-tensor model).
   void applyStepGrads(const at::Tensor& scale);
   void applyStepGrads(double scale);
@@ -176,6 +175,7 @@ class PipelineEngine {
   std::unique_ptr<StageExecutor> executor_;
   std::map<ir::ValueId, at::Tensor> stage_state_;
   std::map<ir::ValueId, at::Tensor> own_;
+  std::unordered_map<ir::ValueId, size_t> input_index_, output_index_;  // in the executor's lists
   std::unique_ptr<GradBuckets> buckets_;
   std::unique_ptr<Channels> host_channels_;
   std::map<int64_t, std::unique_ptr<BatchConfig>> configs_;

@@ -39,7 +39,7 @@ void GradBuckets::arm() {
       auto acc = torch::autograd::impl::grad_accumulator(own_.at(v));
       auto key = acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
           [this, v](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {
-            final(v);
+            markFinal(v);
             return outputs;
           }));
       unhook_.push_back([acc, key] { acc->del_post_hook(key); });
@@ -52,7 +52,7 @@ void GradBuckets::disarm() {
   unhook_.clear();
 }
 
-void GradBuckets::final(ir::ValueId id) {
+void GradBuckets::markFinal(ir::ValueId id) {
   ready_.insert(id);
   launch(false);
 }

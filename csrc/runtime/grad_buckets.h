@@ -53,7 +53,7 @@ class GradBuckets {
     at::Tensor flat;
     comm::WorkPtr work;
   };
-  void final(ir::ValueId id);
+  void markFinal(ir::ValueId id);
   void launch(bool all);
   at::Tensor gradOf(ir::ValueId id) const;
 

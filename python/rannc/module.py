@@ -39,7 +39,8 @@ class _ApplyStepGrads(torch.autograd.Function):
     @staticmethod
     def forward(ctx, anchor, loss, deployed, *inputs):
         ctx.deployed = deployed
-        ctx.input_grads = [deployed.engine.input_grads[vid] for vid in deployed.grad_input_ids]
+        grads = deployed.engine.input_grads if deployed.grad_input_ids else {}
+        ctx.input_grads = [grads[vid] for vid in deployed.grad_input_ids]
         return loss.detach().clone()
 
     @staticmethod
@@ -95,8 +96,8 @@ class _FillDrainOutputs(torch.autograd.Function):
         deployed.fill_drain_backward_done = True
         deployed.backward_from_outputs(grads)
         like = next((g for g in grads if g is not None), None)
-        input_grads = tuple(deployed.engine.input_grads[vid].to(like.device if like is not None
-                                                               else deployed.out_device)
+        computed = deployed.engine.input_grads
+        input_grads = tuple(computed[vid].to(like.device if like is not None else deployed.out_device)
                             for vid in deployed.grad_input_ids)
         return (None, None, None) + (None,) * len(grads) + input_grads
 

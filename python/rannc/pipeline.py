@@ -33,22 +33,12 @@ class Engine:
         self._values = {}
 
     def __getattr__(self, name):
-        return getattr(self._engine, name)  # use_batch, step, program, step_grads, ...
-
-    @property
-    def layout(self):
-        return self._engine.layout
+        return getattr(self._engine, name)  # layout, use_batch, step, program, ...
 
     def value(self, vid: int) -> dict:
         if vid not in self._values:
             self._values[vid] = self.ir.value(vid)
         return self._values[vid]
-
-    def set_input_grads(self, vids):
-        self._engine.set_input_grads(set(vids))
-
-    def scatter_output_grads(self, grads: dict) -> dict:
-        return self._engine.scatter_output_grads(grads)
 
     def empty(self, vid: int, device="cpu") -> torch.Tensor:
         """A tensor shaped like the traced value `vid` (a value without a batch dimension)."""

@@ -128,11 +128,9 @@ class StatePlacement:
         self._trace_state = deployed.graph._trace.state
         position = {v: i for i, v in enumerate(deployed.state_ids)}
         users = [set() for _ in deployed.state_ids]
-        engine = deployed.engine
-        for s, piece in enumerate(engine.pieces):
-            for v in piece.inputs:
-                if v in position:
-                    users[position[v]].update(engine.layout.stage_ranks[s])
+        for ranks, vids in deployed.engine.grad_groups():  # the ranks whose stages use each
+            for v in vids:
+                users[position[v]] = set(ranks)
         self._users[mode] = users
         self._release()
         self._place()
