@@ -29,7 +29,7 @@ rows = 1
 a2 = (torch.randint(0, vocab, (rows, 64), generator=g), torch.randint(0, vocab, (rows, 64), generator=g))
 flat = tg._flat_inputs(a2, {})
 values = dict(zip(ir.inputs, flat))
-state = {v: t for v, t in values.items() if ir.value(v)["role"] in ("param", "buffer")}
+state = {v: t for v, t in values.items() if ir.value(v).role in ("param", "buffer")}
 pieces = plan.stage_pieces()
 stages = [_C.StageExecutor(traced, p, {v: state[v] for v in p.inputs if v in state}) for p in pieces]
 inputs = []

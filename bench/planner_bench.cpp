@@ -65,13 +65,13 @@ struct BaselineResult {
 // The fastest feasible deployment of `make` over the shapes of the header comment.
 BaselineResult tuneBaseline(const std::function<Deployment(const BaselineShape&)>& make,
                             const PlanContext& ctx, const std::vector<int>& pipeline_counts,
-                            int max_stages, int max_micro_batches, int only_replicas = 0) {
+                            int max_stages, int max_microbatches, int only_replicas = 0) {
   BaselineResult r;
   for (int pipelines : pipeline_counts) {
   const int D = ctx.world_size / pipelines;
   for (int S = 1; S <= std::min(D, max_stages); ++S) {
     if (D % S != 0 || (only_replicas > 0 && D / S != only_replicas)) continue;
-    for (int M : microBatchCandidates(ctx.batch_size / pipelines, max_micro_batches)) {
+    for (int M : microBatchCandidates(ctx.batch_size / pipelines, max_microbatches)) {
       BaselineShape shape{S, D / S, pipelines, M};
       StageSlot slot;
       slot.devices = shape.replicas;
@@ -169,8 +169,8 @@ int main(int argc, char** argv) {
   o.num_blocks = static_cast<int>(get("blocks", o.num_blocks));
   o.every_node_count = get("every_n", 1) != 0;
   o.refine_candidates = static_cast<int>(get("candidates", o.refine_candidates));
-  o.fixed_stages = static_cast<int>(get("stages", 0));
-  o.fixed_micro_batches = static_cast<int>(get("micro_batches", 0));
+  o.num_stages = static_cast<int>(get("stages", 0));
+  o.num_microbatches = static_cast<int>(get("micro_batches", 0));
   if (args.count("tolerance")) o.plan_tolerance = std::atof(args["tolerance"].c_str());
   int64_t params = 0;
   for (rannc::ir::ValueId v = 0; v < g.numValues(); ++v) {
@@ -212,19 +212,19 @@ int main(int argc, char** argv) {
   }
   std::vector<std::pair<std::string, BaselineResult>> baselines;
   baselines.emplace_back("equal", tuneBaseline([&](const BaselineShape& s) {
-    return equalTaskSplit(trace.atomic, costs, ctx, s); }, ctx, copies, max_stages, o.max_micro_batches));
+    return equalTaskSplit(trace.atomic, costs, ctx, s); }, ctx, copies, max_stages, o.max_microbatches));
   baselines.emplace_back("params", tuneBaseline([&](const BaselineShape& s) {
-    return paramBalancedSplit(trace.atomic, costs, ctx, s); }, ctx, copies, max_stages, o.max_micro_batches));
+    return paramBalancedSplit(trace.atomic, costs, ctx, s); }, ctx, copies, max_stages, o.max_microbatches));
   baselines.emplace_back("time_balanced", tuneBaseline([&](const BaselineShape& s) {
-    return timeBalancedSplit(trace.atomic, costs, ctx, s); }, ctx, copies, max_stages, o.max_micro_batches));
+    return timeBalancedSplit(trace.atomic, costs, ctx, s); }, ctx, copies, max_stages, o.max_microbatches));
   baselines.emplace_back("ideals_dp", tuneBaseline([&](const BaselineShape& s) {
     return piperSplit(trace.blocks, costs, ctx, s); }, ctx, copies,
-    static_cast<int>(trace.blocks.blocks.size()), o.max_micro_batches));
+    static_cast<int>(trace.blocks.blocks.size()), o.max_microbatches));
   // Informational (gpipe=1): the equal split with one device per stage, data parallelism
   // only by pipeline copies, as GPipe runs it (the paper's ResNet comparison).
   if (get("gpipe", 0) != 0) {
     baselines.emplace_back("equal_gpipe", tuneBaseline([&](const BaselineShape& s) {
-      return equalTaskSplit(trace.atomic, costs, ctx, s); }, ctx, copies, max_stages, o.max_micro_batches, 1));
+      return equalTaskSplit(trace.atomic, costs, ctx, s); }, ctx, copies, max_stages, o.max_microbatches, 1));
   }
 
   std::string notes;

@@ -113,7 +113,7 @@ class StageRunner:
         ir, self.traced = tg.ir, tg._trace.traced
         self.flat = tg._flat_inputs(args, {})
         values = dict(zip(ir.inputs, self.flat))
-        self.state = {v: t for v, t in values.items() if ir.value(v)["role"] in ("param", "buffer")}
+        self.state = {v: t for v, t in values.items() if ir.value(v).role in ("param", "buffer")}
         self.pieces = plan.stage_pieces()
         self.stages = [_C.StageExecutor(self.traced, p, {v: self.state[v] for v in p.inputs if v in self.state})
                        for p in self.pieces]

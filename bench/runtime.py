@@ -111,7 +111,7 @@ def worker(repeats, stages):
         rannc.barrier(60)
         times.append(step(wrapped, opt, batch))
     if rannc.get_rank() == 0:
-        d = wrapped._deployed[True].deployment
+        d = wrapped.deployments["train"]
         print("RESULT " + json.dumps(dict(
             ranks=rannc.get_world_size(), stages=d.num_stages, micro_batches=d.micro_batches,
             measured_step_s=statistics.median(times), predicted_iteration_s=d.iteration_time)),

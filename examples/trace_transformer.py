@@ -57,8 +57,8 @@ def main():
     ir = g.ir
     print(f"\n{a.pieces} convex pieces in topological order:")
     for i, piece in enumerate(g.split(a.pieces).pieces):
-        scopes = sorted({ir.task(t)["scope"].split(".")[0] + "." + ir.task(t)["scope"].split(".")[1]
-                         if ir.task(t)["scope"].count(".") else ir.task(t)["scope"] or "<root>"
+        scopes = sorted({ir.task(t).scope.split(".")[0] + "." + ir.task(t).scope.split(".")[1]
+                         if ir.task(t).scope.count(".") else ir.task(t).scope or "<root>"
                          for t in piece.tasks})
         print(f"  piece {i}: {len(piece.tasks):4d} tasks, {len(piece.inputs):3d} inputs, "
               f"{len(piece.outputs):2d} outputs; modules {', '.join(scopes)}")

@@ -65,38 +65,6 @@ ir::ValueRole roleFromName(const std::string& name) {
   throw Error("unknown graph input role '" + name + "' (expected input, param or buffer)");
 }
 
-py::dict valueToDict(const ir::Value& v) {
-  py::dict d;
-  d["id"] = v.id;
-  d["name"] = v.name;
-  d["kind"] = std::string(ir::valueKindName(v.kind));
-  d["role"] = std::string(ir::valueRoleName(v.role));
-  d["dtype"] = std::string(ir::dtypeName(v.dtype));
-  d["shape"] = v.shape;
-  d["batch_dim"] = v.batch_dim;
-  d["batch_multiple"] = v.batch_multiple;
-  d["batch_dependent"] = v.batch_dependent;
-  d["is_loss"] = v.is_loss;
-  d["requires_grad"] = v.requires_grad;
-  d["constant"] = v.constant;
-  d["int_values"] = v.int_values;
-  d["int_batch_multiples"] = v.int_batch_multiples;
-  d["producer"] = v.producer;
-  d["consumers"] = v.consumers;
-  return d;
-}
-
-py::dict taskToDict(const ir::Task& t) {
-  py::dict d;
-  d["id"] = t.id;
-  d["op"] = t.op;
-  d["inputs"] = t.inputs;
-  d["outputs"] = t.outputs;
-  d["scope"] = t.scope;
-  d["source"] = t.source;
-  return d;
-}
-
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -205,6 +173,42 @@ PYBIND11_MODULE(_C, m) {
                " outputs>";
       });
 
+  py::class_<ir::Value>(m, "IrValue", "A value of the IR (ir/value.h), read-only.")
+      .def_readonly("id", &ir::Value::id)
+      .def_readonly("name", &ir::Value::name)
+      .def_property_readonly("kind", [](const ir::Value& v) { return std::string(ir::valueKindName(v.kind)); })
+      .def_property_readonly("role", [](const ir::Value& v) { return std::string(ir::valueRoleName(v.role)); })
+      .def_property_readonly("dtype", [](const ir::Value& v) { return std::string(ir::dtypeName(v.dtype)); })
+      .def_readonly("shape", &ir::Value::shape)
+      .def_readonly("batch_dim", &ir::Value::batch_dim)
+      .def_readonly("batch_multiple", &ir::Value::batch_multiple)
+      .def_readonly("batch_dependent", &ir::Value::batch_dependent)
+      .def_readonly("is_loss", &ir::Value::is_loss)
+      .def_readonly("requires_grad", &ir::Value::requires_grad)
+      .def_readonly("constant", &ir::Value::constant)
+      .def_readonly("int_values", &ir::Value::int_values)
+      .def_readonly("int_batch_multiples", &ir::Value::int_batch_multiples)
+      .def_readonly("producer", &ir::Value::producer)
+      .def_readonly("consumers", &ir::Value::consumers)
+      .def("__repr__", [](const ir::Value& v) -> std::string {
+        std::string shape;
+        for (int64_t d : v.shape) shape += (shape.empty() ? "" : ", ") + std::to_string(d);
+        return "<IrValue %" + std::to_string(v.id) + (v.name.empty() ? "" : " " + v.name) + " " +
+               std::string(ir::valueKindName(v.kind)) + " " + std::string(ir::dtypeName(v.dtype)) + "[" +
+               shape + "] " + std::string(ir::valueRoleName(v.role)) + ">";
+      });
+
+  py::class_<ir::Task>(m, "IrTask", "A task (one op) of the IR (ir/task.h), read-only.")
+      .def_readonly("id", &ir::Task::id)
+      .def_readonly("op", &ir::Task::op)
+      .def_readonly("inputs", &ir::Task::inputs)
+      .def_readonly("outputs", &ir::Task::outputs)
+      .def_readonly("scope", &ir::Task::scope)
+      .def_readonly("source", &ir::Task::source)
+      .def("__repr__", [](const ir::Task& t) -> std::string {
+        return "<IrTask #" + std::to_string(t.id) + " " + t.op + (t.scope.empty() ? "" : " in " + t.scope) + ">";
+      });
+
   py::class_<ir::Graph>(m, "IrGraph", "The IR of a traced model (plain data, no torch).")
       .def("summary", &ir::Graph::summary)
       .def("content_hash", &ir::Graph::contentHash, py::arg("include_names") = true)
@@ -213,18 +217,10 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("batch_size", &ir::Graph::batchSize)
       .def_property_readonly("inputs", &ir::Graph::inputs)
       .def_property_readonly("outputs", &ir::Graph::outputs)
-      .def("value", [](const ir::Graph& g, ir::ValueId id) { return valueToDict(g.value(id)); })
-      .def("task", [](const ir::Graph& g, ir::TaskId id) { return taskToDict(g.task(id)); })
-      .def("values", [](const ir::Graph& g) {
-        py::list out;
-        for (const auto& v : g.values()) out.append(valueToDict(v));
-        return out;
-      })
-      .def("tasks", [](const ir::Graph& g) {
-        py::list out;
-        for (const auto& t : g.tasks()) out.append(taskToDict(t));
-        return out;
-      })
+      .def("value", &ir::Graph::value, py::arg("id"), py::return_value_policy::reference_internal)
+      .def("task", &ir::Graph::task, py::arg("id"), py::return_value_policy::reference_internal)
+      .def("values", [](const ir::Graph& g) { return g.values(); }, py::return_value_policy::reference_internal)
+      .def("tasks", [](const ir::Graph& g) { return g.tasks(); }, py::return_value_policy::reference_internal)
       .def("topological_order", &ir::Graph::topologicalOrder)
       .def("is_convex", [](const ir::Graph& g, const std::vector<ir::TaskId>& tasks) {
         return ir::isConvex(g, tasks);

@@ -17,13 +17,13 @@ partition::Optimizer optimizerFromName(const std::string& name) {
   if (name == "adam" || name == "adamw") return partition::Optimizer::Adam;
   if (name == "sgd_momentum" || name == "sgd-momentum") return partition::Optimizer::SgdMomentum;
   if (name == "sgd") return partition::Optimizer::Sgd;
-  throw Error("unknown optimizer kind '" + name + "' (expected adam, adamw, sgd_momentum or sgd)");
+  throw Error("option optimizer_kind is '" + name + "'; expected adam, adamw, sgd_momentum or sgd");
 }
 
 partition::ScheduleKind scheduleFromName(const std::string& name) {
   if (name == "1f1b") return partition::ScheduleKind::OneFOneB;
   if (name == "fill_drain" || name == "fill-drain") return partition::ScheduleKind::FillDrain;
-  throw Error("unknown schedule '" + name + "' (expected 1f1b or fill_drain)");
+  throw Error("option schedule is '" + name + "'; expected 1f1b or fill_drain");
 }
 
 void bindPlanner(py::module& m) {

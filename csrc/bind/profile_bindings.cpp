@@ -82,12 +82,15 @@ void bindProfiler(py::module& m) {
       .def_readwrite("num_blocks", &partition::PlannerOptions::num_blocks)
       .def_readwrite("memory_margin", &partition::PlannerOptions::memory_margin)
       .def_readwrite("memory_limit", &partition::PlannerOptions::memory_limit)
-      .def_readwrite("allow_recompute", &partition::PlannerOptions::allow_recompute)
+      .def_property(
+          "recompute",
+          [](const partition::PlannerOptions& o) { return std::string(partition::recomputeName(o.recompute)); },
+          [](partition::PlannerOptions& o, const std::string& name) { o.recompute = partition::recomputeFromName(name); })
       .def_readwrite("update_seconds_per_byte", &partition::PlannerOptions::update_seconds_per_byte)
-      .def_readwrite("fixed_stages", &partition::PlannerOptions::fixed_stages)
-      .def_readwrite("fixed_micro_batches", &partition::PlannerOptions::fixed_micro_batches)
-      .def_readwrite("max_micro_batches", &partition::PlannerOptions::max_micro_batches)
-      .def_readwrite("fixed_replicas", &partition::PlannerOptions::fixed_replicas)
+      .def_readwrite("num_stages", &partition::PlannerOptions::num_stages)
+      .def_readwrite("num_microbatches", &partition::PlannerOptions::num_microbatches)
+      .def_readwrite("max_microbatches", &partition::PlannerOptions::max_microbatches)
+      .def_readwrite("replicas", &partition::PlannerOptions::replicas)
       .def_readwrite("search_patience", &partition::PlannerOptions::search_patience)
       .def_readwrite("refine_boundaries", &partition::PlannerOptions::refine_boundaries)
       .def_readwrite("refine_candidates", &partition::PlannerOptions::refine_candidates)
@@ -100,7 +103,23 @@ void bindProfiler(py::module& m) {
       .def_property(
           "schedule",
           [](const partition::PlannerOptions& o) { return std::string(partition::scheduleName(o.schedule)); },
-          [](partition::PlannerOptions& o, const std::string& name) { o.schedule = scheduleFromName(name); });
+          [](partition::PlannerOptions& o, const std::string& name) { o.schedule = scheduleFromName(name); })
+      .def("check", &partition::checkOptions,
+           "Raises rannc.Error naming the first option out of range (the world-independent checks).");
+
+  py::class_<profile::ProfilerOptions>(m, "ProfilerOptions", "Options of the profiler (profile/profiler.h).")
+      .def(py::init<>())
+      .def_readwrite("warmup", &profile::ProfilerOptions::warmup)
+      .def_readwrite("repetitions", &profile::ProfilerOptions::repetitions)
+      .def_readwrite("time_budget", &profile::ProfilerOptions::time_budget)
+      .def_readwrite("memory_limit", &profile::ProfilerOptions::memory_limit)
+      .def_readwrite("fake_timer", &profile::ProfilerOptions::fake_timer)
+      .def_readwrite("device", &profile::ProfilerOptions::device)
+      .def_readwrite("forward_only", &profile::ProfilerOptions::forward_only)
+      .def_property(
+          "cpu_clock",
+          [](const profile::ProfilerOptions& o) { return std::string(profile::cpuClockName(o.cpu_clock)); },
+          [](profile::ProfilerOptions& o, const std::string& name) { o.cpu_clock = profile::cpuClockFromName(name); });
 
   py::class_<profile::ProfileCache, std::shared_ptr<profile::ProfileCache>>(
       m, "ProfileCache", "Measured pieces by content hash, rows, dtype, device and recompute flag.")
@@ -216,15 +235,10 @@ void bindProfiler(py::module& m) {
       "plan_profiled",
       [](std::shared_ptr<frontend::TracedModel> model, const std::vector<at::Tensor>& example,
          const partition::DeviceSpec& device, const partition::PlannerOptions& options,
-         std::shared_ptr<profile::ProfileCache> cache, bool parallel, int warmup, int repetitions,
-         int64_t memory_limit, bool fake_timer, double time_budget,
-         const std::string& profile_device, const std::string& cpu_clock, bool forward_only,
-         py::object progress, bool compose, double fit_tolerance, py::object stats) -> py::object {
+         const profile::ProfilerOptions& profiler_options, std::shared_ptr<profile::ProfileCache> cache,
+         bool parallel, py::object progress, bool compose, double fit_tolerance, py::object stats) -> py::object {
         auto inputs = std::make_shared<profile::BoundaryInputs>(model, example);
-        auto profiler = std::make_shared<profile::Profiler>(
-            model, inputs,
-            profilerOptions(warmup, repetitions, memory_limit, fake_timer, time_budget,
-                            profile_device, cpu_clock, forward_only));
+        auto profiler = std::make_shared<profile::Profiler>(model, inputs, profiler_options);
         std::shared_ptr<comm::Communicator> comm;
         if (parallel && comm::World::get().size() > 1) comm = comm::worldCpuCommunicator();
         profile::ProfilingCostModel costs(model, profiler, cache, device, comm);
@@ -260,10 +274,7 @@ void bindProfiler(py::module& m) {
         return py::cast(d);
       },
       py::arg("model"), py::arg("example"), py::arg("device"), py::arg("options"),
-      py::arg("cache"), py::arg("parallel") = true, py::arg("warmup") = 1,
-      py::arg("repetitions") = 3, py::arg("memory_limit") = 0, py::arg("fake_timer") = false,
-      py::arg("time_budget") = 0.5, py::arg("profile_device") = "cpu",
-      py::arg("cpu_clock") = "auto", py::arg("forward_only") = false,
+      py::arg("profiler"), py::arg("cache"), py::arg("parallel") = true,
       py::arg("progress") = py::none(), py::arg("compose") = true,
       py::arg("fit_tolerance") = 0.1, py::arg("stats") = py::none(),
       "Plans with measured costs (a union of blocks or groups composed from its parts' "

@@ -72,13 +72,13 @@ void bindRuntime(py::module& m) {
   py::class_<PipelineEngine>(m, "PipelineEngine", "Runs this rank's stage of a deployment, one step per call.")
       .def(py::init([](std::shared_ptr<frontend::TracedModel> model, const partition::Deployment& deployment,
                        int rank, int world_size, int64_t local_batch,
-                       std::unordered_map<ir::ValueId, at::Tensor> state, bool recompute,
+                       std::unordered_map<ir::ValueId, at::Tensor> state,
                        const std::string& device, bool nccl) {
              return std::make_unique<PipelineEngine>(model, deployment, rank, world_size, local_batch, state,
-                                                     recompute, c10::Device(device), nccl);
+                                                     c10::Device(device), nccl);
            }),
            py::arg("model"), py::arg("deployment"), py::arg("rank"), py::arg("world_size"),
-           py::arg("local_batch"), py::arg("state"), py::arg("recompute"), py::arg("device"), py::arg("nccl"))
+           py::arg("local_batch"), py::arg("state"), py::arg("device"), py::arg("nccl"))
       .def_property_readonly("layout", &PipelineEngine::layout, py::return_value_policy::reference_internal)
       .def_property_readonly("stage", [](const PipelineEngine& e) { return e.place().stage; })
       .def_property_readonly("copy", [](const PipelineEngine& e) { return e.place().copy; })

@@ -8,40 +8,61 @@
 
 namespace rannc::partition {
 
-PlanContext planContext(const ir::Graph& graph, const CostModel& costs, const PlannerOptions& o) {
-  auto bad = [](const std::string& what) { throw InvalidGraphError("invalid planner option: " + what); };
-  if (o.world_size < 1) bad("world_size must be >= 1, got " + std::to_string(o.world_size));
-  if (o.num_blocks < 1) bad("num_blocks must be >= 1, got " + std::to_string(o.num_blocks));
-  if (!(o.memory_margin >= 0.0 && o.memory_margin < 1.0)) bad("memory_margin must be in [0, 1), got " + std::to_string(o.memory_margin));
-  if (o.batch_size < 0) bad("batch_size must be >= 0 (0: traced batch x world), got " + std::to_string(o.batch_size));
-  if (o.memory_limit < 0) bad("memory_limit must be >= 0 (0: from the device), got " + std::to_string(o.memory_limit));
-  if (o.fixed_stages < 0 || o.fixed_micro_batches < 0) bad("fixed_stages and fixed_micro_batches must be >= 0");
-  if (!o.fixed_replicas.empty()) {
-    int sum = 0;
-    std::string list;
-    for (int r : o.fixed_replicas) {
-      if (r < 1) bad("fixed_replicas must all be >= 1, got " + std::to_string(r));
-      sum += r;
-      list += (list.empty() ? "" : "/") + std::to_string(r);
+namespace {
+
+[[noreturn]] void badOption(const std::string& name, const std::string& value, const std::string& expected) {
+  throw InvalidGraphError("option " + name + " is " + value + "; expected " + expected);
+}
+
+std::string replicaList(const std::vector<int>& replicas) {
+  std::string list;
+  for (int r : replicas) list += (list.empty() ? "" : ",") + std::to_string(r);
+  return list;
+}
+
+}  // namespace
+
+void checkOptions(const PlannerOptions& o) {
+  auto str = [](auto v) { return std::to_string(v); };
+  if (o.world_size < 1) badOption("world_size", str(o.world_size), "at least 1");
+  if (o.num_blocks < 1) badOption("num_blocks", str(o.num_blocks), "at least 1");
+  if (!(o.memory_margin >= 0.0 && o.memory_margin < 1.0)) {
+    badOption("memory_margin", str(o.memory_margin), "a fraction in [0, 1) of device_memory");
+  }
+  if (o.batch_size < 0) badOption("batch_size", str(o.batch_size), "at least 0 (0: the traced batch x world_size)");
+  if (o.memory_limit < 0) badOption("memory_limit", str(o.memory_limit), "at least 0 (0: from the device)");
+  if (o.num_stages < 0) badOption("num_stages", str(o.num_stages), "at least 0 (0: searched)");
+  if (o.num_microbatches < 0) badOption("num_microbatches", str(o.num_microbatches), "at least 0 (0: searched)");
+  if (!o.replicas.empty()) {
+    for (int r : o.replicas) {
+      if (r < 1) badOption("replicas", replicaList(o.replicas), "counts of at least 1 per stage, such as 2,1,1");
     }
-    if (o.fixed_stages != static_cast<int>(o.fixed_replicas.size())) {
-      bad("fixed_replicas " + list + " names " + std::to_string(o.fixed_replicas.size()) +
-          " stage(s) but fixed_stages is " + std::to_string(o.fixed_stages) +
-          "; set fixed_stages to the number of entries");
-    }
-    if (o.world_size % sum != 0) {
-      bad("fixed_replicas " + list + " use " + std::to_string(sum) + " device(s) per pipeline copy, " +
-          "which does not divide world_size " + std::to_string(o.world_size) +
-          "; the replicas must sum to world_size or a divisor of it");
+    if (o.num_stages != static_cast<int>(o.replicas.size())) {
+      badOption("replicas", replicaList(o.replicas),
+                "one count per stage: set num_stages to " + str(o.replicas.size()) + " (it is " +
+                    str(o.num_stages) + ")");
     }
   }
-  if (o.search_patience < 0) bad("search_patience must be >= 0, got " + std::to_string(o.search_patience));
-  if (o.verify_finalists < 0) bad("verify_finalists must be >= 0, got " + std::to_string(o.verify_finalists));
-  if (o.refine_candidates < 1) bad("refine_candidates must be >= 1, got " + std::to_string(o.refine_candidates));
-  if (o.max_micro_batches < 1) bad("max_micro_batches must be >= 1, got " + std::to_string(o.max_micro_batches));
+  if (o.search_patience < 0) badOption("search_patience", str(o.search_patience), "at least 0 (0: exhaustive)");
+  if (o.verify_finalists < 0) badOption("verify_finalists", str(o.verify_finalists), "at least 0");
+  if (o.refine_candidates < 1) badOption("refine_candidates", str(o.refine_candidates), "at least 1");
+  if (o.max_microbatches < 1) badOption("max_microbatches", str(o.max_microbatches), "at least 1");
   if (!(o.plan_tolerance >= 0.0 && o.plan_tolerance < 1.0)) {
-    bad("plan_tolerance must be in [0, 1) (a fraction of the fastest plan's time), got " +
-        std::to_string(o.plan_tolerance));
+    badOption("plan_tolerance", str(o.plan_tolerance),
+              "a fraction in [0, 1) of the fastest plan's time (0.02: 2%)");
+  }
+}
+
+PlanContext planContext(const ir::Graph& graph, const CostModel& costs, const PlannerOptions& o) {
+  checkOptions(o);
+  if (!o.replicas.empty()) {
+    int sum = 0;
+    for (int r : o.replicas) sum += r;
+    if (o.world_size % sum != 0) {
+      badOption("replicas", replicaList(o.replicas),
+                "counts whose sum divides the world size " + std::to_string(o.world_size) + " (they use " +
+                    std::to_string(sum) + " device(s) per pipeline copy)");
+    }
   }
   PlanContext ctx;
   ctx.world_size = o.world_size;
@@ -53,7 +74,7 @@ PlanContext planContext(const ir::Graph& graph, const CostModel& costs, const Pl
                                                 (1.0 - o.memory_margin));
   ctx.optimizer = o.optimizer;
   ctx.schedule = o.schedule;
-  ctx.allow_recompute = o.allow_recompute;
+  ctx.recompute = o.recompute;
   ctx.update_seconds_per_byte = o.update_seconds_per_byte;
   return ctx;
 }
@@ -126,18 +147,18 @@ PlanTrace planTrace(const ir::Graph& graph, CostModel& costs, const PlannerOptio
   bo.rows = std::max<int64_t>(1, (ctx.batch_size + ctx.world_size - 1) / ctx.world_size);
   // A block only has to fit at the smallest micro-batch a plan may use; fitting at the
   // larger rows would cut big models into many small blocks and slow the stage search.
-  const int64_t max_mb = options.fixed_micro_batches > 0 ? options.fixed_micro_batches : options.max_micro_batches;
+  const int64_t max_mb = options.num_microbatches > 0 ? options.num_microbatches : options.max_microbatches;
   bo.memory_rows = std::max<int64_t>(1, (bo.rows + max_mb - 1) / max_mb);
   bo.memory_limit = ctx.memory_limit;
   bo.optimizer = ctx.optimizer;
   StageSearchOptions so;
-  so.fixed_stages = options.fixed_stages;
-  so.fixed_micro_batches = options.fixed_micro_batches;
-  so.max_micro_batches = options.max_micro_batches;
-  so.patience = options.search_patience;
+  so.num_stages = options.num_stages;
+  so.num_microbatches = options.num_microbatches;
+  so.max_microbatches = options.max_microbatches;
+  so.search_patience = options.search_patience;
   so.every_node_count = options.every_node_count;
-  so.fixed_replicas = options.fixed_replicas;
-  so.tolerance = options.plan_tolerance;
+  so.replicas = options.replicas;
+  so.plan_tolerance = options.plan_tolerance;
   const int atoms = static_cast<int>(trace.atomic.pieces.size());
   std::vector<Deployment> candidates;
   const int keep = options.refine_boundaries ? options.refine_candidates : 1;
@@ -164,9 +185,9 @@ PlanTrace planTrace(const ir::Graph& graph, CostModel& costs, const PlannerOptio
   trace.deployment = candidates.front();
   if (options.refine_boundaries) {
     RefineOptions ro;
-    ro.move_replicas = options.refine_replicas && options.fixed_replicas.empty();
-    ro.move_micro_batches = options.refine_replicas && options.fixed_micro_batches == 0;
-    ro.max_micro_batches = options.max_micro_batches;
+    ro.move_replicas = options.refine_replicas && options.replicas.empty();
+    ro.move_micro_batches = options.refine_replicas && options.num_microbatches == 0;
+    ro.max_microbatches = options.max_microbatches;
     const bool verify = costs.composesUnions() && options.verify_finalists > 1;
     PreferredPlan met(verify ? std::max(options.plan_tolerance, kFinalistMargin) : options.plan_tolerance);
     for (const Deployment& c : candidates) {

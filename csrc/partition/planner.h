@@ -23,16 +23,16 @@ struct PlannerOptions {
   int64_t memory_limit = 0;       // usable bytes per device; 0: device memory x (1 - margin)
   Optimizer optimizer = Optimizer::Adam;
   ScheduleKind schedule = ScheduleKind::OneFOneB;
-  bool allow_recompute = true;    // recompute activations per stage where memory needs it
+  Recompute recompute = Recompute::Auto;  // recompute activations where memory needs it, never, always
   double update_seconds_per_byte = -1.0;  // optimizer step per parameter byte (PlanContext)
   ConstantPolicy constant_policy = ConstantPolicy::IndependentOfState;
-  int fixed_stages = 0;           // > 0: override the stage-count search
-  int fixed_micro_batches = 0;    // > 0: override the micro-batch search
-  // Not empty (with fixed_stages = its size): the replicas of each stage within one
+  int num_stages = 0;           // > 0: override the stage-count search
+  int num_microbatches = 0;    // > 0: override the micro-batch search
+  // Not empty (with num_stages = its size): the replicas of each stage within one
   // pipeline copy; world_size / sum copies. Forces the layout, say 3 stages with replicas
   // 2/1/1 on 4 ranks; the sum must divide world_size.
-  std::vector<int> fixed_replicas;
-  int max_micro_batches = 256;
+  std::vector<int> replicas;
+  int max_microbatches = 256;
   int search_patience = 3;        // stop raising M (S) after this many non-improving candidates; 0: exhaustive
   bool refine_boundaries = true;  // slide stage boundaries piece by piece after the block-level DP
   int refine_candidates = 6;      // refine the best plans of this many pipeline shapes, keep the fastest
@@ -49,6 +49,9 @@ struct PlannerOptions {
   // picks among those costs. 0 or 1: the composed costs decide.
   int verify_finalists = 2;
 };
+
+// Throws rannc::Error naming the option (as the user spells it) whose value is out of range.
+void checkOptions(const PlannerOptions& options);
 
 // The context the options describe for `graph` on `costs`' device.
 PlanContext planContext(const ir::Graph& graph, const CostModel& costs, const PlannerOptions& options);

@@ -63,7 +63,7 @@ CpuClock cpuClockFromName(const std::string& name) {
   if (name == "auto") return CpuClock::Auto;
   if (name == "wall") return CpuClock::Wall;
   if (name == "thread") return CpuClock::Thread;
-  throw Error("CPU profiling clock is '" + name + "'; expected auto, wall or thread");
+  throw Error("option profile_cpu_clock is '" + name + "'; expected auto, wall or thread");
 }
 
 const char* cpuClockName(CpuClock clock) {

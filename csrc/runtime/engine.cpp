@@ -39,7 +39,7 @@ PipelineEngine::PipelineEngine(std::shared_ptr<const frontend::TracedModel> mode
                                partition::Deployment deployment, int rank, int world_size,
                                int64_t local_batch,
                                const std::unordered_map<ir::ValueId, at::Tensor>& state,
-                               bool recompute, c10::Device device, bool nccl, int64_t bucket_bytes)
+                               c10::Device device, bool nccl, int64_t bucket_bytes)
     : model_(std::move(model)), graph_(model_->graph), deployment_(std::move(deployment)),
       rank_(rank), world_size_(world_size), device_(device), nccl_(nccl) {
   for (int s = 0; s < deployment_.numStages(); ++s) {
@@ -60,7 +60,7 @@ PipelineEngine::PipelineEngine(std::shared_ptr<const frontend::TracedModel> mode
   configure(local_batch, false);
   place_ = config_->layout.place(rank_);
   const auto& stage = deployment_.stages.at(place_.stage);
-  recompute_ = recompute || stage.recompute;
+  recompute_ = stage.recompute;
   for (ir::ValueId v : pieces_[place_.stage].inputs) {
     auto it = state.find(v);
     if (it == state.end()) continue;

@@ -68,7 +68,7 @@ class PipelineEngine {
   // creates the gradient groups' communicators.
   PipelineEngine(std::shared_ptr<const frontend::TracedModel> model, partition::Deployment deployment,
                  int rank, int world_size, int64_t local_batch,
-                 const std::unordered_map<ir::ValueId, at::Tensor>& state, bool recompute,
+                 const std::unordered_map<ir::ValueId, at::Tensor>& state,
                  c10::Device device, bool nccl, int64_t bucket_bytes = 4 << 20);
 
   const partition::Deployment& deployment() const { return deployment_; }

@@ -48,6 +48,7 @@ import random
 import secrets
 import shutil
 import sys
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +56,9 @@ import torch
 from . import _C, failure
 from . import safetensors_io as sio
 from .transport import all_gather_objects
+
+# RaNNCModule -> what its load_checkpoint left to read once the plan is known (_Pending).
+_PENDING = weakref.WeakKeyDictionary()
 
 METADATA = "rannc_checkpoint.json"
 INDEX = "model.safetensors.index.json"
@@ -243,10 +247,10 @@ def _write_metadata(wrapped, tmp: str, entries: list[_Entry], reports: list[dict
             groups.append(saved)
         keep(OPTIMIZER, lambda path: torch.save({"param_groups": groups, "values": values}, path))
     plans = {}
-    for mode, deployed in wrapped._deployed.items():
-        fname = f"plan-{'train' if mode else 'eval'}.rannc"
-        keep(fname, lambda path: deployed.deployment.save(path))
-        plans["train" if mode else "eval"] = {"file": fname, "summary": deployed.deployment.summary()}
+    for mode, deployment in wrapped.deployments.items():
+        fname = f"plan-{mode}.rannc"
+        keep(fname, lambda path: deployment.save(path))
+        plans[mode] = {"file": fname, "summary": deployment.summary()}
     if extra is not None:
         keep(EXTRA, lambda path: torch.save(extra, path))
     for config in (getattr(wrapped.module, "config", None),
@@ -499,12 +503,12 @@ def load_checkpoint(wrapped, path: str, strict: bool = True):
     pending = _Pending(source, matched, weights=True, optimizer=groups is not None, what=what,
                        groups=groups)
     forget_pending(wrapped)
-    wrapped._pending_checkpoint = pending
+    _PENDING[wrapped] = pending
     rng = source.rng_state(rank)
     if rng is not None:
         _set_rng_state(rng)
     extra = source.extra()
-    if wrapped._deployed:
+    if wrapped.deployments:
         apply_pending(wrapped)
     return extra
 
@@ -538,21 +542,21 @@ def _match(entries, source: Source, strict: bool, model: str) -> dict:
 
 def forget_pending(wrapped, weights: bool = True, optimizer: bool = True) -> None:
     """A later load replaces what an earlier load_checkpoint left to read."""
-    pending = getattr(wrapped, "_pending_checkpoint", None)
+    pending = _PENDING.get(wrapped)
     if pending is None:
         return
     pending.weights &= not weights
     pending.optimizer &= not optimizer
     if not (pending.weights or pending.optimizer):
         pending.source.close()
-        wrapped._pending_checkpoint = None
+        del _PENDING[wrapped]
 
 
 def apply_pending(wrapped, everything: bool = False) -> None:
     """Reads what a load_checkpoint left to read (a collective): the weights this rank keeps
     and, once the optimizer holds only this rank's parameters (or with `everything`,
     before any deployment), its optimizer state."""
-    pending = getattr(wrapped, "_pending_checkpoint", None)
+    pending = _PENDING.get(wrapped)
     if pending is None:
         return
     entries = _entries(wrapped)

@@ -46,7 +46,7 @@ def load_state_dict(wrapped, state_dict, strict: bool = True, assign: bool = Fal
     """Loads a full model state (from plain PyTorch or another world size; every rank
     passes the whole dict) into the tensors this rank keeps. Keys and shapes are checked
     as torch does, the freed tensors' included."""
-    if assign and wrapped._deployed:
+    if assign and wrapped.deployments:
         raise _C.Error("load_state_dict(assign=True) would replace the tensors the deployed "
                        "stages run with; load with assign=False (the default)")
     freed_here = wrapped.placement.freed()

@@ -15,6 +15,7 @@ behave as in PyTorch.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import sys
 import time
@@ -118,7 +119,7 @@ class _Deployed:
         self._check_agreement(ir)
         self.example_inputs = self.graph._flat_inputs(args, kwargs, at_home=True)  # for profiling
         # Training without a single scalar loss to seed 1F1B takes gradients from outside.
-        has_loss = sum(1 for v in ir.outputs if ir.value(v)["is_loss"]) == 1
+        has_loss = sum(1 for v in ir.outputs if ir.value(v).is_loss) == 1
         self.fill_drain = model.training and (opts.schedule == "fill_drain" or not has_loss)
         self.schedule = "fill_drain" if self.fill_drain else "1f1b"
         deployment = self._plan(ir, world, opts)
@@ -132,8 +133,7 @@ class _Deployed:
         self.input_ids = list(ir.inputs[n_state:])
         state = dict(zip(self.state_ids, state_tensors))
         self.engine = Engine(self.graph._trace.traced, deployment, rank, world,
-                             self.graph.batch_size, state, opts.recompute == "always",
-                             device=owner.device, nccl=owner.nccl)
+                             self.graph.batch_size, state, device=owner.device, nccl=owner.nccl)
         self.own = self.engine.own  # the parameters this rank updates
         self.grad_input_ids, self.grad_inputs = [], []  # arguments that require grad
         # fill-drain: forwards so far, and whether the last one's backward ran
@@ -197,57 +197,43 @@ class _Deployed:
     def _make_plan(self, ir, world, opts):
         """Rank 0's plan; with the profiler and several ranks, the other ranks take part
         (profiling their share of the pieces) and get None."""
+        from . import planning
         # A forward-only (eval) plan keeps no optimizer state.
         training = self.owner.module.training
         optimizer = ((opts.optimizer_kind or _optimizer_kind(self.owner.optimizer))
                      if training else "sgd")
-        if opts.cost_model == "profile" and not self._profiled(opts) and _C.get_rank() == 0:
+        profiled = self._profiled(opts)
+        if opts.cost_model == "profile" and not profiled and _C.get_rank() == 0:
             _C.log_info("one stage (num_stages=1): nothing to search, so nothing is profiled; "
                         "the plan's times are estimates from shapes")
-        if self._profiled(opts):
-            from . import planning
+        # Profiled where the stages will run.
+        where = str(self.owner.device)
+        plan_opts = dataclasses.replace(opts, training=training, schedule=self.schedule,
+                                        profile_device=where,
+                                        cost_model="profile" if profiled else "analytic")
+        device = _C.DeviceSpec()
+        device.memory_bytes = opts.device_memory
+        device.devices_per_node = max(1, _C.get_local_size())
+        update_rate = None
+        if profiled and training:
             from .update_cost import measure_update_rate
-            # Profile where the stages will run.
-            where = str(self.owner.device)
             # Only rank 0 plans; the others profile their share of the pieces.
             timed = time.perf_counter()
             update_rate = measure_update_rate(
                 self.owner.module.parameters(), self.owner.optimizer, optimizer,
-                device=where) if training and _C.get_rank() == 0 else 0.0
+                device=where) if _C.get_rank() == 0 else 0.0
             self.times.profiling += time.perf_counter() - timed
-            device = _C.DeviceSpec()
-            device.memory_bytes = opts.device_memory
-            device.devices_per_node = max(1, _C.get_local_size())
-            deployment = planning.plan_graph(
-                self.graph, self.example_inputs, world_size=world, device=device,
-                optimizer=optimizer, training=training, update_seconds_per_byte=update_rate,
-                cost_model="profile", broadcast=False, batch_size=self.graph.batch_size * world,
-                num_blocks=opts.num_blocks, memory_margin=opts.memory_margin,
-                recompute="never" if opts.recompute == "never" else "auto",
-                num_stages=opts.num_stages, num_microbatches=opts.num_microbatches,
-                replicas=opts.replicas, schedule=self.schedule, plan_tolerance=opts.plan_tolerance,
-                profile_repetitions=opts.profile_repetitions, profile_warmup=opts.profile_warmup,
-                profile_device=where, profile_cache=self.owner.profile_cache, times=self.times)
-            if opts.profile_cache and _C.get_rank() == 0:
-                self.owner.profile_cache.save(opts.profile_cache)
-            return deployment
-        from . import planning
-        device = _C.DeviceSpec()
-        device.memory_bytes = opts.device_memory
-        device.devices_per_node = max(1, _C.get_local_size())
-        if self.owner.device.type == "cpu":
+        if not profiled and self.owner.device.type == "cpu":
             # CPU ranks: modest peak and bandwidth; only the ratios matter for the plan.
             device.peak_flops, device.memory_bandwidth = 50e9, 10e9
             device.intra_node_bandwidth = device.inter_node_bandwidth = 5e9
-        return planning.plan_graph(
-            self.graph, self.example_inputs, world_size=world, device=device,
-            optimizer=optimizer, training=training, cost_model="analytic",
-            batch_size=self.graph.batch_size * world,
-            num_blocks=opts.num_blocks, memory_margin=opts.memory_margin,
-            recompute="never" if opts.recompute == "never" else "auto",
-            num_stages=opts.num_stages, num_microbatches=opts.num_microbatches,
-            replicas=opts.replicas, schedule=self.schedule, plan_tolerance=opts.plan_tolerance,
-            times=self.times)
+        deployment = planning.plan_graph(
+            self.graph, self.example_inputs, plan_opts, world_size=world, device=device,
+            optimizer=optimizer, broadcast=False, profile_cache=self.owner.profile_cache,
+            times=self.times, update_seconds_per_byte=update_rate)
+        if profiled and opts.profile_cache and _C.get_rank() == 0:
+            self.owner.profile_cache.save(opts.profile_cache)
+        return deployment
 
     # ---- running ------------------------------------------------------------------------
     def run(self, args, kwargs):
@@ -283,8 +269,8 @@ class _Deployed:
         rows = {}
         for vid, t in local.items():
             v = self.engine.value(vid)
-            if v["batch_dim"] >= 0 and isinstance(t, torch.Tensor):
-                rows[v["name"] or vid] = t.shape[v["batch_dim"]] // v["batch_multiple"]
+            if v.batch_dim >= 0 and isinstance(t, torch.Tensor):
+                rows[v.name or vid] = t.shape[v.batch_dim] // v.batch_multiple
         if len(set(rows.values())) > 1:
             raise _C.Error(f"the arguments that carry the batch disagree on its size: {rows}")
         return next(iter(rows.values()), self.graph.batch_size)
@@ -333,7 +319,7 @@ class _Deployed:
         for vid in whole:
             g = by_vid[vid]
             t = (g.detach().to("cpu", torch.float64, copy=True) if g is not None
-                 else torch.zeros(engine.value(vid)["shape"], dtype=torch.float64))
+                 else torch.zeros(engine.value(vid).shape, dtype=torch.float64))
             comm.all_reduce(t).wait()
             sums[vid] = (t / world).to(engine.device)
         for m in range(layout.micro_batches):
@@ -343,7 +329,7 @@ class _Deployed:
                     continue
                 v = engine.value(vid)
                 dtype = engine.output_dtype(m, vid)
-                if v["batch_dependent"] and v["shape"] == []:
+                if v.batch_dependent and v.shape == []:
                     # the output is the row-weighted mean of the shares
                     seeds.setdefault(m, {})[vid] = (sums[vid] * len(rows) / layout.global_batch).to(dtype)
                 elif m == 0 and engine.copy == 0 and engine.replica == 0:
@@ -373,7 +359,7 @@ class _Deployed:
             v = engine.value(vid)
             if vid in batch_outputs:
                 tensors.append(batch_outputs[vid].to(self.out_device))
-            elif v["batch_dependent"] and v["kind"] == "Tensor" and v["shape"] == []:
+            elif v.batch_dependent and v.kind == "Tensor" and v.shape == []:
                 # a mean over the rows of each micro-batch share: weight by rows
                 total = torch.zeros((), dtype=torch.float64)
                 for m, outs in produced.items():
@@ -406,7 +392,7 @@ class _Deployed:
         if train:  # other float outputs: a clear error if the user backpropagates through them
             for i, (vid, t) in enumerate(zip(ir.outputs, tensors)):
                 if vid != engine.loss_vid and t.is_floating_point():
-                    tensors[i] = _NoGradientPath.apply(anchor, t, f"#{i} ({engine.value(vid)['name'] or vid})")
+                    tensors[i] = _NoGradientPath.apply(anchor, t, f"#{i} ({engine.value(vid).name or vid})")
         return self.graph._rebuild_output(tensors)
 
 
@@ -432,7 +418,7 @@ def _precision_name(amp) -> str:
 
 def _dtype(value):
     from .pipeline import DTYPES
-    return DTYPES[value["dtype"]]
+    return DTYPES[value.dtype]
 
 
 def _optimizer_kind(optimizer) -> str:
@@ -476,7 +462,6 @@ class RaNNCModule(torch.nn.Module):
         self._deployed = {}
         self._anchor = torch.zeros((), requires_grad=True)
         self.optimizer_share = OptimizerShare(optimizer)
-        self._pending_checkpoint = None  # loaded before the plan was known (checkpoint.py)
 
     def forward(self, *args, **kwargs):
         mode = self.module.training
@@ -552,6 +537,12 @@ class RaNNCModule(torch.nn.Module):
         self.placement.add_mode(mode, deployed)
         _checkpoint().apply_pending(self)  # a checkpoint loaded before the plan was known
         return deployed
+
+    @property
+    def deployments(self) -> dict:
+        """The plans this rank runs, by mode: {"train": Deployment, "eval": Deployment}, each
+        once its first call traced and planned it."""
+        return {"train" if mode else "eval": d.deployment for mode, d in self._deployed.items()}
 
     # ---- checkpoints -----------------------------------------------------------------------
     def save_checkpoint(self, directory: str, extra=None) -> None:

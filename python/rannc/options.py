@@ -1,10 +1,17 @@
-"""RaNNCModule's options: keyword arguments first, then RANNC_<NAME> environment variables,
-then the defaults below. An unknown option is an error (docs/options.md lists them all)."""
+"""rannc's options: one table for RaNNCModule and rannc.plan.
+
+RaNNCModule reads each option from its keyword argument, then from the environment variable
+RANNC_<NAME>, then the default below; rannc.plan from its keyword arguments. An unknown
+option, or one that only the other entry point takes, is an error naming it. The planner's
+and profiler's options reach C++ as one object each (`planner_options`, `profiler_options`),
+under the names the user writes, and the planner checks them there (partition::checkOptions):
+one set of checks, one set of messages (docs/options.md lists them all).
+"""
 from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from . import _C
 
@@ -24,86 +31,189 @@ def parse_bytes(value) -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
+def _replicas(value) -> str:
+    """"2,1,1" or [2, 1, 1] -> "2,1,1"."""
+    if isinstance(value, (list, tuple)):
+        return ",".join(str(int(r)) for r in value)
+    text = str(value).replace(" ", "")
+    if text and not re.fullmatch(r"\d+(,\d+)*", text):
+        raise ValueError("expected counts per stage such as \"2,1,1\" or [2, 1, 1]")
+    return text
+
+
+def _bool(value) -> bool:
+    if isinstance(value, str):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    return bool(value)
+
+
+def _optional(convert):
+    return lambda value: None if value is None or value in ("", "none", "None") else convert(value)
+
+
 # option precision -> the autocast dtype (None: the caller's autocast state)
 PRECISIONS = {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}
+
+MODULE, PLAN, BOTH = "RaNNCModule", "rannc.plan", "both"
+
+
+def _option(default, meaning: str, *, where: str = BOTH, convert=None, choices=()):
+    """A field of Options: its default, what it means, which entry point takes it, how a
+    keyword or environment value becomes its value, and, for a string naming one of a
+    few choices that C++ does not check, those choices."""
+    if convert is None:
+        convert = {bool: _bool, int: int, float: float, str: str}[type(default)]
+    return field(default=default, metadata={"meaning": meaning, "where": where,
+                                            "convert": convert, "choices": choices})
 
 
 @dataclass
 class Options:
-    device_memory: int = 8 * 2**30     # bytes per device the plan must fit in
-    memory_margin: float = 0.1         # fraction of device_memory kept free
-    num_blocks: int = 32               # k of block partitioning
-    num_stages: int = 0                # > 0: fix the number of pipeline stages
-    num_microbatches: int = 0          # > 0: fix the number of micro-batches
-    replicas: str = ""                 # with num_stages: replicas per stage, "2,1,1"
-    recompute: str = "auto"            # "auto" (where memory needs it), "always", "never"
-    schedule: str = "1f1b"             # training schedule: "1f1b" (seeded by the scalar loss)
-                                       # or "fill_drain" (backward with gradients from outside)
-    optimizer_kind: str = ""           # memory model: adam, sgd_momentum, sgd ("" = from the optimizer)
-    save_plan: str = ""                # write the plan to this file
-    load_plan: str = ""                # use the plan in this file (checked against the model)
-    comm_timeout: float = 600.0        # seconds a rank waits for a peer before failing
-    log_level: str = ""                # trace, debug, info, warn, error, off
-    verify_plan: bool = True           # check every stage and task of the plan before deploying
-    plan_tolerance: float = 0.02       # plans this close to the fastest are equal: the simplest wins
-    cost_model: str = "profile"        # "profile" (measure pieces on the device) or "analytic" (shapes)
-    profile_cache: str = ""            # load measured pieces from / save them to this file
-    profile_warmup: int = 1            # untimed runs before measuring a piece
-    profile_repetitions: int = 3       # timed runs per piece (the median is kept)
-    device: str = "auto"               # where stages run: auto (the model's CUDA device, else
-                                       # this rank's GPU if any, else cpu), cpu, cuda, cuda:N
-    data_plane: str = "auto"           # CUDA stages: auto (NCCL if built with it, else MPI
-                                       # through host memory), nccl, mpi
-    precision: str = "fp32"            # fp32 (the caller's torch.autocast, if any), bf16, fp16
-                                       # (as if every call ran under torch.autocast(dtype))
+    # memory
+    device_memory: int = _option(8 * 2**30, "bytes per device the plan must fit in (16GiB, 512MB or a number)",
+                                 convert=parse_bytes)
+    memory_margin: float = _option(0.1, "fraction of device_memory kept free")
+    # the search
+    num_blocks: int = _option(32, "k of block partitioning")
+    num_stages: int = _option(0, "> 0: fix the number of pipeline stages")
+    num_microbatches: int = _option(0, "> 0: fix the number of micro-batches")
+    replicas: str = _option("", "with num_stages: replicas per stage of one pipeline copy, \"2,1,1\"",
+                            convert=_replicas)
+    max_microbatches: int = _option(64, "upper end of the micro-batch search")
+    recompute: str = _option("auto", "auto (where memory needs it), always (every stage) or never")
+    schedule: str = _option("1f1b", "1f1b (seeded by the scalar loss) or fill_drain (backward with "
+                            "gradients from outside)")
+    plan_tolerance: float = _option(0.02, "plans within this fraction of the fastest are equal: the "
+                                    "simplest wins, so noise does not change the plan")
+    refine_candidates: int | None = _option(
+        None, "plans of this many pipeline shapes refined piece by piece (None: 6 with analytic "
+        "costs, 1 when profiling: every new piece is a measurement)", convert=_optional(int))
+    verify_finalists: int = _option(2, "profiled plans with compose_costs: the chosen plan and the "
+                                    "fastest plans of other shapes, this many in all, costed again "
+                                    "with their stages measured whole")
+    # costs and profiling
+    cost_model: str = _option("profile", "profile (measure pieces on the device) or analytic (shapes)",
+                              choices=("profile", "analytic"))
+    profile_warmup: int = _option(1, "untimed runs before measuring a piece")
+    profile_repetitions: int = _option(3, "timed runs per piece (the median is kept)")
+    profile_time_budget: float = _option(0.5, "seconds of timed runs per piece after which timing stops")
+    profile_cpu_clock: str = _option("auto", "CPU clock: thread (CPU time), wall, auto (thread with "
+                                     "1 intra-op thread)")
+    profile_parallel: bool = _option(True, "spread profiling over the MPI world's ranks")
+    profile_fit_tolerance: float = _option(0.1, "records between measured row counts are interpolated "
+                                           "when a check measurement agrees within this fraction "
+                                           "(0: measure every row count)")
+    compose_costs: bool = _option(True, "a range of blocks costs the sum of its parts' measurements "
+                                  "instead of being measured whole")
+    profile_fake_timer: bool = _option(False, "deterministic times from shapes (tests)")
+    probe_bandwidth: bool = _option(True, "measure link bandwidth between ranks (else DeviceSpec defaults)")
+    progress: bool | None = _option(None, "show profiling progress (None: when stderr is a terminal)",
+                                    convert=_optional(_bool))
+    # RaNNCModule only
+    profile_cache: str = _option("", "load measured pieces from / save them to this file", where=MODULE)
+    optimizer_kind: str = _option("", "memory model: adam, sgd_momentum, sgd (\"\": from the optimizer)",
+                                  where=MODULE)
+    save_plan: str = _option("", "write the plan to this file", where=MODULE)
+    load_plan: str = _option("", "use the plan in this file (checked against the model)", where=MODULE)
+    verify_plan: bool = _option(True, "check every stage and task of the plan before deploying", where=MODULE)
+    comm_timeout: float = _option(600.0, "seconds a rank waits for a peer before failing", where=MODULE)
+    log_level: str = _option("", "trace, debug, info, warn, error, off", where=MODULE,
+                             choices=("", "trace", "debug", "info", "warn", "error", "off"))
+    device: str = _option("auto", "where stages run: auto (the model's CUDA device, else this rank's "
+                          "GPU if any, else cpu), cpu, cuda, cuda:N", where=MODULE)
+    data_plane: str = _option("auto", "CUDA stages: auto (NCCL if built with it, else MPI through "
+                              "host memory), nccl, mpi", where=MODULE, choices=("auto", "nccl", "mpi"))
+    precision: str = _option("fp32", "fp32 (the caller's torch.autocast, if any), bf16, fp16 (as if "
+                             "every call ran under torch.autocast(dtype))", where=MODULE,
+                             choices=tuple(PRECISIONS))
+    # rannc.plan only (RaNNCModule knows these from the model, the batch and its device)
+    batch_size: int = _option(0, "global batch (0: the example's batch x world_size)", where=PLAN)
+    training: bool = _option(True, "plan a training step (forward and backward); False: forward "
+                             "only (eval, no_grad)", where=PLAN)
+    profile_device: str | None = _option(None, "cpu, cuda or cuda:N (None: cuda when "
+                                         "torch.cuda.is_available(), else cpu)", where=PLAN,
+                                         convert=_optional(str))
+    update_seconds_per_byte: float | None = _option(
+        None, "optimizer step per parameter byte (None: timed on copies of the parameters for "
+        "profiled plans, else from the device's bandwidth)", where=PLAN, convert=_optional(float))
 
     @staticmethod
-    def resolve(kwargs: dict, environ=os.environ) -> "Options":
+    def resolve(kwargs: dict, environ=os.environ, entry: str = MODULE) -> "Options":
+        """The options of `entry` (RaNNCModule or rannc.plan) from keyword arguments, then
+        RANNC_<NAME> variables of `environ`, then the defaults; checked."""
         known = {f.name: f for f in fields(Options)}
         unknown = sorted(set(kwargs) - set(known))
         if unknown:
-            raise _C.Error(f"unknown option(s) {', '.join(unknown)}; known options: "
-                           f"{', '.join(sorted(known))}")
+            raise _C.Error(f"unknown option(s) {', '.join(unknown)} of {entry}; known options:\n"
+                           + option_docs(entry))
+        elsewhere = sorted(n for n in kwargs if known[n].metadata["where"] not in (BOTH, entry))
+        if elsewhere:
+            raise _C.Error(f"option(s) {', '.join(elsewhere)} belong to "
+                           f"{known[elsewhere[0]].metadata['where']}, not {entry}")
         opts = Options()
         for name, f in known.items():
-            env = environ.get("RANNC_" + name.upper())
-            raw = kwargs.get(name, env)
+            takes = f.metadata["where"] in (BOTH, entry)
+            raw = kwargs.get(name, environ.get("RANNC_" + name.upper()) if takes else None)
             if raw is None:
                 continue
-            setattr(opts, name, _convert(name, f.type, raw))
-        if opts.replicas and not re.fullmatch(r"\d+(,\d+)*", opts.replicas.replace(" ", "")):
-            raise _C.Error(f"option replicas is {opts.replicas!r}; expected counts per stage "
-                           "such as \"2,1,1\" or [2, 1, 1]")
-        if opts.cost_model not in ("profile", "analytic"):
-            raise _C.Error(f"option cost_model is {opts.cost_model!r}; expected profile or analytic")
-        if opts.schedule not in ("1f1b", "fill_drain"):
-            raise _C.Error(f"option schedule is {opts.schedule!r}; expected 1f1b or fill_drain")
-        if opts.data_plane not in ("auto", "nccl", "mpi"):
-            raise _C.Error(f"option data_plane is {opts.data_plane!r}; expected auto, nccl or mpi")
-        if opts.precision not in PRECISIONS:
-            raise _C.Error(f"option precision is {opts.precision!r}; expected fp32, bf16 or fp16")
-        if not 0.0 <= opts.plan_tolerance < 1.0:
-            raise _C.Error(f"option plan_tolerance is {opts.plan_tolerance!r}; expected a fraction "
-                           "in [0, 1) of the fastest plan's time (0.02: 2%)")
-        if opts.recompute not in ("auto", "always", "never"):
-            raise _C.Error(f"option recompute is {opts.recompute!r}; expected auto, always or never")
+            try:
+                value = f.metadata["convert"](raw)
+            except (TypeError, ValueError) as e:
+                raise _C.Error(f"option {name} is {raw!r}: {e}") from None
+            choices = f.metadata["choices"]
+            if choices and value not in choices:
+                raise _C.Error(f"option {name} is {value!r}; expected "
+                               + ", ".join(c or '""' for c in choices))
+            setattr(opts, name, value)
+        opts.planner_options().check()
+        opts.profiler_options()  # names the bad clock
         return opts
 
+    def replica_counts(self) -> list:
+        return [int(r) for r in self.replicas.split(",") if r]
 
-def _convert(name, type_name, raw):
-    try:
-        if name == "device_memory":
-            return parse_bytes(raw)
-        if name == "replicas" and isinstance(raw, (list, tuple)):
-            return ",".join(str(int(r)) for r in raw)
-        if type_name in ("int", int):
-            return int(raw)
-        if type_name in ("float", float):
-            return float(raw)
-        if type_name in ("bool", bool):
-            if isinstance(raw, str):
-                return raw.strip().lower() in ("1", "true", "yes", "on")
-            return bool(raw)
-        return str(raw)
-    except (TypeError, ValueError) as e:
-        raise _C.Error(f"option {name}: cannot use {raw!r} ({e})") from None
+    def planner_options(self, world_size: int = 1, batch_size: int = 0, optimizer: str = "adam",
+                        update_seconds_per_byte: float | None = None) -> "_C.PlannerOptions":
+        """The planner's options (partition/planner.h) for `world_size` devices and a global
+        `batch_size` (0: the traced batch x world_size)."""
+        p = _C.PlannerOptions()
+        p.world_size = int(world_size)
+        p.batch_size = int(batch_size)
+        p.num_blocks = self.num_blocks
+        p.memory_margin = self.memory_margin
+        p.optimizer = optimizer
+        p.schedule = self.schedule
+        p.recompute = self.recompute
+        p.num_stages = self.num_stages
+        p.num_microbatches = self.num_microbatches
+        p.max_microbatches = self.max_microbatches
+        p.replicas = self.replica_counts()
+        rate = update_seconds_per_byte if update_seconds_per_byte is not None else self.update_seconds_per_byte
+        p.update_seconds_per_byte = 0.0 if not self.training else -1.0 if rate is None else float(rate)
+        # Refinement re-cuts stages piece by piece: cheap from shapes, but with the profiler
+        # each new piece is a measurement (BERT-base: 918 s refining 6 shapes against 109 s for 1).
+        refine = self.refine_candidates
+        p.refine_candidates = refine if refine is not None else (6 if self.cost_model == "analytic" else 1)
+        p.plan_tolerance = self.plan_tolerance
+        p.verify_finalists = self.verify_finalists
+        return p
+
+    def profiler_options(self, device: str = "cpu", memory_limit: int = 0) -> "_C.ProfilerOptions":
+        """The profiler's options (profile/profiler.h) for pieces run on `device` within
+        `memory_limit` bytes (0: no limit)."""
+        p = _C.ProfilerOptions()
+        p.warmup = self.profile_warmup
+        p.repetitions = self.profile_repetitions
+        p.time_budget = self.profile_time_budget
+        p.memory_limit = int(memory_limit)
+        p.fake_timer = self.profile_fake_timer
+        p.device = str(device)
+        p.cpu_clock = self.profile_cpu_clock
+        p.forward_only = not self.training
+        return p
+
+
+def option_docs(entry: str = PLAN) -> str:
+    """One line per option `entry` takes: name, default, meaning."""
+    return "\n".join(f"  {f.name:24s} default {f.default!r:10s} {f.metadata['meaning']}"
+                     for f in fields(Options) if f.metadata["where"] in (BOTH, entry))

@@ -55,13 +55,7 @@ def main(argv=None) -> int:
         name, eq, value = item.partition("=")
         if not eq:
             raise SystemExit(f"rannc.plan: --option takes NAME=VALUE, got {item!r}")
-        default = planning._OPTIONS.get(name, (None,))[0]
-        if isinstance(default, bool):
-            value = value.lower() in ("1", "true", "yes", "on")
-        elif isinstance(default, int):
-            value = int(value)
-        elif isinstance(default, float):
-            value = float(value)
+        # Options.resolve converts the text as it converts RANNC_<NAME> variables.
         options[name] = value
     if a.profile_device:
         options["profile_device"] = a.profile_device

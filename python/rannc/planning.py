@@ -20,7 +20,7 @@ import torch
 
 from . import _C
 from .graph import TracedGraph, trace
-from .options import parse_bytes
+from .options import PLAN, Options, option_docs, parse_bytes  # noqa: F401 (option_docs: rannc.plan's CLI)
 from .update_cost import measure_update_rate
 
 ProfileCache = _C.ProfileCache
@@ -28,42 +28,6 @@ ProfileCache = _C.ProfileCache
 # One cache per process: a second plan of the same model only traces and plans.
 _DEFAULT_CACHE = _C.ProfileCache()
 _BANDWIDTH = {}
-
-_OPTIONS = {
-    # name: (default, meaning)
-    "memory_margin": (0.1, "fraction of device_memory kept free"),
-    "num_blocks": (32, "k of block partitioning"),
-    "num_stages": (0, "> 0: fix the number of pipeline stages"),
-    "num_microbatches": (0, "> 0: fix the number of micro-batches"),
-    "replicas": ("", "with num_stages: replicas per stage of one pipeline copy, \"2,1,1\""),
-    "max_microbatches": (64, "upper end of the micro-batch search"),
-    "recompute": ("auto", "auto (where memory needs it), never, or always (every stage)"),
-    "schedule": ("1f1b", "1f1b or fill_drain"),
-    "batch_size": (0, "global batch (0: the example's batch x world_size)"),
-    "profile_warmup": (1, "untimed runs before measuring a piece"),
-    "profile_repetitions": (3, "timed runs per piece (the median is kept)"),
-    "profile_time_budget": (0.5, "seconds of timed runs per piece after which timing stops"),
-    "profile_parallel": (True, "spread profiling over the MPI world's ranks"),
-    "training": (True, "plan a training step (forward and backward); False: forward only (eval, no_grad)"),
-    "profile_fake_timer": (False, "deterministic times from shapes (tests)"),
-    "profile_device": (None, "cpu, cuda or cuda:N (None: cuda when torch.cuda.is_available(), else cpu)"),
-    "profile_cpu_clock": ("auto", "CPU clock: thread (CPU time), wall, auto (thread if 1 intra-op thread)"),
-    "probe_bandwidth": (True, "measure link bandwidth between ranks (else DeviceSpec defaults)"),
-    "progress": (None, "show profiling progress (None: when stderr is a terminal)"),
-    "refine_candidates": (None, "plans of this many pipeline shapes refined piece by piece (None: 6 "
-                          "with analytic costs, 1 when profiling: every new piece is a measurement)"),
-    "update_seconds_per_byte": (None, "optimizer step per parameter byte (None: timed on copies of "
-                                "the parameters for profiled plans, else from the device's bandwidth)"),
-    "compose_costs": (True, "profiled plans: a range of blocks (and a group being coarsened) costs the "
-                      "sum of its parts' measurements instead of being measured whole"),
-    "profile_fit_tolerance": (0.1, "profiled plans: records between measured row counts are interpolated "
-                              "when a check measurement agrees within this fraction (0: measure every row count)"),
-    "verify_finalists": (2, "profiled plans with compose_costs: the chosen plan and the fastest plans of "
-                         "other shapes, this many in all, costed again with their stages measured whole"),
-    "plan_tolerance": (0.02, "plans within this fraction of the fastest count as equally fast: the "
-                       "simplest wins (fewer stages, micro-batches, copies), so noise does not change the plan"),
-}
-
 
 def default_profile_cache():
     """The process-wide profile cache rannc.plan and RaNNCModule use by default."""
@@ -83,22 +47,6 @@ def profile_device(device=None) -> str:
         from .transport import local_cuda_device
         return str(local_cuda_device())
     return "cpu"
-
-
-def option_docs() -> str:
-    return "\n".join(f"  {k:22s} default {v[0]!r:8s} {v[1]}" for k, v in _OPTIONS.items())
-
-
-def _resolve(options: dict) -> dict:
-    unknown = sorted(set(options) - set(_OPTIONS))
-    if unknown:
-        raise _C.Error(f"unknown option(s) {', '.join(unknown)} of rannc.plan; known options:\n"
-                       + option_docs())
-    out = {k: v[0] for k, v in _OPTIONS.items()}
-    out.update(options)
-    if out["recompute"] not in ("auto", "never", "always"):
-        raise _C.Error(f"option recompute is {out['recompute']!r}; expected auto, never or always")
-    return out
 
 
 class _Progress:
@@ -306,76 +254,38 @@ def probe_bandwidth(fallback_inter: float) -> dict:
     return _BANDWIDTH["result"]
 
 
-def planner_options(graph: TracedGraph, world_size, device, optimizer, o,
-                    cost_model: str = "profile") -> "_C.PlannerOptions":
-    p = _C.PlannerOptions()
-    p.world_size = int(world_size)
-    p.batch_size = int(o["batch_size"]) or graph.batch_size * int(world_size)
-    p.num_blocks = int(o["num_blocks"])
-    p.memory_margin = float(o["memory_margin"])
-    p.optimizer = optimizer
-    p.schedule = o["schedule"]
-    p.allow_recompute = o["recompute"] != "never"
-    p.fixed_stages = int(o["num_stages"])
-    p.fixed_micro_batches = int(o["num_microbatches"])
-    p.max_micro_batches = int(o["max_microbatches"])
-    p.fixed_replicas = _replica_list(o["replicas"])
-    rate = o["update_seconds_per_byte"]
-    p.update_seconds_per_byte = (0.0 if not o["training"] else -1.0 if rate is None else float(rate))
-    # Refinement re-cuts stages piece by piece: cheap from shapes, but with the profiler each
-    # new piece is a measurement (BERT-base: 918 s refining 6 shapes against 109 s for 1).
-    refine = o["refine_candidates"]
-    p.refine_candidates = int(refine) if refine is not None else (6 if cost_model == "analytic" else 1)
-    p.plan_tolerance = float(o["plan_tolerance"])
-    p.verify_finalists = int(o["verify_finalists"])
-    return p
-
-
-def _replica_list(replicas) -> list:
-    """"2,1,1", [2, 1, 1] or "" -> list of ints."""
-    if isinstance(replicas, (list, tuple)):
-        return [int(r) for r in replicas]
-    return [int(r) for r in str(replicas).replace(" ", "").split(",") if r]
-
-
-def plan_graph(graph: TracedGraph, flat_inputs: list, *, world_size: int, device,
-               optimizer: str = "adam", cost_model: str = "profile", profile_cache=None,
-               broadcast: bool = True, times: PlanTimes | None = None, **options):
-    """Plans an already traced graph. With cost_model="profile" and several MPI ranks this
-    is collective: rank 0 plans while the others profile their share; with `broadcast`
-    every rank gets rank 0's Deployment, else the others get None. `times` (PlanTimes)
-    gets the seconds spent profiling and searching added."""
+def plan_graph(graph: TracedGraph, flat_inputs: list, opts: Options, *, world_size: int, device,
+               optimizer: str = "adam", profile_cache=None, broadcast: bool = True,
+               times: PlanTimes | None = None, update_seconds_per_byte: float | None = None):
+    """Plans an already traced graph with `opts` (Options). With opts.cost_model "profile"
+    and several MPI ranks this is collective: rank 0 plans while the others profile their
+    share; with `broadcast` every rank gets rank 0's Deployment, else the others get None.
+    `times` (PlanTimes) gets the seconds spent profiling and searching added."""
     start = time.perf_counter()
     times = times if times is not None else PlanTimes()
-    o = _resolve(options)
-    popts = planner_options(graph, world_size, device, optimizer, o, cost_model)
-    if cost_model == "analytic":
+    popts = opts.planner_options(world_size, opts.batch_size or graph.batch_size * int(world_size),
+                                 optimizer, update_seconds_per_byte)
+    if opts.cost_model == "analytic":
         deployment = _C.plan_analytic(graph.ir, device, popts)
         times.search += time.perf_counter() - start
         return deployment
-    if cost_model != "profile":
-        raise _C.Error(f"cost_model is {cost_model!r}; expected 'profile' or 'analytic'")
-    if o["probe_bandwidth"]:
+    if opts.probe_bandwidth:
         bw = probe_bandwidth(device.inter_node_bandwidth)
         device.intra_node_bandwidth = bw["intra_node"]
         device.inter_node_bandwidth = bw["inter_node"]
     cache = profile_cache if profile_cache is not None else _DEFAULT_CACHE
-    parallel = bool(o["profile_parallel"]) and _C.get_world_size() > 1
-    progress = o["progress"]
+    parallel = opts.profile_parallel and _C.get_world_size() > 1
+    progress = opts.progress
     if progress is None:
         progress = sys.stderr.isatty() and _C.get_rank() == 0
     limit = int(device.memory_bytes * (1.0 - popts.memory_margin))
     stats = {}
     try:
         deployment = _C.plan_profiled(
-            graph._trace.traced, flat_inputs, device, popts, cache, parallel=parallel,
-            warmup=int(o["profile_warmup"]), repetitions=int(o["profile_repetitions"]),
-            memory_limit=limit, fake_timer=bool(o["profile_fake_timer"]),
-            time_budget=float(o["profile_time_budget"]),
-            profile_device=profile_device(o["profile_device"]), cpu_clock=str(o["profile_cpu_clock"]),
-            forward_only=not bool(o["training"]),
-            progress=_Progress(bool(progress)), compose=bool(o["compose_costs"]),
-            fit_tolerance=float(o["profile_fit_tolerance"]), stats=stats)
+            graph._trace.traced, flat_inputs, device, popts,
+            opts.profiler_options(profile_device(opts.profile_device), limit), cache,
+            parallel=parallel, progress=_Progress(bool(progress)), compose=opts.compose_costs,
+            fit_tolerance=opts.profile_fit_tolerance, stats=stats)
     except Exception as e:
         if parallel and _C.get_rank() == 0:  # the others are in collectives with rank 0
             _C.report_failure(f"rank 0 could not plan: {type(e).__name__}: {e}")
@@ -440,6 +350,7 @@ def plan(model: torch.nn.Module, args, kwargs: dict | None = None, *, world_size
         # meta arguments, then planned from shapes (analytic costs). See docs/profile.md.
         cost_model = "analytic"
         model, args, kwargs = _materialise(model, args, kwargs)
+    opts = Options.resolve(dict(options, cost_model=cost_model), environ={}, entry=PLAN)
     times = PlanTimes()
     graph = trace(model, args, kwargs)
     times.tracing = time.perf_counter() - start
@@ -449,17 +360,16 @@ def plan(model: torch.nn.Module, args, kwargs: dict | None = None, *, world_size
         path, cache = os.fspath(profile_cache), _C.ProfileCache()
         cache.load(path)
     flat = graph._flat_inputs(args, kwargs, at_home=True) if cost_model == "profile" else []
-    if (cost_model == "profile" and options.get("training", True)
-            and options.get("update_seconds_per_byte") is None):
-        device_name = profile_device(options.get("profile_device"))
+    update_rate = None
+    if cost_model == "profile" and opts.training and opts.update_seconds_per_byte is None:
+        device_name = profile_device(opts.profile_device)
         _C.profile_device_kind(device_name)  # says what is wrong with the name first
         timed = time.perf_counter()
-        options["update_seconds_per_byte"] = measure_update_rate(
-            model.parameters(), kind=optimizer, device=device_name)
+        update_rate = measure_update_rate(model.parameters(), kind=optimizer, device=device_name)
         times.profiling += time.perf_counter() - timed
-    deployment = plan_graph(graph, flat, world_size=world_size, device=device,
-                            optimizer=optimizer, cost_model=cost_model, profile_cache=cache,
-                            times=times, **options)
+    deployment = plan_graph(graph, flat, opts, world_size=world_size, device=device,
+                            optimizer=optimizer, profile_cache=cache, times=times,
+                            update_seconds_per_byte=update_rate)
     if path and _C.get_rank() == 0:
         cache.save(path)
     return Plan(graph, deployment, cost_model, time.perf_counter() - start, times)

@@ -19,12 +19,12 @@ def test_tracing_under_autocast_records_its_casts():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         g = rannc.trace(model, args)
         expected = model(*args)
-    dtypes = {v["dtype"] for v in g.ir.values()}
+    dtypes = {v.dtype for v in g.ir.values()}
     assert "BFloat16" in dtypes and "Float32" in dtypes  # fp32 parameters, bf16 matmuls
     got = g(*args)  # no autocast now: the recorded casts do it
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
     fp32 = rannc.trace(model, args)
-    assert "BFloat16" not in {v["dtype"] for v in fp32.ir.values()}
+    assert "BFloat16" not in {v.dtype for v in fp32.ir.values()}
 
 
 def test_the_planner_sees_two_byte_activations():

@@ -108,21 +108,21 @@ def test_ir_knows_batch_values_parameters_and_loss():
     g = rannc.trace(model, args, kwargs)
     ir = g.ir
     inputs = [ir.value(v) for v in ir.inputs]
-    params = [v for v in inputs if v["role"] == "param"]
+    params = [v for v in inputs if v.role == "param"]
     # tied embedding: one parameter, under its first name
-    assert [p["name"] for p in params].count("tok.weight") == 1
-    assert "lm_head.weight" not in [p["name"] for p in params]
-    ids = [v for v in inputs if v["role"] == "input"]
-    assert [v["batch_dim"] for v in ids] == [0, 0]
+    assert [p.name for p in params].count("tok.weight") == 1
+    assert "lm_head.weight" not in [p.name for p in params]
+    ids = [v for v in inputs if v.role == "input"]
+    assert [v.batch_dim for v in ids] == [0, 0]
     (loss,) = [ir.value(v) for v in ir.outputs]
-    assert loss["is_loss"] and loss["shape"] == [] and loss["batch_dependent"]
+    assert loss.is_loss and loss.shape == [] and loss.batch_dependent
     # the flattened logits (batch*seq, vocab) scale with the batch by a factor of seq
-    flat = [v for v in ir.values() if v["batch_dim"] == 0 and v["batch_multiple"] == 8
-            and v["kind"] == "Tensor"]
+    flat = [v for v in ir.values() if v.batch_dim == 0 and v.batch_multiple == 8
+            and v.kind == "Tensor"]
     assert flat, "expected values whose dimension 0 is 8 * batch"
     # the causal mask does not depend on the batch
-    masks = [v for v in ir.values() if v["dtype"] == "Bool" and v["shape"] == [8, 8]]
-    assert masks and all(not m["batch_dependent"] for m in masks)
+    masks = [v for v in ir.values() if v.dtype == "Bool" and v.shape == [8, 8]]
+    assert masks and all(not m.batch_dependent for m in masks)
     summary = g.summary()
     assert "tasks" in summary and "batch values" in summary and "parameters" in summary
     assert f"batch size 4" in summary
@@ -131,9 +131,9 @@ def test_ir_knows_batch_values_parameters_and_loss():
 def test_scopes_name_modules():
     model, args, kwargs = zoo.make("gpt")
     g = rannc.trace(model, args, kwargs)
-    scopes = {t["scope"] for t in g.ir.tasks()}
+    scopes = {t.scope for t in g.ir.tasks()}
     assert "blocks.1.attn" in scopes
-    assert any(t["source"].endswith(".py:" + t["source"].rsplit(":", 1)[-1]) for t in g.ir.tasks())
+    assert any(t.source.endswith(".py:" + t.source.rsplit(":", 1)[-1]) for t in g.ir.tasks())
 
 
 def test_ir_file_round_trip_and_corruption(tmp_path):

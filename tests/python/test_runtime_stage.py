@@ -19,17 +19,17 @@ def run_pipeline(g, model, k, microbatches, args, kwargs, recompute=False, devic
     traced = g._trace.traced
     flat = g._flat_inputs(args, kwargs)
     values = {vid: t for vid, t in zip(ir.inputs, flat)}
-    state = {vid: t for vid, t in values.items() if ir.value(vid)["role"] in ("param", "buffer")}
+    state = {vid: t for vid, t in values.items() if ir.value(vid).role in ("param", "buffer")}
     pieces = ir.split(k)
     stages = [_C.StageExecutor(traced, p, {v: state[v] for v in p.inputs if v in state}, device)
               for p in pieces]
-    batch = next(t for vid, t in values.items() if ir.value(vid)["role"] == "input").shape[0]
+    batch = next(t for vid, t in values.items() if ir.value(vid).role == "input").shape[0]
     bounds = [batch * m // microbatches for m in range(microbatches + 1)]
     (loss_id,) = ir.outputs
-    assert ir.value(loss_id)["is_loss"]
+    assert ir.value(loss_id).is_loss
 
     def rows(vid, t, m):
-        if ir.value(vid)["role"] == "input" and ir.value(vid)["batch_dim"] == 0:
+        if ir.value(vid).role == "input" and ir.value(vid).batch_dim == 0:
             return t[bounds[m]:bounds[m + 1]]
         return t
 

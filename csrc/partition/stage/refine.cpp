@@ -446,7 +446,7 @@ class Refinement {
         improved = false;
         const int m = recutter_.microBatches();
         for (int next : {static_cast<int>(m * factor + 0.5), static_cast<int>(m / factor + 0.5)}) {
-          if (next < 1 || next == m || next > options_.max_micro_batches || next > rows_per_copy_) continue;
+          if (next < 1 || next == m || next > options_.max_microbatches || next > rows_per_copy_) continue;
           recutter_.setMicroBatches(next);
           std::vector<int> c = best_cut_;
           if (recutter_.recut(devices_, &c)) {

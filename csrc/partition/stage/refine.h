@@ -32,9 +32,9 @@ struct RefineOptions {
   // Replicas moved at once: 1, 2, 4, ... up to this (two at a time can pass a layout
   // that one at a time cannot: ResNet-152 x8 reaches 1.134 s instead of 1.156 s).
   int max_move_size = 2;
-  // Also change the micro-batch count (up to max_micro_batches and the rows of a copy).
+  // Also change the micro-batch count (up to max_microbatches and the rows of a copy).
   bool move_micro_batches = true;
-  int max_micro_batches = 256;
+  int max_microbatches = 256;
   // Rounds of micro-batch moves followed by replica moves after the first replica moves.
   int max_rounds = 3;
 };

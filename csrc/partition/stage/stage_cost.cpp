@@ -8,6 +8,22 @@
 
 namespace rannc::partition {
 
+const char* recomputeName(Recompute r) {
+  switch (r) {
+    case Recompute::Auto: return "auto";
+    case Recompute::Never: return "never";
+    case Recompute::Always: return "always";
+  }
+  return "?";
+}
+
+Recompute recomputeFromName(const std::string& name) {
+  if (name == "auto") return Recompute::Auto;
+  if (name == "never") return Recompute::Never;
+  if (name == "always") return Recompute::Always;
+  throw Error("option recompute is '" + name + "'; expected auto, always or never");
+}
+
 int64_t stageRows(const PlanContext& ctx, const StageSlot& slot) {
   const int64_t shares = static_cast<int64_t>(slot.pipelines) * slot.micro_batches * slot.devices;
   if (shares <= 0 || shares > ctx.batch_size) return 0;
@@ -56,14 +72,16 @@ StageEstimate estimateStage(const CostModel& costs, const PieceCost& cost, const
   const int in_flight = maxInFlight(ctx.schedule, slot.index, slot.num_stages, slot.micro_batches);
   const int64_t plain = replicaMemory(cost, ctx.optimizer, in_flight, false);
   const int64_t again = replicaMemory(cost, ctx.optimizer, in_flight, true);
-  e.min_memory_bytes = ctx.allow_recompute ? std::min(plain, again) : plain;
+  e.min_memory_bytes = ctx.recompute == Recompute::Never    ? plain
+                       : ctx.recompute == Recompute::Always ? again
+                                                            : std::min(plain, again);
   e.static_bytes = cost.param_bytes * (2 + optimizerStateFactor(ctx.optimizer)) + cost.buffer_bytes;
-  // Recompute only where memory needs it: it costs one more forward per micro-batch.
-  if (plain <= ctx.memory_limit) {
+  // Recompute only where memory needs it (or asked to): one more forward per micro-batch.
+  if (ctx.recompute != Recompute::Always && plain <= ctx.memory_limit) {
     e.feasible = true;
     e.memory_bytes = plain;
     e.stash_bytes = cost.activation_bytes;
-  } else if (ctx.allow_recompute && again <= ctx.memory_limit) {
+  } else if (ctx.recompute != Recompute::Never && again <= ctx.memory_limit) {
     e.feasible = true;
     e.recompute = true;
     e.memory_bytes = again;

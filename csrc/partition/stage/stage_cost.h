@@ -14,6 +14,12 @@
 
 namespace rannc::partition {
 
+// Whether stages recompute their activations in the backward instead of keeping them:
+// where memory needs it (Auto), never, or every stage (Always).
+enum class Recompute { Auto, Never, Always };
+const char* recomputeName(Recompute r);
+Recompute recomputeFromName(const std::string& name);  // throws for an unknown name
+
 // Fixed for one planning problem.
 struct PlanContext {
   int64_t batch_size = 1;       // global batch
@@ -22,7 +28,7 @@ struct PlanContext {
   int64_t memory_limit = std::numeric_limits<int64_t>::max();  // usable bytes per device
   Optimizer optimizer = Optimizer::Adam;
   ScheduleKind schedule = ScheduleKind::OneFOneB;
-  bool allow_recompute = true;
+  Recompute recompute = Recompute::Auto;
   // Seconds of the optimizer step per parameter byte, measured (RaNNCModule times the
   // user's optimizer); < 0: optimizerUpdateTraffic bytes per byte at the device's memory
   // bandwidth; 0: no step (forward-only plans).

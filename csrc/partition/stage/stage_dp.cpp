@@ -210,8 +210,8 @@ std::string bytesText(int64_t bytes) {
 std::string tooFewRows(const PlanContext& ctx, const StageSearchOptions& options,
                        const std::vector<std::tuple<int, int, int, int>>& tried) {
   int widest_fixed = 0;
-  for (int r : options.fixed_replicas) widest_fixed = std::max(widest_fixed, r);
-  const int fixed_m = options.fixed_micro_batches;
+  for (int r : options.replicas) widest_fixed = std::max(widest_fixed, r);
+  const int fixed_m = options.num_microbatches;
   int64_t least = std::numeric_limits<int64_t>::max(), least_per_mb = 0;
   int best_s = 0, best_d = 0, best_r = 0, best_w = 0;
   int64_t most_m = 0;  // the most micro-batches some tried shape has rows for
@@ -263,21 +263,21 @@ class ShapeSearch {
   ShapeSearch(StageProblem& problem, const StageSearchOptions& options)
       : problem_(problem), options_(options), ctx_(problem.context()), K_(problem.numBlocks()),
         per_node_(effectiveDevicesPerNode(ctx_)), nodes_(std::max(1, ctx_.world_size / per_node_)),
-        patience_(options.patience > 0 ? options.patience : std::numeric_limits<int>::max()) {
-    for (int r : options.fixed_replicas) fixed_devices_ += r;
+        patience_(options.search_patience > 0 ? options.search_patience : std::numeric_limits<int>::max()) {
+    for (int r : options.replicas) fixed_devices_ += r;
   }
 
   // The fewest rows a stage can get: every device a replica, the most micro-batches.
   void announceRows() {
-    const int64_t most_mb = options_.fixed_micro_batches > 0 ? options_.fixed_micro_batches
-                                                             : options_.max_micro_batches;
+    const int64_t most_mb = options_.num_microbatches > 0 ? options_.num_microbatches
+                                                             : options_.max_microbatches;
     const int64_t shares = std::max<int64_t>(
         1, std::min<int64_t>(ctx_.batch_size, ctx_.world_size * std::max<int64_t>(1, most_mb)));
     problem_.costs().expectRows((ctx_.batch_size + shares - 1) / shares);
   }
 
   void sweepNodeCounts() {
-    const bool fixed_layout = !options_.fixed_replicas.empty();
+    const bool fixed_layout = !options_.replicas.empty();
     for (int n = 1; n <= nodes_; ++n) {
       if (nodes_ % n != 0 && !fixed_layout) continue;
       sweepStageCounts(n, fixed_layout);
@@ -294,7 +294,7 @@ class ShapeSearch {
   std::vector<Deployment> pick(int keep) {
     std::vector<size_t> all(found_.size());
     for (size_t i = 0; i < found_.size(); ++i) all[i] = i;
-    const size_t chosen = preferredIndexAmong(all, options_.tolerance);
+    const size_t chosen = preferredIndexAmong(all, options_.plan_tolerance);
     std::vector<Deployment> out{rebuild(chosen)};
     const Deployment& best = out.front();
     logger().info("stage partitioning: {} stage(s), {} pipeline(s), {} micro-batch(es), "
@@ -310,7 +310,7 @@ class ShapeSearch {
       std::ostringstream os;
       os << "no pipeline shape to try: " << K_ << " block(s), " << ctx_.world_size
          << " device(s), global batch " << ctx_.batch_size;
-      if (options_.fixed_stages > 0) os << ", fixed_stages=" << options_.fixed_stages;
+      if (options_.num_stages > 0) os << ", num_stages=" << options_.num_stages;
       os << " (stages must not exceed the blocks or the devices of the pipeline, and every "
             "pipeline copy needs at least one row)";
       throw InfeasiblePlanError(os.str(), 0);
@@ -318,7 +318,7 @@ class ShapeSearch {
     // Nothing fits: the least, over every candidate shape, of the largest stage memory.
     int64_t needed = std::numeric_limits<int64_t>::max();
     for (auto [S, D, R, M] : tried_) {
-      StageSolution sol = formStageDp(problem_, S, D, R, M, StageObjective::Memory, options_.fixed_replicas);
+      StageSolution sol = formStageDp(problem_, S, D, R, M, StageObjective::Memory, options_.replicas);
       if (sol.feasible) needed = std::min(needed, static_cast<int64_t>(sol.value));
     }
     std::ostringstream os;
@@ -327,7 +327,7 @@ class ShapeSearch {
          << ctx_.world_size << " device(s) with global batch " << ctx_.batch_size
          << "; the smallest plan needs " << bytesText(needed)
          << " per device: use devices with more memory, more devices, a smaller batch"
-         << (ctx_.allow_recompute ? "" : ", or allow recomputation");
+         << (ctx_.recompute == Recompute::Never ? ", or allow recomputation" : "");
     } else {
       // Not memory: no shape had a row for every replica and micro-batch.
       os << "no plan for " << ctx_.world_size << " device(s) with global batch " << ctx_.batch_size
@@ -353,7 +353,7 @@ class ShapeSearch {
     // up to D compete, since a copy spanning n nodes with few stages of many replicas
     // (all-reduced inside a node) can beat both deep pipelines and more copies.
     int s_lo = options_.every_node_count ? 1 : per_node_ * (n - 1) + 1, s_hi = per_node_ * n;
-    if (options_.fixed_stages > 0) s_lo = s_hi = options_.fixed_stages;
+    if (options_.num_stages > 0) s_lo = s_hi = options_.num_stages;
     s_hi = std::min(s_hi, std::min(K_, D));
     // Patience is judged against the best of this node count (stage sweep) and of this
     // stage count (micro-batch sweep), never the overall best: another shape's plan must
@@ -375,7 +375,7 @@ class ShapeSearch {
     // stages are not replicated at all (no all-reduce, which wins for parameter-heavy
     // models). Patience stops in the first, so the stage counts dividing D (every stage
     // can have the same replicas, down to one) past it are still tried.
-    if (options_.fixed_stages == 0) {
+    if (options_.num_stages == 0) {
       for (; S <= s_hi; ++S) {
         if (D % S != 0) continue;
         sweepMicroBatches(n, S, D, R);
@@ -389,9 +389,9 @@ class ShapeSearch {
   double sweepMicroBatches(int n, int S, int D, int R) {
     double best_s = std::numeric_limits<double>::infinity();
     const int64_t rows_per_copy = ctx_.batch_size / R;
-    std::vector<int> mbs = options_.fixed_micro_batches > 0
-                               ? std::vector<int>{options_.fixed_micro_batches}
-                               : microBatchCandidates(rows_per_copy, options_.max_micro_batches);
+    std::vector<int> mbs = options_.num_microbatches > 0
+                               ? std::vector<int>{options_.num_microbatches}
+                               : microBatchCandidates(rows_per_copy, options_.max_microbatches);
     if (mbs.empty()) return best_s;
     // The largest count tried per shape: memory only falls as it grows, so the memory
     // search for an infeasible request needs no other.
@@ -402,7 +402,7 @@ class ShapeSearch {
       // non-improving counts ends the sweep only once M is four times the best one: the
       // next even split (a divisor of the rows) can be twice as far as the last one.
       if (stale >= patience_ && M > 4 * best_m) break;
-      StageSolution sol = formStageDp(problem_, S, D, R, M, StageObjective::Time, options_.fixed_replicas);
+      StageSolution sol = formStageDp(problem_, S, D, R, M, StageObjective::Time, options_.replicas);
       if (!sol.feasible) continue;
       const Deployment d = toDeployment(problem_, sol);
       logger().debug("stage candidate: n={} S={} M={} dp={:.6f} simulated={:.6f}", n, S, M,
@@ -422,7 +422,7 @@ class ShapeSearch {
   Deployment rebuild(size_t i) {
     const Candidate& c = found_[i];
     return toDeployment(problem_, formStageDp(problem_, c.S, c.D, c.R, c.M, StageObjective::Time,
-                                              options_.fixed_replicas));
+                                              options_.replicas));
   }
 
   size_t preferredIndexAmong(const std::vector<size_t>& among, double tolerance) const {

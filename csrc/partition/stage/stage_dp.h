@@ -74,21 +74,21 @@ StageSolution formStageDp(StageProblem& problem, int stages, int devices, int pi
                           const std::vector<int>& replicas = {});
 
 struct StageSearchOptions {
-  int fixed_stages = 0;         // > 0: only this many stages
-  int fixed_micro_batches = 0;  // > 0: only this many micro-batches
-  int max_micro_batches = 256;
+  int num_stages = 0;         // > 0: only this many stages
+  int num_microbatches = 0;  // > 0: only this many micro-batches
+  int max_microbatches = 256;
   // Stop raising the micro-batch count (stage count) after this many feasible candidates
   // in a row did not beat the best; 0 searches every candidate.
-  int patience = 3;
+  int search_patience = 3;
   // Let every node count compete, each with every stage count up to its devices (the
   // paper keeps the first node count with a plan and S in (D_node (n - 1), D_node n]).
   bool every_node_count = false;
-  // Not empty: the replicas of each stage within a pipeline copy (fixed_stages entries);
+  // Not empty: the replicas of each stage within a pipeline copy (num_stages entries);
   // the copy has their sum of devices and world / sum copies, whatever the nodes.
-  std::vector<int> fixed_replicas;
+  std::vector<int> replicas;
   // Plans within this fraction of the fastest count as equally fast; the simplest of
   // them wins ([Note: plan tolerance] in stage/preference.h).
-  double tolerance = 0.02;
+  double plan_tolerance = 0.02;
 };
 
 // Micro-batch counts tried for a pipeline copy with `rows` rows per iteration: every count
@@ -99,7 +99,7 @@ std::vector<int> microBatchCandidates(int64_t rows, int limit);
 // Algorithm 2: for node counts n dividing the nodes (ascending), D = n * devices per node,
 // R = nodes / n, stage counts in (D_node (n - 1), D_node n] and the micro-batch candidates,
 // runs Algorithm 1 and simulates each solution; returns the preferred plan (the simplest
-// within options.tolerance of the fastest) of the first n that has one. Throws
+// within options.plan_tolerance of the fastest) of the first n that has one. Throws
 // InfeasiblePlanError (with the least memory some plan needs) when none fits.
 Deployment formStage(StageProblem& problem, const StageSearchOptions& options = {});
 

@@ -22,7 +22,7 @@ class APlanFile : public ::testing::Test {
     PlannerOptions o;
     o.world_size = 4;
     o.num_blocks = 8;
-    o.fixed_stages = 2;
+    o.num_stages = 2;
     o.memory_limit = 1LL << 40;
     plan_ = plan(graph_, costs_, o);
   }

@@ -18,7 +18,7 @@ Deployment planChain(const ir::Graph& g, CostModel& m) {
   PlannerOptions o;
   o.world_size = 4;
   o.num_blocks = 8;
-  o.fixed_stages = 2;
+  o.num_stages = 2;
   o.memory_limit = 1LL << 40;
   return plan(g, m, o);
 }
@@ -158,8 +158,8 @@ TEST(ADeployment, ReSimulatesToItsOwnPredictionAndUnderFillDrain) {
   PlannerOptions o;
   o.world_size = 2;
   o.num_blocks = 8;
-  o.fixed_stages = 2;
-  o.fixed_micro_batches = 4;
+  o.num_stages = 2;
+  o.num_microbatches = 4;
   o.memory_limit = 1LL << 40;
   Deployment d = plan(g, m, o);
   SimResult same = simulateDeployment(deserializeDeployment(serializeDeployment(d), g), d.schedule);
@@ -219,9 +219,9 @@ TEST(APlanHash, NamesWhatRunsNotWhatWasPredicted) {
   PlannerOptions o;
   o.world_size = 4;
   o.num_blocks = 8;
-  o.fixed_stages = 2;
+  o.num_stages = 2;
   o.memory_limit = 1LL << 40;
-  o.fixed_micro_batches = d.micro_batches == 2 ? 4 : 2;
+  o.num_microbatches = d.micro_batches == 2 ? 4 : 2;
   EXPECT_NE(plan(g, m, o).hash(), d.hash());
   Deployment moved = d;
   moved.stages[1].tasks.insert(moved.stages[1].tasks.begin(), moved.stages[0].tasks.back());

@@ -27,8 +27,8 @@ TEST(ARefinement, RaisesTheMicroBatchCountOfAPipelineThatHasOne) {
   o.world_size = 2;
   o.batch_size = 64;
   o.num_blocks = 4;
-  o.fixed_stages = 2;
-  o.fixed_micro_batches = 1;
+  o.num_stages = 2;
+  o.num_microbatches = 1;
   o.memory_limit = 1LL << 40;
   o.refine_boundaries = false;
   PlanTrace coarse = planTrace(g, m, o);
@@ -60,9 +60,9 @@ TEST(ARefinement, MovesReplicasTowardsTheSlowerStageAndKeepsTheDevices) {
     o.world_size = 4;
     o.batch_size = 64;
     o.num_blocks = 6;
-    o.fixed_stages = 2;
-    o.fixed_micro_batches = 4;
-    o.fixed_replicas = trial % 2 ? std::vector<int>{3, 1} : std::vector<int>{1, 3};
+    o.num_stages = 2;
+    o.num_microbatches = 4;
+    o.replicas = trial % 2 ? std::vector<int>{3, 1} : std::vector<int>{1, 3};
     o.memory_limit = 1LL << 40;
     o.refine_boundaries = false;
     PlanTrace coarse = planTrace(g, m, o);
@@ -74,14 +74,14 @@ TEST(ARefinement, MovesReplicasTowardsTheSlowerStageAndKeepsTheDevices) {
     RefineOptions move;
     move.move_micro_batches = false;
     Deployment moved = refineBoundaries(coarse.deployment, coarse.atomic, coarse.blocks, m, ctx, move);
-    EXPECT_EQ(replicasPerCopy(cut_only, 0), o.fixed_replicas[0]);
+    EXPECT_EQ(replicasPerCopy(cut_only, 0), o.replicas[0]);
     EXPECT_LE(cut_only.iteration_time, coarse.deployment.iteration_time);
     EXPECT_LE(moved.iteration_time, cut_only.iteration_time);
     EXPECT_EQ(replicasPerCopy(moved, 0) + replicasPerCopy(moved, 1), 4);
     EXPECT_EQ(moved.micro_batches, 4);
     EXPECT_TRUE(moved.feasible);
     EXPECT_NO_THROW(validateDeployment(g, moved));
-    if (moved.iteration_time < cut_only.iteration_time && replicasPerCopy(moved, 0) != o.fixed_replicas[0]) ++faster;
+    if (moved.iteration_time < cut_only.iteration_time && replicasPerCopy(moved, 0) != o.replicas[0]) ++faster;
   }
   EXPECT_GT(faster, 0);
 }
@@ -99,9 +99,9 @@ TEST(ARefinement, TradesReplicasBetweenStagesThatAreNotNeighbours) {
   o.world_size = 11;
   o.batch_size = 1024;
   o.num_blocks = 19;
-  o.fixed_stages = 10;
-  o.fixed_micro_batches = 4;
-  o.fixed_replicas = {2, 1, 1, 1, 1, 1, 1, 1, 1, 1};
+  o.num_stages = 10;
+  o.num_microbatches = 4;
+  o.replicas = {2, 1, 1, 1, 1, 1, 1, 1, 1, 1};
   o.memory_limit = 1LL << 40;
   o.refine_boundaries = false;
   PlanTrace coarse = planTrace(g, m, o);
@@ -137,7 +137,7 @@ TEST(AStageSearch, OffersTheDeepPipelinesPastThePatienceAsCandidates) {
   ctx.batch_size = 64;
   StageProblem problem(blocks, m, ctx);
   StageSearchOptions so;
-  so.patience = 1;
+  so.search_patience = 1;
   so.every_node_count = true;
   std::vector<Deployment> candidates = formStageCandidates(problem, so, 2);
   ASSERT_GE(candidates.size(), 2u);

@@ -18,8 +18,8 @@ PlannerOptions fixedLayout(int world, std::vector<int> replicas) {
   o.world_size = world;
   o.num_blocks = 6;
   o.memory_limit = 1LL << 40;
-  o.fixed_stages = static_cast<int>(replicas.size());
-  o.fixed_replicas = std::move(replicas);
+  o.num_stages = static_cast<int>(replicas.size());
+  o.replicas = std::move(replicas);
   return o;
 }
 
@@ -52,10 +52,10 @@ TEST(AFixedLayout, RejectsReplicasThatDoNotMatchTheWorldOrTheStageCount) {
     plan(g, m, fixedLayout(4, {2, 1, 2}));
     FAIL() << "5 devices per copy on a world of 4";
   } catch (const InvalidGraphError& e) {
-    EXPECT_NE(std::string(e.what()).find("does not divide world_size 4"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("whose sum divides the world size 4"), std::string::npos) << e.what();
   }
   PlannerOptions o = fixedLayout(4, {2, 1, 1});
-  o.fixed_stages = 2;
+  o.num_stages = 2;
   EXPECT_THROW(plan(g, m, o), InvalidGraphError);
   o = fixedLayout(4, {2, 0, 2});
   EXPECT_THROW(plan(g, m, o), InvalidGraphError);
@@ -74,7 +74,7 @@ TEST(AStageSearch, LetsAFewStageCopySpanningNodesCompeteWithMoreCopies) {
   o.world_size = 4;
   o.num_blocks = 8;
   o.optimizer = Optimizer::Sgd;
-  o.allow_recompute = false;
+  o.recompute = Recompute::Never;
   o.memory_limit = 2 * (512 * 512 * 4) * 5 + (8 << 20);  // four layers fit, eight do not
   o.every_node_count = false;
   Deployment paper = plan(g, m, o);
@@ -129,7 +129,7 @@ TEST(ATooSmallBatch, BlamesTheMicroBatchCountWhenOneMicroBatchWouldHaveRows) {
   PlannerOptions o;
   o.world_size = 2;
   o.memory_limit = 1LL << 40;
-  o.fixed_micro_batches = 4;
+  o.num_microbatches = 4;
   const std::string msg = infeasibleMessage(g, o);
   EXPECT_NE(msg.find("num_microbatches=4 needs at least 4 rows"), std::string::npos) << msg;
   EXPECT_NE(msg.find("global batch has 2 row(s)"), std::string::npos) << msg;

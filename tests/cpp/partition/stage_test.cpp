@@ -77,7 +77,7 @@ TEST(AStageDp, MatchesBruteForceOnRandomChains) {
     ctx.devices_per_node = 2;
     ctx.optimizer = static_cast<Optimizer>(rng() % 3);
     ctx.schedule = rng() % 2 ? ScheduleKind::OneFOneB : ScheduleKind::FillDrain;
-    ctx.allow_recompute = rng() % 2;
+    ctx.recompute = rng() % 2 ? Recompute::Auto : Recompute::Never;
     // A limit between the smallest layer's needs and the whole model's.
     const PieceCost whole = m.cost(blocks.blocks.empty() ? std::vector<ir::TaskId>{0} : blockRangeTasks(blocks, 0, layers, m.topoPosition()), 4);
     ctx.memory_limit = rng() % 3 == 0 ? std::numeric_limits<int64_t>::max()
@@ -131,7 +131,7 @@ TEST(AStagePlanner, SplitsAChainOfEqualLayersInHalfWhenOneDeviceIsTooSmall) {
   o.world_size = 2;
   o.num_blocks = 8;
   o.optimizer = Optimizer::Sgd;
-  o.allow_recompute = false;
+  o.recompute = Recompute::Never;
   // Parameters and gradients of 5 layers plus generous activations: 4 layers fit, 8 do not.
   const int64_t layer_params = 256 * 256 * 4;
   o.memory_limit = 2 * layer_params * 5;
@@ -149,8 +149,8 @@ TEST(AStagePlanner, RecomputesOnlyTheStagesThatNeedIt) {
   PlannerOptions o;
   o.world_size = 2;
   o.num_blocks = 4;
-  o.fixed_stages = 2;
-  o.fixed_micro_batches = 4;
+  o.num_stages = 2;
+  o.num_microbatches = 4;
   o.batch_size = 64;  // 16 rows per micro-batch
   o.optimizer = Optimizer::Sgd;
   const PieceCost half = m.cost({0, 1}, 16);
@@ -262,7 +262,7 @@ TEST(AStagePlanner, PlansADiamondAndASkipConnectionConvexly) {
   PlannerOptions o;
   o.world_size = 3;
   o.num_blocks = 6;
-  o.fixed_stages = 3;
+  o.num_stages = 3;
   Deployment d = plan(g, m, o);
   EXPECT_EQ(d.numStages(), 3);
   expectConvexStages(g, d);
@@ -303,8 +303,8 @@ TEST(ABoundaryRefinement, BalancesStagesFinerThanTheBlocks) {
   PlannerOptions o;
   o.world_size = 2;
   o.num_blocks = 3;
-  o.fixed_stages = 2;
-  o.fixed_micro_batches = 8;
+  o.num_stages = 2;
+  o.num_microbatches = 8;
   o.batch_size = 64;
   o.memory_limit = 1LL << 40;
   o.refine_boundaries = false;
@@ -333,12 +333,12 @@ TEST(AStagePlanner, SaysWhyWhenNoPipelineShapeCanBeTried) {
   PlannerOptions o;
   o.world_size = 2;
   o.num_blocks = 4;
-  o.fixed_stages = 3;  // more stages than devices
+  o.num_stages = 3;  // more stages than devices
   try {
     plan(g, m, o);
     FAIL() << "expected InfeasiblePlanError";
   } catch (const InfeasiblePlanError& e) {
-    EXPECT_NE(std::string(e.what()).find("fixed_stages=3"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("num_stages=3"), std::string::npos) << e.what();
     EXPECT_EQ(e.bytesNeeded(), 0);
   }
 }
@@ -379,7 +379,7 @@ TEST(AStagePlanner, ClonesSharedConstantTasksIntoEveryStageThatReadsThem) {
   PlannerOptions o;
   o.world_size = 2;
   o.num_blocks = 4;
-  o.fixed_stages = 2;
+  o.num_stages = 2;
   o.constant_policy = ConstantPolicy::IndependentOfInputs;
   PlanTrace trace = planTrace(g, m, o);
   EXPECT_EQ(trace.atomic.pieces.size(), 12u);  // mm and add of each layer
@@ -467,8 +467,8 @@ TEST(AStagePlanner, KeepsEachPipelineCopyInsideANode) {
   o.world_size = 4;
   o.num_blocks = 8;
   o.optimizer = Optimizer::Sgd;
-  o.allow_recompute = false;
-  o.fixed_micro_batches = 2;
+  o.recompute = Recompute::Never;
+  o.num_microbatches = 2;
   o.memory_limit = 2 * (256 * 256 * 4) * 5;  // four layers fit, eight do not
   // The paper's search: one copy per node. (Searching every node count, one copy with two
   // replicas per stage wins here, see AStageSearch in search_test.cpp.)
@@ -490,8 +490,8 @@ TEST(AStagePlanner, PlansFillDrainWithEveryMicroBatchInFlight) {
   PlannerOptions o;
   o.world_size = 2;
   o.num_blocks = 8;
-  o.fixed_stages = 2;
-  o.fixed_micro_batches = 4;
+  o.num_stages = 2;
+  o.num_microbatches = 4;
   o.schedule = ScheduleKind::FillDrain;
   o.memory_limit = 1LL << 40;
   Deployment d = plan(g, m, o);
@@ -556,7 +556,7 @@ TEST(AStagePlanner, RetriesWithFinerBlocksWhenBlocksCapTheStageCount) {
   o.world_size = 4;
   o.num_blocks = 2;
   o.optimizer = Optimizer::Sgd;
-  o.allow_recompute = false;
+  o.recompute = Recompute::Never;
   o.memory_limit = 2 * (256 * 256 * 4) * 3;  // two layers fit, three do not
   PlanTrace t = planTrace(g, m, o);
   EXPECT_GE(t.blocks.blocks.size(), 4u);
@@ -705,7 +705,7 @@ TEST(APlanSearch, FindsWhatThePinnedEvenSplitFindsOnResNet152x8) {
   o.world_size = 32;
   o.batch_size = 512;
   const Deployment searched = plan(g, costs, o);
-  o.fixed_micro_batches = 64;
+  o.num_microbatches = 64;
   const Deployment pinned = plan(g, costs, o);
   ASSERT_TRUE(searched.feasible);
   ASSERT_TRUE(pinned.feasible);

@@ -36,7 +36,7 @@ wrapped = rannc.RaNNCModule(model, opt, num_microbatches=2, save_plan=plan_file)
 del os.environ["RANNC_NUM_STAGES"]
 loss = wrapped(ids[rows], targets[rows])
 loss.backward()
-deployment = wrapped._deployed[True].deployment
+deployment = wrapped.deployments["train"]
 assert deployment.num_stages == 2, deployment.report()
 
 # clip_grad_norm: the global norm over all stages, as torch computes it on the whole model
@@ -69,6 +69,6 @@ torch.testing.assert_close(loss.detach(), reference(ids, targets).detach(), rtol
 rannc.barrier(60)
 again = rannc.RaNNCModule(copy.deepcopy(reference), load_plan=plan_file)
 again(ids[rows], targets[rows])
-loaded = again._deployed[True].deployment
+loaded = again.deployments["train"]
 assert loaded.to_bytes() == deployment.to_bytes()
 print(f"OK rank {rank}", flush=True)

@@ -194,7 +194,7 @@ for step in range(a.steps):
             backward(scale * loss_of(ref_out), ref_scaler)
         close(loss_of(out).detach(), loss_of(ref_out).detach(), f"loss at step {step}")
         if a.amp and step == 0:  # the deployed program computes in the autocast dtype
-            dtypes = {v["dtype"] for v in wrapped._deployed[True].graph.ir.values()}
+            dtypes = {v.dtype for v in wrapped._deployed[True].graph.ir.values()}
             assert {"bf16": "BFloat16", "fp16": "Float16"}[a.amp] in dtypes, dtypes
         rows_out = batch_rows(out)
         if rows_out and not outside:  # batch-shaped outputs: this rank's own rows
