@@ -23,7 +23,8 @@ partition::Optimizer optimizerFromName(const std::string& name) {
 partition::ScheduleKind scheduleFromName(const std::string& name) {
   if (name == "1f1b") return partition::ScheduleKind::OneFOneB;
   if (name == "fill_drain" || name == "fill-drain") return partition::ScheduleKind::FillDrain;
-  throw Error("option schedule is '" + name + "'; expected 1f1b or fill_drain");
+  if (name == "zb_h1" || name == "zb-h1") return partition::ScheduleKind::ZeroBubbleH1;
+  throw Error("option schedule is '" + name + "'; expected 1f1b, zb_h1 or fill_drain");
 }
 
 void bindPlanner(py::module& m) {

@@ -206,8 +206,8 @@ std::string serializeDeployment(const Deployment& d) {
     w.i32(s.last_block);
     w.u8(s.recompute);
     w.i64(s.micro_batch_rows);
-    for (double x : {s.forward_time, s.backward_time, s.send_forward_time, s.send_backward_time,
-                     s.allreduce_time, s.update_time, s.busy_time, s.bubble_time}) {
+    for (double x : {s.forward_time, s.backward_time, s.weight_time, s.send_forward_time,
+                     s.send_backward_time, s.allreduce_time, s.update_time, s.busy_time, s.bubble_time}) {
       w.f64(x);
     }
     w.i64(s.param_bytes);
@@ -296,7 +296,7 @@ Deployment deserializeDeployment(const std::string& bytes, const ir::Graph& grap
                                std::to_string(rows_per_copy) + " rows of a pipeline copy");
     }
     const uint8_t schedule = r.u8("schedule");
-    if (schedule > static_cast<uint8_t>(ScheduleKind::FillDrain)) {
+    if (schedule > static_cast<uint8_t>(ScheduleKind::ZeroBubbleH1)) {
       bad("schedule", std::to_string(schedule) + " is not a known schedule");
     }
     d.schedule = static_cast<ScheduleKind>(schedule);
@@ -369,6 +369,7 @@ Deployment deserializeDeployment(const std::string& bytes, const ir::Graph& grap
       }
       const std::pair<const char*, double*> times[] = {
           {"forward_time", &s.forward_time},     {"backward_time", &s.backward_time},
+          {"weight_time", &s.weight_time},
           {"send_forward_time", &s.send_forward_time}, {"send_backward_time", &s.send_backward_time},
           {"allreduce_time", &s.allreduce_time}, {"update_time", &s.update_time},
           {"busy_time", &s.busy_time},           {"bubble_time", &s.bubble_time}};

@@ -8,8 +8,25 @@
 namespace rannc::partition {
 
 const char* scheduleName(ScheduleKind kind) {
-  return kind == ScheduleKind::OneFOneB ? "1f1b" : "fill-drain";
+  switch (kind) {
+    case ScheduleKind::OneFOneB: return "1f1b";
+    case ScheduleKind::FillDrain: return "fill-drain";
+    case ScheduleKind::ZeroBubbleH1: return "zb-h1";
+  }
+  return "?";
 }
+
+const char* actionName(ActionKind kind) {
+  switch (kind) {
+    case ActionKind::Forward: return "F";
+    case ActionKind::Backward: return "B";
+    case ActionKind::BackwardInput: return "Bi";
+    case ActionKind::BackwardWeight: return "W";
+  }
+  return "?";
+}
+
+bool splitsBackward(ScheduleKind kind) { return kind == ScheduleKind::ZeroBubbleH1; }
 
 Schedule buildSchedule(ScheduleKind kind, int stages, int micro_batches) {
   if (stages < 1 || micro_batches < 1) {
@@ -26,36 +43,49 @@ Schedule buildSchedule(ScheduleKind kind, int stages, int micro_batches) {
       continue;
     }
     const int warmup = std::min(stages - 1 - i, micro_batches);
-    int f = 0, b = 0;
+    const bool split = splitsBackward(kind);
+    const int defer = split ? i : 0;  // [Note: ZB-H1]
+    int f = 0, b = 0, w = 0;
+    auto backward = [&] {
+      a.push_back({split ? ActionKind::BackwardInput : ActionKind::Backward, b++});
+      if (split && b - w > defer) a.push_back({ActionKind::BackwardWeight, w++});
+    };
     for (; f < warmup; ++f) a.push_back({ActionKind::Forward, f});
     while (f < micro_batches) {
       a.push_back({ActionKind::Forward, f++});
-      a.push_back({ActionKind::Backward, b++});
+      backward();
     }
-    while (b < micro_batches) a.push_back({ActionKind::Backward, b++});
+    while (b < micro_batches) backward();
+    while (split && w < micro_batches) a.push_back({ActionKind::BackwardWeight, w++});
   }
   return s;
 }
 
 int maxInFlight(ScheduleKind kind, int stage, int stages, int micro_batches) {
-  return kind == ScheduleKind::OneFOneB ? std::min(stages - stage, micro_batches) : micro_batches;
+  switch (kind) {
+    case ScheduleKind::OneFOneB: return std::min(stages - stage, micro_batches);
+    case ScheduleKind::ZeroBubbleH1: return std::min(stages, micro_batches);
+    case ScheduleKind::FillDrain: return micro_batches;
+  }
+  return micro_batches;
 }
 
 void validateSchedule(const Schedule& schedule, int micro_batches) {
   for (size_t i = 0; i < schedule.size(); ++i) {
-    std::vector<int> fwd(micro_batches, 0), bwd(micro_batches, 0);
+    // per micro-batch: 0 nothing, 1 forward done, 2 input backward done, 3 backward done
+    std::vector<int> done(micro_batches, 0);
     for (const Action& a : schedule[i]) {
-      RANNC_CHECK(a.micro_batch >= 0 && a.micro_batch < micro_batches,
-                  "stage " << i << " runs unknown micro-batch " << a.micro_batch);
-      if (a.kind == ActionKind::Forward) {
-        RANNC_CHECK(fwd[a.micro_batch]++ == 0, "stage " << i << " runs forward " << a.micro_batch << " twice");
-      } else {
-        RANNC_CHECK(fwd[a.micro_batch] == 1, "stage " << i << " runs backward " << a.micro_batch << " before its forward");
-        RANNC_CHECK(bwd[a.micro_batch]++ == 0, "stage " << i << " runs backward " << a.micro_batch << " twice");
-      }
+      const int m = a.micro_batch;
+      RANNC_CHECK(m >= 0 && m < micro_batches, "stage " << i << " runs unknown micro-batch " << m);
+      const int before = a.kind == ActionKind::Forward         ? 0
+                         : a.kind == ActionKind::BackwardWeight ? 2
+                                                                : 1;
+      RANNC_CHECK(done[m] == before, "stage " << i << " runs " << actionName(a.kind) << m
+                                              << (done[m] > before ? " twice or too late" : " too early"));
+      done[m] = a.kind == ActionKind::Forward ? 1 : a.kind == ActionKind::BackwardInput ? 2 : 3;
     }
     for (int m = 0; m < micro_batches; ++m) {
-      RANNC_CHECK(bwd[m] == 1, "stage " << i << " never runs backward " << m);
+      RANNC_CHECK(done[m] == 3, "stage " << i << " never finishes the backward of " << m);
     }
   }
 }
@@ -64,7 +94,7 @@ std::string formatSchedule(const Schedule& schedule) {
   std::ostringstream os;
   for (size_t i = 0; i < schedule.size(); ++i) {
     os << i << ":";
-    for (const Action& a : schedule[i]) os << ' ' << (a.kind == ActionKind::Forward ? 'F' : 'B') << a.micro_batch;
+    for (const Action& a : schedule[i]) os << ' ' << actionName(a.kind) << a.micro_batch;
     os << '\n';
   }
   return os.str();

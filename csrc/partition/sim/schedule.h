@@ -9,12 +9,17 @@
 namespace rannc::partition {
 
 enum class ScheduleKind {
-  OneFOneB,   // synchronous 1F1B: warm-up forwards, one forward one backward, cool-down
-  FillDrain,  // GPipe: all forwards, then all backwards
+  OneFOneB,      // synchronous 1F1B: warm-up forwards, one forward one backward, cool-down
+  FillDrain,     // GPipe: all forwards, then all backwards
+  ZeroBubbleH1,  // ZB-H1 (Qi et al., ICLR 2024): 1F1B with each backward split ([Note: ZB-H1])
 };
 const char* scheduleName(ScheduleKind kind);
 
-enum class ActionKind { Forward, Backward };
+// Backward is the whole backward of a micro-batch; a split backward runs BackwardInput
+// (the gradients of the stage's inputs, which the previous stage waits for) and later
+// BackwardWeight (the parameters' gradients, which nobody waits for).
+enum class ActionKind { Forward, Backward, BackwardInput, BackwardWeight };
+const char* actionName(ActionKind kind);  // "F", "B", "Bi", "W"
 
 struct Action {
   ActionKind kind = ActionKind::Forward;
@@ -25,20 +30,33 @@ struct Action {
 // actions[stage] in execution order.
 using Schedule = std::vector<std::vector<Action>>;
 
+// [Note: ZB-H1] Splitting the backward lets a stage send its input gradients before it
+// computes its weight gradients, so the backward wave crosses each stage in the time of
+// BackwardInput alone. Stage i runs 1F1B's warm-up forwards, then per forward F B, and
+// defers each W by i positions (the last stage the most): the deferred Ws fill the
+// cool-down, where 1F1B idles. A micro-batch is held from F to W, so stage i holds at most
+// (stages - i) + i = stages micro-batches, 1F1B's peak (stage 0's). With equal F, B and W
+// the bubble is (stages - 1)(F + B - W), a third of 1F1B's (stages - 1)(F + B + W).
+//
 // The schedule of `kind` for `stages` stages and `micro_batches` micro-batches (both >= 1;
-// throws InvalidGraphError otherwise). In 1F1B stage i (0-based) first runs
+// throws InvalidGraphError otherwise). In 1F1B and ZB-H1 stage i (0-based) first runs
 // min(stages - 1 - i, micro_batches) forwards.
 Schedule buildSchedule(ScheduleKind kind, int stages, int micro_batches);
 
-// Micro-batches whose activations stage `stage` holds at most under `kind`:
-// min(stages - stage, micro_batches) for 1F1B, micro_batches for fill-drain.
+// Micro-batches whose activations stage `stage` holds at most under `kind` (from a
+// forward to the end of its backward): min(stages - stage, micro_batches) for 1F1B,
+// min(stages, micro_batches) for ZB-H1, micro_batches for fill-drain.
 int maxInFlight(ScheduleKind kind, int stage, int stages, int micro_batches);
 
-// Checks every stage runs each micro-batch's forward once, then its backward once;
-// throws InternalError naming the first violation.
+// Checks every stage runs each micro-batch's forward once, then either its backward once
+// or its input backward once and later its weight backward once; throws InternalError
+// naming the first violation.
 void validateSchedule(const Schedule& schedule, int micro_batches);
 
-// One line per stage: "0: F0 F1 B0 F2 B1 B2".
+// Whether the schedule splits backwards (BackwardInput / BackwardWeight).
+bool splitsBackward(ScheduleKind kind);
+
+// One line per stage: "0: F0 F1 B0 F2 B1 B2" (split: "0: F0 Bi0 W0").
 std::string formatSchedule(const Schedule& schedule);
 
 }  // namespace rannc::partition

@@ -6,6 +6,16 @@
 
 namespace rannc::partition {
 
+double actionTime(const StageTimes& stage, ActionKind kind) {
+  switch (kind) {
+    case ActionKind::Forward: return stage.forward_time;
+    case ActionKind::Backward: return stage.backward_time;
+    case ActionKind::BackwardInput: return stage.backward_time - stage.weight_time;
+    case ActionKind::BackwardWeight: return stage.weight_time;
+  }
+  return 0.0;
+}
+
 SimResult simulate(const std::vector<SimStage>& stages, const Schedule& schedule,
                    int micro_batches) {
   const int S = static_cast<int>(stages.size());
@@ -36,18 +46,18 @@ SimResult simulate(const std::vector<SimStage>& stages, const Schedule& schedule
             if (f_end[i - 1][m] == kUnset) break;
             ready = f_end[i - 1][m] + stages[i - 1].send_forward_time;
           }
-        } else {
+        } else if (a.kind != ActionKind::BackwardWeight) {
           if (f_end[i][m] == kUnset) break;
           ready = f_end[i][m];
           if (i + 1 < S) {
             if (b_end[i + 1][m] == kUnset) break;
             ready = std::max(ready, b_end[i + 1][m] + stages[i + 1].send_backward_time);
           }
-        }
+        }  // a weight backward follows its input backward on the same stage
         const double start = std::max(ready, free_at[i]);
         const bool fwd = a.kind == ActionKind::Forward;
-        const double end = start + (fwd ? stages[i].forward_time : stages[i].backward_time);
-        (fwd ? f_end : b_end)[i][m] = end;
+        const double end = start + actionTime(stages[i], a.kind);
+        if (a.kind != ActionKind::BackwardWeight) (fwd ? f_end : b_end)[i][m] = end;
         free_at[i] = end;
         r.start[i].push_back(start);
         ++next[i];
@@ -65,10 +75,14 @@ SimResult simulate(const std::vector<SimStage>& stages, const Schedule& schedule
   r.peak_memory.resize(S);
   for (int i = 0; i < S; ++i) {
     const SimStage& st = stages[i];
-    r.finish[i] = free_at[i] + std::max(0.0, st.allreduce_time - st.backward_time) + st.update_time;
+    // The all-reduce overlaps the stage's last action (a backward, or its weight part).
+    const double last = actionTime(st, schedule[i].back().kind);
+    r.finish[i] = free_at[i] + std::max(0.0, st.allreduce_time - last) + st.update_time;
     r.busy[i] = micro_batches * (st.forward_time + st.backward_time);
     int in_flight = 0, peak = 0;
     for (const Action& a : schedule[i]) {
+      // held from the forward to the end of the backward (its weight part, when split)
+      if (a.kind == ActionKind::BackwardInput) continue;
       in_flight += a.kind == ActionKind::Forward ? 1 : -1;
       peak = std::max(peak, in_flight);
     }

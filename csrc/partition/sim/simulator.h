@@ -15,6 +15,9 @@ namespace rannc::partition {
 struct StageTimes {
   double forward_time = 0.0;
   double backward_time = 0.0;       // including recomputation when the stage recomputes
+  // The part of backward_time that computes the parameters' gradients (W of a split
+  // backward, [Note: ZB-H1] in schedule.h); the rest computes the inputs' gradients.
+  double weight_time = 0.0;
   double send_forward_time = 0.0;   // activations to the next stage (overlaps compute)
   double send_backward_time = 0.0;  // gradients to the previous stage (overlaps compute)
   // Gradient all-reduce among the stage's replicas, per iteration. It is bucketed and
@@ -47,6 +50,9 @@ struct SimResult {
 // waits for stage i-1's forward of m plus its send; a backward waits for its own forward
 // and for stage i+1's backward of m plus its send. Throws InternalError on a schedule
 // that deadlocks.
+// How long `kind` takes on a stage with these times.
+double actionTime(const StageTimes& stage, ActionKind kind);
+
 SimResult simulate(const std::vector<SimStage>& stages, const Schedule& schedule,
                    int micro_batches);
 

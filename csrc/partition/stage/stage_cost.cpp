@@ -61,6 +61,7 @@ StageEstimate estimateStage(const CostModel& costs, const PieceCost& cost, const
   const bool first = slot.index == 0, last = slot.index + 1 == slot.num_stages;
   e.forward_time = cost.forward_time;
   e.backward_time = cost.backward_time;
+  e.weight_time = cost.param_bytes > 0 ? kWeightGradientShare * cost.backward_time : 0.0;
   e.send_forward_time = last ? 0.0 : costs.commTime(cost.output_bytes, boundaryLink(slot.first_device + slot.devices));
   e.send_backward_time = first ? 0.0 : costs.commTime(cost.input_bytes, boundaryLink(slot.first_device));
   const int64_t lo = slot.first_device;
@@ -109,9 +110,18 @@ StageEstimate estimateStage(const CostModel& costs, const PieceCost& cost, const
   const int S = slot.num_stages, M = slot.micro_batches;
   const double round_trip = 2.0 * std::max(e.send_forward_time, e.send_backward_time);
   const double compute = e.forward_time + e.backward_time;
-  e.score = ctx.schedule == ScheduleKind::OneFOneB
-                ? (M + S - 1) * (compute + round_trip * (S - 1) / S)
-                : (M + S - 1) * compute + (S - 1) * round_trip;
+  // - ZB-H1 ([Note: ZB-H1] in sim/schedule.h): a deferred W absorbs up to W of the round
+  //   trip's throttling per slot, and each boundary's fill and drain costs F + B - W
+  //   instead of F + B + W, plus the round trip both ways.
+  const double slot_time = compute + round_trip * (S - 1) / S;
+  switch (ctx.schedule) {
+    case ScheduleKind::OneFOneB: e.score = (M + S - 1) * slot_time; break;
+    case ScheduleKind::ZeroBubbleH1:
+      e.score = M * std::max(compute, slot_time - e.weight_time) +
+                (S - 1) * (compute - 2.0 * e.weight_time + 2.0 * round_trip);
+      break;
+    case ScheduleKind::FillDrain: e.score = (M + S - 1) * compute + (S - 1) * round_trip; break;
+  }
   e.score += std::max(0.0, e.allreduce_time - e.backward_time) + e.update_time;
   return e;
 }

@@ -90,5 +90,51 @@ TEST(ASimulator, FollowsTheSlowestStageInTheSteadyState) {
   EXPECT_LE(r.iteration_time, 8 * 6.0 + 2 * 3.0 + 1e-9);
 }
 
+TEST(ASchedule, PrintsZeroBubbleH1WithWeightBackwardsDeferredByTheStageIndex) {
+  EXPECT_EQ(formatSchedule(buildSchedule(ScheduleKind::ZeroBubbleH1, 3, 4)),
+            "0: F0 F1 F2 Bi0 W0 F3 Bi1 W1 Bi2 W2 Bi3 W3\n"
+            "1: F0 F1 Bi0 F2 Bi1 W0 F3 Bi2 W1 Bi3 W2 W3\n"
+            "2: F0 Bi0 F1 Bi1 F2 Bi2 W0 F3 Bi3 W1 W2 W3\n");
+  for (int S = 1; S <= 6; ++S) {
+    for (int M = 1; M <= 9; ++M) {
+      validateSchedule(buildSchedule(ScheduleKind::ZeroBubbleH1, S, M), M);
+    }
+  }
+}
+
+TEST(ASchedule, RejectsAWeightBackwardBeforeItsInputBackward) {
+  Schedule bad{{{ActionKind::Forward, 0}, {ActionKind::BackwardWeight, 0}, {ActionKind::BackwardInput, 0}}};
+  EXPECT_THROW(validateSchedule(bad, 1), InternalError);
+  Schedule twice{{{ActionKind::Forward, 0}, {ActionKind::BackwardInput, 0}, {ActionKind::Backward, 0}}};
+  EXPECT_THROW(validateSchedule(twice, 1), InternalError);
+}
+
+// [Note: ZB-H1]: with F = B = W = 1 (a backward of 2, half of it weights) the bubble is
+// (S - 1)(F + B - W) = S - 1, a third of 1F1B's 3 (S - 1), and no stage holds more
+// micro-batches than 1F1B's first stage.
+TEST(ASimulator, GivesZeroBubbleH1AThirdOfOneFOneBsBubble) {
+  for (int S : {2, 3, 4}) {
+    std::vector<SimStage> st = uniform(S, 1, 2);
+    for (auto& s : st) s.weight_time = 1;
+    const int M = 8;
+    SimResult one = simulate(st, ScheduleKind::OneFOneB, M);
+    SimResult zb = simulate(st, ScheduleKind::ZeroBubbleH1, M);
+    EXPECT_DOUBLE_EQ(one.iteration_time, 3.0 * M + 3.0 * (S - 1)) << S;
+    EXPECT_DOUBLE_EQ(zb.iteration_time, 3.0 * M + 1.0 * (S - 1)) << S;
+    for (int i = 0; i < S; ++i) {
+      EXPECT_LE(zb.peak_in_flight[i], one.peak_in_flight[0]) << S << " stage " << i;
+      EXPECT_EQ(zb.peak_in_flight[i], maxInFlight(ScheduleKind::ZeroBubbleH1, i, S, M)) << S << " stage " << i;
+    }
+  }
+}
+
+// Without a weight part (weight_time 0) a split backward is the whole backward: ZB-H1
+// is 1F1B.
+TEST(ASimulator, GivesZeroBubbleH1OneFOneBsTimeWithoutWeightGradients) {
+  std::vector<SimStage> st = uniform(3, 1, 2);
+  EXPECT_DOUBLE_EQ(simulate(st, ScheduleKind::ZeroBubbleH1, 6).iteration_time,
+                   simulate(st, ScheduleKind::OneFOneB, 6).iteration_time);
+}
+
 }  // namespace
 }  // namespace rannc::partition

@@ -661,7 +661,8 @@ TEST(AStageScore, ChargesSendsAsTheScheduleExposesThem) {
   ctx.batch_size = 64;
   PieceCost c{1.0, 2.0};
   c.output_bytes = c.input_bytes = static_cast<int64_t>(0.5 * 1e10);  // 0.5 s each way
-  for (ScheduleKind kind : {ScheduleKind::OneFOneB, ScheduleKind::FillDrain}) {
+  c.param_bytes = 1000;  // a weight part of the backward for ZB-H1
+  for (ScheduleKind kind : {ScheduleKind::OneFOneB, ScheduleKind::FillDrain, ScheduleKind::ZeroBubbleH1}) {
     ctx.schedule = kind;
     for (int S : {2, 4}) {
       const int M = 8;
@@ -671,6 +672,7 @@ TEST(AStageScore, ChargesSendsAsTheScheduleExposesThem) {
         StageEstimate e = estimateStage(m, c, StageSlot{i, S, i, 1, S, 1, M}, ctx);
         sim[i].forward_time = e.forward_time;
         sim[i].backward_time = e.backward_time;
+        sim[i].weight_time = e.weight_time;
         sim[i].send_forward_time = e.send_forward_time;
         sim[i].send_backward_time = e.send_backward_time;
         worst = std::max(worst, e.score);
