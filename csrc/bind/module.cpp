@@ -65,6 +65,21 @@ ir::ValueRole roleFromName(const std::string& name) {
   throw Error("unknown graph input role '" + name + "' (expected input, param or buffer)");
 }
 
+// Runs a stage backward without the GIL on the Python gradients (None: no gradient).
+py::list stageBackward(const std::vector<std::optional<at::Tensor>>& grads,
+                       const std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)>& run) {
+  std::vector<at::Tensor> g;
+  for (const auto& t : grads) g.push_back(t ? *t : at::Tensor());
+  std::vector<at::Tensor> out;
+  {
+    py::gil_scoped_release release;
+    out = run(g);
+  }
+  py::list res;
+  for (const auto& t : out) res.append(t.defined() ? py::cast(t) : py::none());
+  return res;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -290,18 +305,21 @@ PYBIND11_MODULE(_C, m) {
            py::arg("recompute") = false)
       .def("backward",
            [](runtime::StageExecutor& s, int64_t mb, const std::vector<std::optional<at::Tensor>>& grads) {
-             std::vector<at::Tensor> g;
-             for (const auto& t : grads) g.push_back(t ? *t : at::Tensor());
-             std::vector<at::Tensor> out;
-             {
-               py::gil_scoped_release release;
-               out = s.backward(mb, g);
-             }
-             py::list res;
-             for (const auto& t : out) res.append(t.defined() ? py::cast(t) : py::none());
-             return res;
+             return stageBackward(grads, [&](const std::vector<at::Tensor>& g) { return s.backward(mb, g); });
            },
-           py::arg("mb"), py::arg("output_grads"));
+           py::arg("mb"), py::arg("output_grads"))
+      .def("backward_input",
+           [](runtime::StageExecutor& s, int64_t mb, const std::vector<std::optional<at::Tensor>>& grads) {
+             return stageBackward(grads, [&](const std::vector<at::Tensor>& g) { return s.backwardInput(mb, g); });
+           },
+           py::arg("mb"), py::arg("output_grads"),
+           "The input part of a split backward ([Note: split backward] in runtime/stage.h).")
+      .def("backward_weight",
+           [](runtime::StageExecutor& s, int64_t mb) {
+             py::gil_scoped_release release;
+             s.backwardWeight(mb);
+           },
+           py::arg("mb"), "The weight part of a split backward: accumulates the parameters' .grad.");
 
   m.def(
       "build_traced_model",

@@ -118,7 +118,7 @@ void bindPlanner(py::module& m) {
         for (const auto& stage : schedule) {
           std::vector<std::pair<std::string, int>> actions;
           for (const auto& a : stage) {
-            actions.emplace_back(a.kind == partition::ActionKind::Forward ? "F" : "B", a.micro_batch);
+            actions.emplace_back(partition::actionName(a.kind), a.micro_batch);
           }
           out.push_back(std::move(actions));
         }

@@ -394,7 +394,10 @@ StepOutputs PipelineEngine::execute(const StepProgram& program,
   std::deque<PostedByValue> upcoming;
   std::vector<Posted> input_grad_receives;
   const bool has_backward = std::any_of(program.actions.begin(), program.actions.end(),
-                                        [](const StepAction& a) { return a.kind == StepActionKind::Backward; });
+                                        [](const StepAction& a) {
+                                          return a.kind == StepActionKind::Backward ||
+                                                 a.kind == StepActionKind::BackwardInput;
+                                        });
   const bool has_forward = local != nullptr;
   std::optional<GradsAside> aside;
   if (has_backward) aside.emplace(own_);
@@ -443,14 +446,23 @@ StepOutputs PipelineEngine::execute(const StepProgram& program,
         outputs_[a.micro_batch] = std::move(outs);
         break;
       }
-      case StepActionKind::Backward: {
+      case StepActionKind::Backward:
+      case StepActionKind::BackwardInput: {
         RANNC_CHECK(!upcoming.empty(), "backward " << a.micro_batch << " without its receives");
         PostedByValue posted = std::move(upcoming.front());
         upcoming.pop_front();
         std::vector<at::Tensor> grads;
         for (ir::ValueId vid : executor_->outputIds()) grads.push_back(outputGrad(vid, a.micro_batch, posted));
         auto t0 = Clock::now();
-        input_grads_of_[a.micro_batch] = executor_->backward(a.micro_batch, grads);
+        input_grads_of_[a.micro_batch] = a.kind == StepActionKind::Backward
+                                             ? executor_->backward(a.micro_batch, grads)
+                                             : executor_->backwardInput(a.micro_batch, grads);
+        times_.backward += since(t0);
+        break;
+      }
+      case StepActionKind::BackwardWeight: {
+        auto t0 = Clock::now();
+        executor_->backwardWeight(a.micro_batch);
         times_.backward += since(t0);
         break;
       }

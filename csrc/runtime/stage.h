@@ -47,16 +47,29 @@ class StageExecutor {
   // returns the gradients of inputIds() (undefined where none flows).
   std::vector<at::Tensor> backward(int64_t mb, const std::vector<at::Tensor>& output_grads);
 
+  // [Note: split backward] The backward in two parts (ZB-H1, partition/sim/schedule.h).
+  // backwardInput computes only the gradients of inputIds() (what the previous stage waits
+  // for) and keeps the graph; on the way it records the gradient arriving at each node
+  // where a path to a parameter leaves the paths to the inputs. backwardWeight later
+  // restarts the backward from those nodes, with their edges towards the inputs cut, so it
+  // computes only the parameters' gradients (accumulated into .grad as backward does) and
+  // repeats none of the input part. Each micro-batch runs either backward or both, in order.
+  std::vector<at::Tensor> backwardInput(int64_t mb, const std::vector<at::Tensor>& output_grads);
+  void backwardWeight(int64_t mb);
+
   // The inputs (by value id) that get no gradient: the model's arguments whose tensors do
   // not require grad. The others that are floating become leaves that require grad.
   void setNoGradInputs(std::vector<ir::ValueId> ids);
 
   // Drops every stash (a forward whose backward will not come: the user ran a training
   // forward without backpropagating).
-  void discard() { stash_.clear(); }
+  void discard() {
+    stash_.clear();
+    pending_weights_.clear();
+  }
 
-  // Number of micro-batches stashed for backward.
-  size_t stashed() const { return stash_.size(); }
+  // Number of micro-batches stashed for backward (or waiting for their weight part).
+  size_t stashed() const { return stash_.size() + pending_weights_.size(); }
 
  private:
   struct Stash {
@@ -69,6 +82,13 @@ class StageExecutor {
   // The generator that dropout on this stage's device draws from.
   at::Generator generator() const;
 
+  struct PendingWeight;  // what backwardWeight needs (stage.cpp)
+
+  // Takes micro-batch `mb`'s stash, recomputing its graph if needed; fills the outputs
+  // that get a gradient (`roots`) and their gradients.
+  Stash takeForBackward(int64_t mb, const std::vector<at::Tensor>& output_grads,
+                        std::vector<at::Tensor>& roots, std::vector<at::Tensor>& grads);
+
   std::vector<c10::IValue> run(const std::vector<c10::IValue>& inputs);
   std::vector<c10::IValue> leaves(const std::vector<c10::IValue>& inputs) const;
 
@@ -79,6 +99,7 @@ class StageExecutor {
   std::vector<ir::ValueId> input_ids_;
   std::vector<char> no_grad_;  // per input: gets no gradient (setNoGradInputs)
   std::unordered_map<int64_t, Stash> stash_;
+  std::unordered_map<int64_t, std::shared_ptr<PendingWeight>> pending_weights_;
 };
 
 }  // namespace rannc::runtime

@@ -13,6 +13,8 @@ const char* stepActionName(StepActionKind kind) {
     case StepActionKind::Receive: return "recv";
     case StepActionKind::Forward: return "F";
     case StepActionKind::Backward: return "B";
+    case StepActionKind::BackwardInput: return "Bi";
+    case StepActionKind::BackwardWeight: return "W";
     case StepActionKind::Send: return "send";
     case StepActionKind::ArmAllReduce: return "arm-allreduce";
     case StepActionKind::CollectOutputs: return "collect-outputs";
@@ -23,10 +25,12 @@ const char* stepActionName(StepActionKind kind) {
 
 std::string StepAction::str() const {
   std::ostringstream os;
-  const char* compute = feeds == partition::ActionKind::Forward ? "F" : "B";
+  const char* compute = partition::actionName(feeds);
   switch (kind) {
     case StepActionKind::Forward:
     case StepActionKind::Backward:
+    case StepActionKind::BackwardInput:
+    case StepActionKind::BackwardWeight:
       return stepActionName(kind) + std::to_string(micro_batch);
     case StepActionKind::Receive:
       os << "recv " << compute << micro_batch << ":";
@@ -52,6 +56,16 @@ std::string StepProgram::str() const {
 }
 
 bool carriesGradient(const ir::Value& value) { return value.isTensor() && value.requires_grad; }
+
+StepActionKind computeKind(partition::ActionKind kind) {
+  switch (kind) {
+    case partition::ActionKind::Forward: return StepActionKind::Forward;
+    case partition::ActionKind::Backward: return StepActionKind::Backward;
+    case partition::ActionKind::BackwardInput: return StepActionKind::BackwardInput;
+    case partition::ActionKind::BackwardWeight: return StepActionKind::BackwardWeight;
+  }
+  return StepActionKind::Forward;
+}
 
 namespace {
 
@@ -145,26 +159,40 @@ StepProgram lowerStep(const std::vector<partition::Action>& compute, const Trans
   bool has_forwards = std::any_of(compute.begin(), compute.end(), [](const partition::Action& a) {
     return a.kind == partition::ActionKind::Forward;
   });
+  // The gradients are final after the last backward, or its weight part when split.
   int last_backward = -1;
   for (size_t i = 0; i < compute.size(); ++i) {
-    if (compute[i].kind == partition::ActionKind::Backward) last_backward = static_cast<int>(i);
+    if (compute[i].kind == partition::ActionKind::Backward ||
+        compute[i].kind == partition::ActionKind::BackwardWeight) {
+      last_backward = static_cast<int>(i);
+    }
   }
   if (has_forwards && !plan.input_sends.empty()) {
     StepAction a{StepActionKind::SendInputRows, -1, partition::ActionKind::Forward, {}};
     for (const Transfer& t : plan.input_sends) a.transfers.push_back({Channel::InputRows, t, false});
     out.push_back(std::move(a));
   }
-  if (!compute.empty()) out.push_back(lowering.receive(compute[0]));
+  // A weight part neither receives nor sends; the receives of the next action that does
+  // are posted one compute action ahead of it.
+  auto transfers = [&](size_t i) { return compute[i].kind != partition::ActionKind::BackwardWeight; };
+  size_t posted = 0;  // receives are posted for the transferring actions before this index
+  auto postFirstFrom = [&](size_t from) {
+    size_t j = from;
+    while (j < compute.size() && !transfers(j)) ++j;
+    if (j < compute.size() && j >= posted) {
+      out.push_back(lowering.receive(compute[j]));
+      posted = j + 1;
+    }
+  };
+  postFirstFrom(0);
   for (size_t i = 0; i < compute.size(); ++i) {
     const auto& a = compute[i];
     if (static_cast<int>(i) == last_backward && all_reduce) {
       out.push_back(StepAction{StepActionKind::ArmAllReduce, -1, partition::ActionKind::Backward, {}});
     }
-    if (i + 1 < compute.size()) out.push_back(lowering.receive(compute[i + 1]));
-    out.push_back(StepAction{a.kind == partition::ActionKind::Forward ? StepActionKind::Forward
-                                                                       : StepActionKind::Backward,
-                             a.micro_batch, a.kind, {}});
-    out.push_back(lowering.send(a));
+    postFirstFrom(i + 1);
+    out.push_back(StepAction{computeKind(a.kind), a.micro_batch, a.kind, {}});
+    if (transfers(i)) out.push_back(lowering.send(a));
   }
   if (has_forwards) out.push_back(StepAction{StepActionKind::CollectOutputs, -1, partition::ActionKind::Forward, {}});
   out.push_back(StepAction{StepActionKind::Finish, -1, partition::ActionKind::Forward, {}});

@@ -23,8 +23,10 @@ enum class StepActionKind {
   Receive,         // post the receives of the next compute action
   Forward,
   Backward,
+  BackwardInput,   // a split backward's input part ([Note: split backward] in stage.h)
+  BackwardWeight,  // its weight part: no transfers
   Send,            // post the sends of what the compute action just produced
-  ArmAllReduce,    // before the last backward: all-reduce buckets as gradients finish
+  ArmAllReduce,    // before the last backward (or weight part): all-reduce buckets as gradients finish
   CollectOutputs,  // this rank's rows of the batch outputs
   Finish,          // wait for the sends; finish the all-reduce and the inputs' gradients
 };
@@ -70,6 +72,9 @@ struct StageBoundary {
 StepProgram lowerStep(const std::vector<partition::Action>& compute, const TransferPlan& plan,
                       const ir::Graph& graph, const StageBoundary& stage,
                       const std::set<ir::ValueId>& input_grads, bool all_reduce);
+
+// The step action that runs a schedule action.
+StepActionKind computeKind(partition::ActionKind kind);
 
 // Whether a value of the boundary carries a gradient back (a tensor that requires grad).
 bool carriesGradient(const ir::Value& value);

@@ -121,7 +121,9 @@ class _Deployed:
         # Training without a single scalar loss to seed 1F1B takes gradients from outside.
         has_loss = sum(1 for v in ir.outputs if ir.value(v).is_loss) == 1
         self.fill_drain = model.training and (opts.schedule == "fill_drain" or not has_loss)
-        self.schedule = "fill_drain" if self.fill_drain else "1f1b"
+        # schedule=zb_h1 splits each backward ([Note: ZB-H1] in csrc/partition/sim/schedule.h)
+        self.schedule = ("fill_drain" if self.fill_drain
+                         else "1f1b" if opts.schedule == "fill_drain" else opts.schedule)
         deployment = self._plan(ir, world, opts)
         self.example_inputs = None
         if opts.verify_plan:

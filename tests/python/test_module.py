@@ -31,6 +31,27 @@ LAYOUTS = [
     (4, "multi_io", 2, 2, ["--eval"]),            # kwargs, dict output, batch-shaped rows
 ]
 
+# ZB-H1: each backward split into its input and weight parts, the weight part deferred
+ZB_H1 = [
+    (2, "gpt", 2, 4, ["--opt", "schedule=zb_h1"]),                        # 2 stages
+    (3, "transformer_loss", 3, 3, ["--opt", "schedule=zb_h1"]),           # 3 stages
+    (4, "gpt", 3, 4, ["--opt", "schedule=zb_h1", "replicas=2,1,1"]),      # replicas 2/1/1
+    (4, "gpt", 4, 5, ["--opt", "schedule=zb_h1", "recompute=always"]),    # 4 stages, recomputing
+    (4, "mlp", 2, 2, ["--opt", "schedule=zb_h1", "replicas=1,1"]),        # 2 pipeline copies
+    (2, "resnet", 2, 1, ["--opt", "schedule=zb_h1"]),                     # batch norm, convolutions
+]
+
+
+@pytest.mark.parametrize("ranks,model,stages,micro,extra", ZB_H1,
+                         ids=[f"{r}ranks-{m}-{s}st-{mb}mb-zb" for r, m, s, mb, _ in ZB_H1])
+def test_zero_bubble_training_equals_pytorch(ranks, model, stages, micro, extra):
+    res = mpirun("train_check.py", ranks, model, "--stages", stages, "--micro", micro, *extra,
+                 timeout=300, env={"RANNC_COMM_TIMEOUT": "60"})
+    assert res.returncode == 0, res.stdout[-4000:]
+    for r in range(ranks):
+        assert f"OK rank {r}" in res.stdout, res.stdout[-4000:]
+    assert "zb-h1" in res.stdout, res.stdout[-4000:]  # the plan report names the schedule
+
 
 @pytest.mark.parametrize("ranks,model,stages,micro,extra", LAYOUTS,
                          ids=[f"{r}ranks-{m}-{s}st-{mb}mb" for r, m, s, mb, _ in LAYOUTS])
