@@ -194,5 +194,35 @@ TEST(StepProgram, PostsReceivesOneActionAheadAndArmsTheAllReduceBeforeTheLastBac
   EXPECT_NE(prog.str().find("recv F0: activation"), std::string::npos) << prog.str();
 }
 
+// ZB-H1 on the last of 2 stages: F0 Bi0 F1 Bi1 W0 W1. A weight part neither receives nor
+// sends, the receive of the next transferring action is posted one compute action ahead
+// of it (F1's before Bi0), and the all-reduce is armed before the last weight part.
+TEST(StepProgram, LowersASplitBackwardWithTheWeightPartsWithoutTransfers) {
+  ir::Graph g = linearChain({8, 8});
+  auto d = deploymentOf(g, {1}, {{0}, {1}}, 1, 2, 2);
+  Layout L(d, 2, 4);
+  auto pieces = piecesOf(g, d);
+  TransferPlan p1 = planTransfers(g, pieces, L, 1, nullptr);
+  auto schedule = partition::buildSchedule(partition::ScheduleKind::ZeroBubbleH1, 2, 2);
+  StageBoundary boundary{pieces[1].inputs, pieces[1].outputs};
+  boundary.input_ids.erase(std::remove_if(boundary.input_ids.begin(), boundary.input_ids.end(),
+                                          [&](ir::ValueId v) { return g.value(v).isModelState(); }),
+                           boundary.input_ids.end());
+  StepProgram prog = lowerStep(schedule[1], p1, g, boundary, {}, /*all_reduce=*/true);
+  std::vector<std::string> kinds;
+  for (const auto& a : prog.actions) {
+    if (a.kind == StepActionKind::SendInputRows) continue;
+    kinds.push_back(stepActionName(a.kind) + (a.micro_batch >= 0 ? std::to_string(a.micro_batch) : ""));
+  }
+  std::vector<std::string> expected = {"recv0", "recv0", "F0", "send0", "recv1", "Bi0", "send0",
+                                       "recv1", "F1", "send1", "Bi1", "send1", "W0",
+                                       "arm-allreduce", "W1", "collect-outputs", "finish"};
+  EXPECT_EQ(kinds, expected) << prog.str();
+  EXPECT_NE(prog.str().find("recv Bi0:"), std::string::npos) << prog.str();
+  for (const auto& a : prog.actions) {
+    if (a.kind == StepActionKind::BackwardWeight) EXPECT_TRUE(a.transfers.empty()) << a.str();
+  }
+}
+
 }  // namespace
 }  // namespace rannc::runtime
