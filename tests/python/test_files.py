@@ -80,7 +80,7 @@ def deployment_fields(payload: bytes) -> Fields:
         for name, fmt in [("first_block", "i"), ("last_block", "i"), ("recompute", "B"),
                           ("micro_batch_rows", "q")]:
             f.read(p + name, fmt)
-        for name in ["forward_time", "backward_time", "send_forward_time", "send_backward_time",
+        for name in ["forward_time", "backward_time", "weight_time", "send_forward_time", "send_backward_time",
                      "allreduce_time", "update_time", "busy_time", "bubble_time"]:
             f.read(p + name, "d")
         for name in ["param_bytes", "memory_bytes", "static_bytes", "stash_bytes", "working_bytes"]:
