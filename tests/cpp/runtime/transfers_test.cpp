@@ -167,20 +167,34 @@ TEST(TransferPlan, GroupsTheRanksSharingEachParameter) {
   EXPECT_EQ(groups[1].first, (std::vector<int>{2}));
 }
 
-TEST(StepProgram, PostsReceivesOneActionAheadAndArmsTheAllReduceBeforeTheLastBackward) {
-  ir::Graph g = linearChain({8, 8});
-  auto d = deploymentOf(g, {1}, {{0}, {1, 2}}, 1, 2, 3);
-  Layout L(d, 3, 4);
+// Rank 1's step on the last of 2 stages of a 2-layer chain (2 micro-batches, batch 4
+// over `world` ranks; `ranks`: each stage's ranks) under `kind`, with the all-reduce.
+StepProgram lastStageProgram(partition::ScheduleKind kind, const std::vector<std::vector<int>>& ranks, int world) {
+  static const ir::Graph g = linearChain({8, 8});
+  auto d = deploymentOf(g, {1}, ranks, 1, 2, world);
+  Layout L(d, world, 4);
   auto pieces = piecesOf(g, d);
   TransferPlan p1 = planTransfers(g, pieces, L, 1, nullptr);
-  auto schedule = partition::buildSchedule(partition::ScheduleKind::OneFOneB, 2, 2);
+  auto schedule = partition::buildSchedule(kind, 2, 2);
   StageBoundary boundary{pieces[1].inputs, pieces[1].outputs};
   boundary.input_ids.erase(std::remove_if(boundary.input_ids.begin(), boundary.input_ids.end(),
                                           [&](ir::ValueId v) { return g.value(v).isModelState(); }),
                            boundary.input_ids.end());
-  StepProgram prog = lowerStep(schedule[1], p1, g, boundary, {}, /*all_reduce=*/true);
-  std::vector<std::string> kinds;
-  for (const auto& a : prog.actions) kinds.push_back(stepActionName(a.kind) + (a.micro_batch >= 0 ? std::to_string(a.micro_batch) : ""));
+  return lowerStep(schedule[1], p1, g, boundary, {}, /*all_reduce=*/true);
+}
+
+// "F0", "recv1", "arm-allreduce", ...
+std::vector<std::string> actionNames(const StepProgram& prog) {
+  std::vector<std::string> names;
+  for (const auto& a : prog.actions) {
+    names.push_back(stepActionName(a.kind) + (a.micro_batch >= 0 ? std::to_string(a.micro_batch) : ""));
+  }
+  return names;
+}
+
+TEST(StepProgram, PostsReceivesOneActionAheadAndArmsTheAllReduceBeforeTheLastBackward) {
+  StepProgram prog = lastStageProgram(partition::ScheduleKind::OneFOneB, {{0}, {1, 2}}, 3);
+  std::vector<std::string> kinds = actionNames(prog);
   // rank 1 owns rows [4, 8) of x, which stage 0 (rank 0) runs: it sends them first
   std::vector<std::string> expected = {"send-input-rows", "recv0", "recv0", "F0", "send0", "recv1", "B0", "send0",
                                        "recv1", "F1", "send1", "arm-allreduce", "B1", "send1",
@@ -198,23 +212,9 @@ TEST(StepProgram, PostsReceivesOneActionAheadAndArmsTheAllReduceBeforeTheLastBac
 // sends, the receive of the next transferring action is posted one compute action ahead
 // of it (F1's before Bi0), and the all-reduce is armed before the last weight part.
 TEST(StepProgram, LowersASplitBackwardWithTheWeightPartsWithoutTransfers) {
-  ir::Graph g = linearChain({8, 8});
-  auto d = deploymentOf(g, {1}, {{0}, {1}}, 1, 2, 2);
-  Layout L(d, 2, 4);
-  auto pieces = piecesOf(g, d);
-  TransferPlan p1 = planTransfers(g, pieces, L, 1, nullptr);
-  auto schedule = partition::buildSchedule(partition::ScheduleKind::ZeroBubbleH1, 2, 2);
-  StageBoundary boundary{pieces[1].inputs, pieces[1].outputs};
-  boundary.input_ids.erase(std::remove_if(boundary.input_ids.begin(), boundary.input_ids.end(),
-                                          [&](ir::ValueId v) { return g.value(v).isModelState(); }),
-                           boundary.input_ids.end());
-  StepProgram prog = lowerStep(schedule[1], p1, g, boundary, {}, /*all_reduce=*/true);
-  std::vector<std::string> kinds;
-  for (const auto& a : prog.actions) {
-    if (a.kind == StepActionKind::SendInputRows) continue;
-    kinds.push_back(stepActionName(a.kind) + (a.micro_batch >= 0 ? std::to_string(a.micro_batch) : ""));
-  }
-  std::vector<std::string> expected = {"recv0", "recv0", "F0", "send0", "recv1", "Bi0", "send0",
+  StepProgram prog = lastStageProgram(partition::ScheduleKind::ZeroBubbleH1, {{0}, {1}}, 2);
+  std::vector<std::string> kinds = actionNames(prog);
+  std::vector<std::string> expected = {"send-input-rows", "recv0", "recv0", "F0", "send0", "recv1", "Bi0", "send0",
                                        "recv1", "F1", "send1", "Bi1", "send1", "W0",
                                        "arm-allreduce", "W1", "collect-outputs", "finish"};
   EXPECT_EQ(kinds, expected) << prog.str();
