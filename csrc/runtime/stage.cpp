@@ -228,6 +228,13 @@ std::vector<at::Tensor> StageExecutor::backwardInput(int64_t mb, const std::vect
   }
   torch::autograd::edge_list root_edges;
   for (const auto& r : roots) root_edges.push_back(torch::autograd::impl::gradient_edge(r));
+  if (input_edges.empty()) {
+    // No input takes a gradient (the first stage): the whole backward is the weight part.
+    pending->direct_roots = std::move(root_edges);
+    pending->direct_grads = std::move(grads);
+    pending_weights_[mb] = std::move(pending);
+    return std::vector<at::Tensor>(stash.inputs.size());
+  }
   std::unordered_map<Node*, std::vector<Node*>> parents;  // reverse edges of the graph
   std::vector<Node*> order;
   {
@@ -269,19 +276,21 @@ std::vector<at::Tensor> StageExecutor::backwardInput(int64_t mb, const std::vect
   }
   for (Node* n : order) {
     if (!to_inputs.count(n)) continue;
-    auto junction = std::make_shared<PendingWeight::Junction>();
+    std::vector<size_t> towards_inputs;
     bool leaves_inputs = false;
     const auto& next = n->next_edges();
     for (size_t k = 0; k < next.size(); ++k) {
       if (!next[k].function) continue;
       if (to_inputs.count(next[k].function.get())) {
-        junction->towards_inputs.push_back(k);
+        towards_inputs.push_back(k);
       } else {
         leaves_inputs = true;
       }
     }
     if (!leaves_inputs) continue;
+    auto junction = std::make_shared<PendingWeight::Junction>();
     junction->node = n->getptr();
+    junction->towards_inputs = std::move(towards_inputs);
     std::weak_ptr<PendingWeight::Junction> weak = junction;
     n->add_pre_hook(std::make_unique<CaptureArriving>([weak](const torch::autograd::variable_list& g) {
       auto j = weak.lock();
@@ -294,7 +303,7 @@ std::vector<at::Tensor> StageExecutor::backwardInput(int64_t mb, const std::vect
   }
 
   std::vector<at::Tensor> input_grads(stash.inputs.size());
-  if (!input_edges.empty() && !root_edges.empty()) {
+  if (!root_edges.empty()) {
     auto computed = torch::autograd::Engine::get_default_engine().execute(
         root_edges, grads, /*keep_graph=*/true, /*create_graph=*/false, /*accumulate_grad=*/false, input_edges);
     for (size_t k = 0; k < computed.size(); ++k) input_grads[input_index[k]] = computed[k];
