@@ -2,12 +2,15 @@
 // and schedules as data.
 #include "bind/bindings.h"
 
+#include <map>
+
 #include "common/error.h"
 #include "ir/serialize.h"
 #include "partition/cost/analytic_cost_model.h"
 #include "partition/plan.h"
 #include "partition/planner.h"
 #include "partition/sim/schedule.h"
+#include "partition/sim/simulator.h"
 
 namespace py = pybind11;
 
@@ -24,7 +27,8 @@ partition::ScheduleKind scheduleFromName(const std::string& name) {
   if (name == "1f1b") return partition::ScheduleKind::OneFOneB;
   if (name == "fill_drain" || name == "fill-drain") return partition::ScheduleKind::FillDrain;
   if (name == "zb_h1" || name == "zb-h1") return partition::ScheduleKind::ZeroBubbleH1;
-  throw Error("option schedule is '" + name + "'; expected 1f1b, zb_h1 or fill_drain");
+  if (name == "auto") return partition::ScheduleKind::Auto;
+  throw Error("option schedule is '" + name + "'; expected auto, 1f1b, zb_h1 or fill_drain");
 }
 
 void bindPlanner(py::module& m) {
@@ -68,6 +72,23 @@ void bindPlanner(py::module& m) {
         return std::string(partition::scheduleName(d.schedule));
       })
       .def_property_readonly("num_stages", &partition::Deployment::numStages)
+      .def_property_readonly("bubble_fraction", &partition::Deployment::bubbleFraction,
+                             "idle fraction of the stages' time in an iteration")
+      .def_property_readonly(
+          "schedule_candidates",
+          [](const partition::Deployment& d) {
+            py::list out;
+            for (const auto& c : d.schedule_candidates) {
+              py::dict row;
+              row["schedule"] = partition::scheduleName(c.schedule);
+              row["iteration_time"] = c.iteration_time;
+              row["bubble"] = c.bubble;
+              row["feasible"] = c.feasible;
+              out.append(row);
+            }
+            return out;
+          },
+          "schedule=auto: the best plan of each schedule tried ([Note: schedule choice])")
       .def("stage_of_rank", &partition::Deployment::stageOfRank)
       .def("report", &partition::Deployment::report)
       .def_property_readonly("hash", &partition::Deployment::hash,
@@ -126,6 +147,42 @@ void bindPlanner(py::module& m) {
       },
       py::arg("kind"), py::arg("stages"), py::arg("micro_batches"),
       "Per stage, the ordered actions ('F' or 'B', micro-batch) of the schedule.");
+
+  m.def(
+      "simulate_timeline",
+      [](const std::string& kind, const std::vector<std::map<std::string, double>>& stages, int micro_batches) {
+        std::vector<partition::SimStage> sim;
+        for (const auto& t : stages) {
+          partition::SimStage s;
+          auto get = [&](const char* key) {
+            auto it = t.find(key);
+            return it == t.end() ? 0.0 : it->second;
+          };
+          s.forward_time = get("forward");
+          s.backward_time = get("backward");
+          s.weight_time = get("weight");
+          s.send_forward_time = get("send_forward");
+          s.send_backward_time = get("send_backward");
+          sim.push_back(s);
+        }
+        auto schedule = partition::buildSchedule(scheduleFromName(kind), static_cast<int>(sim.size()), micro_batches);
+        auto r = partition::simulate(sim, schedule, micro_batches);
+        py::list out;
+        for (size_t i = 0; i < schedule.size(); ++i) {
+          py::list actions;
+          for (size_t k = 0; k < schedule[i].size(); ++k) {
+            const auto& a = schedule[i][k];
+            const double start = r.start[i][k];
+            actions.append(py::make_tuple(partition::actionName(a.kind), a.micro_batch, start,
+                                          start + partition::actionTime(sim[i], a.kind)));
+          }
+          out.append(actions);
+        }
+        return py::make_tuple(out, r.iteration_time);
+      },
+      py::arg("kind"), py::arg("stages"), py::arg("micro_batches"),
+      "Simulates `kind` over stages given as dicts of seconds (forward, backward, weight, "
+      "send_forward, send_backward): (per stage [(action, micro-batch, start, end)], iteration time).");
 }
 
 }  // namespace rannc::bind

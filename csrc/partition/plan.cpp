@@ -32,6 +32,12 @@ std::string ms(double seconds) {
   return buf;
 }
 
+std::string percent(double fraction) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1f%%", fraction * 100.0);
+  return buf;
+}
+
 std::string rankList(const std::vector<int>& ranks) {
   // Runs of consecutive ranks print as a-b.
   std::ostringstream os;
@@ -91,14 +97,30 @@ std::string Deployment::summary() const {
   return os.str();
 }
 
+double Deployment::bubbleFraction() const {
+  if (stages.empty() || iteration_time <= 0.0) return 0.0;
+  double busy = 0.0;
+  for (const StagePlan& s : stages) busy += micro_batches * (s.forward_time + s.backward_time) + s.update_time;
+  return std::max(0.0, 1.0 - busy / (static_cast<double>(stages.size()) * iteration_time));
+}
+
 std::string Deployment::report() const {
   std::ostringstream os;
   os << "plan " << hash() << " by " << planner << ": " << stages.size() << " stage(s) on " << world_size
      << " rank(s), " << pipelines << " pipeline cop" << (pipelines == 1 ? "y" : "ies") << ", "
      << micro_batches << " micro-batch(es) of global batch " << batch_size << ", "
      << scheduleName(schedule) << ", " << optimizerName(optimizer) << "\n";
-  os << "predicted iteration " << ms(iteration_time) << " ms; memory limit "
-     << human(memory_limit) << (feasible ? "" : " (EXCEEDED)") << "\n";
+  os << "predicted iteration " << ms(iteration_time) << " ms, bubble " << percent(bubbleFraction())
+     << "; memory limit " << human(memory_limit) << (feasible ? "" : " (EXCEEDED)") << "\n";
+  if (!schedule_candidates.empty()) {
+    os << "schedule auto:";
+    for (const ScheduleCandidate& c : schedule_candidates) {
+      os << " " << scheduleName(c.schedule) << " " << ms(c.iteration_time) << " ms (bubble "
+         << percent(c.bubble) << (c.feasible ? "" : ", does not fit") << ")"
+         << (c.schedule == schedule ? " chosen" : "") << ";";
+    }
+    os << "\n";
+  }
   os << "stage  blocks    tasks   rows   recomp  fwd ms     bwd ms     allred ms  update ms  "
         "bubble ms  memory      ranks\n";
   for (size_t s = 0; s < stages.size(); ++s) {
@@ -215,6 +237,13 @@ std::string serializeDeployment(const Deployment& d) {
     w.i64(s.static_bytes);
     w.i64(s.stash_bytes);
     w.i64(s.working_bytes);
+  }
+  w.u64(d.schedule_candidates.size());
+  for (const ScheduleCandidate& c : d.schedule_candidates) {
+    w.u8(static_cast<uint8_t>(c.schedule));
+    w.f64(c.iteration_time);
+    w.f64(c.bubble);
+    w.u8(c.feasible);
   }
   return ir::frame(kDeploymentKind, kDeploymentFormatVersion, w.bytes());
 }
@@ -387,7 +416,23 @@ Deployment deserializeDeployment(const std::string& bytes, const ir::Graph& grap
       }
       d.stages.push_back(std::move(s));
     }
-    if (!r.atEnd()) throw SerializationError("trailing bytes after the last stage");
+    const uint64_t tried = r.count("schedule_candidates", 18);
+    for (uint64_t i = 0; i < tried; ++i) {
+      const std::string f = "schedule_candidates[" + std::to_string(i) + "].";
+      ScheduleCandidate c;
+      const uint8_t kind = r.u8(f + "schedule");
+      if (kind > static_cast<uint8_t>(ScheduleKind::ZeroBubbleH1)) {
+        bad(f + "schedule", std::to_string(kind) + " is not a known schedule");
+      }
+      c.schedule = static_cast<ScheduleKind>(kind);
+      c.iteration_time = r.f64(f + "iteration_time");
+      checkTime(f + "iteration_time", c.iteration_time);
+      c.bubble = r.f64(f + "bubble");
+      if (!(c.bubble >= 0.0 && c.bubble <= 1.0)) bad(f + "bubble", numberText(c.bubble) + " is not a fraction");
+      c.feasible = r.u8(f + "feasible") != 0;
+      d.schedule_candidates.push_back(c);
+    }
+    if (!r.atEnd()) throw SerializationError("trailing bytes after the schedule candidates");
   } catch (const SerializationError& e) {
     const std::string msg = e.what();
     if (msg.rfind(origin, 0) == 0) throw;

@@ -14,8 +14,8 @@
 
 namespace rannc::partition {
 
-// 2: stages carry the optimizer step's time.
-inline constexpr uint32_t kDeploymentFormatVersion = 2;
+// 2: stages carry the optimizer step's time; 3: the schedules schedule=auto tried.
+inline constexpr uint32_t kDeploymentFormatVersion = 3;
 
 struct StagePlan : StageTimes, StageMemory {
   // [Note: stage tasks] Tasks in topological order. Constant tasks are cloned into every
@@ -37,6 +37,15 @@ struct StagePlan : StageTimes, StageMemory {
   double bubble_time = 0.0;
 };
 
+// The best plan the search found under one schedule (schedule=auto: one per schedule
+// tried, in the plan's report).
+struct ScheduleCandidate {
+  ScheduleKind schedule = ScheduleKind::OneFOneB;
+  double iteration_time = 0.0;
+  double bubble = 0.0;  // Deployment::bubbleFraction
+  bool feasible = false;
+};
+
 struct Deployment {
   uint64_t graph_hash = 0;   // ir::Graph::contentHash() of the planned graph
   std::string planner;       // "rannc", "equal-tasks", "param-balanced", ...
@@ -50,8 +59,15 @@ struct Deployment {
   std::vector<StagePlan> stages;
   double iteration_time = 0.0;  // simulated seconds per iteration
   bool feasible = true;         // every stage fits memory_limit
+  // schedule=auto: the best plan of each schedule tried (the chosen one included). Saved,
+  // but not part of the plan hash: it tells how the plan was found, not what runs.
+  std::vector<ScheduleCandidate> schedule_candidates;
 
   int numStages() const { return static_cast<int>(stages.size()); }
+  // The pipeline bubble: the fraction of the stages' time in an iteration spent idle,
+  // 1 - sum(busy) / (stages x iteration_time), busy = micro-batches x (forward + backward)
+  // + optimizer step; what the all-reduce does not hide counts as idle.
+  double bubbleFraction() const;
   // Stage whose replicas include `rank`, or -1.
   int stageOfRank(int rank) const;
   // [Note: plan hash] 8 hex digits of FNV-1a over the binary encoding of what the

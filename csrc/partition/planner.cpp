@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <map>
+#include <optional>
 
 #include "common/error.h"
 #include "common/log_fmt.h"
@@ -132,14 +133,8 @@ Deployment verifyFinalists(const Deployment& chosen, std::vector<Deployment> nea
   return whole[preferredIndex(shapes, options.plan_tolerance)];
 }
 
-}  // namespace
-
-PlanTrace planTrace(const ir::Graph& graph, CostModel& costs, const PlannerOptions& options) {
-  RANNC_CHECK(&costs.graph() == &graph, "the cost model was built over another graph");
-  if (graph.numTasks() == 0) throw InvalidGraphError("cannot plan a graph without tasks");
-  const PlanContext ctx = planContext(graph, costs, options);
-  PlanTrace trace;
-  trace.atomic = partitionAtomic(graph, options.constant_policy);
+// One schedule's search: blocks, the stage DP, refinement and verification.
+void planSchedule(PlanTrace& trace, CostModel& costs, const PlanContext& ctx, const PlannerOptions& options) {
   BlockOptions bo;
   bo.num_blocks = options.num_blocks;
   // Blocks are costed at the smallest micro-batch a plan can use with every device a data
@@ -198,6 +193,58 @@ PlanTrace planTrace(const ir::Graph& graph, CostModel& costs, const PlannerOptio
                                           costs, ctx, met.fastestTime() * (1.0 + options.plan_tolerance));
       if (verify) trace.deployment = verifyFinalists(trace.deployment, met.near(), costs, ctx, options);
     }
+  }
+}
+
+// [Note: schedule choice] schedule=auto plans each schedule the runtime runs from a loss
+// (1F1B, then ZB-H1) with the whole search, since the best stages, replicas and
+// micro-batch count differ between them (ZB-H1's smaller bubble needs fewer
+// micro-batches). ZB-H1 wins only when it is faster than 1F1B by more than
+// plan_tolerance: 1F1B is the simpler schedule (one backward per micro-batch), and ZB-H1's
+// weight-gradient share is an estimate ([Note: weight gradient share] in stage_cost.h).
+// The costs are measured once: the second search reads them from the cost model.
+PlanTrace chooseSchedule(PlanTrace atomic, CostModel& costs, const PlanContext& ctx,
+                         const PlannerOptions& options) {
+  std::optional<PlanTrace> best;
+  std::vector<ScheduleCandidate> tried;
+  std::vector<ScheduleKind> kinds{ScheduleKind::OneFOneB};
+  // One stage has no bubble to fill: both schedules run the same plan.
+  if (options.num_stages != 1) kinds.push_back(ScheduleKind::ZeroBubbleH1);
+  for (ScheduleKind kind : kinds) {
+    PlanContext c = ctx;
+    c.schedule = kind;
+    PlanTrace t = atomic;
+    try {
+      planSchedule(t, costs, c, options);
+    } catch (const InfeasiblePlanError&) {
+      if (kind == kinds.back() && !best) throw;  // neither schedule has a plan
+      continue;
+    }
+    const Deployment& d = t.deployment;
+    tried.push_back({kind, d.iteration_time, d.bubbleFraction(), d.feasible});
+    logger().info("schedule {}: {}", scheduleName(kind), d.summary());
+    const bool better = !best || (d.feasible && !best->deployment.feasible) ||
+                        (d.feasible == best->deployment.feasible &&
+                         d.iteration_time < best->deployment.iteration_time * (1.0 - options.plan_tolerance));
+    if (better) best = std::move(t);
+  }
+  RANNC_CHECK(best.has_value(), "schedule auto tried no schedule");
+  best->deployment.schedule_candidates = std::move(tried);
+  return std::move(*best);
+}
+
+}  // namespace
+
+PlanTrace planTrace(const ir::Graph& graph, CostModel& costs, const PlannerOptions& options) {
+  RANNC_CHECK(&costs.graph() == &graph, "the cost model was built over another graph");
+  if (graph.numTasks() == 0) throw InvalidGraphError("cannot plan a graph without tasks");
+  const PlanContext ctx = planContext(graph, costs, options);
+  PlanTrace trace;
+  trace.atomic = partitionAtomic(graph, options.constant_policy);
+  if (options.schedule != ScheduleKind::Auto) {
+    planSchedule(trace, costs, ctx, options);
+  } else {
+    trace = chooseSchedule(std::move(trace), costs, ctx, options);
   }
   logger().info("{} (planned: {} tasks, {} atomic pieces, {} blocks)", trace.deployment.summary(),
                 graph.numTasks(), trace.atomic.pieces.size(), trace.blocks.blocks.size());

@@ -121,9 +121,12 @@ class _Deployed:
         # Training without a single scalar loss to seed 1F1B takes gradients from outside.
         has_loss = sum(1 for v in ir.outputs if ir.value(v).is_loss) == 1
         self.fill_drain = model.training and (opts.schedule == "fill_drain" or not has_loss)
-        # schedule=zb_h1 splits each backward ([Note: ZB-H1] in csrc/partition/sim/schedule.h)
+        # schedule=zb_h1 splits each backward ([Note: ZB-H1] in csrc/partition/sim/schedule.h);
+        # auto plans 1f1b and zb_h1 ([Note: schedule choice] in csrc/partition/planner.cpp).
+        # Forwards only (eval) have no backward to schedule.
         self.schedule = ("fill_drain" if self.fill_drain
-                         else "1f1b" if opts.schedule == "fill_drain" else opts.schedule)
+                         else "1f1b" if opts.schedule == "fill_drain" or not model.training
+                         else opts.schedule)
         deployment = self._plan(ir, world, opts)
         self.example_inputs = None
         if opts.verify_plan:

@@ -82,8 +82,9 @@ class Options:
     max_microbatches: int = _option(64, "upper end of the micro-batch search")
     recompute: str = _option("auto", "auto (where memory needs it), always (every stage) or never")
     schedule: str = _option("1f1b", "1f1b (seeded by the scalar loss), zb_h1 (1F1B with each backward "
-                            "split, the weight parts deferred) or fill_drain (backward with "
-                            "gradients from outside)")
+                            "split, the weight parts deferred), auto (the planner plans 1f1b and "
+                            "zb_h1 and keeps the faster; the report names both) or fill_drain "
+                            "(backward with gradients from outside)")
     plan_tolerance: float = _option(0.02, "plans within this fraction of the fastest are equal: the "
                                     "simplest wins, so noise does not change the plan")
     refine_candidates: int | None = _option(

@@ -165,12 +165,7 @@ class Plan:
     def bubble_fraction(self) -> float:
         """Share of the iteration the stages spend idle (mean over stages of
         1 - busy / iteration, busy = micro-batches x (forward + backward) + optimizer step)."""
-        d = self.deployment
-        T = d.iteration_time
-        if T <= 0 or not d.stages:
-            return 0.0
-        busy = [d.micro_batches * (s.forward_time + s.backward_time) + s.update_time for s in d.stages]
-        return max(0.0, 1.0 - sum(busy) / (len(busy) * T))
+        return self.deployment.bubble_fraction
 
     def validate(self) -> None:
         """Every stage convex over its non-constant tasks, every task in exactly one stage."""

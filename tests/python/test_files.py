@@ -85,6 +85,10 @@ def deployment_fields(payload: bytes) -> Fields:
             f.read(p + name, "d")
         for name in ["param_bytes", "memory_bytes", "static_bytes", "stash_bytes", "working_bytes"]:
             f.read(p + name, "q")
+    for c in range(f.read("schedule_candidates", "Q")):
+        p = f"schedule_candidates[{c}]."
+        for name, fmt in [("schedule", "B"), ("iteration_time", "d"), ("bubble", "d"), ("feasible", "B")]:
+            f.read(p + name, fmt)
     assert f.pos == len(f.data)
     return f
 
@@ -116,8 +120,8 @@ def planned():
     """A 2-stage analytic plan of the MLP for 2 ranks, its graph and its bytes."""
     model, args, kwargs = zoo.make("mlp", batch=4)
     plan = rannc.plan(model, args, kwargs, world_size=2, device_memory="64MiB",
-                      cost_model="analytic", num_stages=2)
-    assert plan.num_stages == 2
+                      cost_model="analytic", num_stages=2, schedule="auto")
+    assert plan.num_stages == 2 and len(plan.deployment.schedule_candidates) == 2
     return plan, plan.deployment.to_bytes()
 
 
@@ -131,6 +135,8 @@ PLAN_CASES = [
     ("stages[1].memory_bytes", -4096, "-4096"),
     ("micro_batches", 0, "not between 1"),
     ("world_size", -3, "-3"),
+    ("schedule_candidates[1].bubble", 1.5, "not a fraction"),
+    ("schedule_candidates[0].schedule", 9, "not a known schedule"),
 ]
 
 

@@ -39,11 +39,14 @@ ZB_H1 = [
     (4, "gpt", 4, 5, ["--opt", "schedule=zb_h1", "recompute=always"]),    # 4 stages, recomputing
     (4, "mlp", 2, 2, ["--opt", "schedule=zb_h1", "replicas=1,1"]),        # 2 pipeline copies
     (2, "resnet", 2, 1, ["--opt", "schedule=zb_h1"]),                     # batch norm, convolutions
+    # the planner plans both schedules and keeps the faster ([Note: schedule choice])
+    (4, "gpt", 4, 4, ["--opt", "schedule=auto"]),
 ]
 
 
 @pytest.mark.parametrize("ranks,model,stages,micro,extra", LAYOUTS + ZB_H1,
-                         ids=[f"{r}ranks-{m}-{s}st-{mb}mb" + ("-zb" if "schedule=zb_h1" in e else "")
+                         ids=[f"{r}ranks-{m}-{s}st-{mb}mb" + ("-zb" if "schedule=zb_h1" in e else
+                                                      "-auto" if "schedule=auto" in e else "")
                               for r, m, s, mb, e in LAYOUTS + ZB_H1])
 def test_training_equals_pytorch(ranks, model, stages, micro, extra):
     res = mpirun("train_check.py", ranks, model, "--stages", stages, "--micro", micro, *extra,
@@ -53,6 +56,9 @@ def test_training_equals_pytorch(ranks, model, stages, micro, extra):
         assert f"OK rank {r}" in res.stdout, res.stdout[-4000:]
     if "schedule=zb_h1" in extra:
         assert "zb-h1" in res.stdout, res.stdout[-4000:]  # the plan report names the schedule
+    if "schedule=auto" in extra:  # both schedules planned, their times in the report
+        assert re.search(r"schedule auto: 1f1b [\d.]+ ms \(bubble [\d.]+%\)( chosen)?; zb-h1 [\d.]+ ms",
+                         res.stdout), res.stdout[-4000:]
 
 
 @pytest.mark.parametrize("mode,ranks,model,stages,micro", [

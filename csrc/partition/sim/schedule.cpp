@@ -12,6 +12,7 @@ const char* scheduleName(ScheduleKind kind) {
     case ScheduleKind::OneFOneB: return "1f1b";
     case ScheduleKind::FillDrain: return "fill-drain";
     case ScheduleKind::ZeroBubbleH1: return "zb-h1";
+    case ScheduleKind::Auto: return "auto";
   }
   return "?";
 }
@@ -33,6 +34,9 @@ Schedule buildSchedule(ScheduleKind kind, int stages, int micro_batches) {
     throw InvalidGraphError("a schedule needs at least one stage and one micro-batch (got " +
                             std::to_string(stages) + " stages, " + std::to_string(micro_batches) +
                             " micro-batches)");
+  }
+  if (kind == ScheduleKind::Auto) {
+    throw InvalidGraphError("schedule auto is a planner option: a plan names the schedule it chose");
   }
   Schedule s(stages);
   for (int i = 0; i < stages; ++i) {
@@ -65,7 +69,8 @@ int maxInFlight(ScheduleKind kind, int stage, int stages, int micro_batches) {
   switch (kind) {
     case ScheduleKind::OneFOneB: return std::min(stages - stage, micro_batches);
     case ScheduleKind::ZeroBubbleH1: return std::min(stages, micro_batches);
-    case ScheduleKind::FillDrain: return micro_batches;
+    case ScheduleKind::FillDrain:
+    case ScheduleKind::Auto: return micro_batches;
   }
   return micro_batches;
 }

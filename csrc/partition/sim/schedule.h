@@ -12,6 +12,10 @@ enum class ScheduleKind {
   OneFOneB,      // synchronous 1F1B: warm-up forwards, one forward one backward, cool-down
   FillDrain,     // GPipe: all forwards, then all backwards
   ZeroBubbleH1,  // ZB-H1 (Qi et al., ICLR 2024): 1F1B with each backward split ([Note: ZB-H1])
+  // A planner option only: the stage search plans each schedule the runtime runs with a
+  // loss (1F1B, ZB-H1) and keeps the fastest ([Note: schedule choice] in planner.cpp). A
+  // plan always names a concrete schedule; buildSchedule refuses this one.
+  Auto,
 };
 const char* scheduleName(ScheduleKind kind);
 
@@ -39,7 +43,7 @@ using Schedule = std::vector<std::vector<Action>>;
 // the bubble is (stages - 1)(F + B - W), a third of 1F1B's (stages - 1)(F + B + W).
 //
 // The schedule of `kind` for `stages` stages and `micro_batches` micro-batches (both >= 1;
-// throws InvalidGraphError otherwise). In 1F1B and ZB-H1 stage i (0-based) first runs
+// throws InvalidGraphError otherwise, and for Auto). In 1F1B and ZB-H1 stage i (0-based) first runs
 // min(stages - 1 - i, micro_batches) forwards.
 Schedule buildSchedule(ScheduleKind kind, int stages, int micro_batches);
 

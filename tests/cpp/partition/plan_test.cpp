@@ -28,6 +28,7 @@ TEST(ADeployment, SurvivesASerialisationRoundTrip) {
   AnalyticCostModel m(g, DeviceSpec{});
   Deployment d = planChain(g, m);
   d.stages[1].recompute = true;  // a flag the plan did not choose still round-trips
+  d.schedule_candidates = {{ScheduleKind::OneFOneB, 0.5, 0.25, true}, {ScheduleKind::ZeroBubbleH1, 0.4, 0.1, false}};
   Deployment back = deserializeDeployment(serializeDeployment(d), g);
   EXPECT_EQ(back.graph_hash, g.contentHash());
   EXPECT_EQ(back.planner, "rannc");
@@ -47,6 +48,12 @@ TEST(ADeployment, SurvivesASerialisationRoundTrip) {
     EXPECT_DOUBLE_EQ(back.stages[s].forward_time, d.stages[s].forward_time);
     EXPECT_DOUBLE_EQ(back.stages[s].bubble_time, d.stages[s].bubble_time);
   }
+  ASSERT_EQ(back.schedule_candidates.size(), 2u);
+  EXPECT_EQ(back.schedule_candidates[1].schedule, ScheduleKind::ZeroBubbleH1);
+  EXPECT_DOUBLE_EQ(back.schedule_candidates[1].iteration_time, 0.4);
+  EXPECT_DOUBLE_EQ(back.schedule_candidates[1].bubble, 0.1);
+  EXPECT_FALSE(back.schedule_candidates[1].feasible);
+  EXPECT_EQ(back.hash(), d.hash());
   EXPECT_EQ(serializeDeployment(back), serializeDeployment(d));
 }
 

@@ -500,6 +500,72 @@ TEST(AStagePlanner, PlansFillDrainWithEveryMicroBatchInFlight) {
   for (const StagePlan& s : d.stages) EXPECT_EQ(s.memory_bytes, s.static_bytes + 4 * s.stash_bytes);
 }
 
+// [Note: schedule choice]: auto plans both schedules and keeps the faster; the chosen plan
+// is the one the fixed schedule gives.
+TEST(AStagePlanner, ChoosesZeroBubbleWhenItsBubbleIsSmaller) {
+  ir::Graph g = testing::uniformChain(8, 256, /*batch=*/8);
+  AnalyticCostModel m(g, device());
+  PlannerOptions o;
+  o.world_size = 4;
+  o.num_blocks = 8;
+  o.num_stages = 4;
+  o.num_microbatches = 4;
+  o.memory_limit = 1LL << 40;
+  o.schedule = ScheduleKind::Auto;
+  Deployment chosen = plan(g, m, o);
+  ASSERT_EQ(chosen.schedule_candidates.size(), 2u);
+  EXPECT_EQ(chosen.schedule_candidates[0].schedule, ScheduleKind::OneFOneB);
+  EXPECT_EQ(chosen.schedule_candidates[1].schedule, ScheduleKind::ZeroBubbleH1);
+  EXPECT_EQ(chosen.schedule, ScheduleKind::ZeroBubbleH1);
+  const ScheduleCandidate& one = chosen.schedule_candidates[0];
+  const ScheduleCandidate& zb = chosen.schedule_candidates[1];
+  EXPECT_LT(zb.iteration_time, one.iteration_time * (1.0 - o.plan_tolerance));
+  EXPECT_LT(zb.bubble, one.bubble);
+  EXPECT_DOUBLE_EQ(chosen.iteration_time, zb.iteration_time);
+  EXPECT_DOUBLE_EQ(chosen.bubbleFraction(), zb.bubble);
+  o.schedule = ScheduleKind::ZeroBubbleH1;
+  Deployment fixed = plan(g, m, o);
+  EXPECT_EQ(fixed.hash(), chosen.hash());
+  EXPECT_NE(chosen.report().find("schedule auto: 1f1b"), std::string::npos) << chosen.report();
+  EXPECT_NE(chosen.report().find("zb-h1"), std::string::npos) << chosen.report();
+}
+
+TEST(AStagePlanner, KeepsOneFOneBWhenZeroBubbleWinsByLessThanTheTolerance) {
+  ir::Graph g = testing::uniformChain(8, 256, /*batch=*/64);
+  AnalyticCostModel m(g, device());
+  PlannerOptions o;
+  o.world_size = 2;
+  o.num_blocks = 8;
+  o.num_stages = 2;
+  o.num_microbatches = 64;  // a bubble of 1/65 of the iteration: little to win
+  o.memory_limit = 1LL << 40;
+  o.schedule = ScheduleKind::Auto;
+  o.plan_tolerance = 0.05;
+  Deployment d = plan(g, m, o);
+  ASSERT_EQ(d.schedule_candidates.size(), 2u);
+  const ScheduleCandidate& one = d.schedule_candidates[0];
+  const ScheduleCandidate& zb = d.schedule_candidates[1];
+  EXPECT_LE(zb.iteration_time, one.iteration_time);
+  EXPECT_GT(zb.iteration_time, one.iteration_time * (1.0 - o.plan_tolerance));
+  EXPECT_EQ(d.schedule, ScheduleKind::OneFOneB);
+}
+
+TEST(AStagePlanner, KeepsOneFOneBForOneStage) {
+  ir::Graph g = testing::uniformChain(8, 256, /*batch=*/8);
+  AnalyticCostModel m(g, device());
+  PlannerOptions o;
+  o.world_size = 1;
+  o.num_blocks = 8;
+  o.num_stages = 1;
+  o.memory_limit = 1LL << 40;
+  o.schedule = ScheduleKind::Auto;
+  Deployment d = plan(g, m, o);
+  EXPECT_EQ(d.schedule, ScheduleKind::OneFOneB);
+  ASSERT_EQ(d.schedule_candidates.size(), 1u);
+  EXPECT_DOUBLE_EQ(d.bubbleFraction(), 0.0);
+  EXPECT_THROW(buildSchedule(ScheduleKind::Auto, 2, 2), InvalidGraphError);
+}
+
 }  // namespace
 }  // namespace rannc::partition
 
