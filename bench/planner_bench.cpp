@@ -9,6 +9,13 @@
 //                       [batch=256] [patience=3] [blocks=32] [candidates=6] [stages=0]
 //                       [micro_batches=0] [report=0]
 //                       [intra_mbs=50000] [inter_mbs=12500] [gpipe=0] [log=warn]
+//                       [schedule=auto|1f1b|zb_h1]
+//
+// Schedules: RaNNC plans under `schedule` (auto: 1F1B and ZB-H1, keeping the faster,
+// [Note: schedule choice] in partition/planner.cpp), and every baseline is tuned under
+// each schedule RaNNC tried, so each side gets the same schedules. "iteration_s" holds
+// RaNNC's chosen plan and each baseline's best over the schedules; "by_schedule" the
+// times under each schedule.
 //
 // Baselines (GPipe-style equal tasks, DeepSpeed-style parameter balance, time balance,
 // Piper-style DP over ideals) are tuned over the pipeline copy counts whose copies fill
@@ -172,6 +179,14 @@ int main(int argc, char** argv) {
   o.num_stages = static_cast<int>(get("stages", 0));
   o.num_microbatches = static_cast<int>(get("micro_batches", 0));
   if (args.count("tolerance")) o.plan_tolerance = std::atof(args["tolerance"].c_str());
+  const std::string schedule = args.count("schedule") ? args["schedule"] : "auto";
+  if (schedule == "auto") o.schedule = ScheduleKind::Auto;
+  else if (schedule == "1f1b") o.schedule = ScheduleKind::OneFOneB;
+  else if (schedule == "zb_h1") o.schedule = ScheduleKind::ZeroBubbleH1;
+  else {
+    std::fprintf(stderr, "schedule must be auto, 1f1b or zb_h1, got '%s'\n", schedule.c_str());
+    return 2;
+  }
   int64_t params = 0;
   for (rannc::ir::ValueId v = 0; v < g.numValues(); ++v) {
     if (g.value(v).role == rannc::ir::ValueRole::Param) params += g.value(v).numel();
@@ -201,7 +216,14 @@ int main(int argc, char** argv) {
   const Deployment& plan = trace.deployment;
   if (get("report", 0) != 0) std::fprintf(stderr, "%s\n", plan.report().c_str());
 
-  PlanContext ctx = planContext(g, costs, o);
+  // The schedules RaNNC tried, each with its best plan's time.
+  std::vector<std::pair<ScheduleKind, std::optional<double>>> tried;
+  if (plan.schedule_candidates.empty()) {
+    tried.emplace_back(plan.schedule, plan.feasible ? std::optional<double>(plan.iteration_time) : std::nullopt);
+  }
+  for (const ScheduleCandidate& c : plan.schedule_candidates) {
+    tried.emplace_back(c.schedule, c.feasible ? std::optional<double>(c.iteration_time) : std::nullopt);
+  }
   const int max_stages = static_cast<int>(trace.atomic.pieces.size());
   // Pipeline copies for the baselines: every count whose copies fill whole nodes (as
   // RaNNC's node counts do), and RaNNC's own.
@@ -210,30 +232,59 @@ int main(int argc, char** argv) {
   for (int c = 1; c <= world; ++c) {
     if (world % c == 0 && ((world / c) % per_node == 0 || c == plan.pipelines)) copies.push_back(c);
   }
-  std::vector<std::pair<std::string, BaselineResult>> baselines;
-  baselines.emplace_back("equal", tuneBaseline([&](const BaselineShape& s) {
-    return equalTaskSplit(trace.atomic, costs, ctx, s); }, ctx, copies, max_stages, o.max_microbatches));
-  baselines.emplace_back("params", tuneBaseline([&](const BaselineShape& s) {
-    return paramBalancedSplit(trace.atomic, costs, ctx, s); }, ctx, copies, max_stages, o.max_microbatches));
-  baselines.emplace_back("time_balanced", tuneBaseline([&](const BaselineShape& s) {
-    return timeBalancedSplit(trace.atomic, costs, ctx, s); }, ctx, copies, max_stages, o.max_microbatches));
-  baselines.emplace_back("ideals_dp", tuneBaseline([&](const BaselineShape& s) {
-    return piperSplit(trace.blocks, costs, ctx, s); }, ctx, copies,
-    static_cast<int>(trace.blocks.blocks.size()), o.max_microbatches));
+  // Each baseline tuned under each schedule; baselines[name][schedule index].
+  std::vector<std::pair<std::string, std::vector<BaselineResult>>> baselines;
+  auto tuneAll = [&](const std::string& name, const std::function<Deployment(const BaselineShape&, const PlanContext&)>& make,
+                     int stages_cap, int only_replicas = 0) {
+    std::vector<BaselineResult> per;
+    for (const auto& [kind, time] : tried) {
+      o.schedule = kind;
+      const PlanContext ctx = planContext(g, costs, o);
+      per.push_back(tuneBaseline([&](const BaselineShape& s) { return make(s, ctx); }, ctx, copies, stages_cap,
+                                 o.max_microbatches, only_replicas));
+    }
+    baselines.emplace_back(name, std::move(per));
+  };
+  tuneAll("equal", [&](const BaselineShape& s, const PlanContext& ctx) {
+    return equalTaskSplit(trace.atomic, costs, ctx, s); }, max_stages);
+  tuneAll("params", [&](const BaselineShape& s, const PlanContext& ctx) {
+    return paramBalancedSplit(trace.atomic, costs, ctx, s); }, max_stages);
+  tuneAll("time_balanced", [&](const BaselineShape& s, const PlanContext& ctx) {
+    return timeBalancedSplit(trace.atomic, costs, ctx, s); }, max_stages);
+  tuneAll("ideals_dp", [&](const BaselineShape& s, const PlanContext& ctx) {
+    return piperSplit(trace.blocks, costs, ctx, s); }, static_cast<int>(trace.blocks.blocks.size()));
   // Informational (gpipe=1): the equal split with one device per stage, data parallelism
   // only by pipeline copies, as GPipe runs it (the paper's ResNet comparison).
   if (get("gpipe", 0) != 0) {
-    baselines.emplace_back("equal_gpipe", tuneBaseline([&](const BaselineShape& s) {
-      return equalTaskSplit(trace.atomic, costs, ctx, s); }, ctx, copies, max_stages, o.max_microbatches, 1));
+    tuneAll("equal_gpipe", [&](const BaselineShape& s, const PlanContext& ctx) {
+      return equalTaskSplit(trace.atomic, costs, ctx, s); }, max_stages, 1);
   }
+  // A baseline's best over the schedules.
+  auto bestOf = [](const std::vector<BaselineResult>& per) -> const BaselineResult& {
+    size_t best = 0;
+    for (size_t i = 1; i < per.size(); ++i) {
+      if (per[i].best && (!per[best].best || per[i].best->iteration_time < per[best].best->iteration_time)) best = i;
+    }
+    return per[best];
+  };
 
   std::string notes;
   js << ", \"atomic_tasks\": " << trace.atomic.pieces.size() << ", \"blocks\": " << trace.blocks.blocks.size()
      << ", \"plan_seconds\": " << num(secs) << ", \"iteration_s\": {\"rannc\": "
      << (plan.feasible ? num(plan.iteration_time) : "null");
-  for (auto& [name, r] : baselines) {
+  for (auto& [name, per] : baselines) {
+    const BaselineResult& r = bestOf(per);
     js << ", " << jsonString(name) << ": " << (r.best ? num(r.best->iteration_time) : "null");
     if (!r.best) notes += name + ": " + r.error + "; ";
+  }
+  js << "}, \"schedule\": " << jsonString(scheduleName(plan.schedule)) << ", \"by_schedule\": {";
+  for (size_t k = 0; k < tried.size(); ++k) {
+    js << (k ? ", " : "") << jsonString(scheduleName(tried[k].first)) << ": {\"rannc\": "
+       << (tried[k].second ? num(*tried[k].second) : "null");
+    for (auto& [name, per] : baselines) {
+      js << ", " << jsonString(name) << ": " << (per[k].best ? num(per[k].best->iteration_time) : "null");
+    }
+    js << "}";
   }
   js << "}, \"fits_memory\": " << (plan.feasible ? "true" : "false") << ", \"memory_limit\": " << plan.memory_limit;
   int used = 0;
@@ -255,7 +306,8 @@ int main(int argc, char** argv) {
      << "], \"stage_static_bytes\": [" << statics.str() << "]}";
   js << ", \"baselines\": {";
   bool first = true;
-  for (auto& [name, r] : baselines) {
+  for (auto& [name, per] : baselines) {
+    const BaselineResult& r = bestOf(per);
     js << (first ? "" : ", ") << jsonString(name) << ": ";
     first = false;
     if (!r.best) {
@@ -267,6 +319,7 @@ int main(int argc, char** argv) {
     js << "{\"stages\": " << r.shape.stages << ", \"replicas\": " << r.shape.replicas
        << ", \"pipelines\": " << r.shape.pipelines << ", \"micro_batches\": " << r.shape.micro_batches
        << ", \"devices_used\": " << r.shape.stages * r.shape.replicas * r.shape.pipelines
+       << ", \"schedule\": " << jsonString(scheduleName(r.best->schedule))
        << ", \"shapes_tried\": " << r.shapes_tried << ", \"max_stage_peak_bytes\": " << peak << "}";
   }
   js << "}";

@@ -28,6 +28,7 @@ partition::ScheduleKind scheduleFromName(const std::string& name) {
   if (name == "fill_drain" || name == "fill-drain") return partition::ScheduleKind::FillDrain;
   if (name == "zb_h1" || name == "zb-h1") return partition::ScheduleKind::ZeroBubbleH1;
   if (name == "auto") return partition::ScheduleKind::Auto;
+  if (name == "interleaved") return partition::ScheduleKind::Interleaved;
   throw Error("option schedule is '" + name + "'; expected auto, 1f1b, zb_h1 or fill_drain");
 }
 
@@ -133,24 +134,27 @@ void bindPlanner(py::module& m) {
 
   m.def(
       "build_schedule",
-      [](const std::string& kind, int stages, int micro_batches) {
-        auto schedule = partition::buildSchedule(scheduleFromName(kind), stages, micro_batches);
+      [](const std::string& kind, int stages, int micro_batches, int chunks) {
+        auto schedule = partition::buildSchedule(scheduleFromName(kind), stages, micro_batches, chunks);
         std::vector<std::vector<std::pair<std::string, int>>> out;
         for (const auto& stage : schedule) {
           std::vector<std::pair<std::string, int>> actions;
           for (const auto& a : stage) {
-            actions.emplace_back(partition::actionName(a.kind), a.micro_batch);
+            actions.emplace_back(partition::actionName(a.kind) + (a.chunk ? "." + std::to_string(a.chunk) : ""),
+                                 a.micro_batch);
           }
           out.push_back(std::move(actions));
         }
         return out;
       },
-      py::arg("kind"), py::arg("stages"), py::arg("micro_batches"),
-      "Per stage, the ordered actions ('F' or 'B', micro-batch) of the schedule.");
+      py::arg("kind"), py::arg("stages"), py::arg("micro_batches"), py::arg("chunks") = 1,
+      "Per device, the ordered actions ('F', 'B', 'Bi', 'W'; '.c' on chunk c > 0, micro-batch) of the "
+      "schedule.");
 
   m.def(
       "simulate_timeline",
-      [](const std::string& kind, const std::vector<std::map<std::string, double>>& stages, int micro_batches) {
+      [](const std::string& kind, const std::vector<std::map<std::string, double>>& stages, int micro_batches,
+         int chunks) {
         std::vector<partition::SimStage> sim;
         for (const auto& t : stages) {
           partition::SimStage s;
@@ -165,7 +169,9 @@ void bindPlanner(py::module& m) {
           s.send_backward_time = get("send_backward");
           sim.push_back(s);
         }
-        auto schedule = partition::buildSchedule(scheduleFromName(kind), static_cast<int>(sim.size()), micro_batches);
+        auto schedule = partition::buildSchedule(scheduleFromName(kind), static_cast<int>(sim.size()) / chunks,
+                                                 micro_batches, chunks);
+        const int devices = static_cast<int>(schedule.size());
         auto r = partition::simulate(sim, schedule, micro_batches);
         py::list out;
         for (size_t i = 0; i < schedule.size(); ++i) {
@@ -173,16 +179,18 @@ void bindPlanner(py::module& m) {
           for (size_t k = 0; k < schedule[i].size(); ++k) {
             const auto& a = schedule[i][k];
             const double start = r.start[i][k];
-            actions.append(py::make_tuple(partition::actionName(a.kind), a.micro_batch, start,
-                                          start + partition::actionTime(sim[i], a.kind)));
+            const auto& stage = sim[a.chunk * devices + i];
+            actions.append(py::make_tuple(partition::actionName(a.kind), a.micro_batch, a.chunk, start,
+                                          start + partition::actionTime(stage, a.kind)));
           }
           out.append(actions);
         }
         return py::make_tuple(out, r.iteration_time);
       },
-      py::arg("kind"), py::arg("stages"), py::arg("micro_batches"),
+      py::arg("kind"), py::arg("stages"), py::arg("micro_batches"), py::arg("chunks") = 1,
       "Simulates `kind` over stages given as dicts of seconds (forward, backward, weight, "
-      "send_forward, send_backward): (per stage [(action, micro-batch, start, end)], iteration time).");
+      "send_forward, send_backward), chunks x devices of them: (per device [(action, micro-batch, chunk, "
+      "start, end)], iteration time).");
 }
 
 }  // namespace rannc::bind

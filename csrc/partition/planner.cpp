@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <map>
-#include <optional>
 
 #include "common/error.h"
 #include "common/log_fmt.h"
@@ -43,6 +42,10 @@ void checkOptions(const PlannerOptions& o) {
                 "one count per stage: set num_stages to " + str(o.replicas.size()) + " (it is " +
                     str(o.num_stages) + ")");
     }
+  }
+  if (o.schedule == ScheduleKind::Interleaved) {
+    badOption("schedule", "interleaved", "auto, 1f1b, zb_h1 or fill_drain (interleaved schedules are simulated, "
+              "not yet planned or run)");
   }
   if (o.search_patience < 0) badOption("search_patience", str(o.search_patience), "at least 0 (0: exhaustive)");
   if (o.verify_finalists < 0) badOption("verify_finalists", str(o.verify_finalists), "at least 0");
@@ -203,13 +206,33 @@ void planSchedule(PlanTrace& trace, CostModel& costs, const PlanContext& ctx, co
 // plan_tolerance: 1F1B is the simpler schedule (one backward per micro-batch), and ZB-H1's
 // weight-gradient share is an estimate ([Note: weight gradient share] in stage_cost.h).
 // The costs are measured once: the second search reads them from the cost model.
+// `plan` run under `schedule` instead: the simulator over its stages' predictions (the
+// recomputation choices kept); infeasible where a stage then holds more than fits.
+Deployment rescheduled(const Deployment& plan, ScheduleKind schedule) {
+  Deployment d = plan;
+  d.schedule = schedule;
+  const SimResult r = simulateDeployment(plan, schedule);
+  d.iteration_time = r.iteration_time;
+  for (int i = 0; i < d.numStages(); ++i) {
+    d.stages[i].busy_time = r.busy[i];
+    d.stages[i].bubble_time = r.bubble[i];
+    d.stages[i].memory_bytes = r.peak_memory[i];
+    if (r.peak_memory[i] > d.memory_limit) d.feasible = false;
+  }
+  return d;
+}
+
+bool faster(const Deployment& a, const Deployment& b, double tolerance) {
+  if (a.feasible != b.feasible) return a.feasible;
+  return a.iteration_time < b.iteration_time * (1.0 - tolerance);
+}
+
 PlanTrace chooseSchedule(PlanTrace atomic, CostModel& costs, const PlanContext& ctx,
                          const PlannerOptions& options) {
-  std::optional<PlanTrace> best;
-  std::vector<ScheduleCandidate> tried;
   std::vector<ScheduleKind> kinds{ScheduleKind::OneFOneB};
   // One stage has no bubble to fill: both schedules run the same plan.
   if (options.num_stages != 1) kinds.push_back(ScheduleKind::ZeroBubbleH1);
+  std::vector<PlanTrace> found;
   for (ScheduleKind kind : kinds) {
     PlanContext c = ctx;
     c.schedule = kind;
@@ -217,20 +240,36 @@ PlanTrace chooseSchedule(PlanTrace atomic, CostModel& costs, const PlanContext& 
     try {
       planSchedule(t, costs, c, options);
     } catch (const InfeasiblePlanError&) {
-      if (kind == kinds.back() && !best) throw;  // neither schedule has a plan
+      if (kind == kinds.back() && found.empty()) throw;  // neither schedule has a plan
       continue;
     }
-    const Deployment& d = t.deployment;
-    tried.push_back({kind, d.iteration_time, d.bubbleFraction(), d.feasible});
-    logger().info("schedule {}: {}", scheduleName(kind), d.summary());
-    const bool better = !best || (d.feasible && !best->deployment.feasible) ||
-                        (d.feasible == best->deployment.feasible &&
-                         d.iteration_time < best->deployment.iteration_time * (1.0 - options.plan_tolerance));
-    if (better) best = std::move(t);
+    found.push_back(std::move(t));
   }
-  RANNC_CHECK(best.has_value(), "schedule auto tried no schedule");
-  best->deployment.schedule_candidates = std::move(tried);
-  return std::move(*best);
+  // Each schedule's search ranks stages by a score that approximates the simulator, so
+  // another schedule's plan, simulated under this one, can beat this one's own search.
+  for (PlanTrace& t : found) {
+    for (const PlanTrace& other : found) {
+      if (&other == &t) continue;
+      Deployment cross = rescheduled(other.deployment, t.deployment.schedule);
+      if (faster(cross, t.deployment, 0.0)) {
+        logger().info("schedule {}: the {} plan is faster ({:.3f} ms against {:.3f} ms)",
+                      scheduleName(cross.schedule), scheduleName(other.deployment.schedule),
+                      cross.iteration_time * 1e3, t.deployment.iteration_time * 1e3);
+        t.deployment = std::move(cross);
+      }
+    }
+  }
+  std::vector<ScheduleCandidate> tried;
+  size_t best = 0;
+  for (size_t i = 0; i < found.size(); ++i) {
+    const Deployment& d = found[i].deployment;
+    tried.push_back({d.schedule, d.iteration_time, d.bubbleFraction(), d.feasible});
+    logger().info("schedule {}: {}", scheduleName(d.schedule), d.summary());
+    if (faster(d, found[best].deployment, options.plan_tolerance)) best = i;
+  }
+  PlanTrace chosen = std::move(found[best]);
+  chosen.deployment.schedule_candidates = std::move(tried);
+  return chosen;
 }
 
 }  // namespace

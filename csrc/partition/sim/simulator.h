@@ -35,28 +35,30 @@ struct StageMemory {
 
 struct SimStage : StageTimes, StageMemory {};
 
+// Per device (a pipeline position; with one chunk per device, a stage).
 struct SimResult {
   double iteration_time = 0.0;
-  std::vector<double> finish;  // when each stage is done (all-reduce and update included)
-  std::vector<double> busy;    // compute time of each stage
+  std::vector<double> finish;  // when each device is done (all-reduce and update included)
+  std::vector<double> busy;    // compute time of each device
   std::vector<double> bubble;  // iteration time minus busy time
-  std::vector<int> peak_in_flight;
-  std::vector<int64_t> peak_memory;
-  // Start times of each stage's actions, in schedule order (for drawing and tests).
+  std::vector<int> peak_in_flight;  // micro-batches held (over all chunks)
+  std::vector<int64_t> peak_memory;  // its chunks' static bytes, the most stashes held at once, the largest working bytes
+  // Start times of each device's actions, in schedule order (for drawing and tests).
   std::vector<std::vector<double>> start;
 };
 
-// Runs `schedule` (validated first) over `stages`. A forward of micro-batch m on stage i
-// waits for stage i-1's forward of m plus its send; a backward waits for its own forward
-// and for stage i+1's backward of m plus its send. Throws InternalError on a schedule
-// that deadlocks.
 // How long `kind` takes on a stage with these times.
 double actionTime(const StageTimes& stage, ActionKind kind);
 
+// Runs `schedule` (validated first) over `stages` (chunks x devices of them; device d's
+// chunk c is stage c x devices + d). A forward of micro-batch m on stage i waits for
+// stage i-1's forward of m plus its send; a backward waits for its own forward and for
+// stage i+1's backward of m plus its send. Throws InternalError on a schedule that
+// deadlocks.
 SimResult simulate(const std::vector<SimStage>& stages, const Schedule& schedule,
                    int micro_batches);
 
-// Convenience: builds the schedule of `kind` first.
-SimResult simulate(const std::vector<SimStage>& stages, ScheduleKind kind, int micro_batches);
+// Convenience: builds the schedule of `kind` over stages.size() / chunks devices first.
+SimResult simulate(const std::vector<SimStage>& stages, ScheduleKind kind, int micro_batches, int chunks = 1);
 
 }  // namespace rannc::partition

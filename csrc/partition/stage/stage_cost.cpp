@@ -121,7 +121,9 @@ StageEstimate estimateStage(const CostModel& costs, const PieceCost& cost, const
                 (S - 1) * (compute - 2.0 * e.weight_time + 2.0 * round_trip);
       break;
     case ScheduleKind::FillDrain: e.score = (M + S - 1) * compute + (S - 1) * round_trip; break;
-    case ScheduleKind::Auto: throw InternalError("a stage is scored under a concrete schedule, not auto");
+    case ScheduleKind::Interleaved:  // not planned yet: the stage search plans one chunk per device
+    case ScheduleKind::Auto:
+      throw InternalError(std::string("the stage search does not plan schedule ") + scheduleName(ctx.schedule));
   }
   e.score += std::max(0.0, e.allreduce_time - e.backward_time) + e.update_time;
   return e;

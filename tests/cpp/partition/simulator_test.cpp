@@ -136,5 +136,57 @@ TEST(ASimulator, GivesZeroBubbleH1OneFOneBsTimeWithoutWeightGradients) {
                    simulate(st, ScheduleKind::OneFOneB, 6).iteration_time);
 }
 
+// [Note: interleaved 1F1B]: every device runs the same (chunk, micro-batch) order, groups
+// of `devices` micro-batches through chunk 0 then chunk 1; backwards with the chunks reversed.
+TEST(ASchedule, PrintsInterleavedOneFOneBWithChunksPerDevice) {
+  EXPECT_EQ(formatSchedule(buildSchedule(ScheduleKind::Interleaved, 2, 2, 2)),
+            "0: F0.0 F1.0 F0.1 F1.1 B0.1 B1.1 B0.0 B1.0\n"
+            "1: F0.0 F1.0 F0.1 B0.1 F1.1 B1.1 B0.0 B1.0\n");
+  EXPECT_THROW(buildSchedule(ScheduleKind::Interleaved, 2, 3, 2), InvalidGraphError);  // 3 not a multiple of 2
+  EXPECT_THROW(buildSchedule(ScheduleKind::Interleaved, 2, 2, 1), InvalidGraphError);  // one chunk
+  EXPECT_THROW(buildSchedule(ScheduleKind::OneFOneB, 2, 2, 2), InvalidGraphError);
+}
+
+// Megatron-LM's bubble: with v chunks per device, each stage 1/v of the device's work, the
+// fill and drain take (D - 1)(f + b) / v instead of (D - 1)(f + b); the device holds at most
+// its warm-up 2 (D - 1 - d) + (v - 1) D plus one forwards of stages 1/v the size.
+TEST(ASimulator, GivesInterleavedOneFOneBAFractionOfTheBubblePerChunk) {
+  for (int D : {2, 3, 4}) {
+    for (int v : {2, 3}) {
+      for (int groups : {1, 2, 3}) {
+        const int M = groups * D;
+        SimResult one = simulate(uniform(D, 1, 2), ScheduleKind::OneFOneB, M);
+        SimResult inter = simulate(uniform(D * v, 1.0 / v, 2.0 / v), ScheduleKind::Interleaved, M, v);
+        const std::string where = std::to_string(D) + " devices, " + std::to_string(v) + " chunks, M " +
+                                  std::to_string(M);
+        EXPECT_DOUBLE_EQ(one.iteration_time, 3.0 * M + 3.0 * (D - 1)) << where;
+        EXPECT_NEAR(inter.iteration_time, 3.0 * M + 3.0 * (D - 1) / v, 1e-9) << where;
+        for (int d = 0; d < D; ++d) {
+          EXPECT_NEAR(inter.busy[d], 3.0 * M, 1e-9) << where;
+          EXPECT_EQ(inter.peak_in_flight[d], std::min(M * v, 2 * (D - 1 - d) + (v - 1) * D + 1)) << where;
+          int held = 0;
+          for (int c = 0; c < v; ++c) held = std::max(held, maxInFlight(ScheduleKind::Interleaved, c * D + d, D * v, M, v));
+          EXPECT_LE(held, inter.peak_in_flight[d]) << where;
+        }
+      }
+    }
+  }
+}
+
+// Device memory counts each chunk's stash as it is held: chunks with different activation
+// sizes add up to what the device holds at once, with every chunk's static bytes.
+TEST(ASimulator, CountsAllChunksOfADeviceInItsMemory) {
+  std::vector<SimStage> st = uniform(4, 1, 2);  // 2 devices x 2 chunks
+  for (int i = 0; i < 4; ++i) {
+    st[i].static_bytes = 1000;
+    st[i].stash_bytes = i < 2 ? 10 : 100;  // chunk 0 small, chunk 1 large
+  }
+  SimResult r = simulate(st, ScheduleKind::Interleaved, 2, 2);
+  // device 0: F0.0 F1.0 F0.1 F1.1 (all held) -> 2 x 10 + 2 x 100
+  EXPECT_EQ(r.peak_memory[0], 2000 + 220);
+  // device 1: F0.0 F1.0 F0.1 B0.1 F1.1 -> at most 2 x 10 + 100 (F1.1 after B0.1)
+  EXPECT_EQ(r.peak_memory[1], 2000 + 120);
+}
+
 }  // namespace
 }  // namespace rannc::partition
