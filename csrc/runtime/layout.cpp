@@ -33,7 +33,7 @@ Layout::Layout(const partition::Deployment& deployment, int world_size, int64_t 
       micro_batches_(deployment.micro_batches) {
   RANNC_CHECK(pipelines_ >= 1 && micro_batches_ >= 1 && !deployment.stages.empty(),
               "a deployment needs stages, pipeline copies and micro-batches");
-  place_.assign(world_size, Place{});
+  places_.assign(world_size, {});
   for (const auto& stage : deployment.stages) {
     RANNC_CHECK(!stage.ranks.empty() && stage.ranks.size() % pipelines_ == 0,
                 "a stage's " << stage.ranks.size() << " ranks do not split into " << pipelines_
@@ -63,7 +63,7 @@ Layout::Layout(const partition::Deployment& deployment, int world_size, int64_t 
       int r = stage_ranks_[s][i];
       RANNC_CHECK(r >= 0 && r < world_size, "stage " << s << " names rank " << r
                                                      << " outside a world of " << world_size);
-      place_[r] = Place{s, static_cast<int>(i) / replicas_[s], static_cast<int>(i) % replicas_[s]};
+      places_[r].push_back(Place{s, static_cast<int>(i) / replicas_[s], static_cast<int>(i) % replicas_[s]});
     }
   }
 }
@@ -72,10 +72,12 @@ int Layout::rankOf(int stage, int copy, int replica) const {
   return stage_ranks_.at(stage).at(copy * replicas_.at(stage) + replica);
 }
 
-Place Layout::place(int rank) const {
-  RANNC_CHECK(rank >= 0 && rank < world_size_ && place_[rank].stage >= 0,
+Place Layout::place(int rank) const { return places(rank).front(); }
+
+const std::vector<Place>& Layout::places(int rank) const {
+  RANNC_CHECK(rank >= 0 && rank < world_size_ && !places_[rank].empty(),
               "rank " << rank << " runs no stage of the plan");
-  return place_[rank];
+  return places_[rank];
 }
 
 Rows Layout::microBatchRows(int copy, int micro_batch) const {

@@ -57,8 +57,11 @@ class Layout {
   int replicas(int stage) const { return replicas_.at(stage); }
 
   int rankOf(int stage, int copy, int replica) const;
-  // Throws InternalError for a rank outside every stage.
+  // Throws InternalError for a rank outside every stage. A rank holding several stages
+  // (chunks of an interleaved schedule, [Note: interleaved 1F1B] in sim/schedule.h) is
+  // placed at each; place() gives its first stage.
   Place place(int rank) const;
+  const std::vector<Place>& places(int rank) const;
   Rows microBatchRows(int copy, int micro_batch) const;
   Rows share(int stage, int copy, int micro_batch, int replica) const;
   Rows owned(int rank) const;
@@ -72,7 +75,7 @@ class Layout {
   std::vector<std::vector<int>> stage_ranks_;
   std::vector<int> replicas_;
   std::vector<int64_t> copy_bounds_;
-  std::vector<Place> place_;  // by rank
+  std::vector<std::vector<Place>> places_;  // by rank, stages ascending
 };
 
 }  // namespace rannc::runtime

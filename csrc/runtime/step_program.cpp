@@ -31,12 +31,12 @@ std::string StepAction::str() const {
     case StepActionKind::Backward:
     case StepActionKind::BackwardInput:
     case StepActionKind::BackwardWeight:
-      return stepActionName(kind) + std::to_string(micro_batch);
+      return stepActionName(kind) + std::to_string(micro_batch) + (chunk ? "." + std::to_string(chunk) : "");
     case StepActionKind::Receive:
-      os << "recv " << compute << micro_batch << ":";
+      os << "recv " << compute << micro_batch << (chunk ? "." + std::to_string(chunk) : "") << ":";
       break;
     case StepActionKind::Send:
-      os << "send " << compute << micro_batch << ":";
+      os << "send " << compute << micro_batch << (chunk ? "." + std::to_string(chunk) : "") << ":";
       break;
     default:
       os << stepActionName(kind);
@@ -81,7 +81,7 @@ class Lowering {
   }
 
   StepAction receive(const partition::Action& a) const {
-    StepAction r{StepActionKind::Receive, a.micro_batch, a.kind, {}};
+    StepAction r{StepActionKind::Receive, a.micro_batch, a.chunk, a.kind, {}};
     const int m = a.micro_batch;
     if (a.kind == partition::ActionKind::Forward) {
       for (ir::ValueId vid : inputs_by_id_) {
@@ -103,7 +103,7 @@ class Lowering {
   }
 
   StepAction send(const partition::Action& a) const {
-    StepAction s{StepActionKind::Send, a.micro_batch, a.kind, {}};
+    StepAction s{StepActionKind::Send, a.micro_batch, a.chunk, a.kind, {}};
     const int m = a.micro_batch;
     if (a.kind == partition::ActionKind::Forward) {
       for (const auto& [vid, list] : plan_.send.at(m)) {
@@ -153,7 +153,24 @@ class Lowering {
 StepProgram lowerStep(const std::vector<partition::Action>& compute, const TransferPlan& plan,
                       const ir::Graph& graph, const StageBoundary& stage,
                       const std::set<ir::ValueId>& input_grads, bool all_reduce) {
-  Lowering lowering(plan, graph, stage, input_grads);
+  return lowerStep(compute, std::vector<const TransferPlan*>{&plan}, graph, std::vector<StageBoundary>{stage},
+                   input_grads, all_reduce);
+}
+
+StepProgram lowerStep(const std::vector<partition::Action>& compute, const std::vector<const TransferPlan*>& plans,
+                      const ir::Graph& graph, const std::vector<StageBoundary>& stages,
+                      const std::set<ir::ValueId>& input_grads, bool all_reduce) {
+  RANNC_CHECK(!plans.empty() && plans.size() == stages.size(),
+              plans.size() << " transfer plans for " << stages.size() << " stages");
+  std::vector<Lowering> chunks;
+  chunks.reserve(plans.size());
+  for (size_t c = 0; c < plans.size(); ++c) chunks.emplace_back(*plans[c], graph, stages[c], input_grads);
+  auto lowering = [&](const partition::Action& a) -> const Lowering& {
+    RANNC_CHECK(a.chunk >= 0 && a.chunk < static_cast<int>(chunks.size()),
+                "action on chunk " << a.chunk << " of a rank with " << chunks.size());
+    return chunks[a.chunk];
+  };
+  const TransferPlan& plan = *plans.front();
   StepProgram program;
   auto& out = program.actions;
   bool has_forwards = std::any_of(compute.begin(), compute.end(), [](const partition::Action& a) {
@@ -168,7 +185,7 @@ StepProgram lowerStep(const std::vector<partition::Action>& compute, const Trans
     }
   }
   if (has_forwards && !plan.input_sends.empty()) {
-    StepAction a{StepActionKind::SendInputRows, -1, partition::ActionKind::Forward, {}};
+    StepAction a{StepActionKind::SendInputRows, -1, 0, partition::ActionKind::Forward, {}};
     for (const Transfer& t : plan.input_sends) a.transfers.push_back({Channel::InputRows, t, false});
     out.push_back(std::move(a));
   }
@@ -180,7 +197,7 @@ StepProgram lowerStep(const std::vector<partition::Action>& compute, const Trans
     size_t j = from;
     while (j < compute.size() && !transfers(j)) ++j;
     if (j < compute.size() && j >= posted) {
-      out.push_back(lowering.receive(compute[j]));
+      out.push_back(lowering(compute[j]).receive(compute[j]));
       posted = j + 1;
     }
   };
@@ -188,14 +205,14 @@ StepProgram lowerStep(const std::vector<partition::Action>& compute, const Trans
   for (size_t i = 0; i < compute.size(); ++i) {
     const auto& a = compute[i];
     if (static_cast<int>(i) == last_backward && all_reduce) {
-      out.push_back(StepAction{StepActionKind::ArmAllReduce, -1, partition::ActionKind::Backward, {}});
+      out.push_back(StepAction{StepActionKind::ArmAllReduce, -1, 0, partition::ActionKind::Backward, {}});
     }
     postFirstFrom(i + 1);
-    out.push_back(StepAction{computeKind(a.kind), a.micro_batch, a.kind, {}});
-    if (transfers(i)) out.push_back(lowering.send(a));
+    out.push_back(StepAction{computeKind(a.kind), a.micro_batch, a.chunk, a.kind, {}});
+    if (transfers(i)) out.push_back(lowering(a).send(a));
   }
-  if (has_forwards) out.push_back(StepAction{StepActionKind::CollectOutputs, -1, partition::ActionKind::Forward, {}});
-  out.push_back(StepAction{StepActionKind::Finish, -1, partition::ActionKind::Forward, {}});
+  if (has_forwards) out.push_back(StepAction{StepActionKind::CollectOutputs, -1, 0, partition::ActionKind::Forward, {}});
+  out.push_back(StepAction{StepActionKind::Finish, -1, 0, partition::ActionKind::Forward, {}});
   return program;
 }
 

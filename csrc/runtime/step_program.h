@@ -43,6 +43,7 @@ struct ChannelTransfer {
 struct StepAction {
   StepActionKind kind = StepActionKind::Forward;
   int micro_batch = -1;
+  int chunk = 0;  // compute, Receive and Send: which of the rank's stages (interleaved schedules)
   // Receive: whether it feeds a forward (inputs) or a backward (outputs' gradients).
   partition::ActionKind feeds = partition::ActionKind::Forward;
   // Receive, Send, SendInputRows: the transfers, grouped by value id ascending, each in
@@ -71,6 +72,13 @@ struct StageBoundary {
 // backward).
 StepProgram lowerStep(const std::vector<partition::Action>& compute, const TransferPlan& plan,
                       const ir::Graph& graph, const StageBoundary& stage,
+                      const std::set<ir::ValueId>& input_grads, bool all_reduce);
+
+// The same for a rank holding several stages (chunks of an interleaved schedule): chunk c
+// of an action runs stage `stages[c]` with the transfers of `plans[c]` (planTransfers for
+// that stage; the rank's argument rows come with chunk 0's).
+StepProgram lowerStep(const std::vector<partition::Action>& compute, const std::vector<const TransferPlan*>& plans,
+                      const ir::Graph& graph, const std::vector<StageBoundary>& stages,
                       const std::set<ir::ValueId>& input_grads, bool all_reduce);
 
 // The step action that runs a schedule action.

@@ -56,8 +56,9 @@ void sortChannelOrder(TransfersByValue& table) {
 class Planner {
  public:
   Planner(const ir::Graph& graph, const std::vector<ir::Subgraph>& pieces, const Layout& layout,
-          int rank)
-      : graph_(graph), pieces_(pieces), layout_(layout), rank_(rank),
+          int rank, int stage)
+      : graph_(graph), pieces_(pieces), layout_(layout), rank_(rank), stage_(stage),
+        rank_owns_(stage < 0 || stage == layout.place(rank).stage),
         graph_inputs_(graph.inputs().begin(), graph.inputs().end()) {
     for (size_t s = 0; s < pieces.size(); ++s) {
       for (ir::ValueId v : pieces[s].outputs) producer_[v] = static_cast<int>(s);
@@ -68,6 +69,7 @@ class Planner {
     const int M = layout_.microBatches();
     TransferPlan out;
     out.rank = rank_;
+    out.stage = stage_;
     out.recv.resize(M);
     out.send.resize(M);
     out.out_send.resize(M);
@@ -77,12 +79,13 @@ class Planner {
           for (int m = 0; m < M; ++m) {
             for (int j = 0; j < layout_.replicas(s); ++j) {
               for (const Transfer& t : transfersInto(s, c, m, j, vid)) {
-                if (t.dst == rank_) {
+                const bool input = graph_inputs_.count(vid) > 0;
+                if (t.dst == rank_ && (stage_ < 0 || s == stage_)) {
                   out.recv[m][vid].push_back(t);
-                } else if (t.src == rank_) {
-                  if (graph_inputs_.count(vid)) {
-                    out.input_sends.push_back(t);
-                  } else {
+                } else if (t.src == rank_ && t.dst != rank_) {
+                  if (input) {
+                    if (rank_owns_) out.input_sends.push_back(t);
+                  } else if (stage_ < 0 || producer_.at(vid) == stage_) {
                     out.send[m][vid].push_back(t);
                   }
                 }
@@ -155,8 +158,8 @@ class Planner {
               auto o = rows.overlap(layout_.owned(q));
               if (!o) continue;
               Transfer tr{vid, m, src, q, false, *o, rows.start, layout_.owned(q).start};
-              if (q == rank_) out.out_recv[vid].push_back(tr);
-              if (src == rank_) out.out_send[m][vid].push_back(tr);
+              if (q == rank_ && rank_owns_) out.out_recv[vid].push_back(tr);
+              if (src == rank_ && (stage_ < 0 || t == stage_)) out.out_send[m][vid].push_back(tr);
             }
           }
         }
@@ -170,6 +173,8 @@ class Planner {
   const std::vector<ir::Subgraph>& pieces_;
   const Layout& layout_;
   int rank_;
+  int stage_;       // -1: every stage of the rank
+  bool rank_owns_;  // this plan carries the rank's own rows (arguments, batch outputs)
   std::set<ir::ValueId> graph_inputs_;
   std::map<ir::ValueId, int> producer_;
 };
@@ -232,8 +237,8 @@ std::vector<ChannelKey> TransferPlan::deviceChannels(const ir::Graph& graph) con
 }
 
 TransferPlan planTransfers(const ir::Graph& graph, const std::vector<ir::Subgraph>& pieces,
-                           const Layout& layout, int rank, const DescribeTask& describe) {
-  return Planner(graph, pieces, layout, rank).plan(describe);
+                           const Layout& layout, int rank, const DescribeTask& describe, int stage) {
+  return Planner(graph, pieces, layout, rank, stage).plan(describe);
 }
 
 std::vector<std::pair<std::vector<int>, std::vector<ir::ValueId>>> gradientGroups(

@@ -68,6 +68,7 @@ using TransfersByValue = std::map<ir::ValueId, std::vector<Transfer>>;
 
 struct TransferPlan {
   int rank = 0;
+  int stage = -1;  // the stage of the rank this plan is for; -1: every stage of the rank
   std::vector<TransfersByValue> recv;     // [m]: inputs of this rank's stage, into this rank
   std::vector<TransfersByValue> send;     // [m]: this rank's outputs to later stages
   std::vector<Transfer> input_sends;      // rows of this rank's arguments other ranks run
@@ -91,9 +92,12 @@ bool isShapeValue(const ir::Value& value);
 std::vector<ir::ValueId> movedInputs(const ir::Graph& graph, const ir::Subgraph& piece, int stage,
                                      const DescribeTask& describe);
 
-// The transfers of one step as `rank` sees them; `pieces[s]` is stage s's piece.
+// The transfers of one step as `rank` sees them; `pieces[s]` is stage s's piece. With
+// `stage` >= 0 (a rank holding several stages), those of that stage only: what it
+// receives and sends; the rows of the rank's arguments and of the batch outputs it owns go
+// with its first stage.
 TransferPlan planTransfers(const ir::Graph& graph, const std::vector<ir::Subgraph>& pieces,
-                           const Layout& layout, int rank, const DescribeTask& describe);
+                           const Layout& layout, int rank, const DescribeTask& describe, int stage = -1);
 
 // For every parameter a stage uses, the ranks whose stages use it: their gradients are
 // summed (a stage's replicas, and the stages sharing a tied weight). Groups of the same

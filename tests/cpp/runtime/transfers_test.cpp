@@ -224,5 +224,97 @@ TEST(StepProgram, LowersASplitBackwardWithTheWeightPartsWithoutTransfers) {
   }
 }
 
+// [Note: interleaved 1F1B]: a rank holding several stages lowers one program over its
+// chunks, each with its stage's transfers. Every device runs the same order of (chunk,
+// micro-batch), so the two ends of each channel meet the same transfers in the same order:
+// checked here in program order, not only as sets, with one replica and with two per stage.
+void expectInterleavedChannelsAgree(const std::vector<std::vector<int>>& device_ranks, int chunks, int M, int world) {
+  const int D = static_cast<int>(device_ranks.size());
+  static const ir::Graph g = linearChain({8, 8, 8, 8, 8, 8, 8, 8});
+  std::vector<size_t> cuts;
+  std::vector<std::vector<int>> ranks;
+  const int S = D * chunks;
+  for (int s = 0; s < S; ++s) {
+    if (s > 0) cuts.push_back(static_cast<size_t>(s) * g.tasks().size() / S);
+    ranks.push_back(device_ranks[s % D]);
+  }
+  auto d = deploymentOf(g, cuts, ranks, 1, M, world);
+  Layout L(d, world, 4);
+  auto pieces = piecesOf(g, d);
+  auto schedule = partition::buildSchedule(partition::ScheduleKind::Interleaved, D, M, chunks);
+  using Key = std::tuple<int, int, int>;  // src, dst, channel
+  std::map<Key, std::vector<std::string>> sent, received;
+  for (int dev = 0; dev < D; ++dev) {
+    for (int r : device_ranks[dev]) {
+      ASSERT_EQ(L.places(r).size(), static_cast<size_t>(chunks));
+      std::vector<TransferPlan> plans;
+      std::vector<StageBoundary> boundaries;
+      for (const Place& p : L.places(r)) {
+        plans.push_back(planTransfers(g, pieces, L, r, nullptr, p.stage));
+        StageBoundary b{{}, pieces[p.stage].outputs};
+        for (ir::ValueId v : pieces[p.stage].inputs) {
+          if (!g.value(v).isModelState()) b.input_ids.push_back(v);
+        }
+        boundaries.push_back(b);
+      }
+      std::vector<const TransferPlan*> views;
+      for (const auto& p : plans) views.push_back(&p);
+      StepProgram prog = lowerStep(schedule[dev], views, g, boundaries, {}, /*all_reduce=*/true);
+      for (const StepAction& a : prog.actions) {
+        for (const ChannelTransfer& t : a.transfers) {
+          // the stages' channels (argument and output rows go as with one stage per rank)
+          if (t.local || (t.channel != Channel::Activation && t.channel != Channel::Gradient)) continue;
+          const int channel = static_cast<int>(t.channel);
+          if (a.kind == StepActionKind::Receive) {
+            // a backward receives the gradient of what it sent: the reverse direction
+            const Key key = a.feeds == partition::ActionKind::Forward ? Key{t.transfer.src, r, channel}
+                                                                     : Key{t.transfer.dst, r, channel};
+            received[key].push_back(t.transfer.str());
+          } else {
+            const Key key = t.transfer.src == r ? Key{r, t.transfer.dst, channel} : Key{r, t.transfer.src, channel};
+            sent[key].push_back(t.transfer.str());
+          }
+        }
+      }
+    }
+  }
+  EXPECT_FALSE(sent.empty());
+  EXPECT_EQ(sent, received);
+}
+
+TEST(TransferPlan, AgreesOnEveryChannelUnderAnInterleavedSchedule) {
+  expectInterleavedChannelsAgree({{0}, {1}}, 2, 4, 2);
+  expectInterleavedChannelsAgree({{0}, {1}, {2}}, 2, 6, 3);
+  expectInterleavedChannelsAgree({{0}, {1}}, 3, 2, 2);
+  expectInterleavedChannelsAgree({{0, 1}, {2, 3}}, 2, 4, 4);  // two replicas per stage
+  expectInterleavedChannelsAgree({{0, 1}, {2}}, 2, 2, 3);     // replicas 2 and 1: rows redistributed
+}
+
+TEST(TransferPlan, GivesARankOfSeveralStagesItsArgumentRowsOnce) {
+  static const ir::Graph g = linearChain({8, 8, 8, 8});
+  auto d = deploymentOf(g, {1, 2, 3}, {{0}, {1}, {0}, {1}}, 1, 2, 2);
+  Layout L(d, 2, 4);
+  auto pieces = piecesOf(g, d);
+  EXPECT_EQ(L.place(1).stage, 1);
+  ASSERT_EQ(L.places(1).size(), 2u);
+  EXPECT_EQ(L.places(1)[1].stage, 3);
+  TransferPlan chunk0 = planTransfers(g, pieces, L, 1, nullptr, 1);
+  TransferPlan chunk1 = planTransfers(g, pieces, L, 1, nullptr, 3);
+  EXPECT_FALSE(chunk0.input_sends.empty());  // rank 1's rows of x go to stage 0 on rank 0
+  EXPECT_TRUE(chunk1.input_sends.empty());
+  // the rows of the output (stage 3's) that rank 1 owns arrive once, with its first stage;
+  // stage 3 sends them, stage 1 sends only its own output
+  EXPECT_FALSE(chunk0.out_recv.empty());
+  EXPECT_TRUE(chunk1.out_recv.empty());
+  for (int m = 0; m < 2; ++m) {
+    EXPECT_TRUE(chunk0.out_send[m].empty());
+    EXPECT_FALSE(chunk1.out_send[m].empty());
+    for (const auto& [vid, list] : chunk0.send[m]) {
+      for (const Transfer& t : list) EXPECT_EQ(t.dst, 0) << t.str();  // stage 1 -> stage 2 on rank 0
+    }
+    EXPECT_TRUE(chunk1.send[m].empty());  // the last stage sends no activation
+  }
+}
+
 }  // namespace
 }  // namespace rannc::runtime
