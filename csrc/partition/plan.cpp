@@ -78,6 +78,7 @@ std::string Deployment::hash() const {
     w.u8(s.recompute);
     w.i64(s.micro_batch_rows);
   }
+  if (chunks > 1) w.i32(chunks);  // one chunk hashes as before chunks existed
   const uint64_t h = Fnv1a().bytes(w.bytes().data(), w.bytes().size()).digest();
   char buf[16];
   std::snprintf(buf, sizeof buf, "%08x", static_cast<unsigned>((h ^ (h >> 32)) & 0xffffffffu));
@@ -151,7 +152,7 @@ SimStage simStage(const StagePlan& st) {
 SimResult simulateDeployment(const Deployment& d, ScheduleKind schedule) {
   std::vector<SimStage> stages;
   for (const StagePlan& st : d.stages) stages.push_back(simStage(st));
-  return simulate(stages, schedule, d.micro_batches);
+  return simulate(stages, schedule, d.micro_batches, d.chunks);
 }
 
 ir::Subgraph stageSubgraph(const ir::Graph& graph, const StagePlan& stage) {
@@ -169,11 +170,26 @@ void validateDeployment(const ir::Graph& graph, const Deployment& d) {
   std::vector<int> stage_of(graph.numTasks(), -1);
   std::vector<char> covered(graph.numTasks(), 0);
   std::vector<char> rank_used(std::max(0, d.world_size), 0);
+  if (d.chunks < 1 || d.numStages() % d.chunks != 0) {
+    fail(std::to_string(d.numStages()) + " stages do not split into " + std::to_string(d.chunks) +
+         " chunks per device group");
+  }
+  if ((d.chunks > 1) != (d.schedule == ScheduleKind::Interleaved)) {
+    fail(std::string("schedule ") + scheduleName(d.schedule) + " with " + std::to_string(d.chunks) +
+         " chunks per device group (interleaved schedules have 2 or more, the others 1)");
+  }
+  const int groups = d.deviceGroups();
   for (size_t s = 0; s < d.stages.size(); ++s) {
     const StagePlan& st = d.stages[s];
     if (st.tasks.empty()) fail("stage " + std::to_string(s) + " has no tasks");
     if (st.ranks.empty()) fail("stage " + std::to_string(s) + " has no ranks");
-    for (int r : st.ranks) {
+    if (static_cast<int>(s) >= groups) {  // a later chunk: the ranks of its device group
+      if (st.ranks != d.stages[s % groups].ranks) {
+        fail("stage " + std::to_string(s) + " is chunk " + std::to_string(s / groups) + " of device group " +
+             std::to_string(s % groups) + " but does not run on its ranks");
+      }
+    }
+    for (int r : static_cast<int>(s) < groups ? st.ranks : std::vector<int>{}) {
       if (r < 0 || r >= d.world_size) fail("stage " + std::to_string(s) + " names rank " + std::to_string(r) +
                                            " outside the world of " + std::to_string(d.world_size));
       if (rank_used[r]++) fail("rank " + std::to_string(r) + " holds two stage replicas");
@@ -216,6 +232,7 @@ std::string serializeDeployment(const Deployment& d) {
   w.i32(d.pipelines);
   w.i32(d.micro_batches);
   w.u8(static_cast<uint8_t>(d.schedule));
+  w.i32(d.chunks);
   w.u8(static_cast<uint8_t>(d.optimizer));
   w.i64(d.memory_limit);
   w.f64(d.iteration_time);
@@ -325,10 +342,16 @@ Deployment deserializeDeployment(const std::string& bytes, const ir::Graph& grap
                                std::to_string(rows_per_copy) + " rows of a pipeline copy");
     }
     const uint8_t schedule = r.u8("schedule");
-    if (schedule > static_cast<uint8_t>(ScheduleKind::ZeroBubbleH1)) {
+    if (schedule > static_cast<uint8_t>(ScheduleKind::Interleaved)) {
       bad("schedule", std::to_string(schedule) + " is not a known schedule");
     }
     d.schedule = static_cast<ScheduleKind>(schedule);
+    d.chunks = r.i32("chunks");
+    if (d.chunks < 1 || d.chunks > d.micro_batches * 1024) bad("chunks", std::to_string(d.chunks) + " is not a chunk count");
+    if ((d.chunks > 1) != (d.schedule == ScheduleKind::Interleaved)) {
+      bad("chunks", std::to_string(d.chunks) + " chunk(s) per device group under schedule " +
+                        scheduleName(d.schedule) + " (interleaved: 2 or more, the others 1)");
+    }
     const uint8_t optimizer = r.u8("optimizer");
     if (optimizer > static_cast<uint8_t>(Optimizer::Adam)) {
       bad("optimizer", std::to_string(optimizer) + " is not a known optimizer");
@@ -341,9 +364,9 @@ Deployment deserializeDeployment(const std::string& bytes, const ir::Graph& grap
     d.feasible = r.u8("feasible") != 0;
     // Each stage holds at least one rank, and takes at least 137 bytes (empty lists).
     const uint64_t n = r.count("stages", 137);
-    if (n < 1 || n > static_cast<uint64_t>(d.world_size)) {
-      bad("stages", "count " + std::to_string(n) + " is not between 1 and the " +
-                        std::to_string(d.world_size) + " rank(s) of the world");
+    if (n < 1 || n > static_cast<uint64_t>(d.world_size) * d.chunks || n % d.chunks != 0) {
+      bad("stages", "count " + std::to_string(n) + " is not a multiple of " + std::to_string(d.chunks) +
+                        " chunk(s) between 1 and the " + std::to_string(d.world_size) + " rank(s) of the world");
     }
     int ranks_used = 0;
     for (uint64_t i = 0; i < n; ++i) {
@@ -369,7 +392,12 @@ Deployment deserializeDeployment(const std::string& bytes, const ir::Graph& grap
                                std::to_string(d.world_size));
         }
       }
-      ranks_used += nranks;
+      const uint64_t groups = n / d.chunks;
+      if (i >= groups && s.ranks != d.stages[i % groups].ranks) {
+        bad(f + "ranks", "chunk " + std::to_string(i / groups) + " of device group " + std::to_string(i % groups) +
+                             " does not run on the group's ranks");
+      }
+      if (i < groups) ranks_used += nranks;  // later chunks share their group's ranks
       if (ranks_used > d.world_size) {
         bad(f + "ranks", "the stages hold " + std::to_string(ranks_used) + " replicas, more than the " +
                              std::to_string(d.world_size) + " rank(s) of the world");

@@ -54,6 +54,10 @@ struct Deployment {
   int pipelines = 1;         // copies of the pipeline (R of the paper's Algorithm 2)
   int micro_batches = 1;     // per pipeline copy and iteration
   ScheduleKind schedule = ScheduleKind::OneFOneB;
+  // Stages per device group (interleaved schedules, [Note: interleaved 1F1B] in
+  // sim/schedule.h): with G = stages / chunks groups, stage c x G + g runs on the ranks of
+  // stage g. 1: every stage on ranks of its own.
+  int chunks = 1;
   Optimizer optimizer = Optimizer::Adam;
   int64_t memory_limit = 0;  // usable bytes per device the plan was made for
   std::vector<StagePlan> stages;
@@ -64,6 +68,8 @@ struct Deployment {
   std::vector<ScheduleCandidate> schedule_candidates;
 
   int numStages() const { return static_cast<int>(stages.size()); }
+  // Groups of devices a micro-batch crosses once per chunk: numStages() / chunks.
+  int deviceGroups() const { return numStages() / std::max(1, chunks); }
   // The pipeline bubble: the fraction of the stages' time in an iteration spent idle,
   // 1 - sum(busy) / (stages x iteration_time), busy = micro-batches x (forward + backward)
   // + optimizer step; what the all-reduce does not hide counts as idle.
@@ -85,7 +91,8 @@ struct Deployment {
 };
 
 // Re-runs the simulator over the deployment's stored per-stage predictions under
-// `schedule` (say, to compare fill-drain with the planned 1F1B).
+// `schedule` (say, to compare fill-drain with the planned 1F1B); with the deployment's
+// chunks, so the result is per device group.
 SimResult simulateDeployment(const Deployment& deployment, ScheduleKind schedule);
 
 // What the simulator needs of a stage: its per-micro-batch times and memory parts.
@@ -100,8 +107,8 @@ ir::Subgraph stageSubgraph(const ir::Graph& graph, const StagePlan& stage);
 // Checks `deployment` against `graph` (the verify-partitioning option): graph hash, every
 // task in some stage and every non-constant task in exactly one, stages convex over their
 // non-constant tasks and in a pipeline order (no value flows from a later stage to an
-// earlier one), ranks distinct and below world_size. Throws InvalidGraphError naming the
-// first violation.
+// earlier one), ranks distinct and below world_size (stages of one device group share its
+// ranks when chunks > 1). Throws InvalidGraphError naming the first violation.
 void validateDeployment(const ir::Graph& graph, const Deployment& deployment);
 
 // The framed bytes of `deployment` (kind "deployment", kDeploymentFormatVersion).

@@ -209,6 +209,7 @@ void planSchedule(PlanTrace& trace, CostModel& costs, const PlanContext& ctx, co
 // `plan` run under `schedule` instead: the simulator over its stages' predictions (the
 // recomputation choices kept); infeasible where a stage then holds more than fits.
 Deployment rescheduled(const Deployment& plan, ScheduleKind schedule) {
+  RANNC_CHECK(plan.chunks == 1, "only plans of one chunk per device are rescheduled");
   Deployment d = plan;
   d.schedule = schedule;
   const SimResult r = simulateDeployment(plan, schedule);

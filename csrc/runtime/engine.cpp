@@ -42,6 +42,12 @@ PipelineEngine::PipelineEngine(std::shared_ptr<const frontend::TracedModel> mode
                                c10::Device device, bool nccl, int64_t bucket_bytes)
     : model_(std::move(model)), graph_(model_->graph), deployment_(std::move(deployment)),
       rank_(rank), world_size_(world_size), device_(device), nccl_(nccl) {
+  if (deployment_.chunks > 1) {
+    // csrc/runtime/README.md, "Several stages per rank": the pure half is there
+    throw Error("this plan runs " + std::to_string(deployment_.chunks) + " chunks per rank (" +
+                partition::scheduleName(deployment_.schedule) +
+                "); interleaved schedules are simulated but not yet run by the engine");
+  }
   for (int s = 0; s < deployment_.numStages(); ++s) {
     pieces_.push_back(partition::stageSubgraph(graph_, deployment_.stages[s]));
     for (ir::ValueId v : pieces_.back().outputs) producer_[v] = s;

@@ -70,7 +70,7 @@ def deployment_fields(payload: bytes) -> Fields:
     f.read("graph_hash", "Q")
     f.list("planner", "c")
     for name, fmt in [("world_size", "i"), ("batch_size", "q"), ("pipelines", "i"),
-                      ("micro_batches", "i"), ("schedule", "B"), ("optimizer", "B"),
+                      ("micro_batches", "i"), ("schedule", "B"), ("chunks", "i"), ("optimizer", "B"),
                       ("memory_limit", "q"), ("iteration_time", "d"), ("feasible", "B")]:
         f.read(name, fmt)
     for s in range(f.read("stages", "Q")):
@@ -137,6 +137,7 @@ PLAN_CASES = [
     ("world_size", -3, "-3"),
     ("schedule_candidates[1].bubble", 1.5, "not a fraction"),
     ("schedule_candidates[0].schedule", 9, "not a known schedule"),
+    ("chunks", 2, "chunk(s) per device group under schedule 1f1b"),
 ]
 
 

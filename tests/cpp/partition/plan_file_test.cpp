@@ -48,7 +48,8 @@ class APlanFile : public ::testing::Test {
     w.i64(batch);
     w.i32(1);
     w.i32(1);
-    w.u8(0);
+    w.u8(0);   // schedule 1f1b
+    w.i32(1);  // one chunk
     w.u8(2);
     w.i64(1 << 20);
     w.f64(1.0);

@@ -239,5 +239,61 @@ TEST(APlanHash, NamesWhatRunsNotWhatWasPredicted) {
   EXPECT_NE(swapped.hash(), d.hash());
 }
 
+// [Note: interleaved 1F1B]: 4 stages as 2 chunks on 2 device groups of 2 ranks each.
+Deployment interleavedChain(const ir::Graph& g, CostModel& m) {
+  PlannerOptions o;
+  o.world_size = 4;
+  o.num_blocks = 8;
+  o.num_stages = 4;
+  o.replicas = {1, 1, 1, 1};
+  o.num_microbatches = 2;
+  o.memory_limit = 1LL << 40;
+  Deployment d = plan(g, m, o);
+  d.schedule = ScheduleKind::Interleaved;
+  d.chunks = 2;
+  d.world_size = 2;
+  d.stages[0].ranks = d.stages[2].ranks = {0};
+  d.stages[1].ranks = d.stages[3].ranks = {1};
+  for (auto& st : d.stages) st.micro_batch_rows = d.batch_size / 2;
+  d.batch_size = 2 * d.stages[0].micro_batch_rows;
+  return d;
+}
+
+TEST(ADeployment, RunsSeveralChunksOnADeviceGroupAndSurvivesARoundTrip) {
+  ir::Graph g = uniformChain(8);
+  AnalyticCostModel m(g, DeviceSpec{});
+  Deployment d = interleavedChain(g, m);
+  EXPECT_EQ(d.deviceGroups(), 2);
+  validateDeployment(g, d);
+  Deployment back = deserializeDeployment(serializeDeployment(d), g);
+  EXPECT_EQ(back.chunks, 2);
+  EXPECT_EQ(back.schedule, ScheduleKind::Interleaved);
+  EXPECT_EQ(back.hash(), d.hash());
+  // the simulator runs it per device group
+  SimResult r = simulateDeployment(d, ScheduleKind::Interleaved);
+  EXPECT_EQ(r.busy.size(), 2u);
+  Deployment one = d;
+  one.chunks = 1;
+  EXPECT_NE(one.hash(), d.hash());
+}
+
+TEST(ADeployment, RefusesChunksThatDoNotShareTheirGroupsRanks) {
+  ir::Graph g = uniformChain(8);
+  AnalyticCostModel m(g, DeviceSpec{});
+  Deployment d = interleavedChain(g, m);
+  d.stages[3].ranks = {0};
+  EXPECT_THROW(validateDeployment(g, d), InvalidGraphError);
+  try {
+    deserializeDeployment(serializeDeployment(d), g, "plan.rannc");
+    FAIL() << "expected SerializationError";
+  } catch (const SerializationError& e) {
+    EXPECT_NE(std::string(e.what()).find("stages[3].ranks"), std::string::npos) << e.what();
+  }
+  Deployment mixed = interleavedChain(g, m);
+  mixed.schedule = ScheduleKind::OneFOneB;  // chunks need an interleaved schedule
+  EXPECT_THROW(validateDeployment(g, mixed), InvalidGraphError);
+  EXPECT_THROW(deserializeDeployment(serializeDeployment(mixed), g), SerializationError);
+}
+
 }  // namespace
 }  // namespace rannc::partition
