@@ -500,18 +500,25 @@ TEST(AStagePlanner, PlansFillDrainWithEveryMicroBatchInFlight) {
   for (const StagePlan& s : d.stages) EXPECT_EQ(s.memory_bytes, s.static_bytes + 4 * s.stash_bytes);
 }
 
+// schedule=auto over `stages` fixed stages (0: searched) of an 8-layer chain on `world`
+// devices with plenty of memory.
+PlannerOptions autoOptions(int world, int stages, int micro_batches) {
+  PlannerOptions o;
+  o.world_size = world;
+  o.num_blocks = 8;
+  o.num_stages = stages;
+  o.num_microbatches = micro_batches;
+  o.memory_limit = 1LL << 40;
+  o.schedule = ScheduleKind::Auto;
+  return o;
+}
+
 // [Note: schedule choice]: auto plans both schedules and keeps the faster; the chosen plan
 // is the one the fixed schedule gives.
 TEST(AStagePlanner, ChoosesZeroBubbleWhenItsBubbleIsSmaller) {
   ir::Graph g = testing::uniformChain(8, 256, /*batch=*/8);
   AnalyticCostModel m(g, device());
-  PlannerOptions o;
-  o.world_size = 4;
-  o.num_blocks = 8;
-  o.num_stages = 4;
-  o.num_microbatches = 4;
-  o.memory_limit = 1LL << 40;
-  o.schedule = ScheduleKind::Auto;
+  PlannerOptions o = autoOptions(4, 4, 4);
   Deployment chosen = plan(g, m, o);
   ASSERT_EQ(chosen.schedule_candidates.size(), 2u);
   EXPECT_EQ(chosen.schedule_candidates[0].schedule, ScheduleKind::OneFOneB);
@@ -533,13 +540,7 @@ TEST(AStagePlanner, ChoosesZeroBubbleWhenItsBubbleIsSmaller) {
 TEST(AStagePlanner, KeepsOneFOneBWhenZeroBubbleWinsByLessThanTheTolerance) {
   ir::Graph g = testing::uniformChain(8, 256, /*batch=*/64);
   AnalyticCostModel m(g, device());
-  PlannerOptions o;
-  o.world_size = 2;
-  o.num_blocks = 8;
-  o.num_stages = 2;
-  o.num_microbatches = 64;  // a bubble of 1/65 of the iteration: little to win
-  o.memory_limit = 1LL << 40;
-  o.schedule = ScheduleKind::Auto;
+  PlannerOptions o = autoOptions(2, 2, 64);  // a bubble of 1/65 of the iteration: little to win
   o.plan_tolerance = 0.05;
   Deployment d = plan(g, m, o);
   ASSERT_EQ(d.schedule_candidates.size(), 2u);
@@ -553,13 +554,7 @@ TEST(AStagePlanner, KeepsOneFOneBWhenZeroBubbleWinsByLessThanTheTolerance) {
 TEST(AStagePlanner, KeepsOneFOneBForOneStage) {
   ir::Graph g = testing::uniformChain(8, 256, /*batch=*/8);
   AnalyticCostModel m(g, device());
-  PlannerOptions o;
-  o.world_size = 1;
-  o.num_blocks = 8;
-  o.num_stages = 1;
-  o.memory_limit = 1LL << 40;
-  o.schedule = ScheduleKind::Auto;
-  Deployment d = plan(g, m, o);
+  Deployment d = plan(g, m, autoOptions(1, 1, 0));
   EXPECT_EQ(d.schedule, ScheduleKind::OneFOneB);
   ASSERT_EQ(d.schedule_candidates.size(), 1u);
   EXPECT_DOUBLE_EQ(d.bubbleFraction(), 0.0);
