@@ -137,7 +137,7 @@ PLAN_CASES = [
     ("world_size", -3, "-3"),
     ("schedule_candidates[1].bubble", 1.5, "not a fraction"),
     ("schedule_candidates[0].schedule", 9, "not a known schedule"),
-    ("chunks", 2, "chunk(s) per device group under schedule 1f1b"),
+    ("chunks", 2, "2 chunk(s) per device group under schedule"),
 ]
 
 
