@@ -95,6 +95,11 @@ struct Deployment {
 // chunks, so the result is per device group.
 SimResult simulateDeployment(const Deployment& deployment, ScheduleKind schedule);
 
+// Fills `deployment` (one chunk per device) from its simulation: the iteration time, each
+// stage's busy and bubble time and peak memory; infeasible where a stage's peak exceeds
+// its memory_limit.
+void applySimulation(Deployment& deployment, const SimResult& result);
+
 // What the simulator needs of a stage: its per-micro-batch times and memory parts.
 SimStage simStage(const StagePlan& stage);
 

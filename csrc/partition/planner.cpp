@@ -199,6 +199,21 @@ void planSchedule(PlanTrace& trace, CostModel& costs, const PlanContext& ctx, co
   }
 }
 
+// `plan` run under `schedule` instead: the simulator over its stages' predictions (the
+// recomputation choices kept); infeasible where a stage then holds more than fits.
+Deployment rescheduled(const Deployment& plan, ScheduleKind schedule) {
+  Deployment d = plan;
+  d.schedule = schedule;
+  applySimulation(d, simulateDeployment(plan, schedule));
+  return d;
+}
+
+// Whether `a` beats `b`: it fits where `b` does not, or is faster by more than `tolerance`.
+bool faster(const Deployment& a, const Deployment& b, double tolerance) {
+  if (a.feasible != b.feasible) return a.feasible;
+  return a.iteration_time < b.iteration_time * (1.0 - tolerance);
+}
+
 // [Note: schedule choice] schedule=auto plans each schedule the runtime runs from a loss
 // (1F1B, then ZB-H1) with the whole search, since the best stages, replicas and
 // micro-batch count differ between them (ZB-H1's smaller bubble needs fewer
@@ -206,28 +221,6 @@ void planSchedule(PlanTrace& trace, CostModel& costs, const PlanContext& ctx, co
 // plan_tolerance: 1F1B is the simpler schedule (one backward per micro-batch), and ZB-H1's
 // weight-gradient share is an estimate ([Note: weight gradient share] in stage_cost.h).
 // The costs are measured once: the second search reads them from the cost model.
-// `plan` run under `schedule` instead: the simulator over its stages' predictions (the
-// recomputation choices kept); infeasible where a stage then holds more than fits.
-Deployment rescheduled(const Deployment& plan, ScheduleKind schedule) {
-  RANNC_CHECK(plan.chunks == 1, "only plans of one chunk per device are rescheduled");
-  Deployment d = plan;
-  d.schedule = schedule;
-  const SimResult r = simulateDeployment(plan, schedule);
-  d.iteration_time = r.iteration_time;
-  for (int i = 0; i < d.numStages(); ++i) {
-    d.stages[i].busy_time = r.busy[i];
-    d.stages[i].bubble_time = r.bubble[i];
-    d.stages[i].memory_bytes = r.peak_memory[i];
-    if (r.peak_memory[i] > d.memory_limit) d.feasible = false;
-  }
-  return d;
-}
-
-bool faster(const Deployment& a, const Deployment& b, double tolerance) {
-  if (a.feasible != b.feasible) return a.feasible;
-  return a.iteration_time < b.iteration_time * (1.0 - tolerance);
-}
-
 PlanTrace chooseSchedule(PlanTrace atomic, CostModel& costs, const PlanContext& ctx,
                          const PlannerOptions& options) {
   std::vector<ScheduleKind> kinds{ScheduleKind::OneFOneB};

@@ -185,14 +185,7 @@ Deployment assembleDeployment(CostModel& costs, const PlanContext& ctx,
     d.stages.push_back(std::move(p));
     offset += c.devices;
   }
-  SimResult r = simulate(sim, ctx.schedule, micro_batches);
-  d.iteration_time = r.iteration_time;
-  for (int i = 0; i < S; ++i) {
-    d.stages[i].busy_time = r.busy[i];
-    d.stages[i].bubble_time = r.bubble[i];
-    d.stages[i].memory_bytes = r.peak_memory[i];
-    if (d.stages[i].memory_bytes > ctx.memory_limit) d.feasible = false;
-  }
+  applySimulation(d, simulate(sim, ctx.schedule, micro_batches));
   return d;
 }
 
