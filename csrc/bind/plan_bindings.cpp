@@ -29,7 +29,7 @@ partition::ScheduleKind scheduleFromName(const std::string& name) {
   if (name == "zb_h1" || name == "zb-h1") return partition::ScheduleKind::ZeroBubbleH1;
   if (name == "auto") return partition::ScheduleKind::Auto;
   if (name == "interleaved") return partition::ScheduleKind::Interleaved;
-  throw Error("option schedule is '" + name + "'; expected auto, 1f1b, zb_h1 or fill_drain");
+  throw Error("option schedule is '" + name + "'; expected auto, 1f1b, zb_h1, interleaved or fill_drain");
 }
 
 void bindPlanner(py::module& m) {

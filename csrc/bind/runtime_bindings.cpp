@@ -81,10 +81,11 @@ void bindRuntime(py::module& m) {
            py::arg("local_batch"), py::arg("state"), py::arg("device"), py::arg("nccl"))
       .def_property_readonly("layout", &PipelineEngine::layout, py::return_value_policy::reference_internal)
       .def_property_readonly("stage", [](const PipelineEngine& e) { return e.place().stage; })
+      .def_property_readonly("stages", &PipelineEngine::stages, "the stages this rank runs, one per chunk")
       .def_property_readonly("copy", [](const PipelineEngine& e) { return e.place().copy; })
       .def_property_readonly("replica", [](const PipelineEngine& e) { return e.place().replica; })
       .def_property_readonly("pieces", &PipelineEngine::pieces)
-      .def_property_readonly("executor", &PipelineEngine::executor, py::return_value_policy::reference_internal)
+      .def("executor", &PipelineEngine::executor, py::arg("chunk") = 0, py::return_value_policy::reference_internal)
       .def_property_readonly("loss_vid", [](const PipelineEngine& e) -> py::object {
         return e.lossId() == ir::kNoId ? py::none() : py::cast(e.lossId());
       })

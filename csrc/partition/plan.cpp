@@ -14,6 +14,13 @@
 namespace rannc::partition {
 namespace {
 
+// "1f1b"; "interleaved, 2 chunks per device".
+std::string scheduleText(const Deployment& d) {
+  std::string text = scheduleName(d.schedule);
+  if (d.chunks > 1) text += ", " + std::to_string(d.chunks) + " chunks per device";
+  return text;
+}
+
 const char* kDeploymentKind = "deployment";
 
 std::string human(int64_t bytes) {
@@ -93,7 +100,7 @@ std::string Deployment::summary() const {
     os << (s ? "/" : "") << stages[s].ranks.size() / std::max<size_t>(1, static_cast<size_t>(pipelines));
   }
   os << ", " << micro_batches << " micro-batch" << (micro_batches == 1 ? "" : "es") << ", " << pipelines
-     << " pipeline cop" << (pipelines == 1 ? "y" : "ies") << ", " << scheduleName(schedule) << ", predicted "
+     << " pipeline cop" << (pipelines == 1 ? "y" : "ies") << ", " << scheduleText(*this) << ", predicted "
      << ms(iteration_time) << " ms per iteration";
   return os.str();
 }
@@ -102,7 +109,7 @@ double Deployment::bubbleFraction() const {
   if (stages.empty() || iteration_time <= 0.0) return 0.0;
   double busy = 0.0;
   for (const StagePlan& s : stages) busy += micro_batches * (s.forward_time + s.backward_time) + s.update_time;
-  return std::max(0.0, 1.0 - busy / (static_cast<double>(stages.size()) * iteration_time));
+  return std::max(0.0, 1.0 - busy / (static_cast<double>(deviceGroups()) * iteration_time));
 }
 
 std::string Deployment::report() const {
@@ -110,7 +117,7 @@ std::string Deployment::report() const {
   os << "plan " << hash() << " by " << planner << ": " << stages.size() << " stage(s) on " << world_size
      << " rank(s), " << pipelines << " pipeline cop" << (pipelines == 1 ? "y" : "ies") << ", "
      << micro_batches << " micro-batch(es) of global batch " << batch_size << ", "
-     << scheduleName(schedule) << ", " << optimizerName(optimizer) << "\n";
+     << scheduleText(*this) << ", " << optimizerName(optimizer) << "\n";
   os << "predicted iteration " << ms(iteration_time) << " ms, bubble " << percent(bubbleFraction())
      << "; memory limit " << human(memory_limit) << (feasible ? "" : " (EXCEEDED)") << "\n";
   if (!schedule_candidates.empty()) {
@@ -156,13 +163,16 @@ SimResult simulateDeployment(const Deployment& d, ScheduleKind schedule) {
 }
 
 void applySimulation(Deployment& d, const SimResult& r) {
-  RANNC_CHECK(d.chunks == 1 && static_cast<int>(r.busy.size()) == d.numStages(),
-              "a simulation per stage is applied to a plan of one chunk per device");
+  const int groups = d.deviceGroups();
+  RANNC_CHECK(static_cast<int>(r.busy.size()) == groups, "a simulation of " << r.busy.size()
+                                                          << " devices applied to a plan of " << groups);
   d.iteration_time = r.iteration_time;
   for (int i = 0; i < d.numStages(); ++i) {
-    d.stages[i].busy_time = r.busy[i];
-    d.stages[i].bubble_time = r.bubble[i];
-    d.stages[i].memory_bytes = r.peak_memory[i];
+    // with chunks, a stage reports its device's (all chunks): that is what must fit
+    const int g = i % groups;
+    d.stages[i].busy_time = r.busy[g];
+    d.stages[i].bubble_time = r.bubble[g];
+    d.stages[i].memory_bytes = r.peak_memory[g];
     if (d.stages[i].memory_bytes > d.memory_limit) d.feasible = false;
   }
 }

@@ -32,7 +32,7 @@ struct StagePlan : StageTimes, StageMemory {
   // Predictions for one replica: StageTimes per micro-batch (all-reduce and optimizer
   // step per iteration) and StageMemory's parts of the peak.
   int64_t param_bytes = 0;
-  int64_t memory_bytes = 0;       // predicted peak per replica
+  int64_t memory_bytes = 0;       // predicted peak per replica (with chunks: its device's)
   double busy_time = 0.0;         // per iteration (simulated)
   double bubble_time = 0.0;
 };
@@ -95,9 +95,9 @@ struct Deployment {
 // chunks, so the result is per device group.
 SimResult simulateDeployment(const Deployment& deployment, ScheduleKind schedule);
 
-// Fills `deployment` (one chunk per device) from its simulation: the iteration time, each
-// stage's busy and bubble time and peak memory; infeasible where a stage's peak exceeds
-// its memory_limit.
+// Fills `deployment` from its simulation: the iteration time, each stage's busy and bubble
+// time and peak memory (with chunks, its device's, over all chunks); infeasible where a
+// peak exceeds its memory_limit.
 void applySimulation(Deployment& deployment, const SimResult& result);
 
 // What the simulator needs of a stage: its per-micro-batch times and memory parts.

@@ -43,9 +43,14 @@ void checkOptions(const PlannerOptions& o) {
                     str(o.num_stages) + ")");
     }
   }
-  if (o.schedule == ScheduleKind::Interleaved) {
-    badOption("schedule", "interleaved", "auto, 1f1b, zb_h1 or fill_drain (interleaved schedules are simulated, "
-              "not yet planned or run)");
+  if (o.chunks < 2) badOption("chunks", str(o.chunks), "at least 2 (stages per device under schedule interleaved)");
+  if (o.schedule == ScheduleKind::Interleaved && !o.replicas.empty()) {
+    badOption("replicas", replicaList(o.replicas),
+              "none under schedule interleaved (every stage there has the same replicas)");
+  }
+  if (o.schedule == ScheduleKind::Interleaved && o.num_stages > 0 && o.num_stages % o.chunks != 0) {
+    badOption("num_stages", str(o.num_stages),
+              "a multiple of chunks=" + str(o.chunks) + " under schedule interleaved");
   }
   if (o.search_patience < 0) badOption("search_patience", str(o.search_patience), "at least 0 (0: exhaustive)");
   if (o.verify_finalists < 0) badOption("verify_finalists", str(o.verify_finalists), "at least 0");
@@ -164,7 +169,9 @@ void planSchedule(PlanTrace& trace, CostModel& costs, const PlanContext& ctx, co
     trace.blocks = partitionBlocks(trace.atomic, costs, bo);
     StageProblem problem(trace.blocks, costs, ctx);
     try {
-      candidates = formStageCandidates(problem, so, keep);
+      candidates = ctx.schedule == ScheduleKind::Interleaved
+                       ? std::vector<Deployment>{formInterleavedStages(problem, so, options.chunks)}
+                       : formStageCandidates(problem, so, keep);
       break;
     } catch (const InfeasiblePlanError& e) {
       // Stages are unions of blocks, so k caps the stage count and the granularity of
@@ -181,7 +188,9 @@ void planSchedule(PlanTrace& trace, CostModel& costs, const PlanContext& ctx, co
   // the way competes (the unrefined winner too): the simplest within the tolerance of the
   // fastest ([Note: plan tolerance]), its boundaries then settled within the same bound.
   trace.deployment = candidates.front();
-  if (options.refine_boundaries) {
+  // Refinement moves single boundaries and replicas; an interleaved plan's stages are tied
+  // to their device groups, so it keeps the block-level cut.
+  if (options.refine_boundaries && ctx.schedule != ScheduleKind::Interleaved) {
     RefineOptions ro;
     ro.move_replicas = options.refine_replicas && options.replicas.empty();
     ro.move_micro_batches = options.refine_replicas && options.num_microbatches == 0;

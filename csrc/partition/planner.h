@@ -23,6 +23,7 @@ struct PlannerOptions {
   int64_t memory_limit = 0;       // usable bytes per device; 0: device memory x (1 - margin)
   Optimizer optimizer = Optimizer::Adam;
   ScheduleKind schedule = ScheduleKind::OneFOneB;
+  int chunks = 2;  // schedule interleaved: stages per device ([Note: interleaved search])
   Recompute recompute = Recompute::Auto;  // recompute activations where memory needs it, never, always
   double update_seconds_per_byte = -1.0;  // optimizer step per parameter byte (PlanContext)
   ConstantPolicy constant_policy = ConstantPolicy::IndependentOfState;

@@ -7,7 +7,7 @@
 namespace rannc::runtime {
 namespace {
 
-constexpr int kTagBase = 100;  // a channel's MPI tag is kTagBase + its kind
+constexpr int kTagBase = 100;  // a channel's MPI tag is kTagBase + its kind + kNumChannels x lane
 
 class StagedWork : public comm::Work {
  public:
@@ -31,17 +31,17 @@ at::Tensor hostLike(const at::Tensor& t) {
 class MpiChannels : public Channels {
  public:
   MpiChannels() : comm_(comm::worldCpuCommunicator()) {}
-  comm::WorkPtr send(const at::Tensor& t, int dst, Channel channel) override {
-    return comm_->send(t.is_cpu() ? t : t.to(c10::kCPU), dst, tag(channel));
+  comm::WorkPtr send(const at::Tensor& t, int dst, Channel channel, int lane) override {
+    return comm_->send(t.is_cpu() ? t : t.to(c10::kCPU), dst, tag(channel, lane));
   }
-  comm::WorkPtr recv(at::Tensor buffer, int src, Channel channel) override {
-    if (buffer.is_cpu()) return comm_->recv(buffer, src, tag(channel));
+  comm::WorkPtr recv(at::Tensor buffer, int src, Channel channel, int lane) override {
+    if (buffer.is_cpu()) return comm_->recv(buffer, src, tag(channel, lane));
     at::Tensor host = hostLike(buffer);
-    return stagedThroughHost(comm_->recv(host, src, tag(channel)), host, buffer);
+    return stagedThroughHost(comm_->recv(host, src, tag(channel, lane)), host, buffer);
   }
 
  private:
-  static int tag(Channel c) { return kTagBase + static_cast<int>(c); }
+  static int tag(Channel c, int lane) { return kTagBase + static_cast<int>(c) + kNumChannels * lane; }
   std::shared_ptr<comm::Communicator> comm_;
 };
 
@@ -63,12 +63,12 @@ class NcclChannels : public Channels {
       comms_[k] = pair;
     }
   }
-  comm::WorkPtr send(const at::Tensor& t, int dst, Channel channel) override {
-    auto& c = find({me_, dst, channel});
+  comm::WorkPtr send(const at::Tensor& t, int dst, Channel channel, int lane) override {
+    auto& c = find({me_, dst, channel, lane});
     return c->send(t.to(device_).contiguous(), peer(*c, dst), 0);
   }
-  comm::WorkPtr recv(at::Tensor buffer, int src, Channel channel) override {
-    auto& c = find({src, me_, channel});
+  comm::WorkPtr recv(at::Tensor buffer, int src, Channel channel, int lane) override {
+    auto& c = find({src, me_, channel, lane});
     return c->recv(buffer, peer(*c, src), 0);
   }
 
@@ -77,7 +77,7 @@ class NcclChannels : public Channels {
   std::shared_ptr<comm::Communicator>& find(const ChannelKey& k) {
     auto it = comms_.find(k);
     RANNC_CHECK(it != comms_.end(), "no NCCL channel " << k.src << "->" << k.dst << " ("
-                                                       << channelName(k.channel) << ")");
+                                                       << channelName(k.channel) << " lane " << k.lane << ")");
     return it->second;
   }
   c10::Device device_;

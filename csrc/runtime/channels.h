@@ -16,9 +16,10 @@ namespace rannc::runtime {
 class Channels {
  public:
   virtual ~Channels() = default;
-  virtual comm::WorkPtr send(const at::Tensor& tensor, int dst, Channel channel) = 0;
+  // `lane`: [Note: channel lanes] in transfers.h.
+  virtual comm::WorkPtr send(const at::Tensor& tensor, int dst, Channel channel, int lane = 0) = 0;
   // wait() leaves the data in `buffer`.
-  virtual comm::WorkPtr recv(at::Tensor buffer, int src, Channel channel) = 0;
+  virtual comm::WorkPtr recv(at::Tensor buffer, int src, Channel channel, int lane = 0) = 0;
 };
 
 // Channels over MPI (the world's CPU communicator).

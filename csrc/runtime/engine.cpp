@@ -42,12 +42,6 @@ PipelineEngine::PipelineEngine(std::shared_ptr<const frontend::TracedModel> mode
                                c10::Device device, bool nccl, int64_t bucket_bytes)
     : model_(std::move(model)), graph_(model_->graph), deployment_(std::move(deployment)),
       rank_(rank), world_size_(world_size), device_(device), nccl_(nccl) {
-  if (deployment_.chunks > 1) {
-    // csrc/runtime/README.md, "Several stages per rank": the pure half is there
-    throw Error("this plan runs " + std::to_string(deployment_.chunks) + " chunks per rank (" +
-                partition::scheduleName(deployment_.schedule) +
-                "); interleaved schedules are simulated but not yet run by the engine");
-  }
   for (int s = 0; s < deployment_.numStages(); ++s) {
     pieces_.push_back(partition::stageSubgraph(graph_, deployment_.stages[s]));
     for (ir::ValueId v : pieces_.back().outputs) producer_[v] = s;
@@ -63,21 +57,28 @@ PipelineEngine::PipelineEngine(std::shared_ptr<const frontend::TracedModel> mode
   }
   if (losses != 1) loss_id_ = ir::kNoId;
   host_channels_ = mpiChannels();
-  configure(local_batch, false);
-  place_ = config_->layout.place(rank_);
-  const auto& stage = deployment_.stages.at(place_.stage);
-  recompute_ = stage.recompute;
-  for (ir::ValueId v : pieces_[place_.stage].inputs) {
-    auto it = state.find(v);
-    if (it == state.end()) continue;
-    stage_state_[v] = it->second;
-    if (it->second.requires_grad()) own_[v] = it->second;
+  {
+    // the places are known from the layout of any batch; the chunks before the transfer plans
+    Layout layout(deployment_, world_size_, local_batch);
+    for (const Place& place : layout.places(rank_)) {
+      Chunk chunk;
+      chunk.place = place;
+      chunk.recompute = deployment_.stages.at(place.stage).recompute;
+      std::unordered_map<ir::ValueId, at::Tensor> chunk_state;
+      for (ir::ValueId v : pieces_[place.stage].inputs) {
+        auto it = state.find(v);
+        if (it == state.end()) continue;
+        chunk_state[v] = stage_state_[v] = it->second;
+        if (it->second.requires_grad()) own_[v] = it->second;
+      }
+      chunk.executor = std::make_unique<StageExecutor>(model_, pieces_[place.stage], std::move(chunk_state), device_);
+      const StageExecutor& ex = *chunk.executor;
+      for (size_t i = 0; i < ex.inputIds().size(); ++i) chunk.input_index[ex.inputIds()[i]] = i;
+      for (size_t i = 0; i < ex.outputIds().size(); ++i) chunk.output_index[ex.outputIds()[i]] = i;
+      chunks_.push_back(std::move(chunk));
+    }
   }
-  executor_ = std::make_unique<StageExecutor>(
-      model_, pieces_[place_.stage],
-      std::unordered_map<ir::ValueId, at::Tensor>(stage_state_.begin(), stage_state_.end()), device_);
-  for (size_t i = 0; i < executor_->inputIds().size(); ++i) input_index_[executor_->inputIds()[i]] = i;
-  for (size_t i = 0; i < executor_->outputIds().size(); ++i) output_index_[executor_->outputIds()[i]] = i;
+  configure(local_batch, false);
   // the gradient groups this rank is in, their communicators created in one order everywhere
   std::vector<std::pair<std::shared_ptr<comm::Communicator>, std::vector<ir::ValueId>>> groups;
   for (auto& [ranks, ids] : gradientGroups()) {
@@ -93,6 +94,12 @@ PipelineEngine::PipelineEngine(std::shared_ptr<const frontend::TracedModel> mode
   setInputGrads({});
 }
 
+std::vector<int> PipelineEngine::stages() const {
+  std::vector<int> out;
+  for (const Chunk& c : chunks_) out.push_back(c.place.stage);
+  return out;
+}
+
 int PipelineEngine::producerOf(ir::ValueId value) const {
   auto it = producer_.find(value);
   return it == producer_.end() ? -1 : it->second;
@@ -100,7 +107,7 @@ int PipelineEngine::producerOf(ir::ValueId value) const {
 
 std::vector<ir::ValueId> PipelineEngine::batchOutputIds() const {
   std::vector<ir::ValueId> out;
-  for (const auto& [v, _] : config_->plan.out_recv) out.push_back(v);
+  for (const auto& [v, _] : ownRowsPlan().out_recv) out.push_back(v);
   return out;
 }
 
@@ -116,11 +123,20 @@ void PipelineEngine::configure(int64_t local_batch, bool cap_micro_batches) {
   auto config = std::unique_ptr<BatchConfig>(new BatchConfig{
       Layout(deployment_, world_size_, local_batch, cap_micro_batches), {}, {}, nullptr, {}});
   DescribeTask describe = [this](ir::TaskId t) { return model_->describeTask(t); };
-  config->plan = planTransfers(graph_, pieces_, config->layout, rank_, describe);
-  int stage = config->layout.place(rank_).stage;
-  config->train_actions = partition::buildSchedule(deployment_.schedule, deployment_.numStages(),
-                                                   config->layout.microBatches())[stage];
-  if (nccl_) config->device_channels = ncclChannels(config->plan.deviceChannels(graph_), device_);
+  for (const Chunk& c : chunks_) {
+    config->plans.push_back(planTransfers(graph_, pieces_, config->layout, rank_, describe, c.place.stage));
+  }
+  // device group g runs stages g, G + g, ...: its schedule is the g-th device's
+  const int groups = deployment_.deviceGroups();
+  config->train_actions = partition::buildSchedule(deployment_.schedule, groups, config->layout.microBatches(),
+                                                   deployment_.chunks)[place().stage % groups];
+  if (nccl_) {
+    std::set<ChannelKey> keys;
+    for (const TransferPlan& plan : config->plans) {
+      for (const ChannelKey& k : plan.deviceChannels(graph_)) keys.insert(k);
+    }
+    config->device_channels = ncclChannels({keys.begin(), keys.end()}, device_);
+  }
   config_ = config.get();
   configs_[local_batch] = std::move(config);
 }
@@ -140,11 +156,13 @@ void PipelineEngine::setInputGrads(std::set<ir::ValueId> ids) {
   if (input_grads_known_ && ids == input_grad_ids_) return;
   input_grad_ids_ = std::move(ids);
   input_grads_known_ = true;
-  std::vector<ir::ValueId> no_grad;
-  for (ir::ValueId v : executor_->inputIds()) {
-    if (graph_inputs_.count(v) && !input_grad_ids_.count(v)) no_grad.push_back(v);
+  for (Chunk& c : chunks_) {
+    std::vector<ir::ValueId> no_grad;
+    for (ir::ValueId v : c.executor->inputIds()) {
+      if (graph_inputs_.count(v) && !input_grad_ids_.count(v)) no_grad.push_back(v);
+    }
+    c.executor->setNoGradInputs(no_grad);
   }
-  executor_->setNoGradInputs(no_grad);
   for (auto& [_, c] : configs_) c->programs.clear();
 }
 
@@ -161,13 +179,22 @@ const StepProgram& PipelineEngine::programFor(StepMode mode) {
   switch (mode) {
     case StepMode::Train: compute = train; break;
     case StepMode::Eval:
-      for (int m = 0; m < config_->layout.microBatches(); ++m) compute.push_back({partition::ActionKind::Forward, m});
+      for (int c = 0; c < static_cast<int>(chunks_.size()); ++c) {
+        for (int m = 0; m < config_->layout.microBatches(); ++m) {
+          compute.push_back({partition::ActionKind::Forward, m, c});
+        }
+      }
       break;
     case StepMode::FillDrainForward: only(partition::ActionKind::Forward); break;
     case StepMode::FillDrainBackward: only(partition::ActionKind::Backward); break;
   }
-  StageBoundary boundary{executor_->inputIds(), executor_->outputIds()};
-  auto program = lowerStep(compute, config_->plan, graph_, boundary, input_grad_ids_, !buckets_->empty());
+  std::vector<const TransferPlan*> plans;
+  std::vector<StageBoundary> boundaries;
+  for (size_t c = 0; c < chunks_.size(); ++c) {
+    plans.push_back(&config_->plans[c]);
+    boundaries.push_back({chunks_[c].executor->inputIds(), chunks_[c].executor->outputIds()});
+  }
+  auto program = lowerStep(compute, plans, graph_, boundaries, input_grad_ids_, !buckets_->empty());
   return config_->programs[mode] = std::move(program);
 }
 
@@ -177,8 +204,9 @@ StepOutputs PipelineEngine::step(const std::map<ir::ValueId, c10::IValue>& local
   seeds_.clear();
   if (train && loss_id_ != ir::kNoId) {
     const Layout& L = config_->layout;
+    const Place& at = place();  // every chunk has the same copy and replica, hence rows
     for (int m = 0; m < L.microBatches(); ++m) {
-      Rows rows = L.share(place_.stage, place_.copy, m, place_.replica);
+      Rows rows = L.share(at.stage, at.copy, m, at.replica);
       seeds_[m][loss_id_] = Seed{double(rows.size()) / double(L.globalBatch()), {}};
     }
   }
@@ -186,7 +214,7 @@ StepOutputs PipelineEngine::step(const std::map<ir::ValueId, c10::IValue>& local
 }
 
 StepOutputs PipelineEngine::forwardForBackward(const std::map<ir::ValueId, c10::IValue>& local) {
-  executor_->discard();  // a training forward whose backward never came
+  for (Chunk& c : chunks_) c.executor->discard();  // a training forward whose backward never came
   return execute(programFor(StepMode::FillDrainForward), &local, true);
 }
 
@@ -220,7 +248,7 @@ PipelineEngine::PostedByValue PipelineEngine::post(const StepAction& receive) {
     }
     at::Tensor buf = empty(t.value, &t, device_);
     int peer = forward ? t.src : t.dst;  // a gradient comes back from the consumer
-    list.push_back({&t, buf, channelsFor(ct.channel).recv(buf, peer, ct.channel)});
+    list.push_back({&t, buf, channelsFor(ct.channel).recv(buf, peer, ct.channel, t.lane)});
   }
   return posted;
 }
@@ -228,7 +256,7 @@ PipelineEngine::PostedByValue PipelineEngine::post(const StepAction& receive) {
 c10::IValue PipelineEngine::shapeValue(ir::ValueId vid, int m) const {
   const ir::Value& v = graph_.value(vid);
   const Layout& L = config_->layout;
-  int64_t rows = L.share(place_.stage, place_.copy, m, place_.replica).size();
+  int64_t rows = L.share(place().stage, place().copy, m, place().replica).size();
   std::vector<int64_t> ints;
   for (size_t i = 0; i < v.int_values.size(); ++i) {
     int64_t k = v.int_batch_multiples.at(i);
@@ -247,7 +275,12 @@ c10::IValue PipelineEngine::gather(ir::ValueId vid, int m, const std::map<ir::Va
                                           << " was never received");
   std::vector<at::Tensor> parts;
   for (Posted& p : it->second) {
-    if (p.work == nullptr) {
+    if (p.work == nullptr && !graph_inputs_.count(vid)) {  // another chunk's output
+      auto out = chunk_outputs_.find({m, vid});
+      RANNC_CHECK(out != chunk_outputs_.end(), "rank " << rank_ << ": value " << vid << " of micro-batch " << m
+                                                       << " is read before its stage ran");
+      parts.push_back(narrow(out->second.toTensor(), vid, *p.transfer, p.transfer->src_start));
+    } else if (p.work == nullptr) {
       auto lt = local.find(vid);
       RANNC_CHECK(lt != local.end(), "rank " << rank_ << " lacks its own rows of argument " << vid);
       if (!lt->second.isTensor()) return lt->second;  // a non-tensor argument, whole
@@ -286,21 +319,31 @@ at::Tensor PipelineEngine::outputGrad(ir::ValueId vid, int m, PostedByValue& pos
       grad = at::zeros(shape_it->second.first, at::TensorOptions().dtype(shape_it->second.second).device(device_));
     }
     for (Posted& p : it->second) {
+      const Transfer& t = *p.transfer;
+      if (p.work == nullptr) {  // from a later chunk of this rank; nothing if it had no gradient
+        auto g = chunk_grads_.find({m, vid, t.whole ? 0 : t.rows.start});
+        if (g == chunk_grads_.end()) continue;
+        narrow(grad, vid, t, t.src_start).add_(g->second);
+        chunk_grads_.erase(g);
+        continue;
+      }
       auto t0 = Clock::now();
       p.work->wait();
       times_.wait += since(t0);
-      narrow(grad, vid, *p.transfer, p.transfer->src_start).add_(p.buffer);
+      narrow(grad, vid, t, t.src_start).add_(p.buffer);
     }
   }
   return grad;
 }
 
-void PipelineEngine::sendBackward(const StepAction& send, int m, std::vector<comm::WorkPtr>& sends) {
-  const auto& grads = input_grads_of_.at(m);
+void PipelineEngine::sendBackward(const StepAction& send, std::vector<comm::WorkPtr>& sends) {
+  const int m = send.micro_batch;
+  const auto& grads = input_grads_of_.at({send.chunk, m});
+  const auto& index = chunks_[send.chunk].input_index;
   const int64_t mine = config_->layout.owned(rank_).start;
   for (const ChannelTransfer& ct : send.transfers) {
     const Transfer& t = ct.transfer;
-    const at::Tensor& g = grads.at(input_index_.at(t.value));
+    const at::Tensor& g = grads.at(index.at(t.value));
     if (ct.channel == Channel::InputGradient) {
       if (!g.defined()) continue;
       at::Tensor& total = input_grads_.at(t.value);
@@ -310,15 +353,20 @@ void PipelineEngine::sendBackward(const StepAction& send, int m, std::vector<com
         narrow(total, t.value, t, mine).add_(narrow(g, t.value, t, t.dst_start));
       } else {
         sends.push_back(host_channels_->send(narrow(g, t.value, t, t.dst_start).contiguous(), t.src,
-                                             Channel::InputGradient));
+                                             Channel::InputGradient, t.lane));
       }
+      continue;
+    }
+    if (ct.local) {  // for an earlier chunk of this rank ([Note: chunks on a rank])
+      if (g.defined()) chunk_grads_.emplace(std::make_tuple(m, t.value, t.whole ? 0 : t.rows.start),
+                                            narrow(g, t.value, t, t.dst_start));
       continue;
     }
     at::Tensor piece = g.defined() ? narrow(g, t.value, t, t.dst_start).contiguous()
                                    : empty(t.value, &t, device_).zero_();
-    sends.push_back(channels().send(piece, t.src, Channel::Gradient));
+    sends.push_back(channels().send(piece, t.src, Channel::Gradient, t.lane));
   }
-  input_grads_of_.erase(m);
+  input_grads_of_.erase({send.chunk, m});
 }
 
 std::vector<PipelineEngine::Posted> PipelineEngine::beginInputGrads() {
@@ -329,10 +377,10 @@ std::vector<PipelineEngine::Posted> PipelineEngine::beginInputGrads() {
     }
   }
   std::vector<Posted> posted;
-  for (const Transfer& t : config_->plan.input_sends) {
+  for (const Transfer& t : ownRowsPlan().input_sends) {
     if (!input_grad_ids_.count(t.value)) continue;
     at::Tensor buf = empty(t.value, &t, device_);
-    posted.push_back({&t, buf, host_channels_->recv(buf, t.dst, Channel::InputGradient)});
+    posted.push_back({&t, buf, host_channels_->recv(buf, t.dst, Channel::InputGradient, t.lane)});
   }
   return posted;
 }
@@ -353,7 +401,7 @@ void PipelineEngine::finishInputGrads(std::vector<Posted>& posted) {
 
 std::vector<const Transfer*> PipelineEngine::ownedOutputRows() const {
   std::vector<const Transfer*> order;
-  for (const auto& [_, list] : config_->plan.out_recv) {
+  for (const auto& [_, list] : ownRowsPlan().out_recv) {
     for (const Transfer& t : list) order.push_back(&t);
   }
   std::stable_sort(order.begin(), order.end(), [](const Transfer* a, const Transfer* b) {
@@ -374,7 +422,7 @@ std::map<ir::ValueId, at::Tensor> PipelineEngine::collectBatchOutputs(
       part = narrow(produced.at(t->micro_batch).at(t->value).toTensor(), t->value, *t, t->src_start);
     } else {
       part = empty(t->value, t, device_);
-      works.push_back(channels().recv(part, t->src, Channel::BatchOutput));
+      works.push_back(channels().recv(part, t->src, Channel::BatchOutput, t->lane));
     }
     parts[t->value].emplace_back(t->rows.start, part);
   }
@@ -408,6 +456,7 @@ StepOutputs PipelineEngine::execute(const StepProgram& program,
   std::optional<GradsAside> aside;
   if (has_backward) aside.emplace(own_);
   if (has_forward) {
+    chunk_outputs_.clear();
     shapes_.clear();
     local_meta_.clear();
     for (ir::ValueId vid : input_grad_ids_) {
@@ -427,7 +476,7 @@ StepOutputs PipelineEngine::execute(const StepProgram& program,
         for (const ChannelTransfer& ct : a.transfers) {
           const Transfer& t = ct.transfer;
           at::Tensor rows = narrow(local->at(t.value).toTensor(), t.value, t, t.src_start).contiguous();
-          sends.push_back(host_channels_->send(rows, t.dst, Channel::InputRows));
+          sends.push_back(host_channels_->send(rows, t.dst, Channel::InputRows, t.lane));
         }
         break;
       case StepActionKind::Receive:
@@ -437,19 +486,21 @@ StepOutputs PipelineEngine::execute(const StepProgram& program,
         RANNC_CHECK(!upcoming.empty(), "forward " << a.micro_batch << " without its receives");
         PostedByValue posted = std::move(upcoming.front());
         upcoming.pop_front();
+        Chunk& chunk = chunks_[a.chunk];
         std::vector<c10::IValue> ins;
-        for (ir::ValueId vid : executor_->inputIds()) ins.push_back(gather(vid, a.micro_batch, *local, posted));
+        for (ir::ValueId vid : chunk.executor->inputIds()) ins.push_back(gather(vid, a.micro_batch, *local, posted));
         auto t0 = Clock::now();
-        auto outs = executor_->forward(a.micro_batch, ins, train, recompute_);
+        auto outs = chunk.executor->forward(a.micro_batch, ins, train, chunk.recompute);
         times_.forward += since(t0);
-        const auto& ids = executor_->outputIds();
+        const auto& ids = chunk.executor->outputIds();
         auto& shapes = shapes_[a.micro_batch];
         auto& produced = result.produced[a.micro_batch];
         for (size_t i = 0; i < ids.size(); ++i) {
           if (outs[i].isTensor()) shapes[ids[i]] = {outs[i].toTensor().sizes().vec(), outs[i].toTensor().scalar_type()};
           if (graph_outputs_.count(ids[i])) produced[ids[i]] = outs[i];
+          if (chunks_.size() > 1) chunk_outputs_[{a.micro_batch, ids[i]}] = outs[i];
         }
-        outputs_[a.micro_batch] = std::move(outs);
+        outputs_[{a.chunk, a.micro_batch}] = std::move(outs);
         break;
       }
       case StepActionKind::Backward:
@@ -457,33 +508,35 @@ StepOutputs PipelineEngine::execute(const StepProgram& program,
         RANNC_CHECK(!upcoming.empty(), "backward " << a.micro_batch << " without its receives");
         PostedByValue posted = std::move(upcoming.front());
         upcoming.pop_front();
+        StageExecutor& executor = *chunks_[a.chunk].executor;
         std::vector<at::Tensor> grads;
-        for (ir::ValueId vid : executor_->outputIds()) grads.push_back(outputGrad(vid, a.micro_batch, posted));
+        for (ir::ValueId vid : executor.outputIds()) grads.push_back(outputGrad(vid, a.micro_batch, posted));
         auto t0 = Clock::now();
-        input_grads_of_[a.micro_batch] = a.kind == StepActionKind::Backward
-                                             ? executor_->backward(a.micro_batch, grads)
-                                             : executor_->backwardInput(a.micro_batch, grads);
+        input_grads_of_[{a.chunk, a.micro_batch}] = a.kind == StepActionKind::Backward
+                                                        ? executor.backward(a.micro_batch, grads)
+                                                        : executor.backwardInput(a.micro_batch, grads);
         times_.backward += since(t0);
         break;
       }
       case StepActionKind::BackwardWeight: {
         auto t0 = Clock::now();
-        executor_->backwardWeight(a.micro_batch);
+        chunks_[a.chunk].executor->backwardWeight(a.micro_batch);
         times_.backward += since(t0);
         break;
       }
       case StepActionKind::Send:
         if (a.feeds == partition::ActionKind::Forward) {
-          const auto& outs = outputs_.at(a.micro_batch);
+          const auto& outs = outputs_.at({a.chunk, a.micro_batch});
+          const auto& index = chunks_[a.chunk].output_index;
           for (const ChannelTransfer& ct : a.transfers) {
             const Transfer& t = ct.transfer;
-            const c10::IValue& out = outs.at(output_index_.at(t.value));
+            const c10::IValue& out = outs.at(index.at(t.value));
             at::Tensor piece = narrow(out.toTensor(), t.value, t, t.src_start).contiguous();
-            sends.push_back(channels().send(piece, t.dst, ct.channel));
+            sends.push_back(channels().send(piece, t.dst, ct.channel, t.lane));
           }
-          outputs_.erase(a.micro_batch);
+          outputs_.erase({a.chunk, a.micro_batch});
         } else {
-          sendBackward(a, a.micro_batch, sends);
+          sendBackward(a, sends);
         }
         break;
       case StepActionKind::ArmAllReduce:
@@ -496,6 +549,8 @@ StepOutputs PipelineEngine::execute(const StepProgram& program,
         auto t0 = Clock::now();
         for (auto& w : sends) w->wait();
         if (has_backward && !input_grad_ids_.empty()) finishInputGrads(input_grad_receives);
+        chunk_outputs_.clear();
+        chunk_grads_.clear();
         if (has_backward) {
           step_grads_.clear();
           for (const auto& [v, t] : own_) step_grads_[v] = t.grad().defined() ? t.grad() : at::zeros_like(t);
@@ -522,18 +577,20 @@ Seeds PipelineEngine::scatterOutputGrads(const std::map<ir::ValueId, at::Tensor>
     if (t->src == rank_) {
       mine[{t->micro_batch, t->value, t->rows.start}] = piece;
     } else {
-      sends.push_back(channels().send(piece, t->src, Channel::OutputGradient));
+      sends.push_back(channels().send(piece, t->src, Channel::OutputGradient, t->lane));
     }
   }
   std::vector<Posted> posted;
-  for (const auto& table : config_->plan.out_send) {
-    for (const auto& [vid, list] : table) {
-      for (const Transfer& t : list) {
-        if (t.dst == rank_) {
-          posted.push_back({&t, mine.at({t.micro_batch, vid, t.rows.start}), nullptr});
-        } else {
-          at::Tensor buf = empty(vid, &t, device_);
-          posted.push_back({&t, buf, channels().recv(buf, t.dst, Channel::OutputGradient)});
+  for (const TransferPlan& plan : config_->plans) {
+    for (const auto& table : plan.out_send) {
+      for (const auto& [vid, list] : table) {
+        for (const Transfer& t : list) {
+          if (t.dst == rank_) {
+            posted.push_back({&t, mine.at({t.micro_batch, vid, t.rows.start}), nullptr});
+          } else {
+            at::Tensor buf = empty(vid, &t, device_);
+            posted.push_back({&t, buf, channels().recv(buf, t.dst, Channel::OutputGradient, t.lane)});
+          }
         }
       }
     }

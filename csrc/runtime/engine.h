@@ -1,5 +1,6 @@
 #pragma once
-// The pipeline engine: runs this rank's stage of a deployment for one step, in one call.
+// The pipeline engine: runs this rank's stage of a deployment for one step, in one call
+// (its stages: one per chunk under an interleaved schedule, [Note: chunks on a rank]).
 // It lowers the planned schedule (partition/sim/schedule.h, the lists the simulator ran)
 // with the transfer plan (transfers.h) into typed actions (step_program.h) and executes
 // them over the channels (channels.h) and the stage executor (stage.h), with the bucketed
@@ -16,6 +17,13 @@
 // each row range back to the rank that owns it (the reverse of the input rows' transfer,
 // over MPI like them). A tensor without a batch dimension (every rank passes its own copy)
 // gets the sum over all ranks' rows, as the concatenated batch would.
+//
+// [Note: chunks on a rank] Under an interleaved schedule a rank runs several stages (its
+// chunks: stage c x G + g of the G device groups is chunk c of group g's ranks, which hold
+// the same copy and replica of each). Each chunk has its own executor and transfer plan;
+// the step program names the chunk of every action. A value passed between two chunks of
+// the rank is never sent: the consumer reads the producer's output of that micro-batch,
+// and the producer's backward reads the gradient the consumer's backward returned.
 #include <chrono>
 #include <cstdint>
 #include <map>
@@ -73,9 +81,12 @@ class PipelineEngine {
 
   const partition::Deployment& deployment() const { return deployment_; }
   const Layout& layout() const { return config_->layout; }
-  const Place& place() const { return place_; }
+  // Where the rank sits (its first chunk's stage; copy and replica hold for every chunk).
+  const Place& place() const { return chunks_.front().place; }
+  // The stages this rank runs, one per chunk, ascending.
+  std::vector<int> stages() const;
   const std::vector<ir::Subgraph>& pieces() const { return pieces_; }
-  StageExecutor& executor() { return *executor_; }
+  StageExecutor& executor(int chunk = 0) { return *chunks_.at(chunk).executor; }
   // Stage producing `value` (-1 for none: a model argument, a constant).
   int producerOf(ir::ValueId value) const;
   ir::ValueId lossId() const { return loss_id_; }
@@ -122,11 +133,18 @@ class PipelineEngine {
  private:
   struct BatchConfig {
     Layout layout;
-    TransferPlan plan;
+    std::vector<TransferPlan> plans;  // per chunk; the first carries the rank's own rows
     std::vector<partition::Action> train_actions;
     std::unique_ptr<Channels> device_channels;  // null: the host channels
     std::map<StepMode, StepProgram> programs;
   };
+  struct Chunk {
+    Place place;
+    bool recompute = false;
+    std::unique_ptr<StageExecutor> executor;
+    std::unordered_map<ir::ValueId, size_t> input_index, output_index;  // in the executor's lists
+  };
+  using ChunkBatch = std::pair<int, int>;  // (chunk, micro-batch)
   struct Posted {
     const Transfer* transfer;
     at::Tensor buffer;
@@ -153,7 +171,8 @@ class PipelineEngine {
                      PostedByValue& posted);
   c10::IValue shapeValue(ir::ValueId vid, int m) const;
   at::Tensor outputGrad(ir::ValueId vid, int m, PostedByValue& posted);
-  void sendBackward(const StepAction& send, int m, std::vector<comm::WorkPtr>& sends);
+  void sendBackward(const StepAction& send, std::vector<comm::WorkPtr>& sends);
+  const TransferPlan& ownRowsPlan() const { return config_->plans.front(); }
   std::vector<Posted> beginInputGrads();
   void finishInputGrads(std::vector<Posted>& posted);
   std::map<ir::ValueId, at::Tensor> collectBatchOutputs(
@@ -166,16 +185,14 @@ class PipelineEngine {
   partition::Deployment deployment_;
   int rank_, world_size_;
   c10::Device device_;
-  bool nccl_, recompute_;
+  bool nccl_;
   std::vector<ir::Subgraph> pieces_;
   std::map<ir::ValueId, int> producer_;
   std::set<ir::ValueId> graph_inputs_, graph_outputs_;
   ir::ValueId loss_id_ = ir::kNoId;
-  Place place_;
-  std::unique_ptr<StageExecutor> executor_;
+  std::vector<Chunk> chunks_;
   std::map<ir::ValueId, at::Tensor> stage_state_;
   std::map<ir::ValueId, at::Tensor> own_;
-  std::unordered_map<ir::ValueId, size_t> input_index_, output_index_;  // in the executor's lists
   std::unique_ptr<GradBuckets> buckets_;
   std::unique_ptr<Channels> host_channels_;
   std::map<int64_t, std::unique_ptr<BatchConfig>> configs_;
@@ -186,8 +203,12 @@ class PipelineEngine {
   // per step
   Seeds seeds_;
   std::map<int, std::map<ir::ValueId, std::pair<std::vector<int64_t>, at::ScalarType>>> shapes_;
-  std::map<int, std::vector<c10::IValue>> outputs_;      // the last forward outputs per m (until sent)
-  std::map<int, std::vector<at::Tensor>> input_grads_of_;  // the last backward's input grads per m
+  std::map<ChunkBatch, std::vector<c10::IValue>> outputs_;     // the last forward outputs (until sent)
+  std::map<ChunkBatch, std::vector<at::Tensor>> input_grads_of_;  // the last backward's input grads
+  // [Note: chunks on a rank]: outputs later chunks read, by (m, value); input gradients
+  // earlier chunks read, by (m, value, first row), one per consuming chunk.
+  std::map<std::pair<int, ir::ValueId>, c10::IValue> chunk_outputs_;
+  std::multimap<std::tuple<int, ir::ValueId, int64_t>, at::Tensor> chunk_grads_;
   std::map<ir::ValueId, std::pair<std::vector<int64_t>, at::ScalarType>> local_meta_;
   std::map<ir::ValueId, at::Tensor> input_grads_;
   std::map<ir::ValueId, at::Tensor> step_grads_;

@@ -95,8 +95,11 @@ class Lowering {
     } else {
       for (ir::ValueId vid : outputs_by_id_) {
         if (!carriesGradient(graph_.value(vid))) continue;
-        // The gradient of each piece sent comes back from its consumer.
-        for (const Transfer& t : find(plan_.send.at(m), vid)) r.transfers.push_back({Channel::Gradient, t, false});
+        // The gradient of each piece sent comes back from its consumer (from this rank's
+        // later stage's backward where the consumer is here: local).
+        for (const Transfer& t : find(plan_.send.at(m), vid)) {
+          r.transfers.push_back({Channel::Gradient, t, t.dst == plan_.rank});
+        }
       }
     }
     return r;
@@ -107,7 +110,10 @@ class Lowering {
     const int m = a.micro_batch;
     if (a.kind == partition::ActionKind::Forward) {
       for (const auto& [vid, list] : plan_.send.at(m)) {
-        for (const Transfer& t : list) s.transfers.push_back({Channel::Activation, t, false});
+        // a later stage of this rank reads the output where it is
+        for (const Transfer& t : list) {
+          if (t.dst != plan_.rank) s.transfers.push_back({Channel::Activation, t, false});
+        }
       }
       for (const auto& [vid, list] : plan_.out_send.at(m)) {
         // this rank's own rows of a batch output are collected, not sent
@@ -128,7 +134,9 @@ class Lowering {
         continue;
       }
       if (!carriesGradient(v) || isShapeValue(v)) continue;
-      for (const Transfer& t : find(plan_.recv.at(m), vid)) s.transfers.push_back({Channel::Gradient, t, false});
+      for (const Transfer& t : find(plan_.recv.at(m), vid)) {
+        s.transfers.push_back({Channel::Gradient, t, t.src == plan_.rank});
+      }
     }
     return s;
   }

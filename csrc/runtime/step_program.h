@@ -33,7 +33,8 @@ enum class StepActionKind {
 const char* stepActionName(StepActionKind kind);
 
 // A transfer and the channel it goes over; `local` when source and destination are this
-// rank (the rows are taken from this rank's own tensor, nothing moves).
+// rank: nothing moves, the rows are taken from this rank's own tensor (an argument), or
+// from the output or input gradient of another of its stages (interleaved schedules).
 struct ChannelTransfer {
   Channel channel = Channel::Activation;
   Transfer transfer;

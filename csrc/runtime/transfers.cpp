@@ -22,7 +22,8 @@ const char* channelName(Channel channel) {
 
 bool Transfer::operator==(const Transfer& o) const {
   return value == o.value && micro_batch == o.micro_batch && src == o.src && dst == o.dst &&
-         whole == o.whole && rows == o.rows && src_start == o.src_start && dst_start == o.dst_start;
+         whole == o.whole && rows == o.rows && src_start == o.src_start && dst_start == o.dst_start &&
+         lane == o.lane;
 }
 
 std::string Transfer::str() const {
@@ -34,6 +35,7 @@ std::string Transfer::str() const {
     os << "rows " << rows.str();
   }
   os << " " << src << "->" << dst;
+  if (lane > 0) os << " lane " << lane;
   return os.str();
 }
 
@@ -80,14 +82,12 @@ class Planner {
             for (int j = 0; j < layout_.replicas(s); ++j) {
               for (const Transfer& t : transfersInto(s, c, m, j, vid)) {
                 const bool input = graph_inputs_.count(vid) > 0;
-                if (t.dst == rank_ && (stage_ < 0 || s == stage_)) {
-                  out.recv[m][vid].push_back(t);
-                } else if (t.src == rank_ && t.dst != rank_) {
-                  if (input) {
-                    if (rank_owns_) out.input_sends.push_back(t);
-                  } else if (stage_ < 0 || producer_.at(vid) == stage_) {
-                    out.send[m][vid].push_back(t);
-                  }
+                if (t.dst == rank_ && (stage_ < 0 || s == stage_)) out.recv[m][vid].push_back(t);
+                if (t.src != rank_) continue;
+                if (input) {
+                  if (t.dst != rank_ && rank_owns_) out.input_sends.push_back(t);
+                } else if (stage_ < 0 ? t.dst != rank_ : producer_.at(vid) == stage_) {
+                  out.send[m][vid].push_back(t);  // by stage: to this rank's later stages too
                 }
               }
             }
@@ -111,16 +111,20 @@ class Planner {
         Transfer t{vid, m, dst, dst, true, {}, 0, 0};
         return {t};
       }
-      return overlaps(vid, m, layout_.share(stage, copy, m, replica), dst, /*stage=*/-1, copy);
+      auto pieces = overlaps(vid, m, layout_.share(stage, copy, m, replica), dst, /*stage=*/-1, copy);
+      for (Transfer& t : pieces) t.lane = chunkOf(stage, dst);
+      return pieces;
     }
     auto it = producer_.find(vid);
     RANNC_CHECK(it != producer_.end(), "no stage produces value " << vid);
     int t = it->second;
     if (!v.isBatch()) {
       int src = layout_.rankOf(t, copy, replica % layout_.replicas(t));
-      return {Transfer{vid, m, src, dst, true, {}, 0, 0}};
+      return {Transfer{vid, m, src, dst, true, {}, 0, 0, lane(t, src, stage, dst)}};
     }
-    return overlaps(vid, m, layout_.share(stage, copy, m, replica), dst, t, copy);
+    auto pieces = overlaps(vid, m, layout_.share(stage, copy, m, replica), dst, t, copy);
+    for (Transfer& p : pieces) p.lane = lane(t, p.src, stage, dst);
+    return pieces;
   }
 
   // Pieces of `need` from the holders of its rows: the ranks' own rows of a model argument
@@ -141,6 +145,20 @@ class Planner {
     return out;
   }
 
+  int chunks() const { return static_cast<int>(layout_.places(rank_).size()); }
+  // [Note: channel lanes]: the pair of chunks a value goes between.
+  int lane(int src_stage, int src, int dst_stage, int dst) const {
+    return chunkOf(src_stage, src) * chunks() + chunkOf(dst_stage, dst);
+  }
+  // Which of `rank`'s chunks runs `stage`.
+  int chunkOf(int stage, int rank) const {
+    const auto& places = layout_.places(rank);
+    for (size_t c = 0; c < places.size(); ++c) {
+      if (places[c].stage == stage) return static_cast<int>(c);
+    }
+    throw InternalError("rank " + std::to_string(rank) + " does not run stage " + std::to_string(stage));
+  }
+
   // Batch outputs go back to the ranks owning their rows.
   void planOutputs(TransferPlan& out) const {
     std::set<ir::ValueId> outputs(graph_.outputs().begin(), graph_.outputs().end());
@@ -157,7 +175,8 @@ class Planner {
             for (int q = 0; q < layout_.worldSize(); ++q) {
               auto o = rows.overlap(layout_.owned(q));
               if (!o) continue;
-              Transfer tr{vid, m, src, q, false, *o, rows.start, layout_.owned(q).start};
+              Transfer tr{vid, m, src, q, false, *o, rows.start, layout_.owned(q).start,
+                          chunkOf(t, src) * chunks()};
               if (q == rank_ && rank_owns_) out.out_recv[vid].push_back(tr);
               if (src == rank_ && (stage_ < 0 || t == stage_)) out.out_send[m][vid].push_back(tr);
             }
@@ -213,8 +232,8 @@ std::vector<ChannelKey> TransferPlan::deviceChannels(const ir::Graph& graph) con
       for (const auto& [vid, list] : table) {
         if (graph_inputs.count(vid)) continue;
         for (const Transfer& t : list) {
-          keys.insert({t.src, t.dst, Channel::Activation});
-          keys.insert({t.dst, t.src, Channel::Gradient});
+          keys.insert({t.src, t.dst, Channel::Activation, t.lane});
+          keys.insert({t.dst, t.src, Channel::Gradient, t.lane});
         }
       }
     }
@@ -222,8 +241,8 @@ std::vector<ChannelKey> TransferPlan::deviceChannels(const ir::Graph& graph) con
   auto outputs = [&](const TransfersByValue& table) {
     for (const auto& [_, list] : table) {
       for (const Transfer& t : list) {
-        keys.insert({t.src, t.dst, Channel::BatchOutput});
-        keys.insert({t.dst, t.src, Channel::OutputGradient});
+        keys.insert({t.src, t.dst, Channel::BatchOutput, t.lane});
+        keys.insert({t.dst, t.src, Channel::OutputGradient, t.lane});
       }
     }
   };

@@ -15,6 +15,13 @@
 // tags are needed. NCCL point-to-point gives exactly this (one communicator per channel,
 // so that a blocked receive of one kind never holds back a send of another, which would
 // deadlock 1F1B); over MPI a channel is a tag.
+//
+// [Note: channel lanes] A rank holding several stages (interleaved schedules) runs its
+// chunks' micro-batches interleaved. A value one chunk sends to two chunks of another
+// rank goes out at once for each micro-batch but is taken at two different times; a
+// rank's argument rows go out all at once and are taken chunk by chunk. So every pair of
+// (sending chunk, receiving chunk) has a lane, a channel of its own: on it one chunk
+// sends in its micro-batch order and one chunk receives in the same order.
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -41,7 +48,10 @@ const char* channelName(Channel channel);
 
 // One transfer: rows `rows` of value `value` for micro-batch `micro_batch`, from `src`
 // (whose tensor starts at row `src_start`) to `dst` (whose tensor starts at `dst_start`).
-// `whole`: the value has no batch dimension and goes as it is (rows unused).
+// `whole`: the value has no batch dimension and goes as it is (rows unused). `lane`: the
+// pair of chunks it goes between, src chunk x chunks + dst chunk (a rank's own rows of
+// arguments and batch outputs count as chunk 0), so each pair has a channel of its own
+// ([Note: channel lanes]); 0 with one stage per rank.
 struct Transfer {
   ir::ValueId value = ir::kNoId;
   int micro_batch = 0;
@@ -51,6 +61,7 @@ struct Transfer {
   Rows rows;
   int64_t src_start = 0;
   int64_t dst_start = 0;
+  int lane = 0;
 
   bool operator==(const Transfer& o) const;
   std::string str() const;  // "v12 m0 rows [0, 4) 1->2", "v7 m1 whole 0->3"
@@ -60,6 +71,7 @@ struct ChannelKey {
   int src = 0;
   int dst = 0;
   Channel channel = Channel::Activation;
+  int lane = 0;  // [Note: channel lanes]
   auto operator<=>(const ChannelKey&) const = default;
 };
 
@@ -70,7 +82,9 @@ struct TransferPlan {
   int rank = 0;
   int stage = -1;  // the stage of the rank this plan is for; -1: every stage of the rank
   std::vector<TransfersByValue> recv;     // [m]: inputs of this rank's stage, into this rank
-  std::vector<TransfersByValue> send;     // [m]: this rank's outputs to later stages
+  // [m]: this rank's outputs to later stages; with `stage` >= 0 also those to later
+  // stages of this rank (src == dst == rank: read where they are, never sent)
+  std::vector<TransfersByValue> send;
   std::vector<Transfer> input_sends;      // rows of this rank's arguments other ranks run
   TransfersByValue out_recv;              // rows of batch outputs this rank owns
   std::vector<TransfersByValue> out_send; // [m]: rows of batch outputs this rank produced

@@ -327,11 +327,12 @@ class _Deployed:
                  else torch.zeros(engine.value(vid).shape, dtype=torch.float64))
             comm.all_reduce(t).wait()
             sums[vid] = (t / world).to(engine.device)
+        mine = set(engine.stages)  # one per chunk under an interleaved schedule
         for m in range(layout.micro_batches):
-            rows = layout.share(engine.stage, engine.copy, m, engine.replica)
             for vid in whole:
-                if vid not in engine.executor.output_ids:
+                if engine.producer_of(vid) not in mine:
                     continue
+                rows = layout.share(engine.producer_of(vid), engine.copy, m, engine.replica)
                 v = engine.value(vid)
                 dtype = engine.output_dtype(m, vid)
                 if v.batch_dependent and v.shape == []:
@@ -369,7 +370,7 @@ class _Deployed:
                 total = torch.zeros((), dtype=torch.float64)
                 for m, outs in produced.items():
                     if vid in outs:
-                        rows = layout.share(engine.stage, engine.copy, m, engine.replica)
+                        rows = layout.share(engine.producer_of(vid), engine.copy, m, engine.replica)
                         total += outs[vid].detach().double().cpu() * len(rows) / layout.global_batch
                 if comm.size > 1:
                     comm.all_reduce(total).wait()
@@ -498,7 +499,8 @@ class RaNNCModule(torch.nn.Module):
             if getattr(e, "on_every_rank", False):
                 raise  # every rank raises it together: nobody is left waiting, nothing to tell
             # Say where before telling the others: their abort may end this process.
-            stage = f" | stage {deployed.engine.stage}" if deployed is not None else ""
+            stage = (f" | stage {'/'.join(map(str, deployed.engine.stages))}" if deployed is not None
+                     else "")
             message = f"rank {_C.get_rank()}{stage} failed: {failure.describe(e)}"
             print(f"[rannc] {message}", file=sys.stderr, flush=True)
             _C.report_failure(message)

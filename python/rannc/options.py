@@ -82,9 +82,12 @@ class Options:
     max_microbatches: int = _option(64, "upper end of the micro-batch search")
     recompute: str = _option("auto", "auto (where memory needs it), always (every stage) or never")
     schedule: str = _option("1f1b", "1f1b (seeded by the scalar loss), zb_h1 (1F1B with each backward "
-                            "split, the weight parts deferred), auto (the planner plans 1f1b and "
+                            "split, the weight parts deferred), interleaved (interleaved 1F1B: "
+                            "`chunks` stages per rank), auto (the planner plans 1f1b and "
                             "zb_h1 and keeps the faster; the report names both) or fill_drain "
                             "(backward with gradients from outside)")
+    chunks: int = _option(2, "schedule interleaved: stages per rank (model chunks, as Megatron's "
+                          "virtual pipeline stages)")
     plan_tolerance: float = _option(0.02, "plans within this fraction of the fastest are equal: the "
                                     "simplest wins, so noise does not change the plan")
     refine_candidates: int | None = _option(
@@ -185,6 +188,7 @@ class Options:
         p.memory_margin = self.memory_margin
         p.optimizer = optimizer
         p.schedule = self.schedule
+        p.chunks = self.chunks
         p.recompute = self.recompute
         p.num_stages = self.num_stages
         p.num_microbatches = self.num_microbatches

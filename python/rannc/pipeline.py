@@ -27,7 +27,6 @@ class Engine:
                                          str(device), nccl)
         self.stage, self.copy, self.replica = (self._engine.stage, self._engine.copy,
                                                self._engine.replica)
-        self.executor = self._engine.executor
         self.pieces = self._engine.pieces
         self.loss_vid = self._engine.loss_vid
         self._values = {}

@@ -43,11 +43,25 @@ ZB_H1 = [
     (4, "gpt", 4, 4, ["--opt", "schedule=auto"]),
 ]
 
+# Interleaved 1F1B: stages c x G + g on device group g ([Note: chunks on a rank] in
+# csrc/runtime/engine.h); values between chunks of a rank pass locally
+INTERLEAVED = [
+    (2, "gpt", 4, 2, ["--opt", "schedule=interleaved"]),                  # 2 chunks on 2 ranks
+    (3, "gpt", 6, 3, ["--opt", "schedule=interleaved"]),                  # 3 device groups
+    (4, "gpt", 4, 4, ["--eval", "--opt", "schedule=interleaved"]),        # 2 replicas per stage
+    (2, "transformer_loss", 6, 2, ["--opt", "schedule=interleaved", "chunks=3"]),
+    (1, "resnet", 2, 1, ["--opt", "schedule=interleaved"]),               # every value local
+]
 
-@pytest.mark.parametrize("ranks,model,stages,micro,extra", LAYOUTS + ZB_H1,
-                         ids=[f"{r}ranks-{m}-{s}st-{mb}mb" + ("-zb" if "schedule=zb_h1" in e else
-                                                      "-auto" if "schedule=auto" in e else "")
-                              for r, m, s, mb, e in LAYOUTS + ZB_H1])
+
+def _case_id(ranks, model, stages, micro, extra):
+    kind = ("-zb" if "schedule=zb_h1" in extra else "-auto" if "schedule=auto" in extra
+            else "-interleaved" if "schedule=interleaved" in extra else "")
+    return f"{ranks}ranks-{model}-{stages}st-{micro}mb{kind}"
+
+
+@pytest.mark.parametrize("ranks,model,stages,micro,extra", LAYOUTS + ZB_H1 + INTERLEAVED,
+                         ids=[_case_id(*case) for case in LAYOUTS + ZB_H1 + INTERLEAVED])
 def test_training_equals_pytorch(ranks, model, stages, micro, extra):
     res = mpirun("train_check.py", ranks, model, "--stages", stages, "--micro", micro, *extra,
                  timeout=300, env={"RANNC_COMM_TIMEOUT": "60"})
@@ -56,6 +70,9 @@ def test_training_equals_pytorch(ranks, model, stages, micro, extra):
         assert f"OK rank {r}" in res.stdout, res.stdout[-4000:]
     if "schedule=zb_h1" in extra:
         assert "zb-h1" in res.stdout, res.stdout[-4000:]  # the plan report names the schedule
+    if "schedule=interleaved" in extra:
+        chunks = next((int(e.split("=")[1]) for e in extra if e.startswith("chunks=")), 2)
+        assert f"interleaved, {chunks} chunks per device" in res.stdout, res.stdout[-4000:]
     if "schedule=auto" in extra:  # both schedules planned, their times in the report
         assert re.search(r"schedule auto: 1f1b [\d.]+ ms \(bubble [\d.]+%\)( chosen)?; zb-h1 [\d.]+ ms",
                          res.stdout), res.stdout[-4000:]

@@ -26,7 +26,7 @@ def test_every_option_is_documented():
     ("replicas", "2,1", "option replicas is 2,1; expected one count per stage: set num_stages to 2"),
     ("replicas", "2,x", "option replicas is '2,x'"),
     ("recompute", "sometimes", "option recompute is 'sometimes'; expected auto, always or never"),
-    ("schedule", "gpipe", "option schedule is 'gpipe'; expected auto, 1f1b, zb_h1 or fill_drain"),
+    ("schedule", "gpipe", "option schedule is 'gpipe'; expected auto, 1f1b, zb_h1, interleaved or fill_drain"),
     ("profile_cpu_clock", "sundial", "option profile_cpu_clock is 'sundial'"),
     ("cost_model", "guess", "option cost_model is 'guess'; expected profile, analytic"),
     ("precision", "fp8", "option precision is 'fp8'"),

@@ -115,13 +115,15 @@ StageEstimate estimateStage(const CostModel& costs, const PieceCost& cost, const
   //   instead of F + B + W, plus the round trip both ways.
   const double slot_time = compute + round_trip * (S - 1) / S;
   switch (ctx.schedule) {
-    case ScheduleKind::OneFOneB: e.score = (M + S - 1) * slot_time; break;
+    // Interleaved: the search that cuts its chunks (formInterleavedStages) compares stages of
+    // one shape with this score and times each plan with the simulator.
+    case ScheduleKind::OneFOneB:
+    case ScheduleKind::Interleaved: e.score = (M + S - 1) * slot_time; break;
     case ScheduleKind::ZeroBubbleH1:
       e.score = M * std::max(compute, slot_time - e.weight_time) +
                 (S - 1) * (compute - 2.0 * e.weight_time + 2.0 * round_trip);
       break;
     case ScheduleKind::FillDrain: e.score = (M + S - 1) * compute + (S - 1) * round_trip; break;
-    case ScheduleKind::Interleaved:  // not planned yet: the stage search plans one chunk per device
     case ScheduleKind::Auto:
       throw InternalError(std::string("the stage search does not plan schedule ") + scheduleName(ctx.schedule));
   }
@@ -131,10 +133,27 @@ StageEstimate estimateStage(const CostModel& costs, const PieceCost& cost, const
 
 Deployment assembleDeployment(CostModel& costs, const PlanContext& ctx,
                               const std::vector<StageChoice>& stages, int pipelines,
-                              int micro_batches, const std::string& planner) {
+                              int micro_batches, const std::string& planner, int chunks) {
   RANNC_CHECK(!stages.empty(), "a deployment needs a stage");
+  const int S = static_cast<int>(stages.size());
+  RANNC_CHECK(chunks >= 1 && S % chunks == 0, S << " stages in " << chunks << " chunks per device group");
+  const int groups = S / chunks;
+  // A device group's first stage places it; its later chunks share its devices.
+  std::vector<int> group_offset(groups);
   int D = 0;
-  for (const StageChoice& s : stages) D += s.devices;
+  for (int g = 0; g < groups; ++g) {
+    group_offset[g] = D;
+    D += stages[g].devices;
+  }
+  for (int i = groups; i < S; ++i) {
+    RANNC_CHECK(stages[i].devices == stages[i % groups].devices,
+                "stage " << i << " has " << stages[i].devices << " replicas, its device group "
+                         << stages[i % groups].devices);
+  }
+  // Each chunk's estimate (recomputing where it needs to) sees its share of the memory;
+  // the simulator then checks what the device holds over all its chunks.
+  PlanContext chunk_ctx = ctx;
+  chunk_ctx.memory_limit = ctx.memory_limit / chunks;
   RANNC_CHECK(static_cast<int64_t>(D) * pipelines <= ctx.world_size,
               D << " devices x " << pipelines << " pipelines exceed the world of " << ctx.world_size);
   Deployment d;
@@ -145,20 +164,20 @@ Deployment assembleDeployment(CostModel& costs, const PlanContext& ctx,
   d.pipelines = pipelines;
   d.micro_batches = micro_batches;
   d.schedule = ctx.schedule;
+  d.chunks = chunks;
   d.optimizer = ctx.optimizer;
   d.memory_limit = ctx.memory_limit;
   std::vector<SimStage> sim;
-  int offset = 0;
-  const int S = static_cast<int>(stages.size());
   for (int i = 0; i < S; ++i) {
     const StageChoice& c = stages[i];
+    const int offset = group_offset[i % groups];
     StageSlot slot{i, S, offset, c.devices, D, pipelines, micro_batches};
     const int64_t rows = stageRows(ctx, slot);
     StageEstimate e;
     if (rows > 0) {
       const PieceCost cost = c.parts.size() > 1 && costs.composesUnions() ? costs.unionCost(c.parts, rows)
                                                                           : costs.cost(c.tasks, rows);
-      e = estimateStage(costs, cost, slot, ctx);
+      e = estimateStage(costs, cost, slot, chunk_ctx);
     }
     d.feasible = d.feasible && e.feasible;
     StagePlan p;
@@ -183,9 +202,8 @@ Deployment assembleDeployment(CostModel& costs, const PlanContext& ctx,
     }
     sim.push_back(simStage(p));
     d.stages.push_back(std::move(p));
-    offset += c.devices;
   }
-  applySimulation(d, simulate(sim, ctx.schedule, micro_batches));
+  applySimulation(d, simulate(sim, ctx.schedule, micro_batches, chunks));
   return d;
 }
 

@@ -96,10 +96,12 @@ struct StageChoice {
 };
 
 // Costs the stages (merged, at their rows), lays out ranks copy-major, simulates the
-// schedule and returns the filled Deployment (feasible = every stage fits memory).
+// schedule and returns the filled Deployment (feasible = every stage fits memory). With
+// `chunks` > 1 (interleaved), stage c x G + g shares the devices of stage g (the same
+// replica count), and each device holds all its chunks within the memory limit.
 Deployment assembleDeployment(CostModel& costs, const PlanContext& ctx,
                               const std::vector<StageChoice>& stages, int pipelines,
-                              int micro_batches, const std::string& planner);
+                              int micro_batches, const std::string& planner, int chunks = 1);
 
 // `plan` assembled again with every stage costed as one piece (no parts to compose from).
 Deployment assembleWhole(CostModel& costs, const PlanContext& ctx, const Deployment& plan);

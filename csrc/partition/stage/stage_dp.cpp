@@ -500,4 +500,92 @@ std::vector<Deployment> formStageCandidates(StageProblem& problem, const StageSe
   return search.pick(keep);
 }
 
+
+// [Note: interleaved search] Interleaved 1F1B ([Note: interleaved 1F1B] in sim/schedule.h)
+// cuts the blocks into v x G stages; stage c x G + g runs on device group g, so every stage
+// of a group has the group's replicas. The search keeps that shape simple: every stage has
+// the same replica count r (G x r x copies = the world, as Megatron's virtual pipeline
+// stages do) and Algorithm 1 cuts the blocks for it with the devices counted once per
+// chunk and each chunk given 1/v of a device's memory; the simulator then times each
+// candidate with the chunks on their devices (its memory summed over them), and the
+// preference picks among all of them. Micro-batch counts are multiples of G (the schedule
+// runs micro-batches in rounds of G).
+Deployment formInterleavedStages(StageProblem& problem, const StageSearchOptions& options, int chunks) {
+  const PlanContext& ctx = problem.context();
+  RANNC_CHECK(chunks >= 2, "interleaved plans have 2 or more chunks per device, not " << chunks);
+  PlanContext per_chunk = ctx;
+  per_chunk.world_size = ctx.world_size * chunks;
+  per_chunk.memory_limit = ctx.memory_limit / chunks;
+  StageProblem chunked(problem.blocks(), problem.costs(), per_chunk);
+  const int N = ctx.world_size, K = problem.numBlocks();
+  const int patience = options.search_patience > 0 ? options.search_patience : std::numeric_limits<int>::max();
+  std::vector<Deployment> found;
+  std::vector<PlanShape> shapes;
+  int tried = 0;
+  for (int copies = 1; copies <= N; ++copies) {
+    if (N % copies != 0) continue;
+    for (int groups = 1; groups <= N / copies; ++groups) {
+      if ((N / copies) % groups != 0) continue;
+      const int S = chunks * groups, r = N / copies / groups;
+      if (options.num_stages > 0 ? S != options.num_stages : groups < 2) continue;
+      if (S > K) continue;
+      std::vector<int> counts;
+      if (options.num_microbatches > 0) {
+        counts.push_back(options.num_microbatches);
+      } else {
+        for (int M : microBatchCandidates(ctx.batch_size / copies, options.max_microbatches)) counts.push_back(M);
+      }
+      double best = std::numeric_limits<double>::infinity();
+      int since_best = 0;
+      for (int M : counts) {
+        if (M % groups != 0) continue;
+        if (static_cast<int64_t>(copies) * M * r > ctx.batch_size) break;
+        ++tried;
+        chunked.prefetch(S, S * r, copies, M);
+        StageSolution sol = formStageDp(chunked, S, S * r, copies, M, StageObjective::Time, std::vector<int>(S, r));
+        if (!sol.feasible) continue;
+        std::vector<StageChoice> stages;
+        int first = 0;
+        for (int e : sol.block_ends) {
+          StageChoice c;
+          c.first_block = first;
+          c.last_block = e;
+          c.tasks = chunked.tasks(first, e);
+          c.parts = chunked.blockParts(first, e);
+          c.devices = r;
+          stages.push_back(std::move(c));
+          first = e;
+        }
+        Deployment d = assembleDeployment(problem.costs(), ctx, stages, copies, M, "rannc", chunks);
+        if (!d.feasible) continue;
+        if (d.iteration_time < best) {
+          best = d.iteration_time;
+          since_best = 0;
+        } else if (++since_best >= patience) {
+          break;
+        }
+        shapes.push_back(planShape(d));
+        found.push_back(std::move(d));
+      }
+    }
+  }
+  if (found.empty()) {
+    std::ostringstream os;
+    os << "no interleaved plan with " << chunks << " chunks per device fits: " << tried
+       << " shape(s) tried on " << N << " device(s) with " << K << " block(s), global batch " << ctx.batch_size
+       << (options.num_stages > 0 ? ", num_stages=" + std::to_string(options.num_stages) : std::string())
+       << (options.num_microbatches > 0 ? ", num_microbatches=" + std::to_string(options.num_microbatches)
+                                        : std::string())
+       << " (the stages are chunks x device groups of at least 2 devices, the micro-batches a multiple of "
+          "the groups, and the chunks of a device share its "
+       << bytesText(ctx.memory_limit) << ")";
+    throw InfeasiblePlanError(os.str(), 0);
+  }
+  Deployment chosen = std::move(found[preferredIndex(shapes, options.plan_tolerance)]);
+  logger().info("interleaved stage partitioning: {} stage(s) in {} chunks, {} pipeline(s), {} micro-batch(es), "
+                "predicted iteration {:.3f} ms",
+                chosen.numStages(), chunks, chosen.pipelines, chosen.micro_batches, chosen.iteration_time * 1e3);
+  return chosen;
+}
+
 }  // namespace rannc::partition

@@ -111,4 +111,10 @@ Deployment formStage(StageProblem& problem, const StageSearchOptions& options = 
 std::vector<Deployment> formStageCandidates(StageProblem& problem, const StageSearchOptions& options,
                                             int keep);
 
+// [Note: interleaved search] in stage_dp.cpp: v = `chunks` stages per device group, every
+// stage with the same replicas, the micro-batches a multiple of the groups; the simplest
+// plan within options.plan_tolerance of the fastest the simulator times. Throws
+// InfeasiblePlanError when no shape fits.
+Deployment formInterleavedStages(StageProblem& problem, const StageSearchOptions& options, int chunks);
+
 }  // namespace rannc::partition

@@ -561,6 +561,56 @@ TEST(AStagePlanner, KeepsOneFOneBForOneStage) {
   EXPECT_THROW(buildSchedule(ScheduleKind::Auto, 2, 2), InvalidGraphError);
 }
 
+// [Note: interleaved search]: 2 chunks per device on 4 devices. Every stage of a device
+// group has its ranks, the micro-batches come in rounds of the groups, the plan passes
+// the deployment checks, and its predicted time is the simulator's over its chunks.
+TEST(AStagePlanner, PlansInterleavedChunksOnSharedDevices) {
+  ir::Graph g = testing::uniformChain(16, 256, /*batch=*/16);
+  AnalyticCostModel m(g, device());
+  PlannerOptions o = autoOptions(4, 0, 0);
+  o.num_blocks = 16;
+  o.schedule = ScheduleKind::Interleaved;
+  Deployment d = plan(g, m, o);
+  EXPECT_EQ(d.schedule, ScheduleKind::Interleaved);
+  EXPECT_EQ(d.chunks, 2);
+  const int groups = d.deviceGroups();
+  EXPECT_GE(groups, 2);
+  EXPECT_EQ(d.numStages(), 2 * groups);
+  EXPECT_EQ(d.micro_batches % groups, 0);
+  for (int s = groups; s < d.numStages(); ++s) EXPECT_EQ(d.stages[s].ranks, d.stages[s % groups].ranks);
+  validateDeployment(g, d);
+  SimResult again = simulateDeployment(d, ScheduleKind::Interleaved);
+  EXPECT_DOUBLE_EQ(again.iteration_time, d.iteration_time);
+  EXPECT_TRUE(d.feasible);
+  // Its bubble is below 1F1B's on the same devices with the same micro-batches, as the
+  // schedule promises ((D - 1)(f + b) / v against (D - 1)(f + b)).
+  o.schedule = ScheduleKind::OneFOneB;
+  o.num_stages = groups;
+  o.num_microbatches = d.micro_batches;
+  o.refine_boundaries = false;
+  Deployment one = plan(g, m, o);
+  if (one.pipelines == d.pipelines) EXPECT_LT(d.bubbleFraction(), one.bubbleFraction());
+  EXPECT_NE(d.report().find("interleaved"), std::string::npos) << d.report();
+}
+
+TEST(AStagePlanner, FixesInterleavedStagesAndMicroBatchesWhenAsked) {
+  ir::Graph g = testing::uniformChain(16, 256, /*batch=*/16);
+  AnalyticCostModel m(g, device());
+  PlannerOptions o = autoOptions(2, 6, 4);
+  o.num_blocks = 16;
+  o.schedule = ScheduleKind::Interleaved;
+  o.chunks = 3;
+  Deployment d = plan(g, m, o);
+  EXPECT_EQ(d.numStages(), 6);
+  EXPECT_EQ(d.chunks, 3);
+  EXPECT_EQ(d.micro_batches, 4);
+  o.num_stages = 4;  // not a multiple of 3 chunks
+  EXPECT_THROW(plan(g, m, o), InvalidGraphError);
+  o.num_stages = 6;
+  o.num_microbatches = 3;  // not a multiple of the 2 device groups
+  EXPECT_THROW(plan(g, m, o), InfeasiblePlanError);
+}
+
 }  // namespace
 }  // namespace rannc::partition
 

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <map>
+#include <set>
 #include <tuple>
 
 #include "common/error.h"
@@ -228,9 +229,14 @@ TEST(StepProgram, LowersASplitBackwardWithTheWeightPartsWithoutTransfers) {
 // chunks, each with its stage's transfers. Every device runs the same order of (chunk,
 // micro-batch), so the two ends of each channel meet the same transfers in the same order:
 // checked here in program order, not only as sets, with one replica and with two per stage.
-void expectInterleavedChannelsAgree(const std::vector<std::vector<int>>& device_ranks, int chunks, int M, int world) {
+// Channel keys for the check below: (src, dst, channel, lane).
+using ChannelOf = std::tuple<int, int, int, int>;
+
+// The programs of every rank for `g` cut into chunks x D stages at equal task counts
+// (stage s on device_ranks[s % D]) under interleaved 1F1B.
+std::map<int, StepProgram> interleavedPrograms(const ir::Graph& g, const std::vector<std::vector<int>>& device_ranks,
+                                               int chunks, int M, int world) {
   const int D = static_cast<int>(device_ranks.size());
-  static const ir::Graph g = linearChain({8, 8, 8, 8, 8, 8, 8, 8});
   std::vector<size_t> cuts;
   std::vector<std::vector<int>> ranks;
   const int S = D * chunks;
@@ -239,14 +245,14 @@ void expectInterleavedChannelsAgree(const std::vector<std::vector<int>>& device_
     ranks.push_back(device_ranks[s % D]);
   }
   auto d = deploymentOf(g, cuts, ranks, 1, M, world);
-  Layout L(d, world, 4);
+  d.chunks = chunks;
+  const Layout L(d, world, 4);
   auto pieces = piecesOf(g, d);
   auto schedule = partition::buildSchedule(partition::ScheduleKind::Interleaved, D, M, chunks);
-  using Key = std::tuple<int, int, int>;  // src, dst, channel
-  std::map<Key, std::vector<std::string>> sent, received;
+  std::map<int, StepProgram> programs;
   for (int dev = 0; dev < D; ++dev) {
     for (int r : device_ranks[dev]) {
-      ASSERT_EQ(L.places(r).size(), static_cast<size_t>(chunks));
+      EXPECT_EQ(L.places(r).size(), static_cast<size_t>(chunks));
       std::vector<TransferPlan> plans;
       std::vector<StageBoundary> boundaries;
       for (const Place& p : L.places(r)) {
@@ -259,21 +265,38 @@ void expectInterleavedChannelsAgree(const std::vector<std::vector<int>>& device_
       }
       std::vector<const TransferPlan*> views;
       for (const auto& p : plans) views.push_back(&p);
-      StepProgram prog = lowerStep(schedule[dev], views, g, boundaries, {}, /*all_reduce=*/true);
-      for (const StepAction& a : prog.actions) {
-        for (const ChannelTransfer& t : a.transfers) {
-          // the stages' channels (argument and output rows go as with one stage per rank)
-          if (t.local || (t.channel != Channel::Activation && t.channel != Channel::Gradient)) continue;
-          const int channel = static_cast<int>(t.channel);
-          if (a.kind == StepActionKind::Receive) {
-            // a backward receives the gradient of what it sent: the reverse direction
-            const Key key = a.feeds == partition::ActionKind::Forward ? Key{t.transfer.src, r, channel}
-                                                                     : Key{t.transfer.dst, r, channel};
-            received[key].push_back(t.transfer.str());
-          } else {
-            const Key key = t.transfer.src == r ? Key{r, t.transfer.dst, channel} : Key{r, t.transfer.src, channel};
-            sent[key].push_back(t.transfer.str());
-          }
+      programs[r] = lowerStep(schedule[dev], views, g, boundaries, {}, /*all_reduce=*/true);
+    }
+  }
+  return programs;
+}
+
+// [Note: interleaved 1F1B]: a rank holding several stages lowers one program over its
+// chunks, each with its stage's transfers. Every device runs the same order of (chunk,
+// micro-batch), so the two ends of each channel between stages meet the same transfers in
+// the same order; the arguments' rows, sent all at once, agree within each chunk's lane
+// ([Note: channel lanes]). Checked here in program order, not only as sets.
+void expectInterleavedChannelsAgree(const ir::Graph& g, const std::vector<std::vector<int>>& device_ranks,
+                                    int chunks, int M, int world) {
+  std::map<ChannelOf, std::vector<std::string>> sent, received;
+  for (const auto& [r, prog] : interleavedPrograms(g, device_ranks, chunks, M, world)) {
+    for (const StepAction& a : prog.actions) {
+      for (const ChannelTransfer& t : a.transfers) {
+        if (t.local || (t.channel != Channel::Activation && t.channel != Channel::Gradient &&
+                        t.channel != Channel::InputRows)) {
+          continue;
+        }
+        const int channel = static_cast<int>(t.channel);
+        const int lane = t.transfer.lane;
+        if (a.kind == StepActionKind::Receive) {
+          // a backward receives the gradient of what it sent: the reverse direction
+          const ChannelOf key = a.feeds == partition::ActionKind::Forward ? ChannelOf{t.transfer.src, r, channel, lane}
+                                                                         : ChannelOf{t.transfer.dst, r, channel, lane};
+          received[key].push_back(t.transfer.str());
+        } else {
+          const ChannelOf key = t.transfer.src == r ? ChannelOf{r, t.transfer.dst, channel, lane}
+                                                    : ChannelOf{r, t.transfer.src, channel, lane};
+          sent[key].push_back(t.transfer.str());
         }
       }
     }
@@ -283,11 +306,120 @@ void expectInterleavedChannelsAgree(const std::vector<std::vector<int>>& device_
 }
 
 TEST(TransferPlan, AgreesOnEveryChannelUnderAnInterleavedSchedule) {
-  expectInterleavedChannelsAgree({{0}, {1}}, 2, 4, 2);
-  expectInterleavedChannelsAgree({{0}, {1}, {2}}, 2, 6, 3);
-  expectInterleavedChannelsAgree({{0}, {1}}, 3, 2, 2);
-  expectInterleavedChannelsAgree({{0, 1}, {2, 3}}, 2, 4, 4);  // two replicas per stage
-  expectInterleavedChannelsAgree({{0, 1}, {2}}, 2, 2, 3);     // replicas 2 and 1: rows redistributed
+  static const ir::Graph g = linearChain({8, 8, 8, 8, 8, 8, 8, 8});
+  expectInterleavedChannelsAgree(g, {{0}, {1}}, 2, 4, 2);
+  expectInterleavedChannelsAgree(g, {{0}, {1}, {2}}, 2, 6, 3);
+  expectInterleavedChannelsAgree(g, {{0}, {1}}, 3, 2, 2);
+  expectInterleavedChannelsAgree(g, {{0, 1}, {2, 3}}, 2, 4, 4);  // two replicas per stage
+  expectInterleavedChannelsAgree(g, {{0, 1}, {2}}, 2, 2, 3);     // replicas 2 and 1: rows redistributed
+}
+
+// x -> l0 -> h0 -> l1 -> h1 -> add(h1, h0, x) -> h2 -> l3 -> h3 -> l4 -> h4, cut into 4
+// stages (the last two layers together) on 2 ranks: stage 2 (rank 0's second chunk) reads
+// h0 from stage 0 on the same rank, and x, which stage 0 reads too.
+ir::Graph skipGraph() {
+  using partition::testing::act;
+  using partition::testing::param;
+  ir::Graph g;
+  g.setBatchSize(8);
+  ir::ValueId x = act(g, "x", 8, ir::ValueRole::Input);
+  g.setInputs({x});
+  std::vector<ir::ValueId> h;
+  ir::ValueId cur = x;
+  for (int i = 0; i < 5; ++i) {
+    ir::ValueId out = act(g, "h" + std::to_string(i), 8);
+    if (i == 2) {
+      g.addTask("aten::add", {h[1], h[0], x}, {out}, "add");
+    } else {
+      g.addTask("aten::linear", {cur, param(g, "w" + std::to_string(i), {8, 8})}, {out}, "layer" + std::to_string(i));
+    }
+    g.mutableValue(out).requires_grad = true;
+    h.push_back(out);
+    cur = out;
+  }
+  g.setOutputs({cur});
+  return g;
+}
+
+// x -> l0 -> h0 -> l1 -> h1 -> l2 -> h2 -> add(h2, h0) -> h3 -> l4 -> h4 in 4 stages on 2
+// ranks: h0 goes from rank 0 to both of rank 1's chunks (stages 1 and 3), which run its
+// micro-batches at different times: each pair of chunks needs a lane of its own.
+ir::Graph twoChunkReaderGraph() {
+  using partition::testing::act;
+  using partition::testing::param;
+  ir::Graph g;
+  g.setBatchSize(8);
+  ir::ValueId x = act(g, "x", 8, ir::ValueRole::Input);
+  g.setInputs({x});
+  std::vector<ir::ValueId> h;
+  ir::ValueId cur = x;
+  for (int i = 0; i < 5; ++i) {
+    ir::ValueId out = act(g, "h" + std::to_string(i), 8);
+    if (i == 3) {
+      g.addTask("aten::add", {h[2], h[0]}, {out}, "add");
+    } else {
+      g.addTask("aten::linear", {cur, param(g, "w" + std::to_string(i), {8, 8})}, {out}, "layer" + std::to_string(i));
+    }
+    g.mutableValue(out).requires_grad = true;
+    h.push_back(out);
+    cur = out;
+  }
+  g.setOutputs({cur});
+  return g;
+}
+TEST(TransferPlan, AgreesOnEveryChannelWhenValuesSkipToAnotherChunk) {
+  for (const ir::Graph& g : {skipGraph(), twoChunkReaderGraph()}) {
+    expectInterleavedChannelsAgree(g, {{0}, {1}}, 2, 2, 2);
+    expectInterleavedChannelsAgree(g, {{0}, {1}}, 2, 4, 2);
+    expectInterleavedChannelsAgree(g, {{0, 1}, {2, 3}}, 2, 2, 4);
+  }
+}
+
+// [Note: chunks on a rank]: h0 goes from stage 0 to stage 2 on rank 0 without a send; its
+// gradient comes back from stage 2's backward the same way. The backward of each
+// micro-batch on stage 2 comes before stage 0's, whose gradient it needs.
+TEST(StepProgram, PassesValuesBetweenChunksOfARankLocally) {
+  static const ir::Graph g = skipGraph();
+  const ir::ValueId h0 = g.tasks()[0].outputs[0];
+  auto programs = interleavedPrograms(g, {{0}, {1}}, 2, 2, 2);
+  const StepProgram& prog = programs.at(0);
+  int local_forward = 0, local_gradient_in = 0, local_gradient_out = 0;
+  std::map<int, int> backward_chunk1_at;
+  for (size_t i = 0; i < prog.actions.size(); ++i) {
+    const StepAction& a = prog.actions[i];
+    if (a.kind == StepActionKind::Backward) {
+      if (a.chunk == 1) backward_chunk1_at[a.micro_batch] = static_cast<int>(i);
+      if (a.chunk == 0) EXPECT_TRUE(backward_chunk1_at.count(a.micro_batch)) << prog.str();
+    }
+    for (const ChannelTransfer& t : a.transfers) {
+      if (t.transfer.value != h0) continue;
+      const bool to_self = t.transfer.src == 0 && t.transfer.dst == 0;
+      EXPECT_EQ(t.local, to_self) << a.str();
+      if (a.kind == StepActionKind::Send && a.feeds == partition::ActionKind::Forward) {
+        EXPECT_FALSE(to_self) << "sent to itself: " << a.str();
+      }
+      if (!to_self) continue;
+      if (a.kind == StepActionKind::Receive && a.feeds == partition::ActionKind::Forward) ++local_forward;
+      if (a.kind == StepActionKind::Receive && a.feeds == partition::ActionKind::Backward) ++local_gradient_in;
+      if (a.kind == StepActionKind::Send && a.feeds == partition::ActionKind::Backward) ++local_gradient_out;
+    }
+  }
+  EXPECT_EQ(local_forward, 2) << prog.str();  // one per micro-batch
+  EXPECT_EQ(local_gradient_in, 2) << prog.str();
+  EXPECT_EQ(local_gradient_out, 2) << prog.str();
+}
+
+// Rank 1 owns half of x's rows; stages 0 and 2 (rank 0's chunks 0 and 1) both read them,
+// each on its chunk's lane.
+TEST(TransferPlan, SendsEachChunksArgumentRowsOnItsLane) {
+  static const ir::Graph g = skipGraph();
+  auto programs = interleavedPrograms(g, {{0}, {1}}, 2, 2, 2);
+  std::set<int> lanes;
+  for (const StepAction& a : programs.at(1).actions) {
+    if (a.kind != StepActionKind::SendInputRows) continue;
+    for (const ChannelTransfer& t : a.transfers) lanes.insert(t.transfer.lane);
+  }
+  EXPECT_EQ(lanes, (std::set<int>{0, 1}));
 }
 
 TEST(TransferPlan, GivesARankOfSeveralStagesItsArgumentRowsOnce) {
