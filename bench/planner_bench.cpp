@@ -9,11 +9,12 @@
 //                       [batch=256] [patience=3] [blocks=32] [candidates=6] [stages=0]
 //                       [micro_batches=0] [report=0]
 //                       [intra_mbs=50000] [inter_mbs=12500] [gpipe=0] [log=warn]
-//                       [schedule=auto|1f1b|zb_h1]
+//                       [schedule=auto|1f1b|zb_h1|interleaved]
 //
-// Schedules: RaNNC plans under `schedule` (auto: 1F1B and ZB-H1, keeping the faster,
-// [Note: schedule choice] in partition/planner.cpp), and every baseline is tuned under
-// each schedule RaNNC tried, so each side gets the same schedules. "iteration_s" holds
+// Schedules: RaNNC plans under `schedule` (auto: 1F1B, ZB-H1 and interleaved 1F1B, keeping
+// the fastest, [Note: schedule choice] in partition/planner.cpp), and every baseline is
+// tuned under each schedule RaNNC tried but interleaving (they cut one stage per device),
+// so each side gets the same schedules. "iteration_s" holds
 // RaNNC's chosen plan and each baseline's best over the schedules; "by_schedule" the
 // times under each schedule.
 //
@@ -183,8 +184,9 @@ int main(int argc, char** argv) {
   if (schedule == "auto") o.schedule = ScheduleKind::Auto;
   else if (schedule == "1f1b") o.schedule = ScheduleKind::OneFOneB;
   else if (schedule == "zb_h1") o.schedule = ScheduleKind::ZeroBubbleH1;
+  else if (schedule == "interleaved") o.schedule = ScheduleKind::Interleaved;
   else {
-    std::fprintf(stderr, "schedule must be auto, 1f1b or zb_h1, got '%s'\n", schedule.c_str());
+    std::fprintf(stderr, "schedule must be auto, 1f1b, zb_h1 or interleaved, got '%s'\n", schedule.c_str());
     return 2;
   }
   int64_t params = 0;
@@ -238,6 +240,10 @@ int main(int argc, char** argv) {
                      int stages_cap, int only_replicas = 0) {
     std::vector<BaselineResult> per;
     for (const auto& [kind, time] : tried) {
+      if (kind == ScheduleKind::Interleaved) {  // the baselines cut one stage per device
+        per.push_back({std::nullopt, {}, 0, "no interleaved form"});
+        continue;
+      }
       o.schedule = kind;
       const PlanContext ctx = planContext(g, costs, o);
       per.push_back(tuneBaseline([&](const BaselineShape& s) { return make(s, ctx); }, ctx, copies, stages_cap,

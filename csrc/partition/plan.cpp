@@ -471,7 +471,7 @@ Deployment deserializeDeployment(const std::string& bytes, const ir::Graph& grap
       const std::string f = "schedule_candidates[" + std::to_string(i) + "].";
       ScheduleCandidate c;
       const uint8_t kind = r.u8(f + "schedule");
-      if (kind > static_cast<uint8_t>(ScheduleKind::ZeroBubbleH1)) {
+      if (kind > static_cast<uint8_t>(ScheduleKind::Interleaved)) {  // a plan names no Auto
         bad(f + "schedule", std::to_string(kind) + " is not a known schedule");
       }
       c.schedule = static_cast<ScheduleKind>(kind);

@@ -224,17 +224,25 @@ bool faster(const Deployment& a, const Deployment& b, double tolerance) {
 }
 
 // [Note: schedule choice] schedule=auto plans each schedule the runtime runs from a loss
-// (1F1B, then ZB-H1) with the whole search, since the best stages, replicas and
-// micro-batch count differ between them (ZB-H1's smaller bubble needs fewer
-// micro-batches). ZB-H1 wins only when it is faster than 1F1B by more than
-// plan_tolerance: 1F1B is the simpler schedule (one backward per micro-batch), and ZB-H1's
-// weight-gradient share is an estimate ([Note: weight gradient share] in stage_cost.h).
-// The costs are measured once: the second search reads them from the cost model.
+// (1F1B, ZB-H1, interleaved 1F1B with `chunks` chunks) with the whole search, since the
+// best stages, replicas and micro-batch count differ between them (ZB-H1's smaller bubble
+// needs fewer micro-batches; interleaving cuts twice the stages). Another schedule wins
+// only when it is faster than 1F1B by more than plan_tolerance: 1F1B is the simplest
+// (one backward per micro-batch, one stage per device), ZB-H1's weight-gradient share is
+// an estimate ([Note: weight gradient share] in stage_cost.h), and interleaving sends
+// chunks times as often. The costs are measured once: later searches read them from the
+// cost model.
 PlanTrace chooseSchedule(PlanTrace atomic, CostModel& costs, const PlanContext& ctx,
                          const PlannerOptions& options) {
   std::vector<ScheduleKind> kinds{ScheduleKind::OneFOneB};
-  // One stage has no bubble to fill: both schedules run the same plan.
+  // One stage has no bubble to fill: every schedule runs the same plan.
   if (options.num_stages != 1) kinds.push_back(ScheduleKind::ZeroBubbleH1);
+  // Interleaving needs two device groups (all chunks on one group is one slower stage),
+  // a fixed stage count it can split, and no fixed replicas.
+  const bool interleave = options.replicas.empty() && ctx.world_size >= 2 &&
+                          (options.num_stages == 0 ||
+                           (options.num_stages % options.chunks == 0 && options.num_stages / options.chunks >= 2));
+  if (interleave) kinds.push_back(ScheduleKind::Interleaved);
   std::vector<PlanTrace> found;
   for (ScheduleKind kind : kinds) {
     PlanContext c = ctx;
@@ -252,7 +260,8 @@ PlanTrace chooseSchedule(PlanTrace atomic, CostModel& costs, const PlanContext& 
   // another schedule's plan, simulated under this one, can beat this one's own search.
   for (PlanTrace& t : found) {
     for (const PlanTrace& other : found) {
-      if (&other == &t) continue;
+      // (an interleaved plan's stages are tied to its chunks: it runs under no other schedule)
+      if (&other == &t || t.deployment.chunks > 1 || other.deployment.chunks > 1) continue;
       Deployment cross = rescheduled(other.deployment, t.deployment.schedule);
       if (faster(cross, t.deployment, 0.0)) {
         logger().info("schedule {}: the {} plan is faster ({:.3f} ms against {:.3f} ms)",
@@ -268,7 +277,14 @@ PlanTrace chooseSchedule(PlanTrace atomic, CostModel& costs, const PlanContext& 
     const Deployment& d = found[i].deployment;
     tried.push_back({d.schedule, d.iteration_time, d.bubbleFraction(), d.feasible});
     logger().info("schedule {}: {}", scheduleName(d.schedule), d.summary());
-    if (faster(d, found[best].deployment, options.plan_tolerance)) best = i;
+  }
+  // 1F1B (the first) unless another is faster than it by the tolerance; among those, the
+  // fastest.
+  for (size_t i = 1; i < found.size(); ++i) {
+    if (faster(found[i].deployment, found[0].deployment, options.plan_tolerance) &&
+        (best == 0 || faster(found[i].deployment, found[best].deployment, 0.0))) {
+      best = i;
+    }
   }
   PlanTrace chosen = std::move(found[best]);
   chosen.deployment.schedule_candidates = std::move(tried);

@@ -83,13 +83,14 @@ def test_a_resumed_run_equals_the_run_without_a_stop_bit_for_bit(saved):
     ok(res, 4)
 
 
-@pytest.mark.parametrize("ranks,stages,first", [(2, 2, "none"), (1, 1, "none"), (2, 2, "eval"),
-                                                (4, 2, "train")],
-                         ids=["2ranks", "1rank", "2ranks-after-eval", "4ranks-after-a-train-call"])
+@pytest.mark.parametrize("ranks,stages,first,extra", [
+    (2, 2, "none", []), (1, 1, "none", []), (2, 2, "eval", []), (4, 2, "train", []),
+    (2, 4, "none", ["--opt", "schedule=interleaved"]),  # each rank holds 2 stages
+], ids=["2ranks", "1rank", "2ranks-after-eval", "4ranks-after-a-train-call", "2ranks-interleaved"])
 def test_a_checkpoint_loads_into_other_layouts_and_training_goes_on_as_in_pytorch(
-        saved, ranks, stages, first):
+        saved, ranks, stages, first, extra):
     res = mpirun("sharded_checkpoint_check.py", ranks, "resume", "--dir", saved / "ckpt",
-                 "--stages", stages, "--micro", min(2, stages), "--deploy-first", first,
+                 "--stages", stages, "--micro", min(2, stages), "--deploy-first", first, *extra,
                  timeout=300, env=ENV)
     ok(res, ranks)
 

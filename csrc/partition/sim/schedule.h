@@ -14,7 +14,7 @@ enum class ScheduleKind {
   ZeroBubbleH1,  // ZB-H1 (Qi et al., ICLR 2024): 1F1B with each backward split ([Note: ZB-H1])
   Interleaved,   // interleaved 1F1B (Narayanan et al., SC 2021): chunks of the model per device ([Note: interleaved 1F1B])
   // A planner option only: the stage search plans each schedule the runtime runs with a
-  // loss (1F1B, ZB-H1) and keeps the fastest ([Note: schedule choice] in planner.cpp). A
+  // loss (1F1B, ZB-H1, interleaved) and keeps the fastest ([Note: schedule choice] in planner.cpp). A
   // plan always names a concrete schedule; buildSchedule refuses this one.
   Auto,
 };

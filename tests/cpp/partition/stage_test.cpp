@@ -520,10 +520,13 @@ TEST(AStagePlanner, ChoosesZeroBubbleWhenItsBubbleIsSmaller) {
   AnalyticCostModel m(g, device());
   PlannerOptions o = autoOptions(4, 4, 4);
   Deployment chosen = plan(g, m, o);
-  ASSERT_EQ(chosen.schedule_candidates.size(), 2u);
+  ASSERT_EQ(chosen.schedule_candidates.size(), 3u);  // 4 stages split into 2 chunks: interleaved too
   EXPECT_EQ(chosen.schedule_candidates[0].schedule, ScheduleKind::OneFOneB);
   EXPECT_EQ(chosen.schedule_candidates[1].schedule, ScheduleKind::ZeroBubbleH1);
+  EXPECT_EQ(chosen.schedule_candidates[2].schedule, ScheduleKind::Interleaved);
   EXPECT_EQ(chosen.schedule, ScheduleKind::ZeroBubbleH1);
+  // ZB-H1's bubble on 4 devices is below interleaving's on 2 devices with 2 chunks
+  EXPECT_LT(chosen.schedule_candidates[1].iteration_time, chosen.schedule_candidates[2].iteration_time);
   const ScheduleCandidate& one = chosen.schedule_candidates[0];
   const ScheduleCandidate& zb = chosen.schedule_candidates[1];
   EXPECT_LT(zb.iteration_time, one.iteration_time * (1.0 - o.plan_tolerance));

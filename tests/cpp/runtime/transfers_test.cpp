@@ -235,7 +235,7 @@ using ChannelOf = std::tuple<int, int, int, int>;
 // The programs of every rank for `g` cut into chunks x D stages at equal task counts
 // (stage s on device_ranks[s % D]) under interleaved 1F1B.
 std::map<int, StepProgram> interleavedPrograms(const ir::Graph& g, const std::vector<std::vector<int>>& device_ranks,
-                                               int chunks, int M, int world) {
+                                               int chunks, int M, int world, int pipelines = 1) {
   const int D = static_cast<int>(device_ranks.size());
   std::vector<size_t> cuts;
   std::vector<std::vector<int>> ranks;
@@ -244,7 +244,7 @@ std::map<int, StepProgram> interleavedPrograms(const ir::Graph& g, const std::ve
     if (s > 0) cuts.push_back(static_cast<size_t>(s) * g.tasks().size() / S);
     ranks.push_back(device_ranks[s % D]);
   }
-  auto d = deploymentOf(g, cuts, ranks, 1, M, world);
+  auto d = deploymentOf(g, cuts, ranks, pipelines, M, world);
   d.chunks = chunks;
   const Layout L(d, world, 4);
   auto pieces = piecesOf(g, d);
@@ -277,9 +277,9 @@ std::map<int, StepProgram> interleavedPrograms(const ir::Graph& g, const std::ve
 // the same order; the arguments' rows, sent all at once, agree within each chunk's lane
 // ([Note: channel lanes]). Checked here in program order, not only as sets.
 void expectInterleavedChannelsAgree(const ir::Graph& g, const std::vector<std::vector<int>>& device_ranks,
-                                    int chunks, int M, int world) {
+                                    int chunks, int M, int world, int pipelines = 1) {
   std::map<ChannelOf, std::vector<std::string>> sent, received;
-  for (const auto& [r, prog] : interleavedPrograms(g, device_ranks, chunks, M, world)) {
+  for (const auto& [r, prog] : interleavedPrograms(g, device_ranks, chunks, M, world, pipelines)) {
     for (const StepAction& a : prog.actions) {
       for (const ChannelTransfer& t : a.transfers) {
         if (t.local || (t.channel != Channel::Activation && t.channel != Channel::Gradient &&
@@ -312,6 +312,7 @@ TEST(TransferPlan, AgreesOnEveryChannelUnderAnInterleavedSchedule) {
   expectInterleavedChannelsAgree(g, {{0}, {1}}, 3, 2, 2);
   expectInterleavedChannelsAgree(g, {{0, 1}, {2, 3}}, 2, 4, 4);  // two replicas per stage
   expectInterleavedChannelsAgree(g, {{0, 1}, {2}}, 2, 2, 3);     // replicas 2 and 1: rows redistributed
+  expectInterleavedChannelsAgree(g, {{0, 2}, {1, 3}}, 2, 2, 4, /*pipelines=*/2);  // 2 pipeline copies
 }
 
 // x -> l0 -> h0 -> l1 -> h1 -> add(h1, h0, x) -> h2 -> l3 -> h3 -> l4 -> h4, cut into 4
@@ -372,6 +373,7 @@ TEST(TransferPlan, AgreesOnEveryChannelWhenValuesSkipToAnotherChunk) {
     expectInterleavedChannelsAgree(g, {{0}, {1}}, 2, 2, 2);
     expectInterleavedChannelsAgree(g, {{0}, {1}}, 2, 4, 2);
     expectInterleavedChannelsAgree(g, {{0, 1}, {2, 3}}, 2, 2, 4);
+    expectInterleavedChannelsAgree(g, {{0, 2}, {1, 3}}, 2, 2, 4, /*pipelines=*/2);
   }
 }
 
