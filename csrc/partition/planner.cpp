@@ -44,10 +44,6 @@ void checkOptions(const PlannerOptions& o) {
     }
   }
   if (o.chunks < 2) badOption("chunks", str(o.chunks), "at least 2 (stages per device under schedule interleaved)");
-  if (o.schedule == ScheduleKind::Interleaved && !o.replicas.empty()) {
-    badOption("replicas", replicaList(o.replicas),
-              "none under schedule interleaved (every stage there has the same replicas)");
-  }
   if (o.schedule == ScheduleKind::Interleaved && o.num_stages > 0 && o.num_stages % o.chunks != 0) {
     badOption("num_stages", str(o.num_stages),
               "a multiple of chunks=" + str(o.chunks) + " under schedule interleaved");
@@ -66,10 +62,15 @@ PlanContext planContext(const ir::Graph& graph, const CostModel& costs, const Pl
   checkOptions(o);
   if (!o.replicas.empty()) {
     int sum = 0;
-    for (int r : o.replicas) sum += r;
+    // interleaved: the chunks of a device group share its devices; count them once
+    const int counted = o.schedule == ScheduleKind::Interleaved ? o.num_stages / o.chunks : o.num_stages;
+    for (int s = 0; s < counted; ++s) sum += o.replicas[s];
     if (o.world_size % sum != 0) {
       badOption("replicas", replicaList(o.replicas),
-                "counts whose sum divides the world size " + std::to_string(o.world_size) + " (they use " +
+                std::string(counted < o.num_stages ? "counts whose first " + std::to_string(counted) +
+                                                         " (one per device group) sum"
+                                                   : "counts whose sum") +
+                    " divides the world size " + std::to_string(o.world_size) + " (they use " +
                     std::to_string(sum) + " device(s) per pipeline copy)");
     }
   }

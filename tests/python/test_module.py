@@ -51,6 +51,8 @@ INTERLEAVED = [
     (4, "gpt", 4, 4, ["--eval", "--opt", "schedule=interleaved"]),        # 2 replicas per stage
     (2, "transformer_loss", 6, 2, ["--opt", "schedule=interleaved", "chunks=3"]),
     (1, "resnet", 2, 1, ["--opt", "schedule=interleaved"]),               # every value local
+    (4, "mlp", 4, 2, ["--opt", "schedule=interleaved", "replicas=1,1,1,1"]),  # 2 pipeline copies
+    (3, "gpt", 4, 2, ["--opt", "schedule=interleaved", "replicas=2,1,2,1"]),  # groups of 2 and 1
 ]
 
 

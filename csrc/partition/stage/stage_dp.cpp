@@ -505,7 +505,8 @@ std::vector<Deployment> formStageCandidates(StageProblem& problem, const StageSe
 // cuts the blocks into v x G stages; stage c x G + g runs on device group g, so every stage
 // of a group has the group's replicas. The search keeps that shape simple: every stage has
 // the same replica count r (G x r x copies = the world, as Megatron's virtual pipeline
-// stages do) and Algorithm 1 cuts the blocks for it with the devices counted once per
+// stages do; fixed `replicas` may give each group its own, repeated for every chunk) and
+// Algorithm 1 cuts the blocks for it with the devices counted once per
 // chunk and each chunk given 1/v of a device's memory; the simulator then times each
 // candidate with the chunks on their devices (its memory summed over them), and the
 // preference picks among all of them. Micro-batch counts are multiples of G (the schedule
@@ -522,13 +523,32 @@ Deployment formInterleavedStages(StageProblem& problem, const StageSearchOptions
   std::vector<Deployment> found;
   std::vector<PlanShape> shapes;
   int tried = 0;
+  // fixed replicas: one count per stage, the same for every chunk of a group
+  int fixed_devices = 0;
+  if (!options.replicas.empty()) {
+    const int S = static_cast<int>(options.replicas.size()), groups = S / chunks;
+    for (int s = 0; s < S; ++s) {
+      if (options.replicas[s] != options.replicas[s % groups]) {
+        throw InvalidGraphError("option replicas gives stage " + std::to_string(s) + " " +
+                                std::to_string(options.replicas[s]) + " replicas and stage " +
+                                std::to_string(s % groups) + ", on the same devices, " +
+                                std::to_string(options.replicas[s % groups]) +
+                                "; under schedule interleaved the chunks of a device group have its replicas");
+      }
+      if (s < groups) fixed_devices += options.replicas[s];
+    }
+  }
   for (int copies = 1; copies <= N; ++copies) {
     if (N % copies != 0) continue;
+    if (fixed_devices > 0 && copies * fixed_devices != N) continue;
     for (int groups = 1; groups <= N / copies; ++groups) {
-      if ((N / copies) % groups != 0) continue;
+      if (fixed_devices == 0 && (N / copies) % groups != 0) continue;
       const int S = chunks * groups, r = N / copies / groups;
       if (options.num_stages > 0 ? S != options.num_stages : groups < 2) continue;
       if (S > K) continue;
+      const std::vector<int> replicas = fixed_devices > 0 ? options.replicas : std::vector<int>(S, r);
+      int group_devices = 0;
+      for (int g = 0; g < groups; ++g) group_devices += replicas[g];
       std::vector<int> counts;
       if (options.num_microbatches > 0) {
         counts.push_back(options.num_microbatches);
@@ -539,10 +559,11 @@ Deployment formInterleavedStages(StageProblem& problem, const StageSearchOptions
       int since_best = 0;
       for (int M : counts) {
         if (M % groups != 0) continue;
-        if (static_cast<int64_t>(copies) * M * r > ctx.batch_size) break;
+        const int widest = *std::max_element(replicas.begin(), replicas.end());
+        if (static_cast<int64_t>(copies) * M * widest > ctx.batch_size) break;
         ++tried;
-        chunked.prefetch(S, S * r, copies, M);
-        StageSolution sol = formStageDp(chunked, S, S * r, copies, M, StageObjective::Time, std::vector<int>(S, r));
+        chunked.prefetch(S, chunks * group_devices, copies, M);
+        StageSolution sol = formStageDp(chunked, S, chunks * group_devices, copies, M, StageObjective::Time, replicas);
         if (!sol.feasible) continue;
         std::vector<StageChoice> stages;
         int first = 0;
@@ -552,7 +573,7 @@ Deployment formInterleavedStages(StageProblem& problem, const StageSearchOptions
           c.last_block = e;
           c.tasks = chunked.tasks(first, e);
           c.parts = chunked.blockParts(first, e);
-          c.devices = r;
+          c.devices = replicas[stages.size()];
           stages.push_back(std::move(c));
           first = e;
         }

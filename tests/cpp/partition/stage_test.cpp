@@ -596,6 +596,30 @@ TEST(AStagePlanner, PlansInterleavedChunksOnSharedDevices) {
   EXPECT_NE(d.report().find("interleaved"), std::string::npos) << d.report();
 }
 
+// Fixed replicas per device group, repeated for every chunk: groups of 2 and 1 devices on
+// 3 ranks; 1 and 1 on 4 ranks make 2 pipeline copies.
+TEST(AStagePlanner, PlansInterleavedChunksWithTheGroupsReplicasWhenFixed) {
+  ir::Graph g = testing::uniformChain(16, 256, /*batch=*/16);
+  AnalyticCostModel m(g, device());
+  PlannerOptions o = autoOptions(3, 4, 2);
+  o.num_blocks = 16;
+  o.schedule = ScheduleKind::Interleaved;
+  o.replicas = {2, 1, 2, 1};
+  Deployment d = plan(g, m, o);
+  EXPECT_EQ(d.stages[0].ranks, (std::vector<int>{0, 1}));
+  EXPECT_EQ(d.stages[1].ranks, (std::vector<int>{2}));
+  EXPECT_EQ(d.stages[2].ranks, d.stages[0].ranks);
+  EXPECT_EQ(d.stages[3].ranks, d.stages[1].ranks);
+  validateDeployment(g, d);
+  o.world_size = 4;
+  o.replicas = {1, 1, 1, 1};
+  Deployment copies = plan(g, m, o);
+  EXPECT_EQ(copies.pipelines, 2);
+  EXPECT_EQ(copies.stages[0].ranks, (std::vector<int>{0, 2}));
+  o.replicas = {2, 1, 1, 1};  // stage 2 shares stage 0's devices but not its replicas
+  EXPECT_THROW(plan(g, m, o), InvalidGraphError);
+}
+
 TEST(AStagePlanner, FixesInterleavedStagesAndMicroBatchesWhenAsked) {
   ir::Graph g = testing::uniformChain(16, 256, /*batch=*/16);
   AnalyticCostModel m(g, device());
