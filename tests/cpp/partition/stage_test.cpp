@@ -564,15 +564,21 @@ TEST(AStagePlanner, KeepsOneFOneBForOneStage) {
   EXPECT_THROW(buildSchedule(ScheduleKind::Auto, 2, 2), InvalidGraphError);
 }
 
+// schedule=interleaved over a 16-layer chain in 16 blocks.
+PlannerOptions interleavedOptions(int world, int stages, int micro_batches) {
+  PlannerOptions o = autoOptions(world, stages, micro_batches);
+  o.num_blocks = 16;
+  o.schedule = ScheduleKind::Interleaved;
+  return o;
+}
+
 // [Note: interleaved search]: 2 chunks per device on 4 devices. Every stage of a device
 // group has its ranks, the micro-batches come in rounds of the groups, the plan passes
 // the deployment checks, and its predicted time is the simulator's over its chunks.
 TEST(AStagePlanner, PlansInterleavedChunksOnSharedDevices) {
   ir::Graph g = testing::uniformChain(16, 256, /*batch=*/16);
   AnalyticCostModel m(g, device());
-  PlannerOptions o = autoOptions(4, 0, 0);
-  o.num_blocks = 16;
-  o.schedule = ScheduleKind::Interleaved;
+  PlannerOptions o = interleavedOptions(4, 0, 0);
   Deployment d = plan(g, m, o);
   EXPECT_EQ(d.schedule, ScheduleKind::Interleaved);
   EXPECT_EQ(d.chunks, 2);
@@ -601,9 +607,7 @@ TEST(AStagePlanner, PlansInterleavedChunksOnSharedDevices) {
 TEST(AStagePlanner, PlansInterleavedChunksWithTheGroupsReplicasWhenFixed) {
   ir::Graph g = testing::uniformChain(16, 256, /*batch=*/16);
   AnalyticCostModel m(g, device());
-  PlannerOptions o = autoOptions(3, 4, 2);
-  o.num_blocks = 16;
-  o.schedule = ScheduleKind::Interleaved;
+  PlannerOptions o = interleavedOptions(3, 4, 2);
   o.replicas = {2, 1, 2, 1};
   Deployment d = plan(g, m, o);
   EXPECT_EQ(d.stages[0].ranks, (std::vector<int>{0, 1}));
@@ -623,9 +627,7 @@ TEST(AStagePlanner, PlansInterleavedChunksWithTheGroupsReplicasWhenFixed) {
 TEST(AStagePlanner, FixesInterleavedStagesAndMicroBatchesWhenAsked) {
   ir::Graph g = testing::uniformChain(16, 256, /*batch=*/16);
   AnalyticCostModel m(g, device());
-  PlannerOptions o = autoOptions(2, 6, 4);
-  o.num_blocks = 16;
-  o.schedule = ScheduleKind::Interleaved;
+  PlannerOptions o = interleavedOptions(2, 6, 4);
   o.chunks = 3;
   Deployment d = plan(g, m, o);
   EXPECT_EQ(d.numStages(), 6);

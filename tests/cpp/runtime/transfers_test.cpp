@@ -315,10 +315,9 @@ TEST(TransferPlan, AgreesOnEveryChannelUnderAnInterleavedSchedule) {
   expectInterleavedChannelsAgree(g, {{0, 2}, {1, 3}}, 2, 2, 4, /*pipelines=*/2);  // 2 pipeline copies
 }
 
-// x -> l0 -> h0 -> l1 -> h1 -> add(h1, h0, x) -> h2 -> l3 -> h3 -> l4 -> h4, cut into 4
-// stages (the last two layers together) on 2 ranks: stage 2 (rank 0's second chunk) reads
-// h0 from stage 0 on the same rank, and x, which stage 0 reads too.
-ir::Graph skipGraph() {
+// x -> l0 -> h0 -> ... -> l4 -> h4 (linear layers) with task `add_at` an aten::add of the
+// chain's value and the earlier values `skips` (h indices; -1: x).
+ir::Graph chainWithSkips(int add_at, const std::vector<int>& skips) {
   using partition::testing::act;
   using partition::testing::param;
   ir::Graph g;
@@ -329,8 +328,10 @@ ir::Graph skipGraph() {
   ir::ValueId cur = x;
   for (int i = 0; i < 5; ++i) {
     ir::ValueId out = act(g, "h" + std::to_string(i), 8);
-    if (i == 2) {
-      g.addTask("aten::add", {h[1], h[0], x}, {out}, "add");
+    if (i == add_at) {
+      std::vector<ir::ValueId> ins{cur};
+      for (int k : skips) ins.push_back(k < 0 ? x : h.at(k));
+      g.addTask("aten::add", ins, {out}, "add");
     } else {
       g.addTask("aten::linear", {cur, param(g, "w" + std::to_string(i), {8, 8})}, {out}, "layer" + std::to_string(i));
     }
@@ -342,32 +343,14 @@ ir::Graph skipGraph() {
   return g;
 }
 
-// x -> l0 -> h0 -> l1 -> h1 -> l2 -> h2 -> add(h2, h0) -> h3 -> l4 -> h4 in 4 stages on 2
-// ranks: h0 goes from rank 0 to both of rank 1's chunks (stages 1 and 3), which run its
-// micro-batches at different times: each pair of chunks needs a lane of its own.
-ir::Graph twoChunkReaderGraph() {
-  using partition::testing::act;
-  using partition::testing::param;
-  ir::Graph g;
-  g.setBatchSize(8);
-  ir::ValueId x = act(g, "x", 8, ir::ValueRole::Input);
-  g.setInputs({x});
-  std::vector<ir::ValueId> h;
-  ir::ValueId cur = x;
-  for (int i = 0; i < 5; ++i) {
-    ir::ValueId out = act(g, "h" + std::to_string(i), 8);
-    if (i == 3) {
-      g.addTask("aten::add", {h[2], h[0]}, {out}, "add");
-    } else {
-      g.addTask("aten::linear", {cur, param(g, "w" + std::to_string(i), {8, 8})}, {out}, "layer" + std::to_string(i));
-    }
-    g.mutableValue(out).requires_grad = true;
-    h.push_back(out);
-    cur = out;
-  }
-  g.setOutputs({cur});
-  return g;
-}
+// Cut into 4 stages (the last two tasks together) on 2 ranks, stage 2 (rank 0's second
+// chunk) adds h0 from stage 0 on the same rank, and x, which stage 0 reads too.
+ir::Graph skipGraph() { return chainWithSkips(2, {0, -1}); }
+
+// Stage 3 adds h0: it goes from rank 0 to both of rank 1's chunks (stages 1 and 3), which
+// take its micro-batches at different times, so each pair of chunks needs a lane of its own.
+ir::Graph twoChunkReaderGraph() { return chainWithSkips(3, {0}); }
+
 TEST(TransferPlan, AgreesOnEveryChannelWhenValuesSkipToAnotherChunk) {
   for (const ir::Graph& g : {skipGraph(), twoChunkReaderGraph()}) {
     expectInterleavedChannelsAgree(g, {{0}, {1}}, 2, 2, 2);
