@@ -181,7 +181,7 @@ def main():
         err = r["measured_step_s"] / r["predicted_iteration_s"] - 1
         print(f"{name or '2 ranks, 2 stages: '}{r['micro_batches']} micro-batches, {r['transport']}: "
               f"measured {r['measured_step_s'] * 1e3:.1f} ms, predicted "
-              f"{r['predicted_iteration_s'] * 1e3:.1f} ms ({err:+.0%}; goal within 15%)")
+              f"{r['predicted_iteration_s'] * 1e3:.1f} ms ({err:+.0%}; goal within 10%)")
         if r is copy_io is pipe:
             print("  (single copy is refused here; only copy in/out was measured)")
             break

@@ -34,12 +34,35 @@ def test_one_rank_on_cuda_equals_pytorch(model):
     ("gpt", 2, []), ("mlp", 2, []), ("transformer", 2, []), ("multi_io", 2, []),
     ("hf_gpt2", 2, []), ("hf_bert", 2, []), ("hf_vit", 2, []),
     ("gpt", 2, ["schedule=fill_drain"]), ("gpt", 2, ["recompute=always"]),
+    ("gpt", 2, ["schedule=zb_h1"]),         # the backward split into its input and weight parts
+    ("gpt", 4, ["schedule=interleaved"]),   # 2 chunks per rank: values between chunks stay local
 ])
 def test_two_ranks_share_the_gpu_over_mpi(model, stages, extra):
     res = mpirun("train_check.py", 2, model, "--stages", stages, "--micro", 2, "--eval",
                  "--mode", zoo.train_mode(model),
                  "--opt", "device=cuda", "data_plane=mpi", *extra, timeout=300)
     _ok(res, 2)
+
+
+@pytest.mark.parametrize("stages,extra", [
+    (1, []), (2, ["schedule=zb_h1"]), (2, ["schedule=interleaved"])])
+def test_one_rank_nccl_schedules_equal_pytorch(stages, extra):
+    """One rank, so NCCL carries the collectives; the chunks of an interleaved plan pass
+    their values locally."""
+    res = mpirun("train_check.py", 1, "gpt", "--stages", stages, "--micro", 2,
+                 "--opt", "device=cuda", *extra, timeout=300)
+    _ok(res, 1)
+
+
+@pytest.mark.parametrize("ranks,amp,extra", [
+    (1, "bf16", []), (2, "bf16", ["data_plane=mpi"]), (1, "fp16", []),
+    (2, "fp16", ["data_plane=mpi"])])
+def test_mixed_precision_on_cuda_equals_pytorch_under_autocast(ranks, amp, extra):
+    """rannc under torch.autocast("cuda") against the CPU reference under autocast("cpu"),
+    within the low-precision tolerance of train_check.py; fp16 with rannc.GradScaler("cuda")."""
+    res = mpirun("train_check.py", ranks, "gpt", "--stages", ranks, "--micro", 2, "--steps", 4,
+                 "--amp", amp, "--opt", "device=cuda", *extra, timeout=300)
+    _ok(res, ranks)
 
 
 def test_two_replicas_share_the_gpu_with_outside_gradients():

@@ -948,5 +948,20 @@ TEST(AComposingCostModel, ReturnsAFinalistCostedWholeNoSlowerThanTheComposedChoi
   }
 }
 
+// With no rival to verify against, the chosen plan still keeps its stages' whole costs:
+// its prediction is what the run is compared with.
+TEST(AComposingCostModel, CostsTheChosenPlanWholeWithoutARival) {
+  ir::Graph g = testing::smallTransformer();
+  PlannerOptions o;
+  o.world_size = 4;
+  o.num_blocks = 8;
+  o.verify_finalists = 1;
+  ComposingCostModel costs(g, DeviceSpec{}, 0.9);
+  const Deployment chosen = plan(g, costs, o);
+  AnalyticCostModel whole(g, DeviceSpec{});
+  const Deployment chosen_whole = assembleWhole(whole, planContext(g, whole, o), chosen);
+  EXPECT_NEAR(chosen.iteration_time, chosen_whole.iteration_time, 1e-9 + 1e-6 * chosen.iteration_time);
+}
+
 }  // namespace
 }  // namespace rannc::partition

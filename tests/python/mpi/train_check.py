@@ -81,18 +81,21 @@ def local(x):
 # That the stages compute in that dtype at all is checked on the deployed graph.
 REL = {"bf16": 5e-2, "fp16": 1e-2}.get(a.amp)
 AMP_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(a.amp)
-scaler = rannc.GradScaler("cpu", init_scale=2.0 ** 10) if a.amp == "fp16" else None
+# With option device=cuda (tests/gpu) rannc's stages compute on the GPU, under the user's
+# autocast for cuda; the reference stays on the CPU under autocast for the CPU.
+STAGE_DEVICE = "cuda" if options.get("device", "cpu").startswith("cuda") else "cpu"
+scaler = rannc.GradScaler(STAGE_DEVICE, init_scale=2.0 ** 10) if a.amp == "fp16" else None
 ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) if a.amp == "fp16" else None
 
 
-def autocast():
-    return (torch.autocast("cpu", dtype=AMP_DTYPE) if AMP_DTYPE is not None
-            else torch.autocast("cpu", enabled=False))
+def autocast(device_type="cpu"):
+    return (torch.autocast(device_type, dtype=AMP_DTYPE) if AMP_DTYPE is not None
+            else torch.autocast(device_type, enabled=False))
 
 
 def autocast_for_rannc():
     """With the option precision, rannc's calls run without autocast (the option does it)."""
-    return contextlib.nullcontext() if "precision" in options else autocast()
+    return contextlib.nullcontext() if "precision" in options else autocast(STAGE_DEVICE)
 
 
 def backward(loss, s):
