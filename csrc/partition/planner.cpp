@@ -190,14 +190,16 @@ void planSchedule(PlanTrace& trace, CostModel& costs, const PlanContext& ctx, co
   // the way competes (the unrefined winner too): the simplest within the tolerance of the
   // fastest ([Note: plan tolerance]), its boundaries then settled within the same bound.
   trace.deployment = candidates.front();
+  const bool verify = costs.composesUnions() && options.verify_finalists > 0;
   // Refinement moves single boundaries and replicas; an interleaved plan's stages are tied
-  // to their device groups, so it keeps the block-level cut.
-  if (options.refine_boundaries && ctx.schedule != ScheduleKind::Interleaved) {
+  // to their device groups, so it keeps the block-level cut (measured whole all the same).
+  if (!options.refine_boundaries || ctx.schedule == ScheduleKind::Interleaved) {
+    if (verify) trace.deployment = verifyFinalists(trace.deployment, {}, costs, ctx, options);
+  } else {
     RefineOptions ro;
     ro.move_replicas = options.refine_replicas && options.replicas.empty();
     ro.move_micro_batches = options.refine_replicas && options.num_microbatches == 0;
     ro.max_microbatches = options.max_microbatches;
-    const bool verify = costs.composesUnions() && options.verify_finalists > 0;
     PreferredPlan met(verify ? std::max(options.plan_tolerance, kFinalistMargin) : options.plan_tolerance);
     for (const Deployment& c : candidates) {
       refineBoundaries(c, trace.atomic, trace.blocks, costs, ctx, ro, &met);

@@ -217,7 +217,8 @@ Deployment assembleWhole(CostModel& costs, const PlanContext& ctx, const Deploym
     c.last_block = s.last_block;
     stages.push_back(std::move(c));
   }
-  return assembleDeployment(costs, ctx, stages, plan.pipelines, plan.micro_batches, plan.planner);
+  return assembleDeployment(costs, ctx, stages, plan.pipelines, plan.micro_batches, plan.planner,
+                            plan.chunks);
 }
 
 }  // namespace rannc::partition

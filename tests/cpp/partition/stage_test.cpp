@@ -949,18 +949,27 @@ TEST(AComposingCostModel, ReturnsAFinalistCostedWholeNoSlowerThanTheComposedChoi
 }
 
 // With no rival to verify against, the chosen plan still keeps its stages' whole costs:
-// its prediction is what the run is compared with.
+// its prediction is what the run is compared with. So does an interleaved plan (never
+// refined) and a plan without refinement.
 TEST(AComposingCostModel, CostsTheChosenPlanWholeWithoutARival) {
   ir::Graph g = testing::smallTransformer();
-  PlannerOptions o;
-  o.world_size = 4;
-  o.num_blocks = 8;
-  o.verify_finalists = 1;
-  ComposingCostModel costs(g, DeviceSpec{}, 0.9);
-  const Deployment chosen = plan(g, costs, o);
-  AnalyticCostModel whole(g, DeviceSpec{});
-  const Deployment chosen_whole = assembleWhole(whole, planContext(g, whole, o), chosen);
-  EXPECT_NEAR(chosen.iteration_time, chosen_whole.iteration_time, 1e-9 + 1e-6 * chosen.iteration_time);
+  PlannerOptions one_f_one_b;
+  one_f_one_b.world_size = 4;
+  one_f_one_b.num_blocks = 8;
+  PlannerOptions unrefined = one_f_one_b;
+  unrefined.refine_boundaries = false;
+  PlannerOptions interleaved = interleavedOptions(4, 0, 0);
+  interleaved.num_blocks = 8;
+  for (PlannerOptions o : {one_f_one_b, unrefined, interleaved}) {
+    o.verify_finalists = 1;
+    ComposingCostModel costs(g, DeviceSpec{}, 0.9);
+    const Deployment chosen = plan(g, costs, o);
+    AnalyticCostModel whole(g, DeviceSpec{});
+    const Deployment chosen_whole = assembleWhole(whole, planContext(g, whole, o), chosen);
+    EXPECT_EQ(chosen_whole.chunks, chosen.chunks);
+    EXPECT_NEAR(chosen.iteration_time, chosen_whole.iteration_time, 1e-9 + 1e-6 * chosen.iteration_time)
+        << scheduleName(o.schedule) << (o.refine_boundaries ? "" : " unrefined");
+  }
 }
 
 }  // namespace
