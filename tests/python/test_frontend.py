@@ -128,6 +128,56 @@ def test_ir_knows_batch_values_parameters_and_loss():
     assert f"batch size 4" in summary
 
 
+def _ir_per_row(g):
+    """Each value of a traced IR with its sizes and integers along the batch given per row."""
+    b = g.batch_size
+    rows = []
+    for v in g.ir.values():
+        shape = list(v.shape)
+        if v.batch_dim >= 0:
+            assert shape[v.batch_dim] == v.batch_multiple * b, (v, b)
+            shape[v.batch_dim] = "batch"
+        ints = [x - k * b for x, k in zip(v.int_values, v.int_batch_multiples)]
+        rows.append((v.name, v.kind, v.dtype, shape, v.batch_dim, v.batch_multiple, ints,
+                     list(v.int_batch_multiples), v.batch_dependent, v.requires_grad, v.is_loss))
+    return [(t.op, list(t.inputs), list(t.outputs)) for t in g.ir.tasks()], rows
+
+
+@pytest.mark.parametrize("name", zoo.NAMES + ["transformer_loss", "late_input", "hf_bert", "hf_t5"])
+def test_values_observed_at_fewer_rows_than_traced_give_the_same_ir(name):
+    """[Note: smaller observations] At batch 12 the values are observed at 6 and 3 rows and
+    extrapolated to 12; at batch 4 they are observed at 4 and 2 rows, as traced. Both IRs
+    are the same program with the same values per row."""
+    big = rannc.trace(*_model_at(name, 12))
+    small = rannc.trace(*_model_at(name, 4))
+    assert _ir_per_row(big) == _ir_per_row(small)
+
+
+def _model_at(name, batch):
+    model, args, kwargs = zoo.make(name, batch=batch)
+    return model, args, kwargs
+
+
+class RowPlusOne(nn.Module):
+    """A value of batch + 1 rows: it does not scale with the batch by a whole factor."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.cat([self.lin(x), x[:1]])
+
+
+def test_a_value_that_does_not_scale_with_the_batch_is_observed_at_the_traced_batch():
+    model, x = RowPlusOne(), torch.randn(12, 4)
+    g = rannc.trace(model, (x,))
+    cat = [v for v in g.ir.values() if v.kind == "Tensor" and v.shape[:1] == [13]]
+    assert cat, "the concatenated value has 13 rows at batch 12"
+    assert all(v.batch_dim == -1 and v.batch_dependent for v in cat)
+    torch.testing.assert_close(g(x), model(x), **EXACT)
+
+
 def test_scopes_name_modules():
     model, args, kwargs = zoo.make("gpt")
     g = rannc.trace(model, args, kwargs)
