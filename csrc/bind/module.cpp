@@ -313,7 +313,7 @@ PYBIND11_MODULE(_C, m) {
              return stageBackward(grads, [&](const std::vector<at::Tensor>& g) { return s.backwardInput(mb, g); });
            },
            py::arg("mb"), py::arg("output_grads"),
-           "The input part of a split backward ([Note: split backward] in runtime/stage.h).")
+           "The input part of a split backward ([Note: split backward] in frontend/split_backward.h).")
       .def("backward_weight",
            [](runtime::StageExecutor& s, int64_t mb) {
              py::gil_scoped_release release;

@@ -29,6 +29,7 @@ py::dict recordToDict(const profile::ProfileRecord& r) {
   d["activation_bytes"] = r.activation_bytes;
   d["peak_bytes"] = r.peak_bytes;
   d["out_of_memory"] = r.out_of_memory;
+  d["weight_time"] = r.weight_time;
   return d;
 }
 
@@ -151,21 +152,23 @@ void bindProfiler(py::module& m) {
              return out;
            },
            "Every entry as a dict (key: content_hash, rows, dtype, device, recompute; record: "
-           "forward_time, backward_time, activation_bytes, peak_bytes, out_of_memory), by key.")
+           "forward_time, backward_time, activation_bytes, peak_bytes, out_of_memory, weight_time: "
+           "-1 where not measured), by key.")
       .def(
           "put",
           [](profile::ProfileCache& c, uint64_t content_hash, int64_t rows, const std::string& dtype,
              const std::string& device, bool recompute, double forward_time, double backward_time,
-             int64_t activation_bytes, int64_t peak_bytes, bool out_of_memory) {
+             int64_t activation_bytes, int64_t peak_bytes, bool out_of_memory, double weight_time) {
             profile::ProfileKey k{content_hash, rows, dtype, device, recompute};
-            profile::ProfileRecord r{forward_time, backward_time, activation_bytes, peak_bytes, out_of_memory};
+            profile::ProfileRecord r{forward_time, backward_time, activation_bytes, peak_bytes, out_of_memory,
+                                     weight_time};
             const std::string problem = profile::profileEntryProblem(k, r);
             if (!problem.empty()) throw Error("ProfileCache.put: " + problem);
             c.insert(k, r);
           },
           py::arg("content_hash"), py::arg("rows"), py::arg("dtype"), py::arg("device"), py::arg("recompute"),
           py::arg("forward_time"), py::arg("backward_time"), py::arg("activation_bytes"),
-          py::arg("peak_bytes"), py::arg("out_of_memory") = false,
+          py::arg("peak_bytes"), py::arg("out_of_memory") = false, py::arg("weight_time") = -1.0,
           "Adds or replaces an entry (the fields of entries()); refuses what a file would be refused for.");
 
   m.def(

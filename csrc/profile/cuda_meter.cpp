@@ -60,12 +60,14 @@ class CudaMeter : public DeviceMeter {
   void resetPeak() override { alloc::resetPeakStats(index_); }
   bool refused() const override { return stats().num_ooms != ooms_; }
 
-  void start() override { start_.record(stream()); }
+  void start() override { start_.record(stream()), split_ = false; }
   void forwardDone() override { forward_.record(stream()); }
+  void inputPartDone() override { input_part_.record(stream()), split_ = true; }
   void backwardDone() override { backward_.record(stream()); }
   Seconds seconds() override {
     backward_.synchronize();
-    return {forward_.secondsSince(start_), backward_.secondsSince(forward_)};
+    return {forward_.secondsSince(start_), backward_.secondsSince(forward_),
+            split_ ? backward_.secondsSince(input_part_) : -1.0};
   }
 
  private:
@@ -75,7 +77,8 @@ class CudaMeter : public DeviceMeter {
   c10::cuda::CUDAGuard guard_;  // the measured device is current while the meter lives
   c10::DeviceIndex index_;
   int64_t ooms_;
-  CudaEvent start_, forward_, backward_;
+  CudaEvent start_, forward_, input_part_, backward_;
+  bool split_ = false;
 };
 
 }  // namespace

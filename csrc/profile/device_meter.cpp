@@ -43,10 +43,11 @@ class CpuMeter : public DeviceMeter {
   void resetPeak() override { counter_.resetPeak(); }
   bool refused() const override { return counter_.refusals() != refusals_; }
 
-  void start() override { t0_ = now(clock_); }
+  void start() override { t0_ = now(clock_), split_ = false; }
   void forwardDone() override { t1_ = now(clock_); }
+  void inputPartDone() override { t_input_ = now(clock_), split_ = true; }
   void backwardDone() override { t2_ = now(clock_); }
-  Seconds seconds() override { return {t1_ - t0_, t2_ - t1_}; }
+  Seconds seconds() override { return {t1_ - t0_, t2_ - t1_, split_ ? t2_ - t_input_ : -1.0}; }
 
  private:
   MemoryCounter& counter_;
@@ -54,7 +55,8 @@ class CpuMeter : public DeviceMeter {
   int64_t saved_limit_;
   int64_t refusals_;
   CpuClock clock_;
-  double t0_ = 0.0, t1_ = 0.0, t2_ = 0.0;
+  double t0_ = 0.0, t1_ = 0.0, t_input_ = 0.0, t2_ = 0.0;
+  bool split_ = false;
 };
 
 }  // namespace

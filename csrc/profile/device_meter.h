@@ -53,13 +53,16 @@ class DeviceMeter {
   virtual bool refused() const = 0;
 
   // One timed run: start(), forwardDone(), backwardDone(), then seconds() (blocks until
-  // the device has finished the run's work).
+  // the device has finished the run's work). A split backward marks the end of its input
+  // part with inputPartDone() in between.
   virtual void start() = 0;
   virtual void forwardDone() = 0;
+  virtual void inputPartDone() = 0;
   virtual void backwardDone() = 0;
   struct Seconds {
     double forward = 0.0;
-    double backward = 0.0;
+    double backward = 0.0;  // the whole backward, split or not
+    double weight = -1.0;   // a split backward's weight part (< 0: not split)
   };
   virtual Seconds seconds() = 0;
 };

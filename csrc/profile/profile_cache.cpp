@@ -62,6 +62,14 @@ std::string profileEntryProblem(const ProfileKey& key, const ProfileRecord& rec)
   for (auto [name, b] : {std::pair{"activation_bytes", rec.activation_bytes}, {"peak_bytes", rec.peak_bytes}}) {
     if (b < 0) return std::string(name) + ": " + std::to_string(b) + " bytes is negative";
   }
+  // -1 where the weight part was not measured; else at most the backward it is part of.
+  const double w = rec.weight_time;
+  if (!(w == -1.0 || (w >= 0.0 && (w <= rec.backward_time * (1.0 + 1e-9) || std::isinf(rec.backward_time))))) {
+    std::ostringstream os;
+    os << "weight_time: " << w << " seconds is neither -1 (not measured) nor a part of backward_time ("
+       << rec.backward_time << ")";
+    return os.str();
+  }
   return "";
 }
 
@@ -90,6 +98,7 @@ std::string ProfileCache::serialize() const {
     w.i64(r.activation_bytes);
     w.i64(r.peak_bytes);
     w.u8(r.out_of_memory ? 1 : 0);
+    w.f64(r.weight_time);
   }
   return ir::frame("profiles", kProfileFormatVersion, w.bytes());
 }
@@ -101,8 +110,8 @@ void ProfileCache::merge(const std::string& bytes, const std::string& origin) {
   // Every value is checked before the cache takes any: a measurement the planner would
   // believe (a NaN or negative time, negative bytes) is refused naming the entry's field.
   try {
-    // An entry is at least 66 bytes (empty dtype and device names).
-    const uint64_t n = r.count("entries", 66);
+    // An entry is at least 74 bytes (empty dtype and device names).
+    const uint64_t n = r.count("entries", 74);
     for (uint64_t i = 0; i < n; ++i) {
       const std::string f = "entries[" + std::to_string(i) + "].";
       ProfileKey k;
@@ -117,6 +126,7 @@ void ProfileCache::merge(const std::string& bytes, const std::string& origin) {
       rec.activation_bytes = r.i64(f + "activation_bytes");
       rec.peak_bytes = r.i64(f + "peak_bytes");
       rec.out_of_memory = r.u8(f + "out_of_memory") != 0;
+      rec.weight_time = r.f64(f + "weight_time");
       const std::string problem = profileEntryProblem(k, rec);
       if (!problem.empty()) throw SerializationError(f + problem);
       read[k] = rec;

@@ -17,7 +17,8 @@
 namespace rannc::profile {
 
 // 2: backward timed adding into existing parameter gradients ([Note: accumulating backward]).
-inline constexpr uint32_t kProfileFormatVersion = 2;
+// 3: the weight part of a split backward ([Note: weight part measured] in profiler.cpp).
+inline constexpr uint32_t kProfileFormatVersion = 3;
 
 struct ProfileKey {
   uint64_t content_hash = 0;

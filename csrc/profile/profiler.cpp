@@ -11,6 +11,7 @@
 #include "common/error.h"
 #include "frontend/interpreter.h"
 #include "frontend/placement.h"
+#include "frontend/split_backward.h"
 #include "partition/cost/cost_model.h"
 #include "profile/device_meter.h"
 
@@ -104,6 +105,9 @@ ProfileRecord Profiler::measure(const ir::Subgraph& piece, int64_t rows, bool re
     ProfileRecord fake = fakeTimes(piece, rows, recompute);
     r.forward_time = fake.forward_time;
     r.backward_time = fake.backward_time;
+    // A deterministic weight part where one was measured: half the backward ([Note: weight
+    // gradient share] in partition/stage/stage_cost.h).
+    if (r.weight_time > 0) r.weight_time = 0.5 * fake.backward_time;
   }
   return r;
 }
@@ -142,12 +146,24 @@ ProfileRecord Profiler::measureOnce(DeviceMeter& meter, const ir::Subgraph& piec
   bool writes = false;
   for (ir::TaskId t : piece.tasks) writes = writes || frontend::writesInputs(*model_, t);
   const std::vector<c10::IValue> originals = writes ? inputs : std::vector<c10::IValue>();
-  std::vector<double> fwd, bwd;
+  // [Note: weight part measured] The first timed run splits its backward as ZB-H1 runs it
+  // (frontend/split_backward.h) and times the weight part; its share of that backward,
+  // applied to the median backward, is the piece's weight time. The other runs backpropagate
+  // whole, as 1F1B does. Where the budget allows only the split run, its backward counts.
+  bool has_params = false;
+  for (char s : leaf_is_state) has_params = has_params || s;
+  std::vector<at::Tensor> grad_inputs;  // the inputs whose gradients the input part computes
+  for (size_t i = 0; i < leaves.size(); ++i) {
+    if (!leaf_is_state[i]) grad_inputs.push_back(leaves[i]);
+  }
+  std::vector<double> fwd, bwd, split_bwd;
+  double weight_share = has_params ? -1.0 : 0.0;
   double spent = 0.0;
   ProfileRecord r;
   for (int run = 0; run < runs; ++run) {
     if (!fwd.empty() && options_.time_budget > 0 && spent >= options_.time_budget) break;
     const bool timed = run >= options_.warmup;
+    const bool split = timed && has_params && weight_share < 0 && !options_.forward_only;
     if (writes) {
       for (size_t i = 0; i < inputs.size(); ++i) {
         if (!originals[i].isTensor() || model_->graph.value(ids[i]).isModelState()) continue;
@@ -193,7 +209,12 @@ ProfileRecord Profiler::measureOnce(DeviceMeter& meter, const ir::Subgraph& piec
         roots.push_back(t);
         grads.push_back(at::ones_like(t));
       }
-      if (!roots.empty()) {
+      if (split) {
+        std::shared_ptr<frontend::WeightPart> weight;
+        if (!roots.empty()) frontend::backwardInputPart(roots, grads, grad_inputs, &weight);
+        meter.inputPartDone();
+        if (weight) frontend::backwardWeightPart(*weight);
+      } else if (!roots.empty()) {
         torch::autograd::backward(roots, grads, /*retain_graph=*/false, /*create_graph=*/false);
       }
     }
@@ -216,13 +237,19 @@ ProfileRecord Profiler::measureOnce(DeviceMeter& meter, const ir::Subgraph& piec
       r.activation_bytes = std::max(r.activation_bytes, held);
       r.peak_bytes = std::max(r.peak_bytes, std::max(peak, held));
       fwd.push_back(took.forward);
-      bwd.push_back(took.backward);
+      if (split) {
+        split_bwd.push_back(took.backward);
+        weight_share = took.backward > 0 ? std::clamp(took.weight / took.backward, 0.0, 1.0) : 0.0;
+      } else {
+        bwd.push_back(took.backward);
+      }
       spent += took.forward + took.backward;
     }
   }
   for (auto& leaf : leaves) leaf.mutable_grad() = at::Tensor();
   r.forward_time = median(fwd);
-  r.backward_time = options_.forward_only ? 0.0 : median(bwd);
+  r.backward_time = options_.forward_only ? 0.0 : median(bwd.empty() ? split_bwd : bwd);
+  if (!options_.forward_only && weight_share >= 0) r.weight_time = weight_share * r.backward_time;
   return r;
 }
 

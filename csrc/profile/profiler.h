@@ -54,6 +54,10 @@ struct ProfileRecord {
   int64_t peak_bytes = 0;         // peak above the inputs over forward and backward,
                                   // without the parameters' gradients
   bool out_of_memory = false;     // did not fit memory_limit: times are infinite
+  // The weight part of the backward split as ZB-H1 runs it ([Note: split backward] in
+  // frontend/split_backward.h): the parameters' gradients; 0 without parameters, the whole
+  // backward where no input takes a gradient. < 0: not measured (the planner estimates it).
+  double weight_time = -1.0;
 };
 
 class Profiler {

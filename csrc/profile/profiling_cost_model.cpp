@@ -17,7 +17,7 @@ namespace {
 
 enum Command : int64_t { kFinish = 0, kBatch = 1 };
 enum Status : int64_t { kOk = 0, kOutOfMemory = 1, kFailed = 2 };
-constexpr int kRecordWidth = 5;  // forward, backward, activation bytes, peak bytes, status
+constexpr int kRecordWidth = 6;  // forward, backward, activation bytes, peak bytes, status, weight
 
 std::string modelDtype(const ir::Graph& g) {
   for (const ir::Value& v : g.values()) {
@@ -36,10 +36,12 @@ double secondsSince(std::chrono::steady_clock::time_point start) {
 
 ProfileRecord composeRecords(const std::vector<ProfileRecord>& parts) {
   ProfileRecord u;
+  u.weight_time = 0.0;  // the parts' weight parts add; unknown if one of them is
   int64_t held = 0;
   for (const ProfileRecord& r : parts) {
     u.forward_time += r.forward_time;
     u.backward_time += r.backward_time;
+    u.weight_time = u.weight_time < 0 || r.weight_time < 0 ? -1.0 : u.weight_time + r.weight_time;
     u.peak_bytes = std::max(u.peak_bytes, held + r.peak_bytes);
     held += r.activation_bytes;
     u.out_of_memory = u.out_of_memory || r.out_of_memory;
@@ -56,6 +58,7 @@ partition::PieceCost pieceCostFrom(const ir::Graph& g, const ir::Subgraph& piece
   partition::PieceCost c;
   c.forward_time = record.forward_time;
   c.backward_time = record.backward_time;
+  c.weight_time = record.weight_time;
   for (ir::ValueId id : piece.inputs) {
     const ir::Value& v = g.value(id);
     if (!v.isTensor() || v.isConstant()) continue;
@@ -183,6 +186,7 @@ ProfileRecord interpolateRecords(const ProfileRecord& lo, int64_t lo_rows, const
   ProfileRecord r;
   r.forward_time = mix(lo.forward_time, hi.forward_time);
   r.backward_time = mix(lo.backward_time, hi.backward_time);
+  r.weight_time = lo.weight_time < 0 || hi.weight_time < 0 ? -1.0 : mix(lo.weight_time, hi.weight_time);
   r.activation_bytes = static_cast<int64_t>(std::llround(mix(static_cast<double>(lo.activation_bytes),
                                                              static_cast<double>(hi.activation_bytes))));
   r.peak_bytes = static_cast<int64_t>(std::llround(mix(static_cast<double>(lo.peak_bytes),
@@ -319,6 +323,7 @@ void ProfilingCostModel::runBatch(const std::vector<ir::Subgraph>& pieces, int64
     acc[slot][2] = static_cast<double>(r.activation_bytes);
     acc[slot][3] = static_cast<double>(r.peak_bytes);
     acc[slot][4] = static_cast<double>(status);
+    acc[slot][5] = r.weight_time;
     if (progress_) progress_(++done, share);
   }
   at::Tensor all = at::zeros({per * size, kRecordWidth}, at::kDouble);
@@ -338,6 +343,7 @@ void ProfilingCostModel::runBatch(const std::vector<ir::Subgraph>& pieces, int64
     r.activation_bytes = static_cast<int64_t>(got[row][2]);
     r.peak_bytes = static_cast<int64_t>(got[row][3]);
     r.out_of_memory = status == kOutOfMemory;
+    r.weight_time = got[row][5];
     cache_->insert(key(pieces[i], rows, false), r);
   }
   if (failed_at >= 0) {

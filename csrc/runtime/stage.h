@@ -14,6 +14,7 @@
 
 #include <ATen/ATen.h>
 
+#include "frontend/split_backward.h"
 #include "frontend/traced_model.h"
 #include "ir/subgraph.h"
 
@@ -47,13 +48,10 @@ class StageExecutor {
   // returns the gradients of inputIds() (undefined where none flows).
   std::vector<at::Tensor> backward(int64_t mb, const std::vector<at::Tensor>& output_grads);
 
-  // [Note: split backward] The backward in two parts (ZB-H1, partition/sim/schedule.h).
+  // The backward in two parts ([Note: split backward] in frontend/split_backward.h):
   // backwardInput computes only the gradients of inputIds() (what the previous stage waits
-  // for) and keeps the graph; on the way it records the gradient arriving at each node
-  // where a path to a parameter leaves the paths to the inputs. backwardWeight later
-  // restarts the backward from those nodes, with their edges towards the inputs cut, so it
-  // computes only the parameters' gradients (accumulated into .grad as backward does) and
-  // repeats none of the input part. Each micro-batch runs either backward or both, in order.
+  // for), backwardWeight later the parameters' gradients. Each micro-batch runs either
+  // backward or both, in order.
   std::vector<at::Tensor> backwardInput(int64_t mb, const std::vector<at::Tensor>& output_grads);
   void backwardWeight(int64_t mb);
 
@@ -82,8 +80,6 @@ class StageExecutor {
   // The generator that dropout on this stage's device draws from.
   at::Generator generator() const;
 
-  struct PendingWeight;  // what backwardWeight needs (stage.cpp)
-
   // Takes micro-batch `mb`'s stash, recomputing its graph if needed; fills the outputs
   // that get a gradient (`roots`) and their gradients.
   Stash takeForBackward(int64_t mb, const std::vector<at::Tensor>& output_grads,
@@ -99,7 +95,7 @@ class StageExecutor {
   std::vector<ir::ValueId> input_ids_;
   std::vector<char> no_grad_;  // per input: gets no gradient (setNoGradInputs)
   std::unordered_map<int64_t, Stash> stash_;
-  std::unordered_map<int64_t, std::shared_ptr<PendingWeight>> pending_weights_;
+  std::unordered_map<int64_t, std::shared_ptr<frontend::WeightPart>> pending_weights_;
 };
 
 }  // namespace rannc::runtime

@@ -23,7 +23,7 @@ enum class StepActionKind {
   Receive,         // post the receives of the next compute action
   Forward,
   Backward,
-  BackwardInput,   // a split backward's input part ([Note: split backward] in stage.h)
+  BackwardInput,   // a split backward's input part ([Note: split backward] in frontend/split_backward.h)
   BackwardWeight,  // its weight part: no transfers
   Send,            // post the sends of what the compute action just produced
   ArmAllReduce,    // before the last backward (or weight part): all-reduce buckets as gradients finish

@@ -102,7 +102,8 @@ def profile_fields(payload: bytes) -> Fields:
         f.list(p + "dtype", "c")
         f.list(p + "device", "c")
         for name, fmt in [("recompute", "B"), ("forward_time", "d"), ("backward_time", "d"),
-                          ("activation_bytes", "q"), ("peak_bytes", "q"), ("out_of_memory", "B")]:
+                          ("activation_bytes", "q"), ("peak_bytes", "q"), ("out_of_memory", "B"),
+                          ("weight_time", "d")]:
             f.read(p + name, fmt)
     assert f.pos == len(f.data)
     return f
@@ -211,6 +212,7 @@ CACHE_CASES = [
     ("entries[0].activation_bytes", -8, "-8"),
     ("entries[0].peak_bytes", -1, "negative"),
     ("entries[0].rows", 0, "rows"),
+    ("entries[0].weight_time", -0.5, "neither -1"),
 ]
 
 

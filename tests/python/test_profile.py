@@ -111,6 +111,37 @@ def test_profiles_of_the_same_piece_agree_within_noise():
         assert max(a[key], b[key]) / min(a[key], b[key]) < 2.0, (key, a, b)
 
 
+def test_the_weight_part_of_a_split_backward_is_measured():
+    """[Note: weight part measured] A piece whose inputs take gradients splits its backward
+    between them and the parameters; a piece whose inputs take none (token ids) has only
+    the weight part; a piece without parameters has none."""
+    model, args, kwargs = zoo.make("gpt", batch=4)
+    g = rannc.trace(model, args, kwargs)
+    flat = g._flat_inputs(args, kwargs)
+    first, middle = g.ir.split(4)[:2]
+    measure = lambda piece: _C.profile_piece(g._trace.traced, flat, piece, 16, warmup=1,  # noqa: E731
+                                             repetitions=3)
+    head = measure(first)
+    assert head["backward_time"] > 0 and head["weight_time"] >= 0.7 * head["backward_time"], head
+    body = measure(middle)
+    assert 0 < body["weight_time"] < 0.9 * body["backward_time"], body
+    ir = g.ir
+    no_params = [t.id for t in ir.tasks() if t.op.startswith("aten::softmax")
+                 and not any(ir.value(v).role == "param" for v in t.inputs)]
+    assert no_params, "gpt has a softmax"
+    soft = measure(ir.extract(no_params[:1]))
+    assert soft["weight_time"] == 0.0, soft
+    # Through the cache's bytes and back; a weight part longer than its backward is refused.
+    cache = rannc.ProfileCache()
+    cache.put(1, 16, "Float32", "cpu", False, 1.0, 2.0, 0, 0, weight_time=0.75)
+    again = rannc.ProfileCache()
+    again.merge_bytes(cache.to_bytes())
+    (entry,) = again.entries()
+    assert entry["weight_time"] == 0.75, entry
+    with pytest.raises(rannc.Error, match="weight_time"):
+        cache.put(1, 16, "Float32", "cpu", False, 1.0, 2.0, 0, 0, weight_time=3.0)
+
+
 def test_memory_grows_with_rows_and_recompute_holds_less():
     model, args, kwargs = zoo.make("transformer", batch=8)
     g = rannc.trace(model, args, kwargs)

@@ -39,6 +39,9 @@ const char* optimizerName(Optimizer optimizer);
 struct PieceCost {
   double forward_time = 0.0;   // seconds
   double backward_time = 0.0;  // seconds, without recomputation
+  // The weight part of the backward as ZB-H1 splits it (seconds; < 0: not measured, the
+  // stage estimate applies [Note: weight gradient share]).
+  double weight_time = -1.0;
   int64_t activation_bytes = 0;  // kept from the forward for the backward (one micro-batch)
   int64_t param_bytes = 0;       // parameters read by the piece (each counted once)
   int64_t buffer_bytes = 0;      // buffers read by the piece

@@ -61,7 +61,9 @@ StageEstimate estimateStage(const CostModel& costs, const PieceCost& cost, const
   const bool first = slot.index == 0, last = slot.index + 1 == slot.num_stages;
   e.forward_time = cost.forward_time;
   e.backward_time = cost.backward_time;
-  e.weight_time = cost.param_bytes > 0 ? kWeightGradientShare * cost.backward_time : 0.0;
+  e.weight_time = cost.weight_time >= 0.0 ? std::min(cost.weight_time, cost.backward_time)
+                  : cost.param_bytes > 0 ? kWeightGradientShare * cost.backward_time
+                                         : 0.0;
   e.send_forward_time = last ? 0.0 : costs.commTime(cost.output_bytes, boundaryLink(slot.first_device + slot.devices));
   e.send_backward_time = first ? 0.0 : costs.commTime(cost.input_bytes, boundaryLink(slot.first_device));
   const int64_t lo = slot.first_device;

@@ -15,10 +15,11 @@
 namespace rannc::partition {
 
 // [Note: weight gradient share] The part of a backward that computes the parameters'
-// gradients (W of a split backward, [Note: ZB-H1] in sim/schedule.h) is estimated as
-// half of the backward of a stage with parameters: a linear layer's backward is two
-// matrix products of the same size, one for its input, one for its weight. Until the
-// profiler measures the two parts apart, the plan's ZB-H1 times rest on this estimate.
+// gradients (W of a split backward, [Note: ZB-H1] in sim/schedule.h) is measured by the
+// profiler ([Note: weight part measured] in profile/profiler.cpp); where it is not (the
+// analytic cost model), it is estimated as half of the backward of a stage with
+// parameters: a linear layer's backward is two matrix products of the same size, one for
+// its input, one for its weight.
 constexpr double kWeightGradientShare = 0.5;
 
 // Whether stages recompute their activations in the backward instead of keeping them:
