@@ -145,12 +145,23 @@ AnalyticCostModel::AnalyticCostModel(const ir::Graph& graph, DeviceSpec device,
     info.tensor = v.isTensor();
     info.batch = v.isBatch() && graph.batchSize() > 0;
     info.bytes = v.bytes();
+    info.requires_grad = v.requires_grad;
   }
   in_piece_.assign(graph.numTasks(), 0);
   value_seen_.assign(graph.numValues(), 0);
   graph_output_.assign(graph.numValues(), 0);
   for (ir::ValueId v : graph.outputs()) graph_output_[v] = 1;
 }
+
+// A piece with parameters whose inputs take no gradient (the first stage: token ids,
+// images) has only a weight part when ZB-H1 splits its backward ([Note: split backward] in
+// frontend/split_backward.h); elsewhere the stage estimate applies ([Note: weight gradient
+// share] in stage/stage_cost.h).
+namespace {
+void weightPartWithoutGradInputs(PieceCost& c, bool grad_inputs) {
+  if (!grad_inputs && c.param_bytes > 0) c.weight_time = c.backward_time;
+}
+}  // namespace
 
 // The same numbers as computeCost(makePiece(...)), from marks instead of a built piece:
 // the planner asks for thousands of large pieces, and sorting each would dominate.
@@ -162,6 +173,7 @@ bool AnalyticCostModel::computeCostDirect(const std::vector<ir::TaskId>& tasks, 
   ++stamp_;
   for (ir::TaskId t : tasks) in_piece_[t] = stamp_;
   PieceCost c;
+  bool grad_inputs = false;
   for (ir::TaskId t : tasks) {
     const double f = forwardTime(tasks_[t], scale);
     c.forward_time += f;
@@ -180,6 +192,7 @@ bool AnalyticCostModel::computeCostDirect(const std::vector<ir::TaskId>& tasks, 
       } else if (info.role != ir::ValueRole::Constant) {
         c.input_bytes += bytes;
         c.activation_bytes += bytes;
+        grad_inputs = grad_inputs || info.requires_grad;
       }
     }
     const bool stash = pureConstant()[t] == 0 && !tasks_[t].free;
@@ -201,6 +214,7 @@ bool AnalyticCostModel::computeCostDirect(const std::vector<ir::TaskId>& tasks, 
       if (used_outside) c.output_bytes += bytes;
     }
   }
+  weightPartWithoutGradInputs(c, grad_inputs);
   *out = c;
   return true;
 }
@@ -228,6 +242,7 @@ PieceCost AnalyticCostModel::computeCost(const ir::Subgraph& piece, int64_t rows
       if (val.isTensor()) c.activation_bytes += valueBytesAt(g, val, rows);
     }
   }
+  bool grad_inputs = false;
   for (ir::ValueId v : piece.inputs) {
     const ir::Value& val = g.value(v);
     if (!val.isTensor()) continue;
@@ -239,12 +254,14 @@ PieceCost AnalyticCostModel::computeCost(const ir::Subgraph& piece, int64_t rows
     } else if (val.role != ir::ValueRole::Constant) {
       c.input_bytes += bytes;
       c.activation_bytes += bytes;  // the backward reads the piece's inputs too
+      grad_inputs = grad_inputs || val.requires_grad;
     }
   }
   for (ir::ValueId v : piece.outputs) {
     const ir::Value& val = g.value(v);
     if (val.isTensor()) c.output_bytes += valueBytesAt(g, val, rows);
   }
+  weightPartWithoutGradInputs(c, grad_inputs);
   return c;
 }
 

@@ -41,6 +41,7 @@ class AnalyticCostModel : public CostModel {
     bool tensor = false;
     bool batch = false;  // bytes scale with the rows
     int64_t bytes = 0;   // at the traced batch size
+    bool requires_grad = false;
   };
 
   std::vector<TaskCost> tasks_;

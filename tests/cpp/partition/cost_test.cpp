@@ -47,6 +47,19 @@ TEST(AnAnalyticCostModel, ReportsParametersBoundaryAndStashedBytes) {
   EXPECT_EQ(both.input_bytes, 2 * 16 * 4);
 }
 
+// [Note: split backward] A piece whose inputs take no gradient (token ids, images) has only
+// a weight part; elsewhere the weight part is left to the stage estimate.
+TEST(AnAnalyticCostModel, GivesAPieceWithoutGradientInputsOnlyAWeightPart) {
+  ir::Graph g = linearChain({32, 8}, /*batch=*/8, /*in_width=*/16);
+  ASSERT_FALSE(g.value(g.inputs()[0]).requires_grad);  // the model's argument
+  AnalyticCostModel m(g, flopBound());
+  const PieceCost first = m.cost({0}, 2), both = m.cost({0, 1}, 2);
+  EXPECT_GT(first.backward_time, 0.0);
+  EXPECT_DOUBLE_EQ(first.weight_time, first.backward_time);
+  EXPECT_DOUBLE_EQ(both.weight_time, both.backward_time);
+  EXPECT_LT(m.cost({1}, 2).weight_time, 0.0);
+}
+
 TEST(AnAnalyticCostModel, IsMemoryBoundOnElementwiseOps) {
   ir::Graph g;
   g.setBatchSize(4);

@@ -16,6 +16,7 @@ inline ir::ValueId act(ir::Graph& g, const std::string& name, int64_t width = 8,
   v.name = name;
   v.role = role;
   v.dtype = ir::DType::Float32;
+  v.requires_grad = role != ir::ValueRole::Input;  // as traced: activations carry gradients, arguments not
   v.shape = {g.batchSize(), width};
   v.batch_dim = 0;
   v.batch_multiple = 1;
