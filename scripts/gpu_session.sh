@@ -142,7 +142,10 @@ part() {  # part NAME LIMIT_S COMMAND
   fi
   run_part "$1" "$2" "$LOG" "$3"
 }
-part tests 300 "python3 -m pytest -q tests/gpu"
+# tests/gpu has 27 cases of mpirun runs (schedules and mixed precision added in session
+# 14): the part may take the rest of a first call; run the others in a second call
+# (RANNC_GPU_PARTS="hf bench plans table", the built _C*.so carried from $OUT).
+part tests 420 "python3 -m pytest -q -rf --durations=10 tests/gpu"
 part hf 240 "python3 -m pytest -q tests/python -k 'hf or transformers'"
 part bench 240 "python3 bench/runtime.py --device cuda --out '$OUT'"
 stamp="$(mktemp)"

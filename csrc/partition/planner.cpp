@@ -232,9 +232,10 @@ bool faster(const Deployment& a, const Deployment& b, double tolerance) {
 // best stages, replicas and micro-batch count differ between them (ZB-H1's smaller bubble
 // needs fewer micro-batches; interleaving cuts twice the stages). Another schedule wins
 // only when it is faster than 1F1B by more than plan_tolerance: 1F1B is the simplest
-// (one backward per micro-batch, one stage per device), ZB-H1's weight-gradient share is
-// an estimate ([Note: weight gradient share] in stage_cost.h), and interleaving sends
-// chunks times as often. The costs are measured once: later searches read them from the
+// (one backward per micro-batch, one stage per device), ZB-H1 keeps activations until
+// the deferred weight parts and its weight share is estimated where it is not measured
+// ([Note: weight gradient share] in stage_cost.h), and interleaving sends chunks times as
+// often. The costs are measured once: later searches read them from the
 // cost model.
 PlanTrace chooseSchedule(PlanTrace atomic, CostModel& costs, const PlanContext& ctx,
                          const PlannerOptions& options) {
