@@ -800,9 +800,10 @@ class IrBuilder {
 // at its rows and at half of them (the leading rows of its inputs, so the rows both runs
 // share hold the same data), and each value's shape and integers at the traced batch are
 // extrapolated from those two. That replaces a run of the whole model at the user's
-// batch with a quarter of one (BERT-base at batch 8: ~1 s of its first step). A value
-// that does not scale linearly (a dimension of batch + 1, two dimensions that change) is
-// observed at the traced batch after all, as before.
+// batch with a quarter of one (BERT-base at batch 8: ~1 s of its first step). Where a
+// value does not scale linearly (a dimension of batch + 1), or an extrapolated shape is
+// not the one the trace at the traced batch recorded (`x[:4]` is 4 rows at 12 but 3 at
+// 3), the graph is observed at the traced batch after all, as before.
 
 // The rows-prefix inputs of `inputs` (observed at `rows_from` rows) at `rows` rows: batch
 // inputs cut to their leading rows, buffers copied from the traced batch's inputs, which no
@@ -868,6 +869,19 @@ int64_t extrapolate(const Observed& at2, const Observed& at3, int64_t b2, int64_
   return -1;
 }
 
+// The first IR value whose extrapolated shape differs from the sizes the trace recorded
+// for its TorchScript value (where it recorded them), or -1.
+int64_t disagreesWithTrace(const Observed& at1, const std::vector<const torch::jit::Value*>& jit_of) {
+  for (size_t id = 0; id < jit_of.size() && id < at1.shapes.size(); ++id) {
+    if (!at1.seen[id] || !jit_of[id]) continue;
+    const auto tensor = jit_of[id]->type()->cast<c10::TensorType>();
+    if (!tensor) continue;
+    const std::optional<std::vector<int64_t>> traced = tensor->sizes().concrete_sizes();
+    if (traced && *traced != at1.shapes[id]) return static_cast<int64_t>(id);
+  }
+  return -1;
+}
+
 // Shapes and dtypes as the graph really computes them, at both batch sizes; values whose
 // rows cannot be cut apart are glued inside tasks and the IR is built again (at most five
 // times).
@@ -898,11 +912,12 @@ std::shared_ptr<TracedModel> buildGluedModel(IrBuilder& builder, const TraceExam
         const Observed at3 = observe(
             rows_apart, leadingRowsOf(second.observe_inputs, first.observe_inputs, first.batch_size, b2, b3, roles),
             false, &at2, b3, b2);
-        const int64_t odd = extrapolate(at2, at3, b2, b3, first.batch_size, &at1);
+        int64_t odd = extrapolate(at2, at3, b2, b3, first.batch_size, &at1);
+        if (odd < 0) odd = disagreesWithTrace(at1, jit_of);
         extrapolated = odd < 0;
         if (!extrapolated && logEnabled(LogLevel::Debug)) {
           logDebug("value " + ir::describe(model->graph.value(static_cast<ir::ValueId>(odd))) +
-                   " does not scale linearly with the batch: observing at the traced batch");
+                   " does not scale linearly with the batch, or not as traced: observing at the traced batch");
         }
       }
       if (!extrapolated) {

@@ -178,6 +178,26 @@ def test_a_value_that_does_not_scale_with_the_batch_is_observed_at_the_traced_ba
     torch.testing.assert_close(g(x), model(x), **EXACT)
 
 
+class FirstRows(nn.Module):
+    """`x[:4]` has 4 rows at batch 12 and 6, but 3 at 3: extrapolated from 6 and 3 rows it
+    would read 8, not the 4 the trace at 12 recorded."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x).sum() + self.lin(x[:4]).sum()
+
+
+def test_a_value_whose_extrapolated_shape_differs_from_the_trace_is_observed_at_the_traced_batch():
+    model, x = FirstRows(), torch.randn(12, 4)
+    g = rannc.trace(model, (x,))
+    shapes = [v.shape for v in g.ir.values() if v.kind == "Tensor"]
+    assert [4, 4] in shapes and [8, 4] not in shapes, shapes
+    torch.testing.assert_close(g(x), model(x), **EXACT)
+
+
 def test_scopes_name_modules():
     model, args, kwargs = zoo.make("gpt")
     g = rannc.trace(model, args, kwargs)
