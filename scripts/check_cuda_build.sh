@@ -5,8 +5,39 @@
 # NCCL data plane, the CUDA profiler (csrc/profile/cuda_meter.cpp) and the rest compile
 # against CUDA torch. Needs nvcc (CUDA_HOME or
 # /usr/local/cuda). Not part of CI (several GB of wheels).
+#
+#   bash scripts/check_cuda_build.sh --syntax   (seconds, nothing to download)
+# only parses the translation units with CUDA code (-fsyntax-only, RANNC_HAVE_CUDA) against
+# this machine's CPU torch headers and the local CUDA toolkit's: a quick check after
+# editing them (session 14). The NCCL units are parsed too where nccl.h is found.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [[ "${1:-}" == "--syntax" ]]; then
+  CUDA_HOME="${CUDA_HOME:-$(ls -d /usr/local/cuda /usr/local/cuda-* 2>/dev/null | head -1)}"
+  TORCH_INC="$(python3 -c "import os, torch; print(os.path.dirname(torch.__file__) + '/include')")"
+  STUB="$(mktemp -d)"
+  trap 'rm -rf "$STUB"' EXIT
+  # CPU wheels ship c10/cuda's headers but not the one CMake generates for CUDA builds.
+  mkdir -p "$STUB/c10/cuda/impl"
+  printf '#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n' > "$STUB/c10/cuda/impl/cuda_cmake_macros.h"
+  FLAGS=(-std=c++17 -fsyntax-only -Wno-attributes -DRANNC_HAVE_CUDA -include torch/torch.h -I"$STUB" -Icsrc -Ibench
+         -I"$TORCH_INC" -I"$TORCH_INC/torch/csrc/api/include" -I"$CUDA_HOME/include"
+         -I"$(python3 -c "import sysconfig; print(sysconfig.get_paths()['include'])")")
+  FLAGS+=($(mpicc -showme:incdirs 2>/dev/null | sed 's/^/-I/; s/ / -I/g'))
+  UNITS=(csrc/profile/cuda_meter.cpp csrc/profile/device_meter.cpp csrc/bind/profile_bindings.cpp)
+  NCCL_INC="$(ls -d "$CUDA_HOME/include/nccl.h" /usr/include/nccl.h 2>/dev/null | head -1 || true)"
+  if [[ -n "$NCCL_INC" ]]; then
+    FLAGS+=(-DRANNC_HAVE_NCCL)
+    UNITS+=(csrc/comm/nccl_communicator.cpp csrc/runtime/channels.cpp csrc/bind/module.cpp)
+  else
+    echo "no nccl.h here: the NCCL units are not parsed"
+  fi
+  for unit in "${UNITS[@]}"; do
+    g++ "${FLAGS[@]}" "$unit"
+    echo "parsed with CUDA: $unit"
+  done
+  exit 0
+fi
 VENV="${RANNC_CUDA_VENV:-$PWD/build/cuda-venv}"
 TORCH_SPEC="${RANNC_CUDA_TORCH:-torch==2.14.1}"
 CUDA_HOME="${CUDA_HOME:-$(ls -d /usr/local/cuda /usr/local/cuda-* 2>/dev/null | head -1)}"
