@@ -20,7 +20,7 @@ if [[ "${1:-}" == "--syntax" ]]; then
   # CPU wheels ship c10/cuda's headers but not the one CMake generates for CUDA builds.
   mkdir -p "$STUB/c10/cuda/impl"
   printf '#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n' > "$STUB/c10/cuda/impl/cuda_cmake_macros.h"
-  FLAGS=(-std=c++17 -fsyntax-only -Wno-attributes -DRANNC_HAVE_CUDA -include torch/torch.h -I"$STUB" -Icsrc -Ibench
+  FLAGS=(-std=c++20 -fsyntax-only -Wno-attributes -DRANNC_HAVE_CUDA -include torch/torch.h -I"$STUB" -Icsrc -Ibench
          -I"$TORCH_INC" -I"$TORCH_INC/torch/csrc/api/include" -I"$CUDA_HOME/include"
          -I"$(python3 -c "import sysconfig; print(sysconfig.get_paths()['include'])")")
   FLAGS+=($(mpicc -showme:incdirs 2>/dev/null | sed 's/^/-I/; s/ / -I/g'))
