@@ -9,7 +9,8 @@
 #   bash scripts/check_cuda_build.sh --syntax   (seconds, nothing to download)
 # only parses the translation units with CUDA code (-fsyntax-only, RANNC_HAVE_CUDA) against
 # this machine's CPU torch headers and the local CUDA toolkit's: a quick check after
-# editing them (session 14). The NCCL units are parsed too where nccl.h is found.
+# editing them (session 14). The NCCL units are parsed too where nccl.h is found
+# (NCCL_INCLUDE_DIR, see below).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [[ "${1:-}" == "--syntax" ]]; then
@@ -24,10 +25,18 @@ if [[ "${1:-}" == "--syntax" ]]; then
          -I"$TORCH_INC" -I"$TORCH_INC/torch/csrc/api/include" -I"$CUDA_HOME/include"
          -I"$(python3 -c "import sysconfig; print(sysconfig.get_paths()['include'])")")
   FLAGS+=($(mpicc -showme:incdirs 2>/dev/null | sed 's/^/-I/; s/ / -I/g'))
+  # More header folders, colon-separated: the NCCL units reach ATen/cuda/CUDAContext.h,
+  # which wants cuBLAS, cuSPARSE and cuSOLVER headers a bare nvcc install lacks (the
+  # include/ folders of the nvidia-*-cu12 wheels do).
+  INCLUDES="${RANNC_CUDA_INCLUDES:-}"
+  for dir in ${INCLUDES//:/ }; do FLAGS+=(-I"$dir"); done
   UNITS=(csrc/profile/cuda_meter.cpp csrc/profile/device_meter.cpp csrc/bind/profile_bindings.cpp)
-  NCCL_INC="$(ls -d "$CUDA_HOME/include/nccl.h" /usr/include/nccl.h 2>/dev/null | head -1 || true)"
+  # nccl.h: the toolkit's, the system's, or NCCL_INCLUDE_DIR (the include/ folder of the
+  # nvidia-nccl-cu12 wheel: `pip download --no-deps nvidia-nccl-cu12`, then unzip it).
+  NCCL_INC="$(ls -d "${NCCL_INCLUDE_DIR:-/nonexistent}/nccl.h" "$CUDA_HOME/include/nccl.h" \
+    /usr/include/nccl.h 2>/dev/null | head -1 || true)"
   if [[ -n "$NCCL_INC" ]]; then
-    FLAGS+=(-DRANNC_HAVE_NCCL)
+    FLAGS+=(-DRANNC_HAVE_NCCL -I"$(dirname "$NCCL_INC")")
     UNITS+=(csrc/comm/nccl_communicator.cpp csrc/runtime/channels.cpp csrc/bind/module.cpp)
   else
     echo "no nccl.h here: the NCCL units are not parsed"
