@@ -152,10 +152,6 @@ ProfileRecord Profiler::measureOnce(DeviceMeter& meter, const ir::Subgraph& piec
   // whole, as 1F1B does. Where the budget allows only the split run, its backward counts.
   bool has_params = false;
   for (char s : leaf_is_state) has_params = has_params || s;
-  std::vector<at::Tensor> grad_inputs;  // the inputs whose gradients the input part computes
-  for (size_t i = 0; i < leaves.size(); ++i) {
-    if (!leaf_is_state[i]) grad_inputs.push_back(leaves[i]);
-  }
   std::vector<double> fwd, bwd, split_bwd;
   double weight_share = has_params ? -1.0 : 0.0;
   double spent = 0.0;
@@ -211,6 +207,13 @@ ProfileRecord Profiler::measureOnce(DeviceMeter& meter, const ir::Subgraph& piec
       }
       if (split) {
         std::shared_ptr<frontend::WeightPart> weight;
+        // The inputs this run read (a piece that writes its inputs ran on fresh copies).
+        std::vector<at::Tensor> grad_inputs;
+        for (size_t i = 0; i < inputs.size(); ++i) {
+          if (inputs[i].isTensor() && !model_->graph.value(ids[i]).isModelState()) {
+            grad_inputs.push_back(inputs[i].toTensor());
+          }
+        }
         if (!roots.empty()) frontend::backwardInputPart(roots, grads, grad_inputs, &weight);
         meter.inputPartDone();
         if (weight) frontend::backwardWeightPart(*weight);
