@@ -36,9 +36,10 @@ py::dict recordToDict(const profile::ProfileRecord& r) {
 profile::ProfilerOptions profilerOptions(int warmup, int repetitions, int64_t memory_limit,
                                          bool fake_timer, double time_budget,
                                          const std::string& device, const std::string& cpu_clock,
-                                         bool forward_only = false) {
+                                         bool forward_only = false, bool measure_weight_part = false) {
   profile::ProfilerOptions o;
   o.forward_only = forward_only;
+  o.measure_weight_part = measure_weight_part;
   o.device = device;
   o.cpu_clock = profile::cpuClockFromName(cpu_clock);
   o.time_budget = time_budget;
@@ -118,6 +119,7 @@ void bindProfiler(py::module& m) {
       .def_readwrite("fake_timer", &profile::ProfilerOptions::fake_timer)
       .def_readwrite("device", &profile::ProfilerOptions::device)
       .def_readwrite("forward_only", &profile::ProfilerOptions::forward_only)
+      .def_readwrite("measure_weight_part", &profile::ProfilerOptions::measure_weight_part)
       .def_property(
           "cpu_clock",
           [](const profile::ProfilerOptions& o) { return std::string(profile::cpuClockName(o.cpu_clock)); },
@@ -176,12 +178,12 @@ void bindProfiler(py::module& m) {
       [](std::shared_ptr<frontend::TracedModel> model, const std::vector<at::Tensor>& example,
          const ir::Subgraph& piece, int64_t rows, bool recompute, int warmup, int repetitions,
          int64_t memory_limit, bool fake_timer, double time_budget, const std::string& device,
-         const std::string& cpu_clock) {
+         const std::string& cpu_clock, bool weight_part) {
         py::gil_scoped_release release;
         auto inputs = std::make_shared<profile::BoundaryInputs>(model, example);
         profile::Profiler profiler(model, inputs,
                                    profilerOptions(warmup, repetitions, memory_limit, fake_timer,
-                                                   time_budget, device, cpu_clock));
+                                                   time_budget, device, cpu_clock, false, weight_part));
         auto r = profiler.measure(piece, rows, recompute);
         py::gil_scoped_acquire gil;
         return recordToDict(r);
@@ -189,9 +191,10 @@ void bindProfiler(py::module& m) {
       py::arg("model"), py::arg("example"), py::arg("piece"), py::arg("rows"),
       py::arg("recompute") = false, py::arg("warmup") = 1, py::arg("repetitions") = 3,
       py::arg("memory_limit") = 0, py::arg("fake_timer") = false, py::arg("time_budget") = 0.5,
-      py::arg("device") = "cpu", py::arg("cpu_clock") = "auto",
+      py::arg("device") = "cpu", py::arg("cpu_clock") = "auto", py::arg("weight_part") = false,
       "Measures one piece (forward, backward, memory) at `rows` rows on `device` (cpu, cuda, "
-      "cuda:N); on the CPU with `cpu_clock` (auto, wall, thread).");
+      "cuda:N); on the CPU with `cpu_clock` (auto, wall, thread); with `weight_part`, the "
+      "weight part of a split backward too (weight_time).");
 
   m.def(
       "profile_cpu_clock", [](const std::string& clock) {

@@ -44,6 +44,9 @@ struct ProfilerOptions {
   // Forward only, without autograd (plans for eval/no_grad): no backward time, nothing
   // held for a backward. Some ops have no derivative (the transformer fast path of eval).
   bool forward_only = false;
+  // Time the weight part of a split backward too (plans that may run ZB-H1: schedule zb_h1
+  // or auto; [Note: weight part measured] in profiler.cpp). Off, weight_time stays -1.
+  bool measure_weight_part = false;
 };
 
 // What one measurement found. Times in seconds for one micro-batch.

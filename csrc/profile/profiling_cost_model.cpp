@@ -173,10 +173,17 @@ void ProfilingCostModel::prefetch(const std::vector<std::vector<ir::TaskId>>& pi
 }
 
 std::optional<ProfileRecord> ProfilingCostModel::known(const ProfileKey& k) const {
-  if (auto hit = cache_->find(k)) return hit;
-  auto it = fitted_.find(k);
-  if (it == fitted_.end()) return std::nullopt;
-  return it->second;
+  std::optional<ProfileRecord> hit = cache_->find(k);
+  if (!hit) {
+    auto it = fitted_.find(k);
+    if (it != fitted_.end()) hit = it->second;
+  }
+  // A record made without the weight part (a 1F1B plan's) does not serve a plan that may
+  // run ZB-H1: the piece is measured again.
+  if (hit && profiler_->options().measure_weight_part && hit->weight_time < 0 && !hit->out_of_memory) {
+    return std::nullopt;
+  }
+  return hit;
 }
 
 ProfileRecord interpolateRecords(const ProfileRecord& lo, int64_t lo_rows, const ProfileRecord& hi,

@@ -216,6 +216,8 @@ class Options:
         p.device = str(device)
         p.cpu_clock = self.profile_cpu_clock
         p.forward_only = not self.training
+        # the weight part of a split backward, for plans that may run ZB-H1
+        p.measure_weight_part = self.training and self.schedule in ("zb_h1", "auto")
         return p
 
 

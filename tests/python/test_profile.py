@@ -120,7 +120,9 @@ def test_the_weight_part_of_a_split_backward_is_measured():
     flat = g._flat_inputs(args, kwargs)
     first, middle = g.ir.split(4)[:2]
     measure = lambda piece: _C.profile_piece(g._trace.traced, flat, piece, 16, warmup=1,  # noqa: E731
-                                             repetitions=3)
+                                             repetitions=3, weight_part=True)
+    plain = _C.profile_piece(g._trace.traced, flat, middle, 16, warmup=0, repetitions=1)
+    assert plain["weight_time"] == -1.0, plain  # measured only when asked (1F1B plans do not)
     head = measure(first)
     assert head["backward_time"] > 0 and head["weight_time"] >= 0.7 * head["backward_time"], head
     body = measure(middle)
@@ -140,6 +142,23 @@ def test_the_weight_part_of_a_split_backward_is_measured():
     assert entry["weight_time"] == 0.75, entry
     with pytest.raises(rannc.Error, match="weight_time"):
         cache.put(1, 16, "Float32", "cpu", False, 1.0, 2.0, 0, 0, weight_time=3.0)
+
+
+def test_plans_that_may_run_zb_h1_measure_the_weight_part_and_others_do_not():
+    model, args, kwargs = zoo.make("gpt", batch=4)
+    cache = rannc.ProfileCache()
+    rannc.plan(model, args, kwargs, world_size=2, device_memory="64MiB", profile_cache=cache,
+               schedule="1f1b", **FAST)
+    assert cache.entries() and all(e["weight_time"] == -1.0 for e in cache.entries())
+    # The same cache serves a ZB-H1 plan only after measuring again what lacks the part.
+    rannc.plan(model, args, kwargs, world_size=2, device_memory="64MiB", profile_cache=cache,
+               schedule="zb_h1", **FAST)
+    assert any(e["weight_time"] >= 0 for e in cache.entries())
+    fresh = rannc.ProfileCache()
+    rannc.plan(model, args, kwargs, world_size=2, device_memory="64MiB", profile_cache=fresh,
+               schedule="auto", **FAST)
+    timed = [e for e in fresh.entries() if not e["out_of_memory"]]
+    assert timed and all(e["weight_time"] >= 0 for e in timed), timed
 
 
 def test_memory_grows_with_rows_and_recompute_holds_less():
