@@ -158,7 +158,7 @@ ProfileRecord Profiler::measureOnce(DeviceMeter& meter, const ir::Subgraph& piec
   for (char s : leaf_is_state) has_params = has_params || s;
   const bool measure_weight = options_.measure_weight_part && !options_.forward_only;
   std::vector<double> fwd, bwd, split_bwd;
-  double weight_share = !measure_weight ? -1.0 : has_params ? -1.0 : 0.0;
+  double weight_share = measure_weight && !has_params ? 0.0 : -1.0;  // < 0: not (yet) measured
   double spent = 0.0;
   ProfileRecord r;
   for (int run = 0; run < runs; ++run) {

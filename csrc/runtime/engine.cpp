@@ -121,10 +121,18 @@ std::vector<std::pair<std::vector<int>, std::vector<ir::ValueId>>> PipelineEngin
 
 void PipelineEngine::configure(int64_t local_batch, bool cap_micro_batches) {
   auto config = std::unique_ptr<BatchConfig>(new BatchConfig{
-      Layout(deployment_, world_size_, local_batch, cap_micro_batches), {}, {}, nullptr, {}});
+      Layout(deployment_, world_size_, local_batch, cap_micro_batches), {}, {}, {}, nullptr, {}});
   DescribeTask describe = [this](ir::TaskId t) { return model_->describeTask(t); };
   for (const Chunk& c : chunks_) {
     config->plans.push_back(planTransfers(graph_, pieces_, config->layout, rank_, describe, c.place.stage));
+    auto& local = config->read_locally.emplace_back(config->plans.back().send.size());
+    for (size_t m = 0; m < local.size(); ++m) {
+      for (const auto& [vid, list] : config->plans.back().send[m]) {
+        for (const Transfer& t : list) {
+          if (t.dst == rank_) local[m].insert(vid);
+        }
+      }
+    }
   }
   // device group g runs stages g, G + g, ...: its schedule is the g-th device's
   const int groups = deployment_.deviceGroups();
@@ -498,7 +506,9 @@ StepOutputs PipelineEngine::execute(const StepProgram& program,
         for (size_t i = 0; i < ids.size(); ++i) {
           if (outs[i].isTensor()) shapes[ids[i]] = {outs[i].toTensor().sizes().vec(), outs[i].toTensor().scalar_type()};
           if (graph_outputs_.count(ids[i])) produced[ids[i]] = outs[i];
-          if (chunks_.size() > 1) chunk_outputs_[{a.micro_batch, ids[i]}] = outs[i];
+          if (config_->read_locally[a.chunk][a.micro_batch].count(ids[i])) {
+            chunk_outputs_[{a.micro_batch, ids[i]}] = outs[i];
+          }
         }
         outputs_[{a.chunk, a.micro_batch}] = std::move(outs);
         break;

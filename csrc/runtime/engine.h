@@ -134,6 +134,9 @@ class PipelineEngine {
   struct BatchConfig {
     Layout layout;
     std::vector<TransferPlan> plans;  // per chunk; the first carries the rank's own rows
+    // per chunk and micro-batch: the outputs a later chunk of this rank reads (kept until
+    // the step ends, [Note: chunks on a rank]); the others leave once sent
+    std::vector<std::vector<std::set<ir::ValueId>>> read_locally;
     std::vector<partition::Action> train_actions;
     std::unique_ptr<Channels> device_channels;  // null: the host channels
     std::map<StepMode, StepProgram> programs;

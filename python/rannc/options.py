@@ -83,8 +83,9 @@ class Options:
     recompute: str = _option("auto", "auto (where memory needs it), always (every stage) or never")
     schedule: str = _option("1f1b", "1f1b (seeded by the scalar loss), zb_h1 (1F1B with each backward "
                             "split, the weight parts deferred), interleaved (interleaved 1F1B: "
-                            "`chunks` stages per rank), auto (the planner plans 1f1b and "
-                            "zb_h1 and keeps the faster; the report names both) or fill_drain "
+                            "`chunks` stages per rank), auto (the planner plans 1f1b, zb_h1 and, "
+                            "with two device groups or more, interleaved, and keeps the fastest; the "
+                            "report names each) or fill_drain "
                             "(backward with gradients from outside)")
     chunks: int = _option(2, "schedule interleaved: stages per rank (model chunks, as Megatron's "
                           "virtual pipeline stages)")

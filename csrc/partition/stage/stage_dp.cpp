@@ -500,7 +500,6 @@ std::vector<Deployment> formStageCandidates(StageProblem& problem, const StageSe
   return search.pick(keep);
 }
 
-
 // [Note: interleaved search] Interleaved 1F1B ([Note: interleaved 1F1B] in sim/schedule.h)
 // cuts the blocks into v x G stages; stage c x G + g runs on device group g, so every stage
 // of a group has the group's replicas. The search keeps that shape simple: every stage has
@@ -555,11 +554,11 @@ Deployment formInterleavedStages(StageProblem& problem, const StageSearchOptions
       } else {
         for (int M : microBatchCandidates(ctx.batch_size / copies, options.max_microbatches)) counts.push_back(M);
       }
+      const int widest = *std::max_element(replicas.begin(), replicas.end());
       double best = std::numeric_limits<double>::infinity();
       int since_best = 0;
       for (int M : counts) {
         if (M % groups != 0) continue;
-        const int widest = *std::max_element(replicas.begin(), replicas.end());
         if (static_cast<int64_t>(copies) * M * widest > ctx.batch_size) break;
         ++tried;
         chunked.prefetch(S, chunks * group_devices, copies, M);
