@@ -238,17 +238,23 @@ std::vector<ir::Subgraph> ProfilingCostModel::fitRows(const std::vector<ir::Subg
     if (f && (!check || total(f->hi) > total(check->hi))) check = f;
   }
   if (!check) return todo;
+  // A line that held at one row count inside it holds at the others: only the first row
+  // count asked for between the same ends pays a check measurement.
+  const std::pair<int64_t, int64_t> line{min_rows_, check->hi_rows};
+  const bool held = checked_lines_.count(line) > 0;
   const ProfileKey check_key = key(*check->piece, rows, false);
-  if (!cache_->find(check_key)) measureBatch({*check->piece}, rows);
-  const auto got = cache_->find(check_key);
+  if (!held && !cache_->find(check_key)) measureBatch({*check->piece}, rows);
+  const auto got = held ? std::nullopt : cache_->find(check_key);
   const ProfileRecord predicted = interpolateRecords(check->lo, min_rows_, check->hi, check->hi_rows, rows);
-  const double error = got && total(*got) > 0.0 ? std::abs(total(predicted) - total(*got)) / total(*got)
-                                                 : std::numeric_limits<double>::infinity();
+  const double error = held ? 0.0
+                       : got && total(*got) > 0.0 ? std::abs(total(predicted) - total(*got)) / total(*got)
+                                                  : std::numeric_limits<double>::infinity();
+  if (!held && error <= fit_tolerance_) checked_lines_.insert(line);
   std::vector<ir::Subgraph> rest;
   int64_t fitted = 0;
   for (const auto& piece : todo) {
     const ProfileKey k = key(piece, rows, false);
-    if (k == check_key) continue;
+    if (k == check_key && !held) continue;
     auto f = error <= fit_tolerance_ ? fitOf(piece) : std::nullopt;
     if (f) {
       fitted_.emplace(k, interpolateRecords(f->lo, min_rows_, f->hi, f->hi_rows, rows));
@@ -259,8 +265,13 @@ std::vector<ir::Subgraph> ProfilingCostModel::fitRows(const std::vector<ir::Subg
   }
   std::ostringstream os;
   os << "rows " << rows << ": " << fitted << " pieces fitted between " << min_rows_
-     << " rows and measured rows above, " << rest.size() << " measured (the check on the longest piece was "
-     << error * 100.0 << "% off; tolerance " << fit_tolerance_ * 100.0 << "%)";
+     << " rows and measured rows above, " << rest.size() << " measured ";
+  if (held) {
+    os << "(the line from " << line.first << " to " << line.second << " rows was checked before)";
+  } else {
+    os << "(the check on the longest piece was " << error * 100.0 << "% off; tolerance "
+       << fit_tolerance_ * 100.0 << "%)";
+  }
   logDebug(os.str());
   return rest;
 }

@@ -533,3 +533,24 @@ def test_the_plan_reports_where_the_time_before_training_went(capfd):
     assert line, plan.summary()
     assert int(line.group(4)) == t.pieces_measured
     assert "rannc: planned in" in capfd.readouterr().err  # the progress display's last line
+
+
+def test_a_fitted_line_is_checked_once_between_its_ends(capfd):
+    """[Note: fitted rows]: the first row count asked for between the fewest rows and a
+    measured row count above pays the check; later row counts on the same line are fitted
+    without another measurement."""
+    model, args, kwargs = zoo.make("gpt", batch=8)
+    opts = dict(world_size=8, devices_per_node=8, device_memory="256MiB", profile_fake_timer=True,
+                probe_bandwidth=False, update_seconds_per_byte=1e-11)
+    rannc.set_log_level("debug")
+    try:
+        plan = rannc.plan(model, args, kwargs, profile_cache=rannc.ProfileCache(), **opts)
+    finally:
+        rannc.set_log_level("info")
+    err = capfd.readouterr().err
+    checked = re.findall(r"rows (\d+): \d+ pieces fitted .*the check on the longest piece was", err)
+    held = re.findall(r"rows (\d+): (\d+) pieces fitted .*rows was checked before", err)
+    assert len(checked) == 1, err
+    assert held and all(int(n) > 0 for _, n in held), err
+    assert not set(checked) & {r for r, _ in held}
+    plan.validate()
