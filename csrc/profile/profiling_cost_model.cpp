@@ -107,14 +107,30 @@ ProfileKey ProfilingCostModel::key(const ir::Subgraph& piece, int64_t rows, bool
   return ProfileKey{ir::contentHash(graph(), piece), rows, dtype_, profiler_->deviceKind(), recompute};
 }
 
+namespace {
+// A trace line per cost answer: which piece, where the answer came from, what it said
+// (a second plan from the cache must read the same lines as the first).
+void traceRecord(const char* how, const ProfileKey& k, size_t tasks, const ProfileRecord& r) {
+  if (!logEnabled(LogLevel::Trace)) return;
+  std::ostringstream os;
+  os << "cost " << how << ": piece " << std::hex << k.content_hash << std::dec << " (" << tasks << " tasks) at "
+     << k.rows << " rows: fwd " << r.forward_time << " s, bwd " << r.backward_time << " s";
+  log(LogLevel::Trace, os.str());
+}
+}  // namespace
+
 ProfileRecord ProfilingCostModel::record(const ir::Subgraph& piece, int64_t rows, bool recompute) {
   const ProfileKey k = key(piece, rows, recompute);
-  if (auto hit = known(k)) return *hit;
+  if (auto hit = known(k)) {
+    traceRecord("known", k, piece.tasks.size(), *hit);
+    return *hit;
+  }
   const auto start = std::chrono::steady_clock::now();
   ProfileRecord r = profiler_->measure(piece, rows, recompute);
   measuring_seconds_ += secondsSince(start);
   ++measured_;
   cache_->insert(k, r);
+  traceRecord("measured", k, piece.tasks.size(), r);
   return r;
 }
 
@@ -125,9 +141,15 @@ partition::PieceCost ProfilingCostModel::computeCost(const ir::Subgraph& piece, 
 ProfileRecord ProfilingCostModel::partRecord(const std::vector<ir::TaskId>& tasks, int64_t rows) {
   const ir::Subgraph piece = pieceOf(tasks);
   const ProfileKey k = key(piece, rows, false);
-  if (auto hit = known(k)) return *hit;
+  if (auto hit = known(k)) {
+    traceRecord("part known", k, piece.tasks.size(), *hit);
+    return *hit;
+  }
   auto it = composed_.find(k);
-  if (it != composed_.end()) return it->second;
+  if (it != composed_.end()) {
+    traceRecord("part composed", k, piece.tasks.size(), it->second);
+    return it->second;
+  }
   return record(piece, rows, false);
 }
 
@@ -146,6 +168,7 @@ partition::PieceCost ProfilingCostModel::unionCost(const std::vector<const std::
     records.reserve(parts.size());
     for (const auto* p : parts) records.push_back(partRecord(*p, rows));
     it = composed_.emplace(k, composeRecords(records)).first;
+    traceRecord("composed", k, whole.tasks.size(), it->second);
   }
   return pieceCostFrom(graph(), whole, rows, it->second);
 }
@@ -163,8 +186,10 @@ void ProfilingCostModel::prefetch(const std::vector<std::vector<ir::TaskId>>& pi
     distinct.push_back(std::move(piece));
   }
   const size_t fitted_before = fitted_.size();
-  if (!todo.empty() && fit_tolerance_ > 0.0 && min_rows_ > 0 && rows > min_rows_) {
-    todo = fitRows(distinct, rows);
+  if (fit_tolerance_ > 0.0 && min_rows_ > 0 && rows > min_rows_) {
+    // With nothing to fit, the check still runs on what the cache holds: a second plan
+    // from the cache then knows the same checked lines as the first ([Note: fitted rows]).
+    todo = fitRows(distinct, rows, /*may_measure=*/!todo.empty());
   }
   measureBatch(todo, rows);
   // Fits reach only to row counts measured whole, so a second plan from the cache fits
@@ -201,13 +226,15 @@ ProfileRecord interpolateRecords(const ProfileRecord& lo, int64_t lo_rows, const
   return r;
 }
 
-std::vector<ir::Subgraph> ProfilingCostModel::fitRows(const std::vector<ir::Subgraph>& pieces, int64_t rows) {
+std::vector<ir::Subgraph> ProfilingCostModel::fitRows(const std::vector<ir::Subgraph>& pieces, int64_t rows,
+                                                      bool may_measure) {
   // Every fit starts from the fewest rows the planner will ask for.
   std::vector<ir::Subgraph> floor, todo;
   for (const auto& piece : pieces) {
     if (!cache_->find(key(piece, min_rows_, false))) floor.push_back(piece);
     if (!known(key(piece, rows, false))) todo.push_back(piece);
   }
+  if (!may_measure && (!floor.empty() || !todo.empty())) return todo;
   measureBatch(floor, min_rows_);
   whole_rows_.insert(min_rows_);
   // Each piece's line: from the fewest rows to its nearest measured row count above.
@@ -243,7 +270,10 @@ std::vector<ir::Subgraph> ProfilingCostModel::fitRows(const std::vector<ir::Subg
   const std::pair<int64_t, int64_t> line{min_rows_, check->hi_rows};
   const bool held = checked_lines_.count(line) > 0;
   const ProfileKey check_key = key(*check->piece, rows, false);
-  if (!held && !cache_->find(check_key)) measureBatch({*check->piece}, rows);
+  if (!held && !cache_->find(check_key)) {
+    if (!may_measure) return todo;
+    measureBatch({*check->piece}, rows);
+  }
   const auto got = held ? std::nullopt : cache_->find(check_key);
   const ProfileRecord predicted = interpolateRecords(check->lo, min_rows_, check->hi, check->hi_rows, rows);
   const double error = held ? 0.0
@@ -263,6 +293,7 @@ std::vector<ir::Subgraph> ProfilingCostModel::fitRows(const std::vector<ir::Subg
       rest.push_back(piece);
     }
   }
+  if (todo.empty()) return rest;
   std::ostringstream os;
   os << "rows " << rows << ": " << fitted << " pieces fitted between " << min_rows_
      << " rows and measured rows above, " << rest.size() << " measured ";

@@ -104,8 +104,9 @@ class ProfilingCostModel : public partition::CostModel {
   void runBatch(const std::vector<ir::Subgraph>& pieces, int64_t rows);
   // Measures `pieces` at `rows` (spread over the ranks) into the cache.
   void measureBatch(const std::vector<ir::Subgraph>& pieces, int64_t rows);
-  // The pieces of `todo` whose records at `rows` cannot be fitted ([Note: fitted rows]).
-  std::vector<ir::Subgraph> fitRows(const std::vector<ir::Subgraph>& pieces, int64_t rows);
+  // The pieces of `pieces` whose records at `rows` are unknown and cannot be fitted
+  // ([Note: fitted rows]). Without `may_measure`, only notes a check the cache answers.
+  std::vector<ir::Subgraph> fitRows(const std::vector<ir::Subgraph>& pieces, int64_t rows, bool may_measure);
   // A measured or fitted record.
   std::optional<ProfileRecord> known(const ProfileKey& k) const;
   // A part of a union: measured, composed before, or measured now.
