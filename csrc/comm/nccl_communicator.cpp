@@ -6,12 +6,23 @@
 // Work::wait() makes the caller's current stream wait for that event (like c10d) after
 // polling it from the host with the world's failure checks and deadline, so a rank whose
 // peer failed raises instead of hanging in a kernel that never completes.
+// - Each communicator creates its own stream. Streams from torch's pool are shared round
+//   robin (32 per device), and two communicators on one stream run in issue order: a send
+//   queued behind a receive that waits on a peer's send deadlocks the GPU.
+// - [Note: NCCL abort] A wait that times out, sees a peer fail, or finds an asynchronous
+//   NCCL error (ncclCommGetAsyncError) aborts the communicator (ncclCommAbort) before it
+//   raises: ncclCommDestroy waits for every queued kernel, and a kernel waiting on a dead
+//   peer never completes, so the job would hang at exit instead of ending. A communicator
+//   is destroyed cleanly only while no rank has failed.
 #ifdef RANNC_HAVE_NCCL
 
+#include <atomic>
 #include <chrono>
+#include <cstring>
 #include <thread>
 
 #include <ATen/cuda/CUDAEvent.h>
+#include <cuda_runtime_api.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -64,10 +75,32 @@ void checkCuda(const at::Tensor& t, const char* op) {
   if (!t.is_contiguous()) throw CommError(std::string(op) + ": NCCL needs contiguous tensors");
 }
 
+// One NCCL communicator, shared by the works queued on it so a wait can abort it.
+struct NcclHandle {
+  ncclComm_t comm = nullptr;
+  std::atomic<bool> aborted{false};
+
+  // Cancels what is queued ([Note: NCCL abort]); the communicator is unusable afterwards.
+  void abort() {
+    if (comm && !aborted.exchange(true)) ncclCommAbort(comm);
+  }
+  // An asynchronous error NCCL found (a network failure, a peer that vanished), or "".
+  std::string asyncError() const {
+    if (!comm || aborted) return "";
+    ncclResult_t rc = ncclSuccess;
+    if (ncclCommGetAsyncError(comm, &rc) != ncclSuccess) return "";
+#if defined(NCCL_VERSION_CODE) && NCCL_VERSION_CODE >= NCCL_VERSION(2, 14, 0)
+    if (rc == ncclInProgress) return "";
+#endif
+    return rc == ncclSuccess ? "" : ncclGetErrorString(rc);
+  }
+};
+
 class NcclWork : public Work {
  public:
-  NcclWork(std::string what, std::vector<at::Tensor> keep, c10::cuda::CUDAStream stream)
-      : what_(std::move(what)), keep_(std::move(keep)) {
+  NcclWork(std::string what, std::vector<at::Tensor> keep, c10::cuda::CUDAStream stream,
+           std::shared_ptr<NcclHandle> handle)
+      : what_(std::move(what)), keep_(std::move(keep)), handle_(std::move(handle)) {
     event_.record(stream);
   }
 
@@ -75,10 +108,23 @@ class NcclWork : public Work {
     World& world = World::get();
     const auto deadline = std::chrono::steady_clock::now() + timeout.value_or(world.defaultTimeout());
     while (!event_.query()) {
-      world.checkPeers();
-      if (std::chrono::steady_clock::now() > deadline) {
-        throw TimeoutError("rank " + std::to_string(world.rank()) + ": " + what_ +
-                           " did not complete in time (a peer is stuck or gone)");
+      try {
+        world.checkPeers();
+        const std::string error = handle_->asyncError();
+        if (!error.empty()) {
+          throw CommError("rank " + std::to_string(world.rank()) + ": " + what_ + " failed in NCCL: " + error);
+        }
+        if (handle_->aborted) {
+          throw CommError("rank " + std::to_string(world.rank()) + ": " + what_ +
+                          " was cancelled: its NCCL communicator was aborted after an earlier failure");
+        }
+        if (std::chrono::steady_clock::now() > deadline) {
+          throw TimeoutError("rank " + std::to_string(world.rank()) + ": " + what_ +
+                             " did not complete in time (a peer is stuck or gone)");
+        }
+      } catch (...) {
+        handle_->abort();
+        throw;
       }
       std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
@@ -91,26 +137,46 @@ class NcclWork : public Work {
  private:
   std::string what_;
   std::vector<at::Tensor> keep_;
+  std::shared_ptr<NcclHandle> handle_;
   at::cuda::CUDAEvent event_;
 };
+
+// A stream of this communicator's own (see [Note: NCCL streams]); never destroyed, since
+// the caching allocator may still record events on it for blocks freed at exit.
+c10::cuda::CUDAStream ownStream(int device) {
+  c10::cuda::CUDAGuard guard(device);
+  int least = 0, greatest = 0;
+  cudaDeviceGetStreamPriorityRange(&least, &greatest);
+  cudaStream_t stream = nullptr;
+  if (cudaStreamCreateWithPriority(&stream, cudaStreamNonBlocking, greatest) != cudaSuccess) {
+    throw CommError("could not create a CUDA stream for NCCL on device " + std::to_string(device) +
+                    " (rank " + std::to_string(World::get().rank()) + ")");
+  }
+  return c10::cuda::getStreamFromExternal(stream, static_cast<c10::DeviceIndex>(device));
+}
 
 class NcclCommunicator : public Communicator {
  public:
   // Collective over the members of `bootstrap` (an MPI communicator of the same ranks).
   NcclCommunicator(std::shared_ptr<Communicator> bootstrap, int device)
-      : bootstrap_(std::move(bootstrap)), device_(device),
-        stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device)) {
+      : bootstrap_(std::move(bootstrap)), device_(device), stream_(ownStream(device)),
+        handle_(std::make_shared<NcclHandle>()) {
     ncclUniqueId id;
     if (bootstrap_->rank() == 0) check(ncclGetUniqueId(&id), "ncclGetUniqueId");
     at::Tensor buf = at::from_blob(&id, {static_cast<int64_t>(sizeof id)}, at::kByte).clone();
     bootstrap_->broadcast(buf, 0)->wait();
     std::memcpy(&id, buf.data_ptr(), sizeof id);
     c10::cuda::CUDAGuard guard(device_);
-    check(ncclCommInitRank(&comm_, bootstrap_->size(), id, bootstrap_->rank()), "ncclCommInitRank");
+    check(ncclCommInitRank(&handle_->comm, bootstrap_->size(), id, bootstrap_->rank()), "ncclCommInitRank");
   }
 
   ~NcclCommunicator() override {
-    if (comm_) ncclCommDestroy(comm_);
+    if (!handle_->comm || handle_->aborted) return;
+    if (World::get().failing()) {
+      handle_->abort();  // [Note: NCCL abort]
+    } else {
+      ncclCommDestroy(handle_->comm);
+    }
   }
 
   int rank() const override { return bootstrap_->rank(); }
@@ -120,7 +186,7 @@ class NcclCommunicator : public Communicator {
   WorkPtr send(const at::Tensor& tensor, int peer, int tag) override {
     checkCuda(tensor, "send");
     return enqueue("NCCL send to " + std::to_string(worldRank(peer)), {tensor}, [&] {
-      check(ncclSend(tensor.data_ptr(), tensor.numel(), ncclType(tensor.scalar_type()), peer, comm_,
+      check(ncclSend(tensor.data_ptr(), tensor.numel(), ncclType(tensor.scalar_type()), peer, handle_->comm,
                      stream_.stream()),
             "ncclSend");
     });
@@ -129,7 +195,7 @@ class NcclCommunicator : public Communicator {
   WorkPtr recv(at::Tensor tensor, int peer, int tag) override {
     checkCuda(tensor, "recv");
     return enqueue("NCCL recv from " + std::to_string(worldRank(peer)), {tensor}, [&] {
-      check(ncclRecv(tensor.data_ptr(), tensor.numel(), ncclType(tensor.scalar_type()), peer, comm_,
+      check(ncclRecv(tensor.data_ptr(), tensor.numel(), ncclType(tensor.scalar_type()), peer, handle_->comm,
                      stream_.stream()),
             "ncclRecv");
     });
@@ -137,9 +203,12 @@ class NcclCommunicator : public Communicator {
 
   WorkPtr allReduce(at::Tensor tensor, ReduceOp op) override {
     checkCuda(tensor, "all-reduce");
+    if (tensor.scalar_type() == at::kBool && op == ReduceOp::Sum) {
+      throw CommError("all-reduce: a sum of bool tensors would leave bytes above 1 (reduce with Max)");
+    }
     return enqueue("NCCL all-reduce", {tensor}, [&] {
       check(ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(),
-                          ncclType(tensor.scalar_type()), ncclOp(op), comm_, stream_.stream()),
+                          ncclType(tensor.scalar_type()), ncclOp(op), handle_->comm, stream_.stream()),
             "ncclAllReduce");
     });
   }
@@ -148,7 +217,7 @@ class NcclCommunicator : public Communicator {
     checkCuda(tensor, "broadcast");
     return enqueue("NCCL broadcast", {tensor}, [&] {
       check(ncclBroadcast(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(),
-                          ncclType(tensor.scalar_type()), root, comm_, stream_.stream()),
+                          ncclType(tensor.scalar_type()), root, handle_->comm, stream_.stream()),
             "ncclBroadcast");
     });
   }
@@ -156,13 +225,17 @@ class NcclCommunicator : public Communicator {
   WorkPtr allGather(const at::Tensor& in, at::Tensor out) override {
     checkCuda(in, "all-gather");
     checkCuda(out, "all-gather");
+    if (out.scalar_type() != in.scalar_type()) {
+      throw CommError(std::string("all-gather: output dtype ") + c10::toString(out.scalar_type()) +
+                      " differs from the input's " + c10::toString(in.scalar_type()));
+    }
     if (out.numel() != in.numel() * size()) {
       throw CommError("all-gather: output must hold " + std::to_string(size()) + " x " +
                       std::to_string(in.numel()) + " elements");
     }
     return enqueue("NCCL all-gather", {in, out}, [&] {
       check(ncclAllGather(in.data_ptr(), out.data_ptr(), in.numel(), ncclType(in.scalar_type()),
-                          comm_, stream_.stream()),
+                          handle_->comm, stream_.stream()),
             "ncclAllGather");
     });
   }
@@ -175,6 +248,17 @@ class NcclCommunicator : public Communicator {
  private:
   template <typename F>
   WorkPtr enqueue(std::string what, std::vector<at::Tensor> tensors, F&& launch) {
+    if (handle_->aborted) {
+      throw CommError("rank " + std::to_string(World::get().rank()) + ": " + what +
+                      ": the NCCL communicator was aborted after an earlier failure");
+    }
+    for (const auto& t : tensors) {
+      if (t.get_device() != device_) {
+        throw CommError(what + ": a tensor on " + t.device().str() + ", but rank " +
+                        std::to_string(World::get().rank()) + "'s NCCL communicator is on cuda:" +
+                        std::to_string(device_) + " (the stage's device and the communicator's must agree)");
+      }
+    }
     c10::cuda::CUDAGuard guard(device_);
     // The communication stream waits for the work that produced the inputs.
     at::cuda::CUDAEvent ready;
@@ -184,27 +268,33 @@ class NcclCommunicator : public Communicator {
       c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), stream_);
     }
     launch();
-    return std::make_shared<NcclWork>(std::move(what), std::move(tensors), stream_);
+    return std::make_shared<NcclWork>(std::move(what), std::move(tensors), stream_, handle_);
   }
 
   std::shared_ptr<Communicator> bootstrap_;
   int device_;
   c10::cuda::CUDAStream stream_;
-  ncclComm_t comm_ = nullptr;
+  std::shared_ptr<NcclHandle> handle_;
 };
 
 }  // namespace
 
-std::shared_ptr<Communicator> worldCudaCommunicator() {
-  static std::shared_ptr<Communicator> world = [] {
+std::shared_ptr<Communicator> worldCudaCommunicator(int device) {
+  static int world_device = -1;
+  static std::shared_ptr<Communicator> world = [device] {
     int count = 0;
     if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
       throw CommError("no CUDA device for the NCCL data plane on rank " +
                       std::to_string(World::get().rank()));
     }
-    return std::make_shared<NcclCommunicator>(worldCpuCommunicator(),
-                                              World::get().localRank() % count);
+    world_device = device >= 0 ? device : World::get().localRank() % count;
+    return std::make_shared<NcclCommunicator>(worldCpuCommunicator(), world_device);
   }();
+  if (device >= 0 && device != world_device) {
+    throw CommError("rank " + std::to_string(World::get().rank()) + " asked for NCCL on cuda:" +
+                    std::to_string(device) + ", but its NCCL communicator is on cuda:" +
+                    std::to_string(world_device) + " (one device per rank)");
+  }
   return world;
 }
 

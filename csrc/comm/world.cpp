@@ -42,6 +42,7 @@ World::World() {
   } else {
     MPI_Query_thread(&provided);
   }
+  thread_multiple_ = provided == MPI_THREAD_MULTIPLE;
   // Errors come back as codes (and become exceptions) instead of aborting the job.
   MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
   check(MPI_Comm_dup(MPI_COMM_WORLD, &data_comm_), "MPI_Comm_dup");

@@ -41,6 +41,12 @@ class World {
   const std::string& hostname() const { return hostname_; }
   const std::vector<int>& nodeOfRank() const { return node_of_rank_; }
   MPI_Comm dataComm() const { return data_comm_; }
+  // Whether MPI may be called from several threads at once (autograd's device threads run
+  // gradient hooks on CUDA).
+  bool threadMultiple() const { return thread_multiple_; }
+  // Whether this rank or a peer has failed: the job is ending, and NCCL communicators are
+  // aborted rather than destroyed (destroying waits for kernels that never complete).
+  bool failing() const { return failed_reported_; }
 
   // Tells every other rank that this rank failed (non-blocking, never throws); their
   // waits then raise CommError carrying `message`.
@@ -90,6 +96,7 @@ class World {
   bool stop_progress_ = false;
   bool owns_mpi_ = false;
   bool failed_reported_ = false;
+  bool thread_multiple_ = false;
   std::chrono::milliseconds timeout_{600000};
 };
 

@@ -5,7 +5,7 @@ namespace {
 
 // [Note: traced devices] (placement.h)
 bool moves(const at::Tensor& t, const c10::Device& device) {
-  return t.defined() && t.device() != device && (t.dim() > 0 || t.requires_grad());
+  return t.defined() && t.device() != device && (t.dim() > 0 || t.requires_grad() || !t.is_cpu());
 }
 
 bool moves(const c10::IValue& v, const c10::Device& device) {

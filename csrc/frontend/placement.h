@@ -6,8 +6,10 @@
 // constant tensors, on the device the model was traced on. To run a piece on another
 // device, those constants, and values kept from a run (a Device that crossed a piece
 // boundary, tensors), are moved to it: every Device value becomes the target device, and
-// every tensor too except 0-dim ones that need no grad (CPU scalars mix with any device,
-// and sizes turned into tensors stay on the CPU in a CUDA trace). A model that moves data
+// every tensor too except 0-dim CPU ones that need no grad (CPU scalars mix with any
+// device, and sizes turned into tensors stay on the CPU in a CUDA trace; a 0-dim CUDA
+// constant, such as GPT-Neo's `torch.tensor(mask_value, device=...)`, mixes only with its
+// own device, so it moves). A model that moves data
 // to the CPU on purpose thus runs that work on the target device. The profiler and the
 // pipeline's stages both run pieces this way, so what is measured is what runs.
 #include <memory>

@@ -46,6 +46,23 @@ class MpiChannels : public Channels {
 };
 
 #ifdef RANNC_HAVE_NCCL
+// [Note: NCCL warm-up] NCCL connects the two ends of a send/recv (and may connect a
+// collective) on its first use, inside the host call, waiting for the peer's first call
+// on that communicator. In a step that first use can deadlock: two ranks that each send
+// to the other before receiving (the outputs and output gradients of replicated stages
+// cross that way) block in their sends, each waiting for a receive the other has not
+// reached. So each communicator moves one element as soon as it is made, while both ends
+// are in its creation anyway.
+void warmUpPair(comm::Communicator& c, bool sender, c10::Device device) {
+  at::Tensor one = at::zeros({1}, at::TensorOptions().dtype(at::kFloat).device(device));
+  const int other = 1 - c.rank();
+  (sender ? c.send(one, other, 0) : c.recv(one, other, 0))->wait();
+}
+
+void warmUpGroup(comm::Communicator& c, c10::Device device) {
+  c.allReduce(at::zeros({1}, at::TensorOptions().dtype(at::kFloat).device(device)))->wait();
+}
+
 std::map<ChannelKey, std::shared_ptr<comm::Communicator>>& ncclPairs() {
   static std::map<ChannelKey, std::shared_ptr<comm::Communicator>> pairs;
   return pairs;
@@ -54,12 +71,15 @@ std::map<ChannelKey, std::shared_ptr<comm::Communicator>>& ncclPairs() {
 class NcclChannels : public Channels {
  public:
   NcclChannels(const std::vector<ChannelKey>& keys, c10::Device device) : device_(device) {
-    auto world = comm::worldCudaCommunicator();
+    auto world = comm::worldCudaCommunicator(device.index());
     me_ = comm::World::get().rank();
     for (const auto& k : keys) {
       if (k.src == k.dst || (k.src != me_ && k.dst != me_)) continue;
       auto& pair = ncclPairs()[k];
-      if (!pair) pair = world->subgroup(k.src < k.dst ? std::vector<int>{k.src, k.dst} : std::vector<int>{k.dst, k.src});
+      if (!pair) {
+        pair = world->subgroup(k.src < k.dst ? std::vector<int>{k.src, k.dst} : std::vector<int>{k.dst, k.src});
+        warmUpPair(*pair, k.src == me_, device_);  // [Note: NCCL warm-up]
+      }
       comms_[k] = pair;
     }
   }
@@ -105,10 +125,16 @@ std::unique_ptr<Channels> ncclChannels(const std::vector<ChannelKey>& keys, c10:
 #endif
 }
 
-std::shared_ptr<comm::Communicator> groupCommunicator(const std::vector<int>& ranks, bool nccl) {
+std::shared_ptr<comm::Communicator> groupCommunicator(const std::vector<int>& ranks, bool nccl,
+                                                      c10::Device device) {
 #ifdef RANNC_HAVE_NCCL
-  if (nccl) return comm::worldCudaCommunicator()->subgroup(ranks);
+  if (nccl) {
+    auto group = comm::worldCudaCommunicator(device.index())->subgroup(ranks);
+    warmUpGroup(*group, device);  // [Note: NCCL warm-up]
+    return group;
+  }
 #else
+  (void)device;
   RANNC_CHECK(!nccl, "NCCL asked for in a build without it");
 #endif
   return comm::worldCpuCommunicator()->subgroup(ranks);

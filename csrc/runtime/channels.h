@@ -27,8 +27,9 @@ std::unique_ptr<Channels> mpiChannels();
 
 // Channels over NCCL for `keys` (this rank's device channels, ascending; collective over
 // each pair: both ends list the channel and create it in the same order). Two-rank
-// communicators are created once per process and shared by every engine. Throws
-// CommError where the build has no NCCL.
+// communicators are created once per process and shared by every engine; each is warmed
+// up with a one-element transfer as it is made ([Note: NCCL warm-up] in channels.cpp).
+// Throws CommError where the build has no NCCL.
 std::unique_ptr<Channels> ncclChannels(const std::vector<ChannelKey>& keys, c10::Device device);
 
 // An MPI operation on a host copy of a device tensor: wait() finishes it and copies the
@@ -36,8 +37,10 @@ std::unique_ptr<Channels> ncclChannels(const std::vector<ChannelKey>& keys, c10:
 comm::WorkPtr stagedThroughHost(comm::WorkPtr work, at::Tensor host, at::Tensor target);
 
 // The communicator that all-reduces gradients among `ranks` (ascending, this rank among
-// them; collective over them): NCCL for CUDA stages where `nccl`, else MPI (CUDA tensors
-// then go through host memory: GradBuckets stages them).
-std::shared_ptr<comm::Communicator> groupCommunicator(const std::vector<int>& ranks, bool nccl);
+// them; collective over them): NCCL on `device` for CUDA stages where `nccl` (warmed up
+// as it is made), else MPI (CUDA tensors then go through host memory: GradBuckets stages
+// them).
+std::shared_ptr<comm::Communicator> groupCommunicator(const std::vector<int>& ranks, bool nccl,
+                                                      c10::Device device);
 
 }  // namespace rannc::runtime

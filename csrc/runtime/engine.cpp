@@ -87,7 +87,7 @@ PipelineEngine::PipelineEngine(std::shared_ptr<const frontend::TracedModel> mode
     for (ir::ValueId v : ids) {
       if (own_.count(v)) owned.push_back(v);
     }
-    auto comm = ranks.size() > 1 ? groupCommunicator(ranks, nccl_) : nullptr;
+    auto comm = ranks.size() > 1 ? groupCommunicator(ranks, nccl_, device_) : nullptr;
     groups.emplace_back(std::move(comm), std::move(owned));
   }
   buckets_ = std::make_unique<GradBuckets>(std::move(groups), own_, device_.is_cuda() && !nccl_, bucket_bytes);

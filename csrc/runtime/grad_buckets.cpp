@@ -3,6 +3,7 @@
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include "comm/world.h"
 #include "runtime/channels.h"
 
 namespace rannc::runtime {
@@ -54,6 +55,8 @@ void GradBuckets::disarm() {
 
 void GradBuckets::markFinal(ir::ValueId id) {
   ready_.insert(id);
+  // A hook on autograd's CUDA device thread may call MPI only where MPI allows threads.
+  if (staged_ && !comm::World::get().threadMultiple()) return;
   launch(false);
 }
 

@@ -10,6 +10,9 @@
 // parameters are final and every earlier bucket has started, so every member of a group
 // starts the group's all-reduces in the same order (MPI and NCCL need that) while the rest
 // of the backward runs. Buckets whose parameters got no gradient start at the end.
+// On CUDA autograd runs those hooks on its device thread, not the caller's: a staged (MPI)
+// all-reduce started there needs MPI_THREAD_MULTIPLE, so without it every bucket starts
+// in finish(), on the caller's thread.
 #include <cstdint>
 #include <functional>
 #include <map>
