@@ -15,8 +15,8 @@
 # python/rannc/_C*.so for its python imports with CUDA (carry it from an earlier $OUT to
 # skip the 2-minute build; RANNC_GPU_REBUILD=1 builds anyway, e.g. after C++ changes);
 # then the parts, in this order:
-#   tests   python3 -m pytest -q tests/gpu
-#   hf      python3 -m pytest -q tests/python -k "hf or transformers"  ("none" if no test matches)
+#   tests   python3 -m pytest -v tests/gpu
+#   hf      python3 -m pytest -v tests/python -k "hf or transformers"  ("none" if no test matches)
 #   bench   python3 bench/runtime.py --device cuda --out $OUT
 #   plans   python3 bench/plan_time.py --device cuda --skip-whole (plans in seconds)
 #   table   python3 bench/profile_vs_stage.py --device cuda $RANNC_GPU_TABLE_ARGS
@@ -145,8 +145,12 @@ part() {  # part NAME LIMIT_S COMMAND
 # tests/gpu has 27 cases of mpirun runs (schedules and mixed precision added in session
 # 14): the part may take the rest of a first call; run the others in a second call
 # (RANNC_GPU_PARTS="hf bench plans table", the built _C*.so carried from $OUT).
-part tests 420 "python3 -m pytest -q -rf --durations=10 tests/gpu"
-part hf 240 "python3 -m pytest -q tests/python -k 'hf or transformers'"
+# Each test's name as it runs (-v) and a per-test limit where pytest-timeout is there, so
+# a part cut off by its own limit still says which tests passed and which one hung.
+PER_TEST=""
+python3 -c "import pytest_timeout" 2>/dev/null && PER_TEST="--timeout=150"
+part tests 420 "python3 -m pytest -v -rA $PER_TEST --durations=10 tests/gpu"
+part hf 240 "python3 -m pytest -v -rA $PER_TEST tests/python -k 'hf or transformers'"
 part bench 240 "python3 bench/runtime.py --device cuda --out '$OUT'"
 stamp="$(mktemp)"
 part plans 240 "python3 bench/plan_time.py --device cuda --skip-whole"

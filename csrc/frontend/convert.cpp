@@ -92,10 +92,14 @@ ir::ValueKind toKind(const c10::TypePtr& type) {
   }
 }
 
-// The printed form of a constant; tensors by dtype, shape and a hash of their bytes.
+// The printed form of a constant; tensors by dtype, shape and a hash of their bytes, a
+// device by its type: every device constant runs on the stage's device ([Note: traced
+// devices]), and ranks that traced on cuda:0 and cuda:1 must hash the same graph.
 std::string printConstant(const c10::IValue& v) {
   std::ostringstream os;
-  if (v.isTensor()) {
+  if (v.isDevice()) {
+    os << c10::DeviceTypeName(v.toDevice().type(), /*lower_case=*/true);
+  } else if (v.isTensor()) {
     at::Tensor t = v.toTensor().contiguous().cpu();
     os << "tensor(" << t.scalar_type() << ", " << t.sizes() << ", #" << std::hex
        << Fnv1a().bytes(t.data_ptr(), t.numel() * t.element_size()).digest() << ")";

@@ -67,7 +67,15 @@ EXTRA = "extra.pt"
 FORMAT, VERSION = "rannc-checkpoint", 1
 
 
+def _this_gpu(storage, location: str):
+    """torch.load's map_location: CPU storages stay, CUDA ones go to this rank's GPU."""
+    if location.startswith("cuda") and torch.cuda.is_available():
+        return storage.cuda(torch.cuda.current_device())
+    return storage
+
+
 # ---- the model's state as a checkpoint sees it ------------------------------------------------
+
 @dataclass
 class _Entry:
     """One state tensor of the user's module."""
@@ -439,7 +447,7 @@ class Source:
         if not self.meta or not self.meta.get("optimizer"):
             return None
         return torch.load(os.path.join(self.path, self.meta["optimizer"]["groups"]),
-                          weights_only=False)
+                          map_location="cpu", weights_only=False)
 
     def optimizer_state(self, name: str, values: dict, existing: dict) -> dict:
         """Parameter `name`'s optimizer state: its tensors read (into `existing`'s tensors
@@ -457,12 +465,15 @@ class Source:
         if not self.meta:
             return None
         files = self.meta["rng"]
-        return torch.load(os.path.join(self.path, files[rank % len(files)]), weights_only=False)
+        return torch.load(os.path.join(self.path, files[rank % len(files)]), map_location="cpu",
+                          weights_only=False)
 
     def extra(self):
         if not self.meta or not self.meta.get("extra"):
             return None
-        return torch.load(os.path.join(self.path, self.meta["extra"]), weights_only=False)
+        # CUDA tensors rank 0 saved come back on this rank's GPU, not on rank 0's
+        return torch.load(os.path.join(self.path, self.meta["extra"]), map_location=_this_gpu,
+                          weights_only=False)
 
     def close(self):
         for reader in self._readers.values():

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import math
 import sys
 import time
 import zlib
@@ -30,7 +31,7 @@ from .options import PRECISIONS, Options
 from .pipeline import Engine
 from .optimizer_share import OptimizerShare
 from .placement import StatePlacement
-from .transport import resolve_device, uses_nccl
+from .transport import device_memory_default, resolve_device, uses_nccl
 
 
 class _ApplyStepGrads(torch.autograd.Function):
@@ -42,13 +43,15 @@ class _ApplyStepGrads(torch.autograd.Function):
         ctx.deployed = deployed
         grads = deployed.engine.input_grads if deployed.grad_input_ids else {}
         ctx.input_grads = [grads[vid] for vid in deployed.grad_input_ids]
+        ctx.input_devices = [x.device for x in inputs]  # deployed.grad_inputs, in order
         return loss.detach().clone()
 
     @staticmethod
     def backward(ctx, grad):
         ctx.deployed.apply_grads(grad)
-        # the inputs' gradients where the loss (and so the user's tensors) are
-        return (None, None, None) + tuple((grad * g).to(grad.device) for g in ctx.input_grads)
+        # each input's gradient on that input's device (the stage's GPU may be another)
+        return (None, None, None) + tuple((grad.to(g.device) * g).to(d)
+                                          for g, d in zip(ctx.input_grads, ctx.input_devices))
 
 
 class _NoGradientPath(torch.autograd.Function):
@@ -217,7 +220,7 @@ class _Deployed:
                                         profile_device=where,
                                         cost_model="profile" if profiled else "analytic")
         device = _C.DeviceSpec()
-        device.memory_bytes = opts.device_memory
+        device.memory_bytes = opts.device_memory or device_memory_default(self.owner.device)
         device.devices_per_node = max(1, _C.get_local_size())
         update_rate = None
         if profiled and training:
@@ -351,6 +354,8 @@ class _Deployed:
         # a GPU the fused multiply is cheaper than a synchronisation)
         unit = not isinstance(scale, torch.Tensor) or scale.device.type == "cpu"
         unit = unit and float(scale) == 1.0
+        if not unit and isinstance(scale, torch.Tensor) and scale.device.type != "cpu":
+            scale = scale.to(self.owner.device)  # the loss may be on another GPU than the stage
         self.engine.apply_step_grads(None if unit else scale)
 
     def _outputs(self, produced, batch_outputs, schedule):
@@ -456,6 +461,8 @@ class RaNNCModule(torch.nn.Module):
         self.optimizer = optimizer
         # [Note: placement] in placement.py
         self.device = resolve_device(self.options.device, model)
+        if self.device.type == "cuda":  # the user's `.cuda()` and `torch.cuda.*` mean this GPU
+            torch.cuda.set_device(self.device)
         self.nccl = uses_nccl(self.device, self.options.data_plane)
         first = next(itertools.chain(model.parameters(), model.buffers()), None)
         self._home = first.device if first is not None else torch.device("cpu")
@@ -608,19 +615,25 @@ class RaNNCModule(torch.nn.Module):
                 scaler.unscale_(self.optimizer)
         comm = _C.Communicator.world_cpu()
         # Each parameter counts once: on the first rank of its gradient group.
-        mine = torch.zeros((), dtype=torch.float64)
         rank = _C.get_rank()
-        counted = set()
+        counted = {}
         for ranks, vids in deployed.engine.grad_groups():
             if min(ranks) != rank:
                 continue
             for v in vids:
                 t = deployed.own.get(v)
-                if t is not None and t.grad is not None and v not in counted:
-                    counted.add(v)
-                    mine += t.grad.detach().double().norm(norm_type).cpu() ** norm_type
-        comm.all_reduce(mine).wait()
-        total = mine ** (1.0 / norm_type)
+                if t is not None and t.grad is not None:
+                    counted.setdefault(v, t.grad.detach())
+        grads = list(counted.values())
+        # One pass over the gradients on their device and one copy to the host (a GPU
+        # would stall once per parameter on a .cpu() each).
+        infinite = math.isinf(norm_type)
+        mine = torch.zeros((), dtype=torch.float64)
+        if grads:
+            norms = torch.stack(torch._foreach_norm(grads, norm_type)).double().cpu()
+            mine = norms.max() if infinite else (norms ** norm_type).sum()
+        comm.all_reduce(mine, _C.ReduceOp.MAX if infinite else _C.ReduceOp.SUM).wait()
+        total = mine if infinite else mine ** (1.0 / norm_type)
         coef = max_norm / (float(total) + 1e-6)
         if coef < 1:
             for t in deployed.own.values():

@@ -70,7 +70,8 @@ def _option(default, meaning: str, *, where: str = BOTH, convert=None, choices=(
 @dataclass
 class Options:
     # memory
-    device_memory: int = _option(8 * 2**30, "bytes per device the plan must fit in (16GiB, 512MB or a number)",
+    device_memory: int = _option(0, "bytes per device the plan must fit in (16GiB, 512MB or a number); "
+                                 "0: a GPU's memory shared by the ranks on it, 8GiB on the CPU",
                                  convert=parse_bytes)
     memory_margin: float = _option(0.1, "fraction of device_memory kept free")
     # the search
@@ -125,10 +126,11 @@ class Options:
     comm_timeout: float = _option(600.0, "seconds a rank waits for a peer before failing", where=MODULE)
     log_level: str = _option("", "trace, debug, info, warn, error, off", where=MODULE,
                              choices=("", "trace", "debug", "info", "warn", "error", "off"))
-    device: str = _option("auto", "where stages run: auto (the model's CUDA device, else this rank's "
-                          "GPU if any, else cpu), cpu, cuda, cuda:N", where=MODULE)
-    data_plane: str = _option("auto", "CUDA stages: auto (NCCL if built with it, else MPI through "
-                              "host memory), nccl, mpi", where=MODULE, choices=("auto", "nccl", "mpi"))
+    device: str = _option("auto", "where stages run: auto (one rank: the model's CUDA device; several: "
+                          "this rank's GPU; cpu without CUDA), cpu, cuda, cuda:N", where=MODULE)
+    data_plane: str = _option("auto", "CUDA stages: auto (NCCL if built with it and no two ranks share a "
+                              "GPU, else MPI through host memory), nccl, mpi", where=MODULE,
+                              choices=("auto", "nccl", "mpi"))
     precision: str = _option("fp32", "fp32 (the caller's torch.autocast, if any), bf16, fp16 (as if "
                              "every call ran under torch.autocast(dtype))", where=MODULE,
                              choices=tuple(PRECISIONS))

@@ -184,6 +184,64 @@ def test_ranks_map_to_gpus_by_local_rank_modulo_the_devices(monkeypatch, gpus):
         transport.local_cuda_device()
 
 
+def test_several_ranks_take_their_own_gpu_under_auto_even_with_the_model_on_cuda0(monkeypatch):
+    """A model moved with .cuda() on every rank without set_device sits on cuda:0 on all of
+    them; under device=auto each rank's stages go to its own GPU (where its NCCL
+    communicators are), and a lone rank keeps the model's GPU."""
+    from types import SimpleNamespace
+
+    from rannc import _C
+    on_cuda0 = SimpleNamespace(parameters=lambda: [SimpleNamespace(device=torch.device("cuda", 0))],
+                               buffers=lambda: [])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(_C, "get_local_rank", lambda: 3)
+    monkeypatch.setattr(_C, "get_world_size", lambda: 4)
+    assert resolve_device("auto", on_cuda0) == torch.device("cuda", 3)
+    monkeypatch.setattr(_C, "get_world_size", lambda: 1)
+    assert resolve_device("auto", on_cuda0) == torch.device("cuda", 0)
+
+
+@pytest.mark.parametrize("keys, plane, expected", [
+    ([("a", "gpu0"), ("a", "gpu1"), ("b", "gpu0"), ("b", "gpu1")], "auto", True),
+    ([("a", "gpu0"), ("a", "gpu0"), ("a", "gpu1"), ("a", "gpu1")], "auto", False),
+    ([("a", "gpu0"), ("a", "gpu1"), None, ("b", "gpu1")], "auto", False),
+    ([("a", "gpu0"), ("a", "gpu0"), ("a", "gpu1"), ("a", "gpu1")], "nccl", r"ranks \[0, 1, 2, 3\] share GPUs"),
+    ([("a", "gpu0"), ("a", "gpu1"), ("a", "gpu1"), ("a", "gpu2")], "nccl", r"ranks \[1, 2\] share GPUs"),
+])
+def test_ranks_that_share_a_gpu_all_talk_over_mpi(monkeypatch, keys, plane, expected):
+    """NCCL runs one rank per GPU: where any two ranks share one (same host, same GPU), every
+    rank decides on MPI together under data_plane=auto, and data_plane=nccl names them."""
+    from rannc import _C, transport
+    monkeypatch.setattr(_C, "has_nccl", True)
+    monkeypatch.setattr(_C, "get_world_size", lambda: len(keys))
+    monkeypatch.setattr(transport, "_device_key", lambda device: ("a", "gpu0"))
+    monkeypatch.setattr(transport, "all_gather_objects", lambda mine: list(keys))
+    if isinstance(expected, str):
+        with pytest.raises(rannc.Error, match=expected):
+            uses_nccl(torch.device("cuda", 0), plane)
+    else:
+        assert uses_nccl(torch.device("cuda", 0), plane) is expected
+    assert not uses_nccl(torch.device("cuda", 0), "mpi")
+
+
+def test_the_plan_fits_the_gpu_it_runs_on_unless_told_otherwise(monkeypatch):
+    """device_memory=0 (the default): a GPU's memory shared by the ranks of its host on it
+    (an H100's 80 GiB is not planned as 8), 8 GiB on the CPU."""
+    from types import SimpleNamespace
+
+    from rannc import _C, transport
+    assert Options.resolve({}).device_memory == 0
+    assert transport.device_memory_default(torch.device("cpu")) == 8 << 30
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: SimpleNamespace(total_memory=80 << 30))
+    monkeypatch.setattr(_C, "get_local_size", lambda: 2)
+    assert transport.device_memory_default(torch.device("cuda", 1)) == 80 << 30
+    monkeypatch.setattr(_C, "get_local_size", lambda: 4)  # ranks 1 and 3 share cuda:1
+    assert transport.device_memory_default(torch.device("cuda", 1)) == 40 << 30
+
+
 def test_an_error_caught_by_a_single_process_leaves_its_exit_status_alone():
     """Without mpirun (a singleton MPI world) an error in forward has no peer to tell; the
     process that catches it exits 0 (it used to abort in MPI's shutdown, exit status 1)."""
