@@ -97,16 +97,16 @@ void bindRuntime(py::module& m) {
       .def("use_batch", &PipelineEngine::useBatch, py::arg("local_batch"))
       .def("set_input_grads", &PipelineEngine::setInputGrads, py::arg("ids"))
       .def("step",
-           [](PipelineEngine& e, const py::dict& local, bool train) {
+           [](PipelineEngine& e, const py::dict& local, bool train, double loss_scale) {
              auto values = localValues(local);
              runtime::StepOutputs outs;
              {
                py::gil_scoped_release release;
-               outs = e.step(values, train);
+               outs = e.step(values, train, loss_scale);
              }
              return toPython(outs);
            },
-           py::arg("local"), py::arg("train"))
+           py::arg("local"), py::arg("train"), py::arg("loss_scale") = 1.0)
       .def("forward_for_backward",
            [](PipelineEngine& e, const py::dict& local) {
              auto values = localValues(local);

@@ -208,14 +208,15 @@ const StepProgram& PipelineEngine::programFor(StepMode mode) {
 
 std::string PipelineEngine::program(StepMode mode) { return programFor(mode).str(); }
 
-StepOutputs PipelineEngine::step(const std::map<ir::ValueId, c10::IValue>& local, bool train) {
+StepOutputs PipelineEngine::step(const std::map<ir::ValueId, c10::IValue>& local, bool train,
+                                 double loss_scale) {
   seeds_.clear();
   if (train && loss_id_ != ir::kNoId) {
     const Layout& L = config_->layout;
     const Place& at = place();  // every chunk has the same copy and replica, hence rows
     for (int m = 0; m < L.microBatches(); ++m) {
       Rows rows = L.share(at.stage, at.copy, m, at.replica);
-      seeds_[m][loss_id_] = Seed{double(rows.size()) / double(L.globalBatch()), {}};
+      seeds_[m][loss_id_] = Seed{loss_scale * double(rows.size()) / double(L.globalBatch()), {}};
     }
   }
   return execute(programFor(train ? StepMode::Train : StepMode::Eval), &local, train);

@@ -106,8 +106,10 @@ class PipelineEngine {
   void setInputGrads(std::set<ir::ValueId> ids);
 
   // One step: with `train`, the planned schedule seeded by the scalar loss (its share of
-  // each micro-batch), else forwards only. `local`: model argument ids -> this rank's values.
-  StepOutputs step(const std::map<ir::ValueId, c10::IValue>& local, bool train);
+  // each micro-batch, times `loss_scale`: a loss scaler's factor must reach the fp16
+  // activation gradients of the backward that runs here, not only the finished gradients),
+  // else forwards only. `local`: model argument ids -> this rank's values.
+  StepOutputs step(const std::map<ir::ValueId, c10::IValue>& local, bool train, double loss_scale = 1.0);
   // The forwards of a fill-drain step, stashing for backwardFrom().
   StepOutputs forwardForBackward(const std::map<ir::ValueId, c10::IValue>& local);
   // The backwards of the fill-drain step begun by forwardForBackward().

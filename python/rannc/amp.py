@@ -13,17 +13,48 @@ the found-inf flags of every rank before anyone steps: either every rank skips t
     scaler.scale(loss).backward()
     scaler.unscale_(optimizer); model.clip_grad_norm(1.0)   # optional, as in PyTorch
     scaler.step(optimizer); scaler.update()
+
+[Note: scaled seeds] Under 1F1B the step's backward runs inside the forward call,
+seeded by the loss, before the user's `scaler.scale(loss).backward()`. Scaling only the
+finished gradients afterwards would leave the fp16 activation gradients unscaled, and
+small ones flush to zero, which loss scaling exists to prevent. So the forward reads the
+scale of the newest enabled rannc.GradScaler and seeds the backward with it; the
+backward call then multiplies by (its own seed) / (that scale), 1 when the scale did not
+change in between, and the gradients come out scaled as PyTorch's do. torch's own
+GradScaler is not seen at forward time: with fp16, use rannc.GradScaler.
 """
 from __future__ import annotations
+
+import weakref
 
 import torch
 
 from . import _C
 
+_SCALERS: "weakref.WeakValueDictionary[int, GradScaler]" = weakref.WeakValueDictionary()
+_NEXT = [0]
+
+
+def forward_loss_scale() -> float:
+    """The factor a training forward seeds its backward with ([Note: scaled seeds]): the
+    scale of the newest enabled rannc.GradScaler alive, else 1."""
+    for key in sorted(_SCALERS.keys(), reverse=True):
+        scaler = _SCALERS.get(key)
+        if scaler is not None and scaler.is_enabled():
+            return float(scaler.get_scale())
+    return 1.0
+
 
 class GradScaler(torch.amp.GradScaler):
-    """torch.amp.GradScaler whose inf/NaN check covers every rank's gradients. Every rank
-    must call unscale_ (or step) once per step, as the collective agreement needs."""
+    """torch.amp.GradScaler whose inf/NaN check covers every rank's gradients, and whose
+    scale reaches the backward that runs inside a 1F1B forward ([Note: scaled seeds]).
+    Every rank must call unscale_ (or step) once per step, as the collective agreement
+    needs."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        _NEXT[0] += 1
+        _SCALERS[_NEXT[0]] = self
 
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
         per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)

@@ -44,10 +44,14 @@ class _ApplyStepGrads(torch.autograd.Function):
         grads = deployed.engine.input_grads if deployed.grad_input_ids else {}
         ctx.input_grads = [grads[vid] for vid in deployed.grad_input_ids]
         ctx.input_devices = [x.device for x in inputs]  # deployed.grad_inputs, in order
+        ctx.loss_scale = deployed.loss_scale
         return loss.detach().clone()
 
     @staticmethod
     def backward(ctx, grad):
+        # the step's gradients were seeded with the loss scale ([Note: scaled seeds])
+        if ctx.loss_scale != 1.0:
+            grad = grad / ctx.loss_scale
         ctx.deployed.apply_grads(grad)
         # each input's gradient on that input's device (the stage's GPU may be another)
         return (None, None, None) + tuple((grad.to(g.device) * g).to(d)
@@ -144,6 +148,7 @@ class _Deployed:
                              self.graph.batch_size, state, device=owner.device, nccl=owner.nccl)
         self.own = self.engine.own  # the parameters this rank updates
         self.grad_input_ids, self.grad_inputs = [], []  # arguments that require grad
+        self.loss_scale = 1.0  # the last training step's seed factor ([Note: scaled seeds])
         # fill-drain: forwards so far, and whether the last one's backward ran
         self.fill_drain_forwards, self.fill_drain_backward_done = 0, False
         if rank == 0:
@@ -266,7 +271,9 @@ class _Deployed:
             return self._outputs(produced, batch_outputs, "fill_drain")
         train = training and self.engine.loss_vid is not None
         if train:
-            produced, batch_outputs = self.engine.step(local, True)
+            from .amp import forward_loss_scale  # [Note: scaled seeds] in amp.py
+            self.loss_scale = forward_loss_scale()
+            produced, batch_outputs = self.engine.step(local, True, self.loss_scale)
         else:
             produced, batch_outputs = self.engine.step(local, False)
         return self._outputs(produced, batch_outputs, "1f1b" if train else None)

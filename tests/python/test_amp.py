@@ -44,6 +44,7 @@ def test_the_planner_sees_two_byte_activations():
     (2, "transformer", 2, 2, ["--amp", "bf16", "--mode", "outside"]),           # fill-drain
     (2, "mlp", 2, 2, ["--amp", "fp16"]),
     (2, "mlp", 2, 2, ["--amp", "fp16", "--inject-inf", "1"]),   # overflow on the last stage
+    (2, "mlp_tiny_loss", 2, 2, ["--amp", "fp16"]),   # activation gradients need the scale
     (3, "gpt", 3, 3, ["--amp", "fp16", "--inject-inf", "2"]),
     (2, "mlp", 2, 2, ["--amp", "bf16", "--opt", "precision=bf16"]),  # the option, no autocast
     (2, "hf_bert", 1, 2, ["--amp", "bf16", "--opt", "replicas=2"]),  # failed to trace before

@@ -22,6 +22,15 @@ class MLP(nn.Module):
         return F.mse_loss(self.net(x), y)
 
 
+class TinyLossMLP(MLP):
+    """An MLP whose loss is 2^-16 of the MSE: under fp16 autocast its activation
+    gradients fall below fp16's normal range unless the loss scaler's factor seeds the
+    backward ([Note: scaled seeds] in rannc/amp.py)."""
+
+    def forward(self, x, y):
+        return super().forward(x, y) * 2.0 ** -16
+
+
 class Encoder(nn.Module):
     def __init__(self, d_model=16, heads=2, layers=2, classes=3):
         super().__init__()
@@ -158,8 +167,9 @@ def make(name, batch=4, seed=0):
     """Returns (model, args, kwargs) for a zoo entry at the given batch size."""
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
-    if name == "mlp":
-        return MLP(), (torch.randn(batch, 16, generator=g), torch.randn(batch, 4, generator=g)), {}
+    if name in ("mlp", "mlp_tiny_loss"):
+        model = MLP() if name == "mlp" else TinyLossMLP()
+        return model, (torch.randn(batch, 16, generator=g), torch.randn(batch, 4, generator=g)), {}
     if name == "resnet":
         return ResNet(), (torch.randn(batch, 3, 8, 8, generator=g),
                           torch.randint(0, 5, (batch,), generator=g)), {}
