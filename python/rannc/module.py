@@ -473,7 +473,7 @@ class RaNNCModule(torch.nn.Module):
         self.nccl = uses_nccl(self.device, self.options.data_plane)
         first = next(itertools.chain(model.parameters(), model.buffers()), None)
         self._home = first.device if first is not None else torch.device("cpu")
-        self.placement = StatePlacement(model, self._home, self.device)
+        self.placement = StatePlacement(model, self._home, self.device, optimizer)
         from . import planning
         self.profile_cache = planning.default_profile_cache()
         if self.options.profile_cache:

@@ -27,8 +27,10 @@ class StatePlacement:
     """The module's state tensors (parameters and buffers in trace order) and, per tensor,
     which ranks use it, which hold its current value, and whether this rank holds it."""
 
-    def __init__(self, module: torch.nn.Module, home: torch.device, device: torch.device):
+    def __init__(self, module: torch.nn.Module, home: torch.device, device: torch.device,
+                 optimizer: torch.optim.Optimizer | None = None):
         self.module, self.home, self.device = module, home, device
+        self.optimizer = optimizer  # its state moves with the parameters
         self._users = {}      # mode -> per state tensor, the ranks whose stage uses it
         self._freed = {}      # state tensor position -> its full shape, for tensors freed here
         self._stale = False   # trained since the ranks that only evaluate a tensor got it
@@ -152,6 +154,21 @@ class StatePlacement:
         for i, t in enumerate(self.tensors()):
             if i not in self._freed and t.device != self.device:
                 t.data = t.data.to(self.device)
+                self._place_optimizer_state(t)
+
+    def _place_optimizer_state(self, param: torch.Tensor):
+        """Optimizer state made before the first call (a loaded state_dict) follows its
+        parameter to the device, as torch's load_state_dict places it: `step` stays on the
+        CPU unless the group is fused or capturable."""
+        state = self.optimizer.state.get(param) if self.optimizer is not None else None
+        if not state:
+            return
+        group = next((g for g in self.optimizer.param_groups
+                      if any(p is param for p in g["params"])), {})
+        on_device = group.get("fused") or group.get("capturable")
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and (key != "step" or on_device):
+                state[key] = value.to(self.device)
 
 
 def _transfer(copies):

@@ -331,3 +331,21 @@ def test_gradients_flow_to_inputs_that_require_them(ranks, stages, micro, extra)
         assert f"OK rank {r}" in res.stdout, res.stdout[-4000:]
     if stages > 1:
         assert "a later stage takes an argument directly" in res.stdout, res.stdout[-3000:]
+
+
+def test_optimizer_state_made_before_the_first_call_follows_its_parameters():
+    """Stages on another device than the model (device=cuda with the model on the CPU):
+    optimizer state that exists before the first call (a loaded state_dict) moves with
+    its parameters, `step` staying on the CPU as torch keeps it (the meta device stands
+    in for a GPU here)."""
+    from rannc.placement import StatePlacement
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    placement = StatePlacement(model, torch.device("cpu"), torch.device("meta"), opt)
+    for p in model.parameters():  # what _place does after moving p (set_data to meta: no)
+        placement._place_optimizer_state(p)
+        assert opt.state[p]["exp_avg"].device.type == "meta"
+        assert opt.state[p]["exp_avg_sq"].device.type == "meta"
+        assert opt.state[p]["step"].device.type == "cpu"
