@@ -227,7 +227,9 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> Tr
     state = ModelState.of(model)
     notes: list[str] = []
     tensors2, batch2 = _second_batch(flat, batch)
-    with torch.random.fork_rng(devices=[]), recording_autocast(home.type):
+    # the user's random streams stay as they were, the model's GPU's too
+    cuda = [home.index if home.index is not None else torch.cuda.current_device()] if home.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda), recording_autocast(home.type):
         g1, ex1, out1 = _trace_once(model, state, flat, flat.tensors, notes)
         try:
             try:

@@ -102,7 +102,8 @@ class _FillDrainOutputs(torch.autograd.Function):
                 "only, and one backward takes the gradients of all its outputs. Make one loss "
                 "of the outputs you need and call backward once per forward.")
         deployed.fill_drain_backward_done = True
-        deployed.backward_from_outputs(grads)
+        with _autocast_off():  # a backward called under autocast: the casts are traced
+            deployed.backward_from_outputs(grads)
         like = next((g for g in grads if g is not None), None)
         computed = deployed.engine.input_grads
         input_grads = tuple(computed[vid].to(like.device if like is not None else deployed.out_device)
