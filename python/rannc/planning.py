@@ -241,6 +241,22 @@ def _device_spec(world_size, devices_per_node, device_memory):
     return device
 
 
+def profile_in_parallel(wanted: bool, device: str) -> bool:
+    """Whether the ranks share the profiling ([Note: parallel profiling]): where asked and
+    there are several, unless ranks share a GPU, where each would time its pieces against
+    the others' on the same device. Collective: every rank decides alike."""
+    if not wanted or _C.get_world_size() == 1:
+        return False
+    crowded = device.startswith("cuda") and _C.get_local_size() > max(1, torch.cuda.device_count())
+    from .transport import all_gather_objects
+    if not any(all_gather_objects(crowded)):
+        return True
+    if _C.get_rank() == 0:
+        _C.log_info("ranks share GPUs: rank 0 profiles alone, so that no measurement runs "
+                    "beside another on the same device")
+    return False
+
+
 def probe_bandwidth(fallback_inter: float) -> dict:
     """Link bandwidths from a ping-pong probe between ranks (collective), once per process.
     With one rank: intra-node = this host's memory-copy bandwidth, inter-node = fallback."""
@@ -269,7 +285,7 @@ def plan_graph(graph: TracedGraph, flat_inputs: list, opts: Options, *, world_si
         device.intra_node_bandwidth = bw["intra_node"]
         device.inter_node_bandwidth = bw["inter_node"]
     cache = profile_cache if profile_cache is not None else _DEFAULT_CACHE
-    parallel = opts.profile_parallel and _C.get_world_size() > 1
+    parallel = profile_in_parallel(opts.profile_parallel, profile_device(opts.profile_device))
     progress = opts.progress
     if progress is None:
         progress = sys.stderr.isatty() and _C.get_rank() == 0

@@ -349,3 +349,22 @@ def test_optimizer_state_made_before_the_first_call_follows_its_parameters():
         assert opt.state[p]["exp_avg"].device.type == "meta"
         assert opt.state[p]["exp_avg_sq"].device.type == "meta"
         assert opt.state[p]["step"].device.type == "cpu"
+
+
+@pytest.mark.parametrize("device, crowded_ranks, expected", [
+    ("cpu", [], True), ("cuda:0", [], True), ("cuda:0", [1], False), ("cpu", [1], False)])
+def test_ranks_that_share_a_gpu_do_not_profile_beside_each_other(monkeypatch, device, crowded_ranks,
+                                                                 expected):
+    """Parallel profiling spreads pieces over the ranks; where ranks share a GPU (here:
+    2 local ranks, 1 GPU, on this rank or another), their measurements would run side by
+    side on one device, so rank 0 profiles alone. All ranks decide alike (a gather)."""
+    from rannc import _C, planning, transport
+    monkeypatch.setattr(_C, "get_world_size", lambda: 2)
+    monkeypatch.setattr(_C, "get_local_size", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(transport, "all_gather_objects",
+                        lambda flag: [flag or r in crowded_ranks for r in range(2)])
+    assert planning.profile_in_parallel(True, device) is expected
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # this rank crowded too
+    assert planning.profile_in_parallel(True, device) is (not device.startswith("cuda") and expected)
+    assert planning.profile_in_parallel(False, device) is False
