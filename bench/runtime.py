@@ -3,6 +3,14 @@ pipeline on 2 CPU ranks against the plan's prediction and against one rank.
 
     python bench/runtime.py [--repeats 20]
     python bench/runtime.py --device cuda [--out DIR]   # one rank on the GPU only
+    python bench/runtime.py --bert-large [--device cpu|cuda] [--small] [--out DIR]
+
+--device cuda also runs the speed issue's BERT-large-like comparison (transformers
+BertForMaskedLM, 24 layers, hidden 1024, batch 16 x 128 tokens, Adam) in fp32 and under
+bf16 autocast: plain PyTorch, RaNNCModule on one rank, their ratio, rannc's prediction,
+and a torch.profiler summary of where rannc's extra time goes (the ops whose time grew
+most against eager), written to runtime_cuda_profile.txt. --bert-large runs only that
+part; with --small a 2-layer config (a smoke run of the same code on the CPU).
 
 
 Both parts alternate the measured variants in one run (the machine is shared and noisy:
@@ -75,6 +83,108 @@ def one_rank(repeats, device="cpu"):
     p, o = statistics.median(t_plain), statistics.median(t_ours)
     return dict(device=device, model=cfg, batch=rows, plain_step_s=p, rannc_step_s=o,
                 ratio=o / p)
+
+
+BERT_LARGE = dict(num_hidden_layers=24, hidden_size=1024, intermediate_size=4096, num_attention_heads=16)
+BERT_SMALL = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=2)
+BERT_BATCH, BERT_SEQ = 16, 128
+
+
+def bert_step(fn, opt, kwargs, precision):
+    """One training step of a transformers model (its output's .loss) under `precision`."""
+    device = kwargs["input_ids"].device
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+        loss = fn(**kwargs).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    sync()
+    return time.perf_counter() - start
+
+
+def _self_times(prof, device):
+    """op name -> self time in ms over the profiled steps (device time on a GPU)."""
+    out = {}
+    for e in prof.key_averages():
+        us = (getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+              if device == "cuda" else e.self_cpu_time_total)
+        out[e.key] = out.get(e.key, 0.0) + us / 1e3
+    return out
+
+
+def bert_large(device, precision, repeats, small=False, profile_steps=2):
+    """The BERT-large-like step, plain PyTorch against RaNNCModule (one stage), alternating,
+    and a torch.profiler comparison of the two. Returns (row, profile text)."""
+    import transformers as tf
+    from torch.profiler import ProfilerActivity, profile
+    tf.logging.set_verbosity_error()
+    cfg = tf.BertConfig(**(BERT_SMALL if small else BERT_LARGE), hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    plain = tf.BertForMaskedLM(cfg)
+    ours = copy.deepcopy(plain)
+    plain.to(device)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (BERT_BATCH, BERT_SEQ), generator=g).to(device)
+    kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids)
+    opt_plain = torch.optim.Adam(plain.parameters(), lr=1e-5)
+    opt_ours = torch.optim.Adam(ours.parameters(), lr=1e-5)
+    wrapped = rannc.RaNNCModule(ours, opt_ours, log_level="warn", device=device)
+    start = time.perf_counter()
+    bert_step(wrapped, opt_ours, kwargs, precision)
+    first = time.perf_counter() - start
+    for _ in range(3):
+        bert_step(plain, opt_plain, kwargs, precision)
+        bert_step(wrapped, opt_ours, kwargs, precision)
+    t_plain, t_ours = [], []
+    for _ in range(repeats):
+        t_plain.append(bert_step(plain, opt_plain, kwargs, precision))
+        t_ours.append(bert_step(wrapped, opt_ours, kwargs, precision))
+    p, o = statistics.median(t_plain), statistics.median(t_ours)
+    predicted = wrapped.deployments["train"].iteration_time
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    times = {}
+    for name, fn, opt in (("plain", plain, opt_plain), ("rannc", wrapped, opt_ours)):
+        with profile(activities=acts) as prof:
+            for _ in range(profile_steps):
+                bert_step(fn, opt, kwargs, precision)
+        times[name] = _self_times(prof, device)
+    grew = sorted(((times["rannc"].get(k, 0.0) - times["plain"].get(k, 0.0), k)
+                   for k in set(times["plain"]) | set(times["rannc"])), reverse=True)
+    clock = "device" if device == "cuda" else "CPU"
+    lines = [f"BERT-large-like ({'small' if small else '24 layers'}), {precision}, {device}: plain "
+             f"{p * 1e3:.1f} ms, rannc {o * 1e3:.1f} ms, ratio {o / p:.3f}, predicted {predicted * 1e3:.1f} ms",
+             f"self {clock} time over {profile_steps} steps: the ops that grew most under rannc (ms)",
+             f"{'op':<48} {'plain':>10} {'rannc':>10} {'extra':>10}"]
+    for extra, k in grew[:15]:
+        lines.append(f"{k[:48]:<48} {times['plain'].get(k, 0.0):>10.2f} {times['rannc'].get(k, 0.0):>10.2f} "
+                     f"{extra:>10.2f}")
+    total = {n: sum(t.values()) for n, t in times.items()}
+    lines.append(f"{'all ops':<48} {total['plain']:>10.2f} {total['rannc']:>10.2f} "
+                 f"{total['rannc'] - total['plain']:>10.2f}")
+    row = dict(model="bert_large_small" if small else "bert_large", precision=precision, device=device,
+               batch=BERT_BATCH, seq=BERT_SEQ, plain_step_s=p, rannc_step_s=o, ratio=o / p,
+               predicted_s=predicted, first_step_s=first)
+    return row, "\n".join(lines)
+
+
+def bert_large_report(device, repeats, small, out_dir):
+    """Both precisions; writes runtime_<device>_bert_large.json and the profile text."""
+    rows, texts = [], []
+    for precision in ("fp32", "bf16"):
+        row, text = bert_large(device, precision, repeats, small)
+        print(text, flush=True)
+        rows.append(row)
+        texts.append(text)
+    tag = f"{device}_bert_large" + ("_small" if small else "")
+    with open(os.path.join(out_dir, f"runtime_{tag}.json"), "w") as f:
+        json.dump({"rows": rows, "ratio": max(r["ratio"] for r in rows)}, f, indent=2)
+    with open(os.path.join(out_dir, f"runtime_{tag}_profile.txt"), "w") as f:
+        f.write("\n\n".join(texts) + "\n")
+    return rows
 
 
 def warmed_up_pipeline(stages):
@@ -154,10 +264,15 @@ def main():
                     help="cuda: only the one-rank comparison, on the GPU (goal: within 3%%)")
     ap.add_argument("--out", default=os.path.join(HERE, "results"), help="folder of the json")
     ap.add_argument("--worker", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--bert-large", action="store_true", help="only the BERT-large-like comparison")
+    ap.add_argument("--small", action="store_true", help="a 2-layer BERT (a smoke run)")
     a = ap.parse_args()
     torch.set_num_threads(1)
     if a.worker:
         return worker(a.repeats, a.worker)
+    if a.bert_large:
+        bert_large_report(a.device, a.repeats, a.small, a.out)
+        return
     if a.device == "cuda":
         single = one_rank(a.repeats, "cuda")
         print(f"one rank on {torch.cuda.get_device_name()}: PyTorch "
@@ -167,6 +282,7 @@ def main():
         with open(out, "w") as f:
             json.dump(dict(single, gpu=torch.cuda.get_device_name()), f, indent=2)
         print(f"wrote {out}")
+        bert_large_report("cuda", min(a.repeats, 10), False, a.out)
         return
     single = one_rank(a.repeats)
     print(f"one rank: PyTorch {single['plain_step_s'] * 1e3:.1f} ms, RaNNCModule "

@@ -17,7 +17,8 @@
 # then the parts, in this order:
 #   tests   python3 -m pytest -v tests/gpu
 #   hf      python3 -m pytest -v tests/python -k "hf or transformers"  ("none" if no test matches)
-#   bench   python3 bench/runtime.py --device cuda --out $OUT
+#   bench   python3 bench/runtime.py --device cuda --out $OUT  (the GPT, then the speed
+#           issue's BERT-large-like model in fp32 and bf16 with a torch.profiler summary)
 #   plans   python3 bench/plan_time.py --device cuda --skip-whole (plans in seconds)
 #   table   python3 bench/profile_vs_stage.py --device cuda $RANNC_GPU_TABLE_ARGS
 # Each part runs under `timeout` in a session of its own (what it leaves running is
@@ -151,7 +152,7 @@ PER_TEST=""
 python3 -c "import pytest_timeout" 2>/dev/null && PER_TEST="--timeout=150"
 part tests 420 "python3 -m pytest -v -rA $PER_TEST --durations=10 tests/gpu"
 part hf 240 "python3 -m pytest -v -rA $PER_TEST tests/python -k 'hf or transformers'"
-part bench 240 "python3 bench/runtime.py --device cuda --out '$OUT'"
+part bench 360 "python3 bench/runtime.py --device cuda --out '$OUT'"
 stamp="$(mktemp)"
 part plans 240 "python3 bench/plan_time.py --device cuda --skip-whole"
 part table 600 "python3 bench/profile_vs_stage.py --device cuda ${RANNC_GPU_TABLE_ARGS:-}"
