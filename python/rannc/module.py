@@ -380,11 +380,14 @@ class _Deployed:
                 tensors.append(batch_outputs[vid].to(self.out_device))
             elif v.batch_dependent and v.kind == "Tensor" and v.shape == []:
                 # a mean over the rows of each micro-batch share: weight by rows
-                total = torch.zeros((), dtype=torch.float64)
-                for m, outs in produced.items():
-                    if vid in outs:
-                        rows = layout.share(engine.producer_of(vid), engine.copy, m, engine.replica)
-                        total += outs[vid].detach().double().cpu() * len(rows) / layout.global_batch
+                # summed where the stage computed it, then one copy to the host (a GPU
+                # would stall once per micro-batch on a .cpu() each)
+                parts = [outs[vid].detach().double()
+                         * (len(layout.share(engine.producer_of(vid), engine.copy, m, engine.replica))
+                            / layout.global_batch)
+                         for m, outs in produced.items() if vid in outs]
+                total = (torch.stack(parts).sum().cpu() if parts
+                         else torch.zeros((), dtype=torch.float64))
                 if comm.size > 1:
                     comm.all_reduce(total).wait()
                 value = total.to(self.out_device, _dtype(v))
