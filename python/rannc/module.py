@@ -222,8 +222,11 @@ class _Deployed:
                         "the plan's times are estimates from shapes")
         # Profiled where the stages will run.
         where = str(self.owner.device)
+        # The probe times MPI through host memory: the link of CPU stages and of GPUs that
+        # talk over MPI, not NCCL's (NVLink, InfiniBand): there the DeviceSpec figures stand.
         plan_opts = dataclasses.replace(opts, training=training, schedule=self.schedule,
                                         profile_device=where,
+                                        probe_bandwidth=opts.probe_bandwidth and not self.owner.nccl,
                                         cost_model="profile" if profiled else "analytic")
         device = _C.DeviceSpec()
         device.memory_bytes = opts.device_memory or device_memory_default(self.owner.device)
