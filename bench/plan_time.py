@@ -5,7 +5,9 @@ simulated iteration time. The table the plans-in-seconds work is measured by.
     OMP_NUM_THREADS=1 python bench/plan_time.py [--models gpt2,bert] [--seq 64] [--batch 8]
         [--plan-batch 1] [--layers 12] [--blocks 8] [--device cpu|cuda] [--skip-whole]
 
-Models: BERT-base-sized and GPT-2-small-sized (bench/profile_bench.py builds them).
+Models: BERT-base-sized and GPT-2-small-sized (bench/profile_bench.py builds them), and
+bert_large (24 layers, hidden 1024: the issue's GPU cases, with --world 32 --device-memory
+80GiB --seq 128 --batch 16 on a GPU; --layers does not apply to it).
   first step   one rank, local batch --batch, each case in a fresh process (what a user
                waits for, page faults and all): plain PyTorch's first step (forward,
                backward, Adam) and RaNNCModule(num_stages=1)'s first call (trace, plan,
@@ -97,7 +99,7 @@ def first_steps(name, a):
 
 def plans(name, a):
     model, args, _ = build(name, a.seq, a.plan_batch, a.layers, a.device)
-    opts = dict(world_size=8, devices_per_node=8, device_memory="16GiB", num_blocks=a.blocks)
+    opts = dict(world_size=a.world, devices_per_node=8, device_memory=a.device_memory, num_blocks=a.blocks)
     out = {}
     cache = rannc.ProfileCache()
     runs = [("cold", cache, {}), ("cached", cache, {})]
@@ -125,6 +127,8 @@ def main():
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--plan-batch", type=int, default=1, help="rows per device of the 8-device plans")
     ap.add_argument("--blocks", type=int, default=8)
+    ap.add_argument("--world", type=int, default=8, help="devices of the plans (8 per node)")
+    ap.add_argument("--device-memory", default="16GiB", help="memory per device of the plans")
     ap.add_argument("--skip-whole", action="store_true", help="no plan measured the old way")
     ap.add_argument("--report-only", action="store_true", help="rewrite the table from the json")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -137,7 +141,7 @@ def main():
         return
     rows = []
     for name in ([] if a.report_only else a.models.split(",")):
-        row = {"model": name, "layers": a.layers, "seq": a.seq, "batch": a.batch}
+        row = {"model": name, "layers": a.layers, "seq": a.seq, "batch": a.batch, "world": a.world}
         row.update(first_steps(name, a))
         if not a.skip_plans:
             row.update(plans(name, a))
@@ -158,7 +162,7 @@ def main():
     with open(base + ".md", "w") as f:
         f.write(f"# Plan time ({a.device}, torch {torch.__version__}; `bench/plan_time.py`)\n\n")
         f.write("| model | first step plain s | rannc 1 stage s | extra / fwd+bwd | 1 stage profiled s "
-                "| plan 8 dev cold s | cached s | whole s (before) | iteration ms cold / cached / whole "
+                "| plan cold s | cached s | whole s (before) | iteration ms cold / cached / whole "
                 "| same plan |\n|---|---|---|---|---|---|---|---|---|---|\n")
         for r in rows:
             if "plan_cold_s" in r:
@@ -171,7 +175,8 @@ def main():
             else:
                 plan = "- | - | - | - | - |"
             extra = "-" if "extra_over_fwd_bwd" not in r else f"{r['extra_over_fwd_bwd']:.2f}"
-            f.write(f"| {r['model']} {r['layers']}L seq {r['seq']} | {r['plain_s']:.2f} | "
+            f.write(f"| {r['model']} {24 if r['model'] == 'bert_large' else r['layers']}L seq {r['seq']}, "
+                    f"{r.get('world', 8)} dev | {r['plain_s']:.2f} | "
                     f"{r['rannc_s']:.2f} | {extra} | {r['rannc_profiled_s']:.1f} | {plan}\n")
         f.write("\nTime split of the cold plans (tracing / profiling / search, s; pieces measured, "
                 "records fitted, unions composed):\n\n")

@@ -25,7 +25,7 @@
 # killed); a failing part does not stop the others. All of it fits RANNC_GPU_BUDGET
 # seconds (default 570; the device tool stops a command at 600): a part gets at most its
 # own limit and what is left, and is skipped when less than 30 s is left.
-#   RANNC_GPU_PARTS="tests hf bench plans table" (default: all)
+#   RANNC_GPU_PARTS="tests hf bench plans plans_large table" (default: all)
 # Exits non-zero when a part failed or was skipped; prints summary.txt last.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -39,7 +39,7 @@ BUILD_LOG="$OUT/build.log"
 : > "$LOG"
 : > "$BUILD_LOG"
 BUDGET="${RANNC_GPU_BUDGET:-570}"
-PARTS=" ${RANNC_GPU_PARTS:-tests hf bench plans table} "
+PARTS=" ${RANNC_GPU_PARTS:-tests hf bench plans plans_large table} "
 failed=0
 
 note() { echo "$*" | tee -a "$SUMMARY"; }
@@ -145,7 +145,7 @@ part() {  # part NAME LIMIT_S COMMAND
 }
 # tests/gpu has 27 cases of mpirun runs (schedules and mixed precision added in session
 # 14): the part may take the rest of a first call; run the others in a second call
-# (RANNC_GPU_PARTS="hf bench plans table", the built _C*.so carried from $OUT).
+# (RANNC_GPU_PARTS="hf bench plans plans_large table", the built _C*.so carried from $OUT).
 # Each test's name as it runs (-v) and a per-test limit where pytest-timeout is there, so
 # a part cut off by its own limit still says which tests passed and which one hung.
 PER_TEST=""
@@ -155,6 +155,8 @@ part hf 240 "python3 -m pytest -v -rA $PER_TEST tests/python -k 'hf or transform
 part bench 360 "python3 bench/runtime.py --device cuda --out '$OUT'"
 stamp="$(mktemp)"
 part plans 240 "python3 bench/plan_time.py --device cuda --skip-whole"
+# the plans-in-seconds issue's GPU cases: BERT-large's first step, its plan for 32 devices
+part plans_large 300 "python3 bench/plan_time.py --device cuda --skip-whole --models bert_large --seq 128 --batch 16 --world 32 --device-memory 80GiB"
 part table 600 "python3 bench/profile_vs_stage.py --device cuda ${RANNC_GPU_TABLE_ARGS:-}"
 find bench/results -maxdepth 1 \( -name 'profile_vs_stage_*' -o -name 'plan_time_cuda*' \) -newer "$stamp" \
   -exec cp {} "$OUT/" \;
