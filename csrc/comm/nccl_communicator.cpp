@@ -176,6 +176,7 @@ class NcclCommunicator : public Communicator {
       handle_->abort();  // [Note: NCCL abort]
     } else {
       ncclCommDestroy(handle_->comm);
+      handle_->comm = nullptr;  // a work that outlives this must not reach it
     }
   }
 
