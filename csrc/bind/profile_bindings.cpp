@@ -117,6 +117,8 @@ void bindProfiler(py::module& m) {
       .def_readwrite("time_budget", &profile::ProfilerOptions::time_budget)
       .def_readwrite("memory_limit", &profile::ProfilerOptions::memory_limit)
       .def_readwrite("fake_timer", &profile::ProfilerOptions::fake_timer)
+      .def_readwrite("fake_noise", &profile::ProfilerOptions::fake_noise)
+      .def_readwrite("fake_seed", &profile::ProfilerOptions::fake_seed)
       .def_readwrite("device", &profile::ProfilerOptions::device)
       .def_readwrite("forward_only", &profile::ProfilerOptions::forward_only)
       .def_readwrite("measure_weight_part", &profile::ProfilerOptions::measure_weight_part)

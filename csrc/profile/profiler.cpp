@@ -9,6 +9,8 @@
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include "common/error.h"
+#include "common/hash.h"
+#include "ir/subgraph.h"
 #include "frontend/interpreter.h"
 #include "frontend/placement.h"
 #include "frontend/split_backward.h"
@@ -103,6 +105,18 @@ ProfileRecord Profiler::measure(const ir::Subgraph& piece, int64_t rows, bool re
   }
   if (options_.fake_timer) {
     ProfileRecord fake = fakeTimes(piece, rows, recompute);
+    if (options_.fake_noise > 0.0) {
+      const uint64_t h = Fnv1a()
+                             .u64(options_.fake_seed)
+                             .u64(ir::contentHash(model_->graph, piece))
+                             .i64(rows)
+                             .u64(fake_draws_++)
+                             .digest();
+      const double u = static_cast<double>(h % 1000003) / 1000002.0;  // [0, 1]
+      const double factor = 1.0 + options_.fake_noise * (2.0 * u - 1.0);
+      fake.forward_time *= factor;
+      fake.backward_time *= factor;
+    }
     r.forward_time = fake.forward_time;
     r.backward_time = fake.backward_time;
     // A deterministic weight part where one was measured: half the backward ([Note: weight

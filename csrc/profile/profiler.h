@@ -37,6 +37,12 @@ struct ProfilerOptions {
   // Deterministic times computed from the piece's shapes instead of the clock (tests of
   // parallel profiling compare plans that must not depend on timing noise).
   bool fake_timer = false;
+  // With fake_timer: each measurement's times scaled by a factor drawn anew in
+  // [1 - fake_noise, 1 + fake_noise] from (fake_seed, the piece, its rows, how many
+  // measurements came before), so that tests see the run-to-run noise of a real clock
+  // reproducibly (a second plan from the cache must not measure what the first did).
+  double fake_noise = 0.0;
+  uint64_t fake_seed = 0;
   // Where pieces run: "cpu", "cuda" (the current CUDA device) or "cuda:N".
   std::string device = "cpu";
   // The clock of CPU measurements ([Note: CPU clock] in device_meter.h).
@@ -84,6 +90,7 @@ class Profiler {
   ProfileRecord measureOnce(DeviceMeter& meter, const ir::Subgraph& piece, int64_t rows,
                             bool recompute, int runs);
   ProfileRecord fakeTimes(const ir::Subgraph& piece, int64_t rows, bool recompute) const;
+  uint64_t fake_draws_ = 0;  // measurements drawn noise for (options_.fake_noise)
   // "the piece of N tasks from task a (op, module, source) to task b (...)", for errors.
   std::string describePiece(const ir::Subgraph& piece) const;
 

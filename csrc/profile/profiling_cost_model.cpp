@@ -141,14 +141,18 @@ partition::PieceCost ProfilingCostModel::computeCost(const ir::Subgraph& piece, 
 ProfileRecord ProfilingCostModel::partRecord(const std::vector<ir::TaskId>& tasks, int64_t rows) {
   const ir::Subgraph piece = pieceOf(tasks);
   const ProfileKey k = key(piece, rows, false);
-  if (auto hit = known(k)) {
-    traceRecord("part known", k, piece.tasks.size(), *hit);
-    return *hit;
-  }
+  // A composition made before wins over a measurement: the measurement may have come
+  // later (a coarsening group that became a block), and a second plan, which finds it in
+  // the cache from the start, must answer as the first did. A piece announced to be
+  // measured as itself (prefetch) drops its composition, in both plans at the same point.
   auto it = composed_.find(k);
   if (it != composed_.end()) {
     traceRecord("part composed", k, piece.tasks.size(), it->second);
     return it->second;
+  }
+  if (auto hit = known(k)) {
+    traceRecord("part known", k, piece.tasks.size(), *hit);
+    return *hit;
   }
   return record(piece, rows, false);
 }
@@ -182,6 +186,7 @@ void ProfilingCostModel::prefetch(const std::vector<std::vector<ir::TaskId>>& pi
     ProfileKey k = key(piece, rows, false);
     if (seen.count(k)) continue;
     seen.emplace(k, true);
+    composed_.erase(k);  // measured as itself from now on (see partRecord)
     if (!known(k)) todo.push_back(piece);
     distinct.push_back(std::move(piece));
   }

@@ -61,8 +61,11 @@ class ProfilingCostModel : public partition::CostModel {
   // composition on, a union costs the sum of its parts' measurements: times add, what the
   // forward holds adds, and the peak is the largest of (held by the parts before + a
   // part's own peak), the backward running while the earlier parts still hold theirs.
-  // Parts come from the cache of measurements (or fitted records) first, then from
-  // earlier compositions (coarsening's groups), and are measured otherwise. A union is
+  // Parts come from earlier compositions (coarsening's groups) first, then from the cache
+  // of measurements (or fitted records), and are measured otherwise; a piece announced
+  // for measurement as itself (prefetch: atoms, blocks) drops its composition there, so a
+  // group that later becomes a block costs the same in a second plan, which finds the
+  // block's measurement in the cache from the start (tested under a noisy fake clock). A union is
   // composed even where the cache holds it measured whole, so that a second plan from
   // the cache costs it as the first did. Atoms and blocks are measured as themselves, and
   // the finalists' stages whole ([Note: verified finalists] in partition/planner.cpp).

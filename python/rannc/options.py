@@ -113,6 +113,9 @@ class Options:
     compose_costs: bool = _option(True, "a range of blocks costs the sum of its parts' measurements "
                                   "instead of being measured whole")
     profile_fake_timer: bool = _option(False, "deterministic times from shapes (tests)")
+    profile_fake_noise: float = _option(0.0, "with profile_fake_timer: each measurement scaled by a "
+                                        "reproducible draw in 1 +- this (tests of noisy clocks)")
+    profile_fake_seed: int = _option(0, "the seed of profile_fake_noise's draws")
     probe_bandwidth: bool = _option(True, "measure link bandwidth between ranks (else DeviceSpec defaults)")
     progress: bool | None = _option(None, "show profiling progress (None: when stderr is a terminal)",
                                     convert=_optional(_bool))
@@ -216,6 +219,8 @@ class Options:
         p.time_budget = self.profile_time_budget
         p.memory_limit = int(memory_limit)
         p.fake_timer = self.profile_fake_timer
+        p.fake_noise = self.profile_fake_noise
+        p.fake_seed = self.profile_fake_seed
         p.device = str(device)
         p.cpu_clock = self.profile_cpu_clock
         p.forward_only = not self.training
