@@ -37,7 +37,7 @@ sys.path[:0] = [os.path.join(ROOT, "python"), os.path.join(ROOT, "examples"), HE
 import torch  # noqa: E402
 
 import rannc  # noqa: E402
-from profile_bench import build  # noqa: E402
+from profile_bench import FIXED_LAYERS, build  # noqa: E402
 from rannc import module as rannc_module  # noqa: E402
 
 
@@ -141,7 +141,8 @@ def main():
         return
     rows = []
     for name in ([] if a.report_only else a.models.split(",")):
-        row = {"model": name, "layers": a.layers, "seq": a.seq, "batch": a.batch, "world": a.world}
+        row = {"model": name, "layers": FIXED_LAYERS.get(name, a.layers), "seq": a.seq, "batch": a.batch,
+               "world": a.world}
         row.update(first_steps(name, a))
         if not a.skip_plans:
             row.update(plans(name, a))
@@ -175,7 +176,7 @@ def main():
             else:
                 plan = "- | - | - | - | - |"
             extra = "-" if "extra_over_fwd_bwd" not in r else f"{r['extra_over_fwd_bwd']:.2f}"
-            f.write(f"| {r['model']} {24 if r['model'] == 'bert_large' else r['layers']}L seq {r['seq']}, "
+            f.write(f"| {r['model']} {r['layers']}L seq {r['seq']}, "
                     f"{r.get('world', 8)} dev | {r['plain_s']:.2f} | "
                     f"{r['rannc_s']:.2f} | {extra} | {r['rannc_profiled_s']:.1f} | {plan}\n")
         f.write("\nTime split of the cold plans (tracing / profiling / search, s; pieces measured, "

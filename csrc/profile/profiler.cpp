@@ -10,10 +10,10 @@
 
 #include "common/error.h"
 #include "common/hash.h"
-#include "ir/subgraph.h"
 #include "frontend/interpreter.h"
 #include "frontend/placement.h"
 #include "frontend/split_backward.h"
+#include "ir/subgraph.h"
 #include "partition/cost/cost_model.h"
 #include "profile/device_meter.h"
 

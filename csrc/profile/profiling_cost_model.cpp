@@ -275,16 +275,18 @@ std::vector<ir::Subgraph> ProfilingCostModel::fitRows(const std::vector<ir::Subg
   const std::pair<int64_t, int64_t> line{min_rows_, check->hi_rows};
   const bool held = checked_lines_.count(line) > 0;
   const ProfileKey check_key = key(*check->piece, rows, false);
-  if (!held && !cache_->find(check_key)) {
-    if (!may_measure) return todo;
-    measureBatch({*check->piece}, rows);
+  double error = 0.0;
+  if (!held) {
+    if (!cache_->find(check_key)) {
+      if (!may_measure) return todo;
+      measureBatch({*check->piece}, rows);
+    }
+    const auto got = cache_->find(check_key);
+    const ProfileRecord predicted = interpolateRecords(check->lo, min_rows_, check->hi, check->hi_rows, rows);
+    error = got && total(*got) > 0.0 ? std::abs(total(predicted) - total(*got)) / total(*got)
+                                     : std::numeric_limits<double>::infinity();
+    if (error <= fit_tolerance_) checked_lines_.insert(line);
   }
-  const auto got = held ? std::nullopt : cache_->find(check_key);
-  const ProfileRecord predicted = interpolateRecords(check->lo, min_rows_, check->hi, check->hi_rows, rows);
-  const double error = held ? 0.0
-                       : got && total(*got) > 0.0 ? std::abs(total(predicted) - total(*got)) / total(*got)
-                                                  : std::numeric_limits<double>::infinity();
-  if (!held && error <= fit_tolerance_) checked_lines_.insert(line);
   std::vector<ir::Subgraph> rest;
   int64_t fitted = 0;
   for (const auto& piece : todo) {

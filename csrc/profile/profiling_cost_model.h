@@ -112,7 +112,7 @@ class ProfilingCostModel : public partition::CostModel {
   std::vector<ir::Subgraph> fitRows(const std::vector<ir::Subgraph>& pieces, int64_t rows, bool may_measure);
   // A measured or fitted record.
   std::optional<ProfileRecord> known(const ProfileKey& k) const;
-  // A part of a union: measured, composed before, or measured now.
+  // A part of a union: composed before, measured, or measured now.
   ProfileRecord partRecord(const std::vector<ir::TaskId>& tasks, int64_t rows);
 
   std::shared_ptr<const frontend::TracedModel> model_;

@@ -31,16 +31,16 @@ import torch
 
 from . import _C
 
+# The rannc.GradScalers alive, oldest first (a dict keeps insertion order; one collected
+# leaves it, and a new one that reuses its id goes to the end).
 _SCALERS: "weakref.WeakValueDictionary[int, GradScaler]" = weakref.WeakValueDictionary()
-_NEXT = [0]
 
 
 def forward_loss_scale() -> float:
     """The factor a training forward seeds its backward with ([Note: scaled seeds]): the
     scale of the newest enabled rannc.GradScaler alive, else 1."""
-    for key in sorted(_SCALERS.keys(), reverse=True):
-        scaler = _SCALERS.get(key)
-        if scaler is not None and scaler.is_enabled():
+    for scaler in reversed(list(_SCALERS.values())):
+        if scaler.is_enabled():
             return float(scaler.get_scale())
     return 1.0
 
@@ -53,8 +53,7 @@ class GradScaler(torch.amp.GradScaler):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        _NEXT[0] += 1
-        _SCALERS[_NEXT[0]] = self
+        _SCALERS[id(self)] = self
 
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
         per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)

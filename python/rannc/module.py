@@ -27,6 +27,7 @@ import torch
 from . import _C, failure, full_state
 from .graph import TracedGraph
 from ._trace import autocast_dtype
+from .amp import forward_loss_scale
 from .options import PRECISIONS, Options
 from .pipeline import Engine
 from .optimizer_share import OptimizerShare
@@ -275,8 +276,7 @@ class _Deployed:
             return self._outputs(produced, batch_outputs, "fill_drain")
         train = training and self.engine.loss_vid is not None
         if train:
-            from .amp import forward_loss_scale  # [Note: scaled seeds] in amp.py
-            self.loss_scale = forward_loss_scale()
+            self.loss_scale = forward_loss_scale()  # [Note: scaled seeds] in amp.py
             produced, batch_outputs = self.engine.step(local, True, self.loss_scale)
         else:
             produced, batch_outputs = self.engine.step(local, False)
