@@ -772,9 +772,11 @@ class IrBuilder {
       Node* main = group.mainNode();
       model_->graph.addTask(op, std::move(ins), std::move(outs), modulePath(main), sourceLocation(main));
       model_->task_nodes.push_back(main);
-      model_->operations.push_back(group.nodes.size() == 1
-                                       ? resolveOperation(group.nodes[0], module_classes_)
-                                       : fuseOperations(group, module_classes_));
+      // A task reads each value once (x * x has one input), so a node that reads a value
+      // twice runs through slots like a fused group, which hand it every argument.
+      const bool alone = group.nodes.size() == 1 && group.inputs.size() == group.nodes[0]->inputs().size();
+      model_->operations.push_back(alone ? resolveOperation(group.nodes[0], module_classes_)
+                                         : fuseOperations(group, module_classes_));
     }
   }
 

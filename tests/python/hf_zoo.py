@@ -1,5 +1,5 @@
 """Hugging Face transformers models with small configs and random weights, as a user
-would build them (no weights are downloaded): BERT, GPT-2, Llama, T5 and ViT.
+would build them (no weights are downloaded): BERT, GPT-2, Llama, T5, ViT and Swin.
 
     model, args, kwargs = hf_zoo.make("hf_gpt2", batch=4)
 """
@@ -53,7 +53,14 @@ def make(name, batch=4, seed=0):
         return tf.ViTForImageClassification(cfg), (), {
             "pixel_values": torch.randn(batch, 3, 16, 16, generator=g),
             "labels": torch.randint(0, 5, (batch,), generator=g)}
+    if name == "hf_swin":  # shifted windows: masks and relative positions from index ops
+        cfg = tf.SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[2, 1],
+                            num_heads=[2, 2], window_size=4, num_labels=5, drop_path_rate=0.0,
+                            **small)
+        return tf.SwinForImageClassification(cfg), (), {
+            "pixel_values": torch.randn(batch, 3, 32, 32, generator=g),
+            "labels": torch.randint(0, 5, (batch,), generator=g)}
     raise KeyError(name)
 
 
-NAMES = ["hf_bert", "hf_gpt2", "hf_llama", "hf_t5", "hf_vit"]
+NAMES = ["hf_bert", "hf_gpt2", "hf_llama", "hf_t5", "hf_vit", "hf_swin"]

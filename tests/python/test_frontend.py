@@ -92,6 +92,35 @@ def test_split_graph_equals_model(zoo_entry, k):
                     run(reference, reference, args_b, kwargs_b))
 
 
+class ReadsTwice(nn.Module):
+    """Ops that take one value as two of their arguments: x * x, add(x, x), a square
+    matmul with itself, and where(m, x, x) (once they failed: a task reads each value
+    once, and the op popped an argument that was never pushed)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x):
+        h = self.lin(x)
+        sq = h * h + torch.add(h, h)
+        gram = torch.matmul(h.unsqueeze(2), h.unsqueeze(1))  # [b, 6, 6]
+        pick = torch.where(h > 0, sq, sq)
+        return pick.sum(1) + torch.matmul(gram, gram).sum((1, 2))
+
+
+@pytest.mark.parametrize("batch", [4, 3])
+def test_an_op_that_reads_one_value_twice_runs_like_the_model(batch):
+    torch.manual_seed(0)
+    model = ReadsTwice()
+    reference = copy.deepcopy(model)
+    g = rannc.trace(model, (torch.randn(4, 6),))
+    x = torch.randn(batch, 6)
+    assert_same(run(g, model, (x,), {}), run(reference, reference, (x,), {}))
+    split = g.split(2)
+    assert_same(run(split, model, (x,), {}), run(reference, reference, (x,), {}))
+
+
 def test_tracing_leaves_model_and_rng_untouched():
     model, args, kwargs = zoo.make("resnet")
     before = copy.deepcopy(model.state_dict())
