@@ -185,8 +185,9 @@ void checkSameProgram(const TraceExample& a, const TraceExample& b,
         } else {
           os << "the traced program depends on the input values: " << describeNodeIn(user, classes)
              << " uses a constant that was " << printConstant(cx) << " in one trace and "
-             << printConstant(cy) << " in another (a tensor turned into a Python number, or "
-             << "control flow on tensor data?).";
+             << printConstant(cy) << " in another (a tensor turned into a Python number, "
+             << "control flow on tensor data, or a tensor made outside torch's ops, such as a "
+             << "mask drawn with numpy's random numbers?).";
         }
         throw TraceError(os.str());
       }
@@ -234,7 +235,12 @@ torch::jit::Operation resolveOperation(Node* node,
         c10::IValue list = std::move(stack.back());
         stack.pop_back();
         auto items = list.toListRef();
-        RANNC_CHECK(items.size() == nout, "list of " << items.size() << " unpacked into " << nout);
+        // The trace unrolled a Python loop or unpacking over the list: its length is fixed.
+        TORCH_CHECK(items.size() == nout, "it unpacks ", items.size(), " values where the trace unpacked ",
+                    nout, ": the model unpacks or loops over a tensor whose length depends on the data ",
+                    "(for i in x.nonzero(): ...) or on the batch size, which a trace fixes at its length ",
+                    "when traced; compute it with tensor ops of fixed shape (transformers' mixture-of-experts ",
+                    "models: experts_implementation=\"batched_mm\" or \"grouped_mm\")");
         stack.insert(stack.end(), items.begin(), items.end());
       });
     case c10::prim::TupleConstruct:
@@ -888,13 +894,52 @@ int64_t disagreesWithTrace(const Observed& at1, const std::vector<const torch::j
   return -1;
 }
 
+// [Note: in-place writes] An op that writes into a value (x += b, relu_, copy_ into a
+// slice) must run after every op that reads the value before it and must not find it cut
+// from its producer: a stage's received value is a leaf that requires grad, which no op
+// may write into, and a value sent to a later stage would carry the write to readers that
+// ran before it. The IR has no edge for that order, so the written value, and the base of
+// a view written through, are glued: their producer and all their readers become one task,
+// which runs its nodes in the traced order. Values made outside the graph's nodes (inputs,
+// parameters, buffers such as batch norm's counter) stay as they are.
+std::unordered_set<const JitValue*> writtenValues(const torch::jit::Graph& graph) {
+  std::unordered_set<const JitValue*> written;
+  auto madeByNode = [](const JitValue* v) {
+    return v->node()->kind() != c10::prim::Param && v->type()->kind() == c10::TypeKind::TensorType;
+  };
+  for (const Node* node : graph.nodes()) {
+    const c10::FunctionSchema* schema = node->maybeSchema();
+    if (schema == nullptr || !schema->is_mutable()) continue;
+    const auto& args = schema->arguments();
+    for (size_t i = 0; i < args.size() && i < node->inputs().size(); ++i) {
+      if (args[i].alias_info() == nullptr || !args[i].alias_info()->isWrite()) continue;
+      // The written value and, through views (slice, select, view), the values they alias.
+      for (const JitValue* v = node->inputs()[i]; v != nullptr && madeByNode(v) && written.insert(v).second;) {
+        const Node* producer = v->node();
+        const c10::FunctionSchema* ps = producer->maybeSchema();
+        v = nullptr;
+        if (ps == nullptr || ps->returns().empty() || ps->returns()[0].alias_info() == nullptr) break;
+        const c10::AliasInfo& out = *ps->returns()[0].alias_info();
+        for (size_t k = 0; k < ps->arguments().size() && k < producer->inputs().size(); ++k) {
+          const c10::AliasInfo* in = ps->arguments()[k].alias_info();
+          if (in != nullptr && !out.isWrite() && in->beforeSets() == out.beforeSets()) {
+            v = producer->inputs()[k];
+            break;
+          }
+        }
+      }
+    }
+  }
+  return written;
+}
+
 // Shapes and dtypes as the graph really computes them, at both batch sizes; values whose
 // rows cannot be cut apart are glued inside tasks and the IR is built again (at most five
 // times).
 std::shared_ptr<TracedModel> buildGluedModel(IrBuilder& builder, const TraceExample& first,
                                              const TraceExample& second,
                                              const std::vector<GraphInput>& roles) {
-  std::unordered_set<const JitValue*> glue;
+  std::unordered_set<const JitValue*> glue = writtenValues(*first.graph);
   std::shared_ptr<TracedModel> model;
   // The first attempt's observations: gluing only hides values inside tasks, so a later
   // attempt reads its values from these instead of running the graph twice again (BERT:

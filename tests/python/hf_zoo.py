@@ -1,5 +1,5 @@
 """Hugging Face transformers models with small configs and random weights, as a user
-would build them (no weights are downloaded): BERT, GPT-2, Llama, T5, ViT and Swin.
+would build them (no weights are downloaded): BERT, GPT-2, Llama, T5, ViT, Swin and ConvBERT.
 
     model, args, kwargs = hf_zoo.make("hf_gpt2", batch=4)
 """
@@ -60,7 +60,13 @@ def make(name, batch=4, seed=0):
         return tf.SwinForImageClassification(cfg), (), {
             "pixel_values": torch.randn(batch, 3, 32, 32, generator=g),
             "labels": torch.randint(0, 5, (batch,), generator=g)}
+    if name == "hf_convbert":  # x += self.bias after a convolution: a write into a fresh value
+        cfg = tf.ConvBertConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64,
+                                num_attention_heads=4, embedding_size=32, vocab_size=VOCAB,
+                                max_position_embeddings=32, **small)
+        return tf.ConvBertForMaskedLM(cfg), (), {
+            "input_ids": _lm_batch(batch, g), "labels": _lm_batch(batch, g)}
     raise KeyError(name)
 
 
-NAMES = ["hf_bert", "hf_gpt2", "hf_llama", "hf_t5", "hf_vit", "hf_swin"]
+NAMES = ["hf_bert", "hf_gpt2", "hf_llama", "hf_t5", "hf_vit", "hf_swin", "hf_convbert"]

@@ -121,6 +121,69 @@ def test_an_op_that_reads_one_value_twice_runs_like_the_model(batch):
     assert_same(run(split, model, (x,), {}), run(reference, reference, (x,), {}))
 
 
+class WritesInPlace(nn.Module):
+    """In-place writes as models make them: a bias added into a fresh result (ConvBERT,
+    MobileBERT), an in-place ReLU, a value read before it is written, and a copy into a
+    slice of a zeros buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(8, 4)
+        self.bias = nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        h = self.a(x)
+        h += self.bias
+        before = h * 2          # reads h before the write below
+        torch.relu_(h)
+        out = h.new_zeros(h.size(0), 8)
+        out[:, 4:] = before
+        out[:, :4] = h
+        return self.b(out).sum(1)
+
+
+def test_a_value_written_in_place_never_leaves_the_task_of_its_producer_and_readers():
+    """[Note: in-place writes] in csrc/frontend/convert.cpp: a stage would receive the value
+    as a leaf that requires grad, which no op may write into, and readers before the write
+    could be ordered after it."""
+    torch.manual_seed(0)
+    model = WritesInPlace()
+    reference = copy.deepcopy(model)
+    g = rannc.trace(model, (torch.randn(4, 4),))
+    ops = [g.ir.task(t).op for t in range(g.ir.num_tasks)]
+    written = [op for op in ops if any(p in ("aten::add_", "aten::relu_", "aten::copy_")
+                                       for p in op.split("+"))]
+    assert written and all("+" in op for op in written), ops
+    x = torch.randn(3, 4)
+    for k in range(1, g.ir.num_tasks + 1):
+        assert_same(run(g.split(k), model, (x,), {}), run(reference, reference, (x,), {}))
+    plan = rannc.plan(model, (torch.randn(4, 4),), world_size=2, device_memory="1GiB",
+                      num_stages=2, profile_warmup=0, profile_repetitions=1)
+    assert plan.deployment.num_stages == 2
+
+
+class LoopsOverHits(nn.Module):
+    """A loop over the columns that data selects (as transformers' mixture-of-experts
+    models loop over the experts their tokens hit): the trace unrolls it."""
+
+    def forward(self, x):
+        out = x.sum(1)
+        for i in (x.abs().sum(0) > 1.0).nonzero():
+            out = out + x[:, i[0]]
+        return out
+
+
+def test_a_loop_whose_length_the_data_sets_is_an_error_naming_the_op_and_the_cure():
+    x = torch.zeros(4, 5)
+    x[:, :2] = 10.0  # two columns hit at every batch size
+    g = rannc.trace(LoopsOverHits(), (x,))
+    torch.testing.assert_close(g(x), LoopsOverHits()(x))
+    x[:, 2] = 10.0  # three
+    with pytest.raises(rannc.Error, match=r"aten::unbind in module '<root>' \(LoopsOverHits\).*"
+                                          r"unpacks 3 values where the trace unpacked 2.*batched_mm"):
+        g(x)
+
+
 def test_tracing_leaves_model_and_rng_untouched():
     model, args, kwargs = zoo.make("resnet")
     before = copy.deepcopy(model.state_dict())

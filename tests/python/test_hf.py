@@ -1,8 +1,8 @@
-"""Hugging Face transformers models (tests/python/hf_zoo.py: BERT, GPT-2, Llama, T5, ViT, Swin,
-small configs, random weights), as a user passes them: planned from real profiles into
-several stages, the stages chained equal to the model; trained with RaNNCModule under
-mpirun equal to plain PyTorch on the global batch (loss, gradients, parameters after Adam
-steps, logits, eval)."""
+"""Hugging Face transformers models (tests/python/hf_zoo.py: BERT, GPT-2, Llama, T5, ViT,
+Swin, ConvBERT; small configs, random weights), as a user passes them: planned from real
+profiles into several stages, the stages chained equal to the model; trained with
+RaNNCModule under mpirun equal to plain PyTorch on the global batch (loss, gradients,
+parameters after Adam steps, logits, eval)."""
 import pytest
 import torch
 
@@ -43,6 +43,7 @@ HF_LAYOUTS = [
     (2, "hf_t5", 2, 2, []),                                  # encoder-decoder, relative buckets
     (2, "hf_gpt2", 2, 2, ["--opt", "schedule=fill_drain"]),
     (2, "hf_swin", 2, 2, []),                                # shifted windows, x * x
+    (2, "hf_convbert", 2, 2, []),                            # x += bias: in-place writes
 ]
 
 
