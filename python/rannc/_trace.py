@@ -13,6 +13,7 @@ state is restored.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import os
@@ -165,7 +166,48 @@ def _second_batch(flat: FlatArgs, batch: int, mirror: bool = True) -> tuple[list
     return out, batch2
 
 
-def _trace_once(model, state: ModelState, flat: FlatArgs, tensors, tracer_notes: list):
+# [Note: random decisions] A model that draws a random number and turns it into a Python
+# value (LayerDrop: `if torch.rand([]) < p: skip the layer`) has the trace fix one draw for
+# every step, and both traces may well draw alike, so the comparison of the two cannot
+# tell. The first trace watches for it: a value made by a random op, and what is computed
+# from such values alone, must not become a Python bool or number.
+_RANDOM_OPS = frozenset({
+    "rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "randperm",
+    "bernoulli", "normal", "multinomial", "poisson", "uniform_", "normal_", "bernoulli_",
+    "random_", "exponential_", "geometric_", "cauchy_", "log_normal_"})
+_TO_PYTHON = frozenset({"__bool__", "item", "__int__", "__float__", "__index__", "tolist"})
+
+
+class _RandomDecision(Exception):
+    pass
+
+
+class _WatchRandomDecisions(torch.overrides.TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.drawn: set[int] = set()  # ids of random tensors (kept alive in `keep`)
+        self.keep: list[torch.Tensor] = []
+
+    def _is_drawn(self, x) -> bool:
+        return isinstance(x, torch.Tensor) and id(x) in self.drawn
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name in _TO_PYTHON and args and self._is_drawn(args[0]):
+            raise _RandomDecision(f"{name} of a random value")
+        out = func(*args, **kwargs)
+        tensors = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        if name in _RANDOM_OPS or (tensors and all(self._is_drawn(t) for t in tensors)):
+            for t in pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self.drawn.add(id(t))
+                    self.keep.append(t)
+        return out
+
+
+def _trace_once(model, state: ModelState, flat: FlatArgs, tensors, tracer_notes: list,
+                watch_random: bool = False):
     n_state = len(state.names)
     out_info = {}
 
@@ -185,7 +227,14 @@ def _trace_once(model, state: ModelState, flat: FlatArgs, tensors, tracer_notes:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", torch.jit.TracerWarning)
             warnings.filterwarnings("ignore", message=".*torch.jit.trace. is deprecated")
-            traced = torch.jit.trace(fn, example, check_trace=False, strict=False)
+            with _WatchRandomDecisions() if watch_random else contextlib.nullcontext():
+                traced = torch.jit.trace(fn, example, check_trace=False, strict=False)
+    except _RandomDecision as e:
+        raise TraceError(
+            f"the model decides in Python on a random number ({e} at {_user_frame(e)}), as "
+            "LayerDrop does (if torch.rand([]) < p: skip a layer); a trace fixes one draw for "
+            "every step. Draw with tensor ops instead (torch.where), or set the probability to 0 "
+            "(transformers: layerdrop=0.0, encoder_layerdrop=0.0, decoder_layerdrop=0.0)") from None
     finally:
         torch.jit._trace._trace_module_map = old_map
     for w in caught:
@@ -230,7 +279,7 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> Tr
     # the user's random streams stay as they were, the model's GPU's too
     cuda = [home.index if home.index is not None else torch.cuda.current_device()] if home.type == "cuda" else []
     with torch.random.fork_rng(devices=cuda), recording_autocast(home.type):
-        g1, ex1, out1 = _trace_once(model, state, flat, flat.tensors, notes)
+        g1, ex1, out1 = _trace_once(model, state, flat, flat.tensors, notes, watch_random=True)
         try:
             try:
                 g2, ex2, out2 = _trace_once(model, state, flat, tensors2, notes)

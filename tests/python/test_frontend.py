@@ -184,6 +184,35 @@ def test_a_loop_whose_length_the_data_sets_is_an_error_naming_the_op_and_the_cur
         g(x)
 
 
+class LayerDrop(nn.Module):
+    """Skips its second layer when a random number says so, in Python (as transformers'
+    wav2vec2, HuBERT and M2M100 do in training with layerdrop > 0)."""
+
+    def __init__(self, noise=False):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.noise = noise
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.noise:  # random values that only mix with activations: nothing decided on them
+            h = h + 0.1 * torch.randn_like(h)
+            assert torch.isfinite(h).all()
+        elif torch.rand([]) < 0.5:
+            return h.sum(1)
+        return self.b(h).sum(1)
+
+
+def test_a_python_decision_on_a_random_number_is_an_error_naming_the_line():
+    """[Note: random decisions] in python/rannc/_trace.py: both traces may draw alike, so
+    only watching the draw catches it."""
+    with pytest.raises(rannc.TraceError, match=r"decides in Python on a random number "
+                                               r"\(__bool__ of a random value at .*test_frontend.py:\d+\)"):
+        rannc.trace(LayerDrop(), (torch.randn(4, 4),))
+    g = rannc.trace(LayerDrop(noise=True), (torch.randn(4, 4),))  # noise on activations is fine
+    assert g.ir.num_tasks > 0
+
+
 def test_tracing_leaves_model_and_rng_untouched():
     model, args, kwargs = zoo.make("resnet")
     before = copy.deepcopy(model.state_dict())
