@@ -258,6 +258,9 @@ def main():
     import transformers as tf
     tf.logging.set_verbosity_error()
     torch.set_num_threads(1)
+    if a.device == "cuda":  # fp32 against fp32: no TF32 in matmuls and convolutions
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
     names = [n for n in a.only.split(",") if n] or list(CASES)
     rows = []
     for name in names:

@@ -109,6 +109,6 @@ With the extension from an earlier session's $OUT put back at python/rannc/ (it 
 build; RANNC_GPU_REBUILD=1 forces one):
   run(command="bash scripts/gpu_session.sh",
       carry=[".deps", "python/rannc/_C.cpython-312-x86_64-linux-gnu.so"], timeout_s=600)
-Parts: RANNC_GPU_PARTS="tests hf bench plans table" (default all; tests alone may fill a first call), e.g.
+Parts: RANNC_GPU_PARTS="tests hf models bench plans plans_large table" (default all; tests alone may fill a first call), e.g.
   command="RANNC_GPU_PARTS='bench table' bash scripts/gpu_session.sh"
 EOF

@@ -17,6 +17,8 @@
 # then the parts, in this order:
 #   tests   python3 -m pytest -v tests/gpu
 #   hf      python3 -m pytest -v tests/python -k "hf or transformers"  ("none" if no test matches)
+#   models  python3 bench/hf_models.py --device cuda (72 transformers architectures planned
+#           into 3 stages with CUDA profiles; one line per model in log.txt)
 #   bench   python3 bench/runtime.py --device cuda --out $OUT  (the GPT, then the speed
 #           issue's BERT-large-like model in fp32 and bf16 with a torch.profiler summary)
 #   plans   python3 bench/plan_time.py --device cuda --skip-whole (plans in seconds)
@@ -25,7 +27,7 @@
 # killed); a failing part does not stop the others. All of it fits RANNC_GPU_BUDGET
 # seconds (default 570; the device tool stops a command at 600): a part gets at most its
 # own limit and what is left, and is skipped when less than 30 s is left.
-#   RANNC_GPU_PARTS="tests hf bench plans plans_large table" (default: all)
+#   RANNC_GPU_PARTS="tests hf models bench plans plans_large table" (default: all)
 # Exits non-zero when a part failed or was skipped; prints summary.txt last.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -39,7 +41,7 @@ BUILD_LOG="$OUT/build.log"
 : > "$LOG"
 : > "$BUILD_LOG"
 BUDGET="${RANNC_GPU_BUDGET:-570}"
-PARTS=" ${RANNC_GPU_PARTS:-tests hf bench plans plans_large table} "
+PARTS=" ${RANNC_GPU_PARTS:-tests hf models bench plans plans_large table} "
 failed=0
 
 note() { echo "$*" | tee -a "$SUMMARY"; }
@@ -145,13 +147,14 @@ part() {  # part NAME LIMIT_S COMMAND
 }
 # tests/gpu has 27 cases of mpirun runs (schedules and mixed precision added in session
 # 14): the part may take the rest of a first call; run the others in a second call
-# (RANNC_GPU_PARTS="hf bench plans plans_large table", the built _C*.so carried from $OUT).
+# (RANNC_GPU_PARTS="hf models bench plans plans_large table", the built _C*.so carried from $OUT).
 # Each test's name as it runs (-v) and a per-test limit where pytest-timeout is there, so
 # a part cut off by its own limit still says which tests passed and which one hung.
 PER_TEST=""
 python3 -c "import pytest_timeout" 2>/dev/null && PER_TEST="--timeout=150"
 part tests 420 "python3 -m pytest -v -rA $PER_TEST --durations=10 tests/gpu"
 part hf 240 "python3 -m pytest -v -rA $PER_TEST tests/python -k 'hf or transformers'"
+part models 180 "python3 bench/hf_models.py --device cuda"
 part bench 360 "python3 bench/runtime.py --device cuda --out '$OUT'"
 stamp="$(mktemp)"
 part plans 240 "python3 bench/plan_time.py --device cuda --skip-whole"
