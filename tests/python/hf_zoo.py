@@ -1,5 +1,6 @@
 """Hugging Face transformers models with small configs and random weights, as a user
-would build them (no weights are downloaded): BERT, GPT-2, Llama, T5, ViT, Swin and ConvBERT.
+would build them (no weights are downloaded): BERT, GPT-2, Llama, T5, ViT, Swin, ConvBERT and
+Mixtral.
 
     model, args, kwargs = hf_zoo.make("hf_gpt2", batch=4)
 """
@@ -66,7 +67,15 @@ def make(name, batch=4, seed=0):
                                 max_position_embeddings=32, **small)
         return tf.ConvBertForMaskedLM(cfg), (), {
             "input_ids": _lm_batch(batch, g), "labels": _lm_batch(batch, g)}
+    if name == "hf_mixtral":  # mixture of experts in its fixed-shape form (docs/api.md)
+        cfg = tf.MixtralConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64,
+                               num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                               max_position_embeddings=32, num_local_experts=4,
+                               num_experts_per_tok=2, use_cache=False,
+                               experts_implementation="batched_mm")
+        ids = _lm_batch(batch, g)
+        return tf.MixtralForCausalLM(cfg), (), {"input_ids": ids, "labels": ids}
     raise KeyError(name)
 
 
-NAMES = ["hf_bert", "hf_gpt2", "hf_llama", "hf_t5", "hf_vit", "hf_swin", "hf_convbert"]
+NAMES = ["hf_bert", "hf_gpt2", "hf_llama", "hf_t5", "hf_vit", "hf_swin", "hf_convbert", "hf_mixtral"]

@@ -1,5 +1,5 @@
 """Hugging Face transformers models (tests/python/hf_zoo.py: BERT, GPT-2, Llama, T5, ViT,
-Swin, ConvBERT; small configs, random weights), as a user passes them: planned from real
+Swin, ConvBERT, Mixtral; small configs, random weights), as a user passes them: planned from real
 profiles into several stages, the stages chained equal to the model; trained with
 RaNNCModule under mpirun equal to plain PyTorch on the global batch (loss, gradients,
 parameters after Adam steps, logits, eval)."""
@@ -44,6 +44,7 @@ HF_LAYOUTS = [
     (2, "hf_gpt2", 2, 2, ["--opt", "schedule=fill_drain"]),
     (2, "hf_swin", 2, 2, []),                                # shifted windows, x * x
     (2, "hf_convbert", 2, 2, []),                            # x += bias: in-place writes
+    (2, "hf_mixtral", 2, 2, []),                             # mixture of experts (batched_mm)
 ]
 
 
