@@ -271,9 +271,13 @@ c10::IValue PipelineEngine::shapeValue(ir::ValueId vid, int m) const {
     int64_t k = v.int_batch_multiples.at(i);
     ints.push_back(k != 0 ? k * rows : v.int_values[i]);
   }
-  if (v.kind == ir::ValueKind::Int) return ints.at(0);
   if (v.kind == ir::ValueKind::IntList) return ints;
-  return at::scalar_tensor(ints.at(0), at::TensorOptions().dtype(frontend::toScalarType(v.dtype)));
+  if (v.kind == ir::ValueKind::Tensor) {
+    return at::scalar_tensor(ints.at(0), at::TensorOptions().dtype(frontend::toScalarType(v.dtype)));
+  }
+  // An int, or a Scalar holding one (aten::ScalarImplicit's result, kind Other: a 0-dim
+  // tensor made an argument such as torch.arange's end); a tensor there fails the op.
+  return ints.at(0);
 }
 
 c10::IValue PipelineEngine::gather(ir::ValueId vid, int m, const std::map<ir::ValueId, c10::IValue>& local,

@@ -152,6 +152,22 @@ class LateInput(nn.Module):
         return F.mse_loss(self.head(h), y)
 
 
+class LateScalar(nn.Module):
+    """torch.arange of a 0-dim tensor: the trace makes the tensor a Scalar argument
+    (aten::ScalarImplicit, kind other) right before the arange; a stage boundary between the
+    two gives the later stage that Scalar to compute from its rows (a shape value)."""
+
+    def __init__(self, d=64):
+        super().__init__()
+        self.first = nn.Sequential(*[nn.Linear(d, d) for _ in range(3)])
+        self.second = nn.Sequential(*[nn.Linear(d, d) for _ in range(3)])
+
+    def forward(self, x, y):
+        h = self.first(x)
+        r = torch.arange(torch.tensor(h.size(1)))
+        return F.mse_loss(self.second(h + r), y)
+
+
 def no_dropout(model):
     """Switches dropout off (in place; returns the model): its masks differ between a
     pipelined run and a single process."""
@@ -191,6 +207,8 @@ def make(name, batch=4, seed=0):
     if name == "late_input":
         return LateInput(), (torch.randn(batch, 16, generator=g), torch.randn(batch, 16, generator=g),
                              torch.randn(batch, 4, generator=g), torch.randn(16, generator=g)), {}
+    if name == "late_scalar":
+        return LateScalar(), (torch.randn(batch, 64, generator=g), torch.randn(batch, 64, generator=g)), {}
     if name.startswith("hf_"):
         import hf_zoo  # transformers models (tests/python/hf_zoo.py)
         return hf_zoo.make(name, batch=batch, seed=seed)
