@@ -315,27 +315,27 @@ def test_batch_size_may_change_between_calls(ranks, model, stages, micro, rows, 
                 "the rows; 2 micro-batch(es) instead of the plan's 4") in res.stdout
 
 
-# Fake costs with a seeded noise put the boundary of 2 stages x 4 micro-batches between
-# LateScalar's aten::ScalarImplicit and its aten::arange (asserted below).
-SCALAR_CUT = dict(num_stages=2, num_microbatches=4, profile_fake_timer=True, profile_fake_noise=0.3,
-                  profile_fake_seed=0, probe_bandwidth=False)
-
-
 def test_a_scalar_shape_value_crossing_stages_is_given_as_a_scalar():
     """A stage computes the sizes it takes from its own rows ([Note: shape values] in
     ir/value.h); a Scalar-typed one (aten::ScalarImplicit's result) was given as a tensor,
-    and torch.arange failed ("IValue is not a Scalar", seen with transformers Gemma2)."""
-    model, args, _ = zoo.make("late_scalar", batch=8)
-    plan = rannc.plan(model, args, world_size=2, **SCALAR_CUT)
-    ir = plan.graph.ir
-    ops = [[ir.task(t).op for t in st.tasks] for st in plan.deployment.stages]
-    assert "aten::ScalarImplicit" in ops[0] and "aten::arange" in ops[1], ops
-    res = mpirun("train_check.py", 2, "late_scalar", "--stages", 2, "--micro", 4, "--steps", 2,
-                 "--opt", *[f"{k}={v}" for k, v in SCALAR_CUT.items() if k not in ("num_stages", "num_microbatches")],
-                 timeout=300, env={"RANNC_COMM_TIMEOUT": "60"})
+    and torch.arange failed ("IValue is not a Scalar", seen with transformers Gemma2 in one
+    plan of four). Fake costs with seeded noise move the boundary of 2 stages x 4
+    micro-batches; the seeds are tried until it falls between LateScalar's
+    aten::ScalarImplicit and its aten::arange."""
+    for seed in range(12):
+        res = mpirun("train_check.py", 2, "late_scalar", "--stages", 2, "--micro", 4, "--steps", 2,
+                     "--show-stages", "--opt", "profile_fake_timer=True", "profile_fake_noise=0.3",
+                     f"profile_fake_seed={seed}", "probe_bandwidth=False",
+                     timeout=300, env={"RANNC_COMM_TIMEOUT": "60"})
+        stages = re.findall(r"stage (\d) ops: (.*)", res.stdout)
+        cut = (len(stages) == 2 and stages[0][1].endswith("aten::ScalarImplicit")
+               and stages[1][1].startswith("aten::arange"))
+        if cut or res.returncode != 0:
+            break
     assert res.returncode == 0, res.stdout[-4000:]
     for r in range(2):
         assert f"OK rank {r}" in res.stdout, res.stdout[-4000:]
+    assert cut, f"no seed put the boundary before aten::arange: {stages}"
 
 
 @pytest.mark.parametrize("ranks,stages,micro,extra", [

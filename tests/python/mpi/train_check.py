@@ -18,6 +18,7 @@ eval()/no_grad outputs. Exits non-zero on the first mismatch (on every rank).
     --amp bf16|fp16: both run under torch.autocast("cpu", dtype) (fp16 with loss scaling:
             rannc.GradScaler, the reference torch's), compared within that precision
     --clip NORM: clip_grad_norm(NORM, scaler=...) against PyTorch's unscale_ + clip_grad_norm_
+    --show-stages: rank 0 prints the ops of each stage ("stage 0 ops: aten::linear,...")
     --inject-inf STEP: at STEP the gradient of the model's last parameter (on the last
             stage only) overflows: every rank skips that step and halves its scale
 """
@@ -45,6 +46,7 @@ ap.add_argument("--input-grad", action="store_true")
 ap.add_argument("--amp", default="", choices=["", "bf16", "fp16"])
 ap.add_argument("--inject-inf", type=int, default=-1)
 ap.add_argument("--clip", type=float, default=0.0, help="clip the gradients' global norm")
+ap.add_argument("--show-stages", action="store_true", help="rank 0 prints each stage's ops")
 a = ap.parse_args()
 options = dict(o.split("=", 1) for o in a.opt)
 rank, world = rannc.get_rank(), rannc.get_world_size()
@@ -196,6 +198,10 @@ for step in range(a.steps):
             backward(scale * loss_of(out), scaler)
             backward(scale * loss_of(ref_out), ref_scaler)
         close(loss_of(out).detach(), loss_of(ref_out).detach(), f"loss at step {step}")
+        if a.show_stages and step == 0 and call == 0 and rank == 0:
+            deployed = wrapped._deployed[True]
+            for i, st in enumerate(deployed.deployment.stages):
+                print(f"stage {i} ops: " + ",".join(deployed.graph.ir.task(t).op for t in st.tasks), flush=True)
         if a.amp and step == 0:  # the deployed program computes in the autocast dtype
             dtypes = {v.dtype for v in wrapped._deployed[True].graph.ir.values()}
             assert {"bf16": "BFloat16", "fp16": "Float16"}[a.amp] in dtypes, dtypes
