@@ -1,22 +1,24 @@
 """Which transformers architectures rannc takes as they are: each model built from a small
 config with random weights (no download), in training mode, given to rannc.plan for 4
 devices and cut into 3 stages from real profiles; the stages run one after another must
-equal the traced graph exactly, and the graph's loss must equal the model's (with
---precision bf16, all of it under torch.autocast(device, bfloat16), the loss within bf16
-tolerance). A model that fails without rannc too is listed as such.
+equal the traced graph exactly, and the graph's outputs (loss, logits, ...) must equal the
+model's (with --precision bf16, all of it under torch.autocast(device, bfloat16), within
+bf16 tolerance; with --eval, in eval mode, planned for forward only, under no_grad). A
+model that fails without rannc too is listed as such.
 
     OMP_NUM_THREADS=1 python bench/hf_models.py [--device cpu|cuda] [--precision fp32|bf16]
-        [--only gpt2,bart] [--out DIR]
+        [--eval] [--only gpt2,bart] [--out DIR]
 
 A model that cannot be split into micro-batches whatever the tracer does is listed in
 EXPECTED with the reason (its loss couples the rows of a batch, its shapes come from
 as_strided with sizes fixed when traced, a loop runs as often as the data says); such a
 model must fail with an error, and the table shows the error's first words. Writes
-bench/results/hf_models.{json,md} (hf_models_cuda*, hf_models*_bf16 for the others) and exits
+bench/results/hf_models.{json,md} (hf_models_cuda*, *_bf16, *_eval for the others) and exits
 non-zero when a model outside EXPECTED fails. The training of a few of these under mpirun,
 equal to PyTorch, is tested in tests/python/test_hf.py.
 """
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -227,31 +229,43 @@ EXPECTED = {
 }
 
 
-def check(name, device, precision="fp32"):
+def check(name, device, precision="fp32", training=True):
     import transformers as tf
     cfg_cls, model_cls, cfg, inputs = CASES[name]
     torch.manual_seed(0)
     model = getattr(tf, model_cls)(getattr(tf, cfg_cls)(**cfg)).to(device)
     kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs().items()}
-    model.train()
-    if precision == "bf16":  # traced, planned and compared under the user's autocast
-        with torch.autocast(device, dtype=torch.bfloat16):
-            return _check(model, kwargs, device, dict(rtol=1.6e-2, atol=1e-2))
-    return _check(model, kwargs, device, {})
+    model.train(training)
+    with contextlib.ExitStack() as stack:
+        tolerance = {}
+        if precision == "bf16":  # traced, planned and compared under the user's autocast
+            stack.enter_context(torch.autocast(device, dtype=torch.bfloat16))
+            tolerance = dict(rtol=1.6e-2, atol=1e-2)
+        if not training:  # an evaluation: planned forward only, run without autograd
+            stack.enter_context(torch.no_grad())
+        return _check(model, kwargs, device, tolerance, training)
 
 
 class PlainPyTorchFails(Exception):
     """The model fails without rannc too (a transformers bug under this configuration)."""
 
 
-def _check(model, kwargs, device, tolerance):
+def _outputs(out):
+    """The floating tensors a transformers ModelOutput (or a tuple) holds."""
+    leaves = out.to_tuple() if hasattr(out, "to_tuple") else out
+    return [t for t in torch.utils._pytree.tree_leaves(leaves)
+            if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+def _check(model, kwargs, device, tolerance, training):
     torch.manual_seed(2)
     try:
         ref = model(**kwargs)
     except Exception as e:
         raise PlainPyTorchFails(f"{type(e).__name__}: {e}") from None
     plan = rannc.plan(model, (), kwargs, world_size=4, devices_per_node=4, device_memory="1GiB",
-                      num_stages=3, profile_warmup=0, profile_repetitions=1, profile_device=device)
+                      num_stages=3, profile_warmup=0, profile_repetitions=1, profile_device=device,
+                      training=training)
     g = plan.graph
     flat = g._flat_inputs((), kwargs)
     torch.manual_seed(1)
@@ -262,7 +276,10 @@ def _check(model, kwargs, device, tolerance):
         torch.testing.assert_close(b, a, rtol=0, atol=0)
     torch.manual_seed(2)
     out = g(**kwargs)
-    torch.testing.assert_close(out.loss, ref.loss, **tolerance)
+    mine, theirs = _outputs(out), _outputs(ref)
+    assert len(mine) == len(theirs), f"{len(mine)} outputs, the model {len(theirs)}"
+    for a, b in zip(mine, theirs):  # the loss, the logits, and what else the model returns
+        torch.testing.assert_close(a, b, **tolerance)
     return plan.graph.ir.num_tasks
 
 
@@ -272,6 +289,8 @@ def main():
     ap.add_argument("--only", default="", help="comma-separated names (default: all)")
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
                     help="bf16: under torch.autocast(device, bfloat16), losses within bf16 tolerance")
+    ap.add_argument("--eval", action="store_true", help="the models in eval mode, planned for "
+                    "forward only (training=False) and run under no_grad")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     a = ap.parse_args()
     import transformers as tf
@@ -285,7 +304,7 @@ def main():
     for name in names:
         t0 = time.perf_counter()
         try:
-            tasks = check(name, a.device, a.precision)
+            tasks = check(name, a.device, a.precision, training=not a.eval)
             status, detail = "ok", f"{tasks} tasks"
         except PlainPyTorchFails as e:
             status, detail = "fails in PyTorch", " ".join(str(e).split())[:300]
@@ -294,23 +313,24 @@ def main():
             expected = EXPECTED.get(name)
             status = "expected error" if expected and expected[1] in first else "FAILED"
             detail = f"{type(e).__name__}: {first}"
-        if status == "ok" and name in EXPECTED:
-            status = "ok (listed as expected to fail)"
         rows.append(dict(model=name, status=status, seconds=round(time.perf_counter() - t0, 2),
                          detail=detail, reason=EXPECTED.get(name, ("",))[0]))
         print(f"{status:15s} {name:20s} {rows[-1]['seconds']:6.1f} s  {detail[:160]}", flush=True)
-    suffix = ("" if a.device == "cpu" else f"_{a.device}") + ("" if a.precision == "fp32" else f"_{a.precision}")
+    suffix = (("" if a.device == "cpu" else f"_{a.device}") + ("" if a.precision == "fp32" else f"_{a.precision}")
+              + ("_eval" if a.eval else ""))
     os.makedirs(a.out, exist_ok=True)
-    meta = dict(device=a.device, precision=a.precision, torch=torch.__version__, transformers=tf.__version__)
+    meta = dict(device=a.device, precision=a.precision, eval=a.eval, torch=torch.__version__,
+                transformers=tf.__version__)
     with open(os.path.join(a.out, f"hf_models{suffix}.json"), "w") as f:
         json.dump(dict(meta, rows=rows), f, indent=1)
-    ok = sum(r["status"] == "ok" for r in rows)
+    ok = sum(r["status"] == "ok" for r in rows)  # EXPECTED may run in eval (no LayerDrop there)
     failed = [r["model"] for r in rows if r["status"] not in ("ok", "expected error", "fails in PyTorch")]
-    lines = [f"# transformers models through rannc ({a.device}, {a.precision}, torch {meta['torch']}, "
+    lines = [f"# transformers models through rannc ({a.device}, {a.precision}, {'eval' if a.eval else 'training'}, "
+             f"torch {meta['torch']}, "
              f"transformers {meta['transformers']}; `bench/hf_models.py`)", "",
-             "Small configs, random weights, training mode; rannc.plan for 4 devices into 3 stages "
-             "from real profiles; the chained stages equal the traced graph exactly and its loss "
-             "equals the model's.", "",
+             "Small configs, random weights; rannc.plan for 4 devices into 3 stages from real "
+             "profiles; the chained stages equal the traced graph exactly and its outputs (loss, "
+             "logits, ...) equal the model's.", "",
              f"{ok} of {len(rows)} ok; failed outside the expected: {', '.join(failed) or 'none'}.", "",
              "| model | result | s | detail |", "|---|---|---|---|"]
     for r in rows:

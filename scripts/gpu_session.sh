@@ -17,9 +17,9 @@
 # then the parts, in this order:
 #   tests   python3 -m pytest -v tests/gpu
 #   hf      python3 -m pytest -v tests/python -k "hf or transformers"  ("none" if no test matches)
-#   models  python3 bench/hf_models.py --device cuda [--precision bf16] (72 transformers
-#           architectures planned into 3 stages with CUDA profiles, in fp32 and under bf16
-#           autocast; one line per model in log.txt)
+#   models  python3 bench/hf_models.py --device cuda [--precision bf16 | --eval] (72
+#           transformers architectures planned into 3 stages with CUDA profiles: training in
+#           fp32, under bf16 autocast, and eval; one line per model in log.txt)
 #   bench   python3 bench/runtime.py --device cuda --out $OUT  (the GPT, then the speed
 #           issue's BERT-large-like model in fp32 and bf16 with a torch.profiler summary)
 #   plans   python3 bench/plan_time.py --device cuda --skip-whole (plans in seconds)
@@ -155,7 +155,7 @@ PER_TEST=""
 python3 -c "import pytest_timeout" 2>/dev/null && PER_TEST="--timeout=150"
 part tests 420 "python3 -m pytest -v -rA $PER_TEST --durations=10 tests/gpu"
 part hf 240 "python3 -m pytest -v -rA $PER_TEST tests/python -k 'hf or transformers'"
-part models 240 "python3 bench/hf_models.py --device cuda; a=\$?; python3 bench/hf_models.py --device cuda --precision bf16 && exit \$a"
+part models 300 "rc=0; for args in '' '--precision bf16' '--eval'; do python3 bench/hf_models.py --device cuda \$args || rc=1; done; exit \$rc"
 part bench 360 "python3 bench/runtime.py --device cuda --out '$OUT'"
 stamp="$(mktemp)"
 part plans 240 "python3 bench/plan_time.py --device cuda --skip-whole"

@@ -169,8 +169,11 @@ def _second_batch(flat: FlatArgs, batch: int, mirror: bool = True) -> tuple[list
 # [Note: random decisions] A model that draws a random number and turns it into a Python
 # value (LayerDrop: `if torch.rand([]) < p: skip the layer`) has the trace fix one draw for
 # every step, and both traces may well draw alike, so the comparison of the two cannot
-# tell. The first trace watches for it: a value made by a random op, and what is computed
-# from such values alone, must not become a Python bool or number.
+# tell. The first trace of a model in training mode watches for it: a value made by a
+# random op, and what is computed from such values alone, must not become a Python bool or
+# number. Not in eval mode, where models do not drop layers: a TorchFunctionMode makes
+# has_torch_function true, which turns eval's fast path of nn.TransformerEncoderLayer and
+# nn.MultiheadAttention off, so the two traces would differ.
 _RANDOM_OPS = frozenset({
     "rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "randperm",
     "bernoulli", "normal", "multinomial", "poisson", "uniform_", "normal_", "bernoulli_",
@@ -279,7 +282,7 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> Tr
     # the user's random streams stay as they were, the model's GPU's too
     cuda = [home.index if home.index is not None else torch.cuda.current_device()] if home.type == "cuda" else []
     with torch.random.fork_rng(devices=cuda), recording_autocast(home.type):
-        g1, ex1, out1 = _trace_once(model, state, flat, flat.tensors, notes, watch_random=True)
+        g1, ex1, out1 = _trace_once(model, state, flat, flat.tensors, notes, watch_random=model.training)
         try:
             try:
                 g2, ex2, out2 = _trace_once(model, state, flat, tensors2, notes)
