@@ -261,7 +261,7 @@ class _Deployed:
         # Outputs go where the user's inputs are (the stage's device without tensor inputs).
         self.out_device = next((t.device for t in flat if isinstance(t, torch.Tensor)),
                                self.owner.device)
-        self._use_rows(self._local_rows(local))
+        self._use_rows(self._local_rows(local), self._shape_change(local))
         training = torch.is_grad_enabled() and self.owner.module.training
         # [Note: input gradients] in csrc/runtime/engine.h
         grad_inputs = {vid: t for vid, t in local.items() if training and
@@ -294,14 +294,54 @@ class _Deployed:
             raise _C.Error(f"the arguments that carry the batch disagree on its size: {rows}")
         return next(iter(rows.values()), self.graph.batch_size)
 
-    def _use_rows(self, rows: int):
+    def _shape_change(self, local: dict) -> str | None:
+        """[Note: fixed shapes] Only the batch dimension of an argument may change between
+        calls. The plan was made for the traced shapes: the buffers that receive a stage's
+        inputs and a micro-batch's outputs are allocated at them, and a size a stage takes
+        from another is recomputed from the traced one. A sequence one token shorter would
+        make the transfers disagree, or a stage compute at the old length. One rank running
+        one stage in one micro-batch moves nothing, and the traced ops take any shape, so
+        there other shapes run (and the model's own ops say what does not fit)."""
+        if (self.engine.world_size == 1 and len(self.deployment.stages) == 1
+                and self.engine.layout.micro_batches == 1):
+            return None
+        example = self.graph._trace.inputs
+        for i, (vid, then) in enumerate(zip(self.input_ids, example.tensors)):
+            now = local[vid]
+            if not isinstance(now, torch.Tensor):
+                continue
+            dim = self.engine.value(vid).batch_dim
+            same = (now.dim() == then.dim() and now.dtype == then.dtype
+                    and all(a == b for k, (a, b) in enumerate(zip(now.shape, then.shape)) if k != dim))
+            if not same:
+                def shown(t, dim=dim):
+                    return "[" + ", ".join("*" if k == dim else str(n) for k, n in enumerate(t.shape)) + "]"
+                path = example.paths[example.tensor_slots[i]]
+                return (f"argument {path} is {now.dtype} {shown(now)} in this call but was "
+                        f"{then.dtype} {shown(then)} when traced (* is the batch)")
+        return None
+
+    def _use_rows(self, rows: int, shape_change: str | None = None):
         """Every rank's local batch must have the same rows in each call (checked on every
-        call: a rank with another size would desynchronise the transfers)."""
+        call: a rank with another size would desynchronise the transfers), and no rank's
+        arguments may have changed shape but in the batch (_shape_change): both agreed by
+        all ranks, so that all raise together."""
+        changed = [_C.get_rank()] if shape_change else []
         if self.engine.world_size > 1:
             comm = _C.Communicator.world_cpu()
-            everyone = torch.empty(comm.size, dtype=torch.int64)
-            comm.all_gather(torch.tensor([rows], dtype=torch.int64), everyone).wait()
-            sizes = everyone.tolist()
+            everyone = torch.empty(2 * comm.size, dtype=torch.int64)
+            comm.all_gather(torch.tensor([rows, int(bool(shape_change))], dtype=torch.int64),
+                            everyone).wait()
+            sizes = everyone[0::2].tolist()
+            changed = [r for r, bad in enumerate(everyone[1::2].tolist()) if bad]
+        if changed:
+            raise failure.agreed(
+                f"{shape_change or f'an argument of rank(s) {changed} changed shape'}: a plan is "
+                "made for the traced shapes, and only the batch dimension may change between "
+                "calls. Pad to the traced length (transformers tokenizers: "
+                "padding=\"max_length\"), or trace with the longest inputs and pad the others to "
+                "them")
+        if self.engine.world_size > 1:
             if len(set(sizes)) > 1:
                 raise failure.agreed(f"local batches must have the same size on every rank in "
                                      f"each call; got {dict(enumerate(sizes))} (rank: rows)")

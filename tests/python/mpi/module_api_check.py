@@ -1,6 +1,6 @@
 """RaNNCModule's API besides training: clip_grad_norm over all stages, state_dict gathered
 under the original names, load_state_dict, save_plan/load_plan, options from the
-environment, unknown options."""
+environment, unknown options, arguments of other shapes than traced."""
 import copy
 import os
 import sys
@@ -75,4 +75,15 @@ again = rannc.RaNNCModule(copy.deepcopy(reference), load_plan=plan_file)
 again(ids[rows], targets[rows])
 loaded = again.deployments["train"]
 assert loaded.to_bytes() == deployment.to_bytes()
+# [Note: fixed shapes] in module.py: a sequence of another length than traced is an error
+# that every rank raises together, naming the argument; the module goes on afterwards
+for length in (6, 10):
+    try:
+        again(ids[rows][:, :length].repeat(1, 2)[:, :length], targets[rows][:, :length].repeat(1, 2)[:, :length])
+        raise AssertionError(f"a sequence of {length} tokens ran on a plan traced at 8")
+    except rannc.Error as e:
+        assert f"argument args[0] is torch.int64 [*, {length}] in this call but was torch.int64 [*, 8]" in str(e), e
+        assert "only the batch dimension may change" in str(e), e
+loss = again(ids[rows], targets[rows])
+torch.testing.assert_close(loss.detach(), reference(ids, targets).detach(), rtol=1e-4, atol=1e-6)
 print(f"OK rank {rank}", flush=True)
