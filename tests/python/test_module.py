@@ -266,6 +266,37 @@ except rannc.Error as e:
     assert res.returncode == 0, res.stderr[-3000:]
 
 
+def test_one_rank_with_one_stage_takes_sequences_of_any_length():
+    """[Note: fixed shapes] in module.py: several ranks must keep the traced shape (tested in
+    module_api_check.py), but one rank running one stage in one micro-batch moves nothing,
+    so sequences of other lengths than traced train as in PyTorch."""
+    here = os.path.dirname(__file__)
+    script = f"""
+import copy, sys
+sys.path[:0] = [{here!r}, {os.path.join(here, '..', '..', 'python')!r},
+                {os.path.join(here, '..', '..', 'examples')!r}]
+import torch, rannc, zoo
+torch.set_num_threads(1)
+model, _, _ = zoo.make("gpt", batch=4)
+zoo.no_dropout(model)
+reference = copy.deepcopy(model)
+opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference))
+module = rannc.RaNNCModule(model, opt)
+g = torch.Generator().manual_seed(3)
+for length in (8, 5, 12, 8):
+    ids, targets = (torch.randint(0, 50, (4, length), generator=g) for _ in range(2))
+    loss, ref_loss = module(ids, targets), reference(ids, targets)
+    loss.backward(); ref_loss.backward()
+    opt.step(); ref_opt.step(); opt.zero_grad(); ref_opt.zero_grad()
+    torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1e-5, atol=1e-6)
+    print("length", length, "ok", flush=True)
+"""
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
+    assert res.stdout.count(" ok") == 4, res.stdout
+
+
 # ---- what real training loops do (issue: training survives them) ---------------------------
 @pytest.mark.parametrize("stages", [1, 2])
 def test_an_exception_between_steps_ends_every_rank_in_seconds(stages):
