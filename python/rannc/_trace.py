@@ -188,8 +188,7 @@ class _RandomDecision(Exception):
 class _WatchRandomDecisions(torch.overrides.TorchFunctionMode):
     def __init__(self):
         super().__init__()
-        self.drawn: set[int] = set()  # ids of random tensors (kept alive in `keep`)
-        self.keep: list[torch.Tensor] = []
+        self.drawn: dict[int, torch.Tensor] = {}  # random tensors by id (held: ids stay theirs)
 
     def _is_drawn(self, x) -> bool:
         return isinstance(x, torch.Tensor) and id(x) in self.drawn
@@ -204,8 +203,7 @@ class _WatchRandomDecisions(torch.overrides.TorchFunctionMode):
         if name in _RANDOM_OPS or (tensors and all(self._is_drawn(t) for t in tensors)):
             for t in pytree.tree_leaves(out):
                 if isinstance(t, torch.Tensor):
-                    self.drawn.add(id(t))
-                    self.keep.append(t)
+                    self.drawn[id(t)] = t
         return out
 
 

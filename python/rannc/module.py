@@ -326,7 +326,7 @@ class _Deployed:
         call: a rank with another size would desynchronise the transfers), and no rank's
         arguments may have changed shape but in the batch (_shape_change): both agreed by
         all ranks, so that all raise together."""
-        changed = [_C.get_rank()] if shape_change else []
+        sizes, changed = [rows], [_C.get_rank()] if shape_change else []
         if self.engine.world_size > 1:
             comm = _C.Communicator.world_cpu()
             everyone = torch.empty(2 * comm.size, dtype=torch.int64)
@@ -341,10 +341,9 @@ class _Deployed:
                 "calls. Pad to the traced length (transformers tokenizers: "
                 "padding=\"max_length\"), or trace with the longest inputs and pad the others to "
                 "them")
-        if self.engine.world_size > 1:
-            if len(set(sizes)) > 1:
-                raise failure.agreed(f"local batches must have the same size on every rank in "
-                                     f"each call; got {dict(enumerate(sizes))} (rank: rows)")
+        if len(set(sizes)) > 1:
+            raise failure.agreed(f"local batches must have the same size on every rank in "
+                                 f"each call; got {dict(enumerate(sizes))} (rank: rows)")
         if self.engine.use_batch(rows) and _C.get_rank() == 0:
             now, planned = self.engine.layout.micro_batches, self.deployment.micro_batches
             note = (f"; {now} micro-batch(es) instead of the plan's {planned} (each replica "
