@@ -116,6 +116,10 @@ void bindPlanner(py::module& m) {
         py::arg("data"), py::arg("graph"), py::arg("origin") = "<bytes>", py::arg("batch_size") = 0,
         py::arg("world_size") = 0,
         "A deployment from bytes; batch_size / world_size > 0: the batch and world it must be for.");
+  m.def("rebind_deployment", &partition::rebindDeployment, py::arg("plan"), py::arg("planned"),
+        py::arg("graph"),
+        "`plan` (made for graph `planned`) for `graph`, the same model traced at other input "
+        "shapes ([Note: new input shapes] in csrc/partition/plan.h).");
   m.def("load_deployment", &partition::loadDeployment, py::arg("path"), py::arg("graph"),
         py::arg("batch_size") = 0, py::arg("world_size") = 0,
         "A saved deployment; batch_size / world_size > 0: the batch and world it must be for.");

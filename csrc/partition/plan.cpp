@@ -495,6 +495,92 @@ void saveDeployment(const Deployment& deployment, const std::string& path) {
   ir::writeFile(path, serializeDeployment(deployment));
 }
 
+namespace {
+
+// "aten::linear (module 'encoder.layer.0', at modeling_bert.py:120)"
+std::string taskText(const ir::Task& t) {
+  std::string text = t.op;
+  if (!t.scope.empty() || !t.source.empty()) {
+    text += " (";
+    if (!t.scope.empty()) text += "module '" + t.scope + "'";
+    if (!t.scope.empty() && !t.source.empty()) text += ", ";
+    if (!t.source.empty()) text += "at " + t.source;
+    text += ")";
+  }
+  return text;
+}
+
+// Why value `v` of `graph` is not the value `v` of `planned` ("" when it is).
+std::string valueDifference(const ir::Value& was, const ir::Value& now) {
+  if (was.kind != now.kind) {
+    return std::string(ir::valueKindName(now.kind)) + " instead of " + std::string(ir::valueKindName(was.kind));
+  }
+  if (was.role != now.role) {
+    return std::string(ir::valueRoleName(now.role)) + " instead of " + std::string(ir::valueRoleName(was.role));
+  }
+  if (was.dtype != now.dtype) {
+    return std::string(ir::dtypeName(now.dtype)) + " instead of " + std::string(ir::dtypeName(was.dtype));
+  }
+  if (was.batch_dim != now.batch_dim) {
+    return "batch dimension " + std::to_string(now.batch_dim) + " instead of " + std::to_string(was.batch_dim);
+  }
+  return "";
+}
+
+}  // namespace
+
+Deployment rebindDeployment(const Deployment& plan, const ir::Graph& planned, const ir::Graph& graph) {
+  RANNC_CHECK(plan.graph_hash == planned.contentHash(), "rebindDeployment: the plan was not made for `planned`");
+  const std::string cure =
+      "; rannc traces the model again for new input shapes and runs the plan made at the first "
+      "ones, which needs the same ops in the same order. Pad the inputs to one length (or a few "
+      "lengths the model treats alike)";
+  auto differ = [&](const std::string& what) {
+    throw TraceError("at the new input shapes the model is another program than the one planned: " + what + cure);
+  };
+  const auto& was_tasks = planned.tasks();
+  const auto& now_tasks = graph.tasks();
+  const size_t common = std::min(was_tasks.size(), now_tasks.size());
+  for (size_t i = 0; i < common; ++i) {
+    const ir::Task& was = was_tasks[i];
+    const ir::Task& now = now_tasks[i];
+    if (was.op != now.op || was.inputs.size() != now.inputs.size() || was.outputs.size() != now.outputs.size()) {
+      differ("task " + std::to_string(i) + " is " + taskText(now) + " but was " + taskText(was));
+    }
+    for (size_t k = 0; k < was.inputs.size(); ++k) {
+      if (was.inputs[k] != now.inputs[k]) {
+        differ("task " + std::to_string(i) + ", " + taskText(now) + ", reads other values");
+      }
+    }
+    for (size_t k = 0; k < was.outputs.size(); ++k) {
+      if (was.outputs[k] != now.outputs[k]) {
+        differ("task " + std::to_string(i) + ", " + taskText(now) + ", writes other values");
+      }
+    }
+  }
+  if (was_tasks.size() != now_tasks.size()) {
+    const auto& longer = was_tasks.size() > now_tasks.size() ? was_tasks : now_tasks;
+    differ(std::to_string(now_tasks.size()) + " ops instead of " + std::to_string(was_tasks.size()) +
+           ", from task " + std::to_string(common) + " (" + taskText(longer[common]) + ") on");
+  }
+  if (planned.numValues() != graph.numValues() || planned.inputs() != graph.inputs() ||
+      planned.outputs() != graph.outputs()) {
+    differ("its values, arguments or outputs differ");
+  }
+  for (ir::ValueId v = 0; v < static_cast<ir::ValueId>(graph.numValues()); ++v) {
+    const std::string why = valueDifference(planned.value(v), graph.value(v));
+    if (!why.empty()) {
+      const ir::Value& now = graph.value(v);
+      const std::string where =
+          now.producer != ir::kNoId ? ", made by " + taskText(graph.task(now.producer)) : "";
+      differ("value " + ir::describe(now) + where + " is " + why);
+    }
+  }
+  Deployment d = plan;
+  d.graph_hash = graph.contentHash();
+  return d;
+}
+
 Deployment loadDeployment(const std::string& path, const ir::Graph& graph, int64_t batch_size,
                           int world_size) {
   Deployment d = deserializeDeployment(ir::readFile(path), graph, path, batch_size, world_size);

@@ -116,6 +116,14 @@ ir::Subgraph stageSubgraph(const ir::Graph& graph, const StagePlan& stage);
 // ranks when chunks > 1). Throws InvalidGraphError naming the first violation.
 void validateDeployment(const ir::Graph& graph, const Deployment& deployment);
 
+// [Note: new input shapes] The plan of `planned` for `graph`, a trace of the same model at
+// other input shapes (a sequence of another length): the same stages, replicas, micro-batches
+// and schedule, since the ops are the same and only their sizes differ. Checks that `graph`
+// is the same program: the same tasks (op, inputs, outputs) in the same order and values of
+// the same kind, dtype, role and batch dimension. Throws TraceError naming the first task that
+// differs otherwise. The predictions (times, memory) stay those of the planned shapes.
+Deployment rebindDeployment(const Deployment& plan, const ir::Graph& planned, const ir::Graph& graph);
+
 // The framed bytes of `deployment` (kind "deployment", kDeploymentFormatVersion).
 std::string serializeDeployment(const Deployment& deployment);
 // Reads a deployment and checks it was made for `graph` (content hash), only names tasks

@@ -116,7 +116,9 @@ class _Deployed:
     """One traced and planned mode (train or eval) of the model on this rank."""
 
     def __init__(self, owner: "RaNNCModule", graph: TracedGraph, args, kwargs, amp,
-                 trace_seconds: float = 0.0):
+                 trace_seconds: float = 0.0, plan_from: "_Deployed | None" = None):
+        """`plan_from`: the deployment of this mode at other input shapes, whose plan this
+        one runs ([Note: new input shapes]); None: plan this graph."""
         opts, model = owner.options, owner.module
         self.owner = owner
         from .planning import PlanTimes
@@ -126,7 +128,6 @@ class _Deployed:
         ir = self.graph.ir
         rank, world = _C.get_rank(), _C.get_world_size()
         self._check_agreement(ir)
-        self.example_inputs = self.graph._flat_inputs(args, kwargs, at_home=True)  # for profiling
         # Training without a single scalar loss to seed 1F1B takes gradients from outside.
         has_loss = sum(1 for v in ir.outputs if ir.value(v).is_loss) == 1
         self.fill_drain = model.training and (opts.schedule == "fill_drain" or not has_loss)
@@ -136,8 +137,20 @@ class _Deployed:
         self.schedule = ("fill_drain" if self.fill_drain
                          else "1f1b" if opts.schedule == "fill_drain" or not model.training
                          else opts.schedule)
-        deployment = self._plan(ir, world, opts)
-        self.example_inputs = None
+        if plan_from is None:
+            self.example_inputs = self.graph._flat_inputs(args, kwargs, at_home=True)  # for profiling
+            deployment = self._plan(ir, world, opts)
+            self.example_inputs = None
+            # the local batch the plan was made for (its memory)
+            self.planned_rows = self.graph.batch_size
+        else:
+            # the same ops at other sizes: the plan holds ([Note: new input shapes])
+            try:
+                deployment = _C.rebind_deployment(plan_from.deployment, plan_from.graph.ir, ir)
+            except _C.TraceError as e:
+                # every rank traced the same graph (_check_agreement): all fail alike
+                raise failure.agreed(str(e)) from e
+            self.planned_rows = plan_from.planned_rows
         if opts.verify_plan:
             deployment.validate(ir)
         self.deployment = deployment
@@ -147,13 +160,17 @@ class _Deployed:
         self.input_ids = list(ir.inputs[n_state:])
         state = dict(zip(self.state_ids, state_tensors))
         self.engine = Engine(self.graph._trace.traced, deployment, rank, world,
-                             self.graph.batch_size, state, device=owner.device, nccl=owner.nccl)
+                             self.planned_rows, state, device=owner.device, nccl=owner.nccl)
+        # input shapes (but the batch) -> the deployment of this mode that runs them
+        self.shapes = self._shapes(dict(zip(self.input_ids, self.graph._trace.inputs.tensors)))
+        self.variants = {self.shapes: self}
+        self.unrunnable = {}  # input shapes -> why the plan cannot run them (agreed)
         self.own = self.engine.own  # the parameters this rank updates
         self.grad_input_ids, self.grad_inputs = [], []  # arguments that require grad
         self.loss_scale = 1.0  # the last training step's seed factor ([Note: scaled seeds])
         # fill-drain: forwards so far, and whether the last one's backward ran
         self.fill_drain_forwards, self.fill_drain_backward_done = 0, False
-        if rank == 0:
+        if rank == 0 and plan_from is None:
             print(deployment.report(), flush=True)
             print(self.times.line(), flush=True)
 
@@ -255,13 +272,39 @@ class _Deployed:
 
     # ---- running ------------------------------------------------------------------------
     def run(self, args, kwargs):
-        g = self.graph
-        flat = g._flat_args(args, kwargs)
+        """Runs one call: on this deployment, or on the one of this mode for the call's input
+        shapes, deployed first if they are new ([Note: new input shapes])."""
+        flat = self.graph._flat_args(args, kwargs)
         local = dict(zip(self.input_ids, flat))
+        rows, shapes = self._local_rows(local), self._shapes(local)
+        self._agree(rows, shapes)
+        target = self.variants.get(shapes)
+        if target is None:
+            if shapes in self.unrunnable:  # the same error without tracing again
+                raise failure.agreed(self.unrunnable[shapes])
+            try:
+                target = self.variants[shapes] = self.owner._deploy_shapes(self, args, kwargs)
+            except Exception as e:
+                if getattr(e, "on_every_rank", False):
+                    self.unrunnable[shapes] = str(e)
+                raise
+            if _C.get_rank() == 0:
+                def per_row(shapes):
+                    return sum(math.prod(n for n in shape if n >= 0) for _, shape in shapes)
+                big = (" (larger than planned: memory was planned at the first shapes)"
+                       if per_row(shapes) > per_row(self.shapes) else "")
+                _C.log_info(
+                    f"new input shapes {target.describe_shapes()} (planned at "
+                    f"{self.describe_shapes()}): traced again in {target.times.tracing:.2f} s, "
+                    f"running plan {self.deployment.hash} made at the first shapes "
+                    f"({len(self.variants)} shapes so far){big}")
+        return target._run(local, flat, rows)
+
+    def _run(self, local: dict, flat: list, rows: int):
         # Outputs go where the user's inputs are (the stage's device without tensor inputs).
         self.out_device = next((t.device for t in flat if isinstance(t, torch.Tensor)),
                                self.owner.device)
-        self._use_rows(self._local_rows(local), self._shape_change(local))
+        self._use_batch(rows)
         training = torch.is_grad_enabled() and self.owner.module.training
         # [Note: input gradients] in csrc/runtime/engine.h
         grad_inputs = {vid: t for vid, t in local.items() if training and
@@ -294,63 +337,62 @@ class _Deployed:
             raise _C.Error(f"the arguments that carry the batch disagree on its size: {rows}")
         return next(iter(rows.values()), self.graph.batch_size)
 
-    def _shape_change(self, local: dict) -> str | None:
-        """[Note: fixed shapes] Only the batch dimension of an argument may change between
-        calls. The plan was made for the traced shapes: the buffers that receive a stage's
-        inputs and a micro-batch's outputs are allocated at them, and a size a stage takes
-        from another is recomputed from the traced one. A sequence one token shorter would
-        make the transfers disagree, or a stage compute at the old length. One rank running
-        one stage in one micro-batch moves nothing, and the traced ops take any shape, so
-        there other shapes run (and the model's own ops say what does not fit)."""
-        if (self.engine.world_size == 1 and len(self.deployment.stages) == 1
-                and self.engine.layout.micro_batches == 1):
-            return None
-        example = self.graph._trace.inputs
-        for i, (vid, then) in enumerate(zip(self.input_ids, example.tensors)):
-            now = local[vid]
-            if not isinstance(now, torch.Tensor):
-                continue
-            dim = self.engine.value(vid).batch_dim
-            same = (now.dim() == then.dim() and now.dtype == then.dtype
-                    and all(a == b for k, (a, b) in enumerate(zip(now.shape, then.shape)) if k != dim))
-            if not same:
-                def shown(t, dim=dim):
-                    return "[" + ", ".join("*" if k == dim else str(n) for k, n in enumerate(t.shape)) + "]"
-                path = example.paths[example.tensor_slots[i]]
-                return (f"argument {path} is {now.dtype} {shown(now)} in this call but was "
-                        f"{then.dtype} {shown(then)} when traced (* is the batch)")
-        return None
+    def _shapes(self, local: dict) -> tuple:
+        """[Note: new input shapes] The arguments' dtypes and shapes but the batch dimension
+        (-1 there). A trace holds what the model computed from the shapes (a loop over the
+        sequence, a mask's length), the plan's transfers are sized from them, and a stage
+        takes a size from another as traced: so each new shape is traced again, on every
+        rank together, and runs the plan made at the first shapes when the trace is the same
+        program (partition::rebindDeployment), else the error names the op that differs."""
+        shapes = []
+        for vid, t in local.items():
+            if isinstance(t, torch.Tensor):
+                dim = self.engine.value(vid).batch_dim
+                shapes.append((str(t.dtype).replace("torch.", ""),
+                               tuple(-1 if k == dim else n for k, n in enumerate(t.shape))))
+        return tuple(shapes)
 
-    def _use_rows(self, rows: int, shape_change: str | None = None):
-        """Every rank's local batch must have the same rows in each call (checked on every
-        call: a rank with another size would desynchronise the transfers), and no rank's
-        arguments may have changed shape but in the batch (_shape_change): both agreed by
-        all ranks, so that all raise together."""
-        sizes, changed = [rows], [_C.get_rank()] if shape_change else []
-        if self.engine.world_size > 1:
-            comm = _C.Communicator.world_cpu()
-            everyone = torch.empty(2 * comm.size, dtype=torch.int64)
-            comm.all_gather(torch.tensor([rows, int(bool(shape_change))], dtype=torch.int64),
-                            everyone).wait()
-            sizes = everyone[0::2].tolist()
-            changed = [r for r, bad in enumerate(everyone[1::2].tolist()) if bad]
-        if changed:
+    def describe_shapes(self, shapes: tuple | None = None) -> str:
+        """"kwargs['input_ids'] int64 [*, 16], ..." for `shapes` (default: this deployment's
+        traced ones; * is the batch)."""
+        example = self.graph._trace.inputs
+        return ", ".join(
+            f"{example.paths[slot]} {dtype} [{', '.join('*' if n < 0 else str(n) for n in shape)}]"
+            for slot, (dtype, shape) in zip(example.tensor_slots, shapes or self.shapes))
+
+    def _agree(self, rows: int, shapes: tuple):
+        """Every rank's local batch must have the same rows and its arguments the same shapes
+        in each call (checked on every call: a rank with other sizes would desynchronise the
+        transfers), agreed by all ranks so that all raise together or deploy new shapes
+        together."""
+        if self.engine.world_size == 1:
+            return
+        comm = _C.Communicator.world_cpu()
+        everyone = torch.empty(2 * comm.size, dtype=torch.int64)
+        mine = zlib.crc32(repr(shapes).encode())
+        comm.all_gather(torch.tensor([rows, mine], dtype=torch.int64), everyone).wait()
+        sizes, signatures = everyone[0::2].tolist(), everyone[1::2].tolist()
+        if len(set(signatures)) > 1:
+            differ = [r for r, sig in enumerate(signatures) if sig != signatures[0]]
             raise failure.agreed(
-                f"{shape_change or f'an argument of rank(s) {changed} changed shape'}: a plan is "
-                "made for the traced shapes, and only the batch dimension may change between "
-                "calls. Pad to the traced length (transformers tokenizers: "
-                "padding=\"max_length\"), or trace with the longest inputs and pad the others to "
-                "them")
+                f"the ranks' arguments differ in shape besides the batch dimension (ranks "
+                f"{differ} differ from rank 0; this rank passed "
+                f"{self.describe_shapes(shapes)}): every rank must pass the same shapes in "
+                "a call, since the ranks' batches are rows of one global batch. Pad every "
+                "rank's batch to the same length (transformers tokenizers: "
+                "padding=\"max_length\", or a collator that pads to a fixed length)")
         if len(set(sizes)) > 1:
             raise failure.agreed(f"local batches must have the same size on every rank in "
                                  f"each call; got {dict(enumerate(sizes))} (rank: rows)")
+
+    def _use_batch(self, rows: int):
         if self.engine.use_batch(rows) and _C.get_rank() == 0:
             now, planned = self.engine.layout.micro_batches, self.deployment.micro_batches
             note = (f"; {now} micro-batch(es) instead of the plan's {planned} (each replica "
                     "needs a row of each)" if now != planned else "")
             big = (" (more rows than planned for: memory was not planned for it)"
-                   if rows > self.graph.batch_size else "")
-            _C.log_info(f"local batch of {rows} rows (traced with {self.graph.batch_size}): "
+                   if rows > self.planned_rows else "")
+            _C.log_info(f"local batch of {rows} rows (planned with {self.planned_rows}): "
                         f"the plan's stages and replicas re-split the rows{note}{big}")
 
     def backward_from_outputs(self, grads):
@@ -575,35 +617,48 @@ class RaNNCModule(torch.nn.Module):
             return getattr(torch, forced)
         return autocast_dtype(self.device.type)
 
-    def _deploy(self, mode, args, kwargs, amp):
+    def _deploy(self, mode, args, kwargs, amp, plan_from=None):
         """Traces, plans and deploys `mode` (a collective) in precision `amp`, then frees the
-        state tensors that no deployed stage on this rank uses."""
+        state tensors that no deployed stage on this rank uses. `plan_from`: the mode's
+        deployment at other input shapes, whose plan the new trace runs."""
         self.placement.materialize()
-        # Profiling runs the pieces on the module's own buffers, and a batch norm in training
-        # mode updates its running statistics each time: keep the values from before.
-        buffers = [(b, b.detach().clone()) for b in self.module.buffers()]
-        # Traced where the model is, in the precision the stages' device would compute in.
-        home = self._home.type
-        start = time.perf_counter()
-        # Deploying draws no random numbers from the user's generators (profiling fills
-        # inputs at random), so a run resumed from a checkpoint, which deploys after
-        # restoring them, draws what the uninterrupted run drew.
-        devices = sorted({d.index or 0 for d in (self._home, self.device) if d.type == "cuda"})
-        with torch.random.fork_rng(devices=devices):
-            with (torch.autocast(home, dtype=amp) if amp is not None
-                  else torch.autocast(home, enabled=False)):
-                graph = TracedGraph(self.module, args, kwargs)
-            deployed = _Deployed(self, graph, args, kwargs, amp, time.perf_counter() - start)
-        with torch.no_grad():
-            for b, before in buffers:
-                b.copy_(before)
-        del buffers
-        self._deployed[mode] = deployed
+        try:
+            # Profiling runs the pieces on the module's own buffers, and a batch norm in
+            # training mode updates its running statistics each time: keep the values.
+            buffers = [(b, b.detach().clone()) for b in self.module.buffers()]
+            # Traced where the model is, in the precision the stages' device would compute in.
+            home = self._home.type
+            start = time.perf_counter()
+            # Deploying draws no random numbers from the user's generators (profiling fills
+            # inputs at random), so a run resumed from a checkpoint, which deploys after
+            # restoring them, draws what the uninterrupted run drew.
+            devices = sorted({d.index or 0 for d in (self._home, self.device) if d.type == "cuda"})
+            with torch.random.fork_rng(devices=devices):
+                with (torch.autocast(home, dtype=amp) if amp is not None
+                      else torch.autocast(home, enabled=False)):
+                    graph = TracedGraph(self.module, args, kwargs)
+                deployed = _Deployed(self, graph, args, kwargs, amp, time.perf_counter() - start,
+                                     plan_from=plan_from)
+            with torch.no_grad():
+                for b, before in buffers:
+                    b.copy_(before)
+            del buffers
+        except Exception as e:
+            if plan_from is not None and getattr(e, "on_every_rank", False):
+                self.placement.settle()  # the deployed shapes go on running
+            raise
+        if plan_from is None:
+            self._deployed[mode] = deployed
         if mode:
             self.optimizer_share.keep_only({id(t) for t in deployed.own.values()})
         self.placement.add_mode(mode, deployed)
         _checkpoint().apply_pending(self)  # a checkpoint loaded before the plan was known
         return deployed
+
+    def _deploy_shapes(self, deployed, args, kwargs):
+        """The deployment of `deployed`'s mode for this call's new input shapes (a
+        collective, [Note: new input shapes])."""
+        return self._deploy(self.module.training, args, kwargs, deployed.amp, plan_from=deployed)
 
     @property
     def deployments(self) -> dict:

@@ -137,6 +137,12 @@ class StatePlacement:
         self._release()
         self._place()
 
+    def settle(self):
+        """Back to the deployed placement after materialize() (a new mode or shapes failed
+        to deploy): frees and moves again what the deployed stages of this rank do not keep."""
+        self._release()
+        self._place()
+
     def _release(self):
         """Frees the storage of the state tensors that no deployed stage on this rank uses."""
         rank = _C.get_rank()

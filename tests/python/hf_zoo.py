@@ -10,13 +10,15 @@ SEQ = 16
 VOCAB = 96
 
 
-def _lm_batch(batch, g, vocab=VOCAB, seq=SEQ):
+def _lm_batch(batch, g, seq, vocab=VOCAB):
     ids = torch.randint(0, vocab, (batch, seq), generator=g)
     return ids
 
 
-def make(name, batch=4, seed=0):
+def make(name, batch=4, seed=0, length=None):
+    """`length`: the sequence length of the language models (default SEQ)."""
     import transformers as tf
+    seq = length or SEQ
     tf.logging.set_verbosity_error()
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)  # the weights
@@ -25,28 +27,28 @@ def make(name, batch=4, seed=0):
         cfg = tf.BertConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64,
                             num_attention_heads=4, vocab_size=VOCAB, max_position_embeddings=32,
                             **small)
-        ids = _lm_batch(batch, g)
-        mask = torch.ones(batch, SEQ, dtype=torch.long)
-        mask[:, SEQ - 3:] = (torch.arange(batch) % 2).unsqueeze(1)  # some padding
+        ids = _lm_batch(batch, g, seq)
+        mask = torch.ones(batch, seq, dtype=torch.long)
+        mask[:, seq - 3:] = (torch.arange(batch) % 2).unsqueeze(1)  # some padding
         return tf.BertForMaskedLM(cfg), (), {"input_ids": ids, "attention_mask": mask,
-                                             "labels": _lm_batch(batch, g)}
+                                             "labels": _lm_batch(batch, g, seq)}
     if name == "hf_gpt2":
         cfg = tf.GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=32, vocab_size=VOCAB,
                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
-        ids = _lm_batch(batch, g)
+        ids = _lm_batch(batch, g, seq)
         return tf.GPT2LMHeadModel(cfg), (), {"input_ids": ids, "labels": ids}
     if name == "hf_llama":
         cfg = tf.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64,
                              num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
                              max_position_embeddings=32, use_cache=False)
-        ids = _lm_batch(batch, g)
+        ids = _lm_batch(batch, g, seq)
         return tf.LlamaForCausalLM(cfg), (), {"input_ids": ids, "labels": ids}
     if name == "hf_t5":
         cfg = tf.T5Config(num_layers=2, num_decoder_layers=2, d_model=32, d_ff=64, num_heads=4,
                           d_kv=8, vocab_size=VOCAB, dropout_rate=0.0, decoder_start_token_id=0,
                           pad_token_id=0, use_cache=False)
         return tf.T5ForConditionalGeneration(cfg), (), {
-            "input_ids": _lm_batch(batch, g), "labels": _lm_batch(batch, g, seq=SEQ - 4)}
+            "input_ids": _lm_batch(batch, g, seq), "labels": _lm_batch(batch, g, seq - 4)}
     if name == "hf_vit":
         cfg = tf.ViTConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64,
                            num_attention_heads=4, image_size=16, patch_size=4, num_labels=5,
@@ -66,14 +68,14 @@ def make(name, batch=4, seed=0):
                                 num_attention_heads=4, embedding_size=32, vocab_size=VOCAB,
                                 max_position_embeddings=32, **small)
         return tf.ConvBertForMaskedLM(cfg), (), {
-            "input_ids": _lm_batch(batch, g), "labels": _lm_batch(batch, g)}
+            "input_ids": _lm_batch(batch, g, seq), "labels": _lm_batch(batch, g, seq)}
     if name == "hf_mixtral":  # mixture of experts in its fixed-shape form (docs/api.md)
         cfg = tf.MixtralConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64,
                                num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
                                max_position_embeddings=32, num_local_experts=4,
                                num_experts_per_tok=2, use_cache=False,
                                experts_implementation="batched_mm")
-        ids = _lm_batch(batch, g)
+        ids = _lm_batch(batch, g, seq)
         return tf.MixtralForCausalLM(cfg), (), {"input_ids": ids, "labels": ids}
     raise KeyError(name)
 

@@ -315,11 +315,13 @@ def test_an_exception_between_steps_ends_every_rank_in_seconds(stages):
     assert "finished though rank 1 failed" not in res.stdout
 
 
-@pytest.mark.parametrize("probe", ["mismatched_rows", "data_branch", "different_models"])
+@pytest.mark.parametrize("probe", ["mismatched_rows", "data_branch", "different_models",
+                                   "length_branch"])
 def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
     """Ranks with different batch sizes in one call (on every such call), control flow on
-    data that differs between ranks, different models: each rank raises the error naming
-    the cause, and nothing else fails (the loop can catch it and go on)."""
+    data that differs between ranks, different models, a sequence length for which the
+    model is another program than planned: each rank raises the error naming the cause, and
+    nothing else fails (the loop can catch it and go on)."""
     res = mpirun("loop_probes.py", 2, probe, timeout=300, env={"RANNC_COMM_TIMEOUT": "60"})
     assert res.returncode == 0, res.stdout[-4000:]
     for r in range(2):
@@ -342,7 +344,7 @@ def test_batch_size_may_change_between_calls(ranks, model, stages, micro, rows, 
     for r in range(ranks):
         assert f"OK rank {r}" in res.stdout, res.stdout[-4000:]
     if rows.startswith("4,4,1"):
-        assert ("local batch of 1 rows (traced with 4): the plan's stages and replicas re-split "
+        assert ("local batch of 1 rows (planned with 4): the plan's stages and replicas re-split "
                 "the rows; 2 micro-batch(es) instead of the plan's 4") in res.stdout
 
 

@@ -87,12 +87,13 @@ class Batches:
         """This rank's rows of a batch-shaped tensor of the last call."""
         return t[self.start:self.stop]
 
-    def __call__(self, seed, local_batch=4, input_grad=False):
-        """((global args, kwargs), (this rank's args, kwargs)) of batch `seed`. With
-        `input_grad`, the floating arguments are leaves that require grad, the global ones
-        and this rank's apart (its rows, or its own copy of a tensor without a batch)."""
+    def __call__(self, seed, local_batch=4, input_grad=False, length=None):
+        """((global args, kwargs), (this rank's args, kwargs)) of batch `seed` (sequences of
+        `length`, default the entry's). With `input_grad`, the floating arguments are leaves
+        that require grad, the global ones and this rank's apart (its rows, or its own copy
+        of a tensor without a batch)."""
         self.start, self.stop = local_batch * self.rank, local_batch * (self.rank + 1)
-        _, args, kwargs = make(self.name, batch=local_batch * self.world, seed=seed)
+        _, args, kwargs = make(self.name, batch=local_batch * self.world, seed=seed, length=length)
         leaves, spec = pytree.tree_flatten((args, kwargs))
         if input_grad:
             leaves = [t.detach().requires_grad_() if _floating(t) else t for t in leaves]
@@ -179,8 +180,9 @@ def no_dropout(model):
     return model
 
 
-def make(name, batch=4, seed=0):
-    """Returns (model, args, kwargs) for a zoo entry at the given batch size."""
+def make(name, batch=4, seed=0, length=None):
+    """Returns (model, args, kwargs) for a zoo entry at the given batch size; `length`: the
+    sequence length of the models that take sequences (gpt, transformer, hf_ language models)."""
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     if name in ("mlp", "mlp_tiny_loss"):
@@ -190,13 +192,13 @@ def make(name, batch=4, seed=0):
         return ResNet(), (torch.randn(batch, 3, 8, 8, generator=g),
                           torch.randint(0, 5, (batch,), generator=g)), {}
     if name == "transformer":
-        return Encoder(), (torch.randn(batch, 6, 16, generator=g),), {}
+        return Encoder(), (torch.randn(batch, length or 6, 16, generator=g),), {}
     if name == "transformer_loss":
-        return Encoder(), (torch.randn(batch, 6, 16, generator=g),), {
+        return Encoder(), (torch.randn(batch, length or 6, 16, generator=g),), {
             "labels": torch.randint(0, 3, (batch,), generator=g)}
     if name == "gpt":
-        return GPT(), (torch.randint(0, 50, (batch, 8), generator=g),
-                       torch.randint(0, 50, (batch, 8), generator=g)), {}
+        return GPT(), (torch.randint(0, 50, (batch, length or 8), generator=g),
+                       torch.randint(0, 50, (batch, length or 8), generator=g)), {}
     if name == "multi_io":
         x, y = torch.randn(batch, 8, generator=g), torch.randn(batch, 8, generator=g)
         kwargs = {"mask": (torch.rand(batch, 8, generator=g) > 0.2).float(),
@@ -211,7 +213,7 @@ def make(name, batch=4, seed=0):
         return LateScalar(), (torch.randn(batch, 64, generator=g), torch.randn(batch, 64, generator=g)), {}
     if name.startswith("hf_"):
         import hf_zoo  # transformers models (tests/python/hf_zoo.py)
-        return hf_zoo.make(name, batch=batch, seed=seed)
+        return hf_zoo.make(name, batch=batch, seed=seed, length=length)
     raise KeyError(name)
 
 

@@ -7,6 +7,9 @@ behaviour and prints "OK rank r", or fails the way the test expects.
                                        every such call, and training goes on after
     loop_probes.py data_branch         control flow on data that differs between ranks
     loop_probes.py different_models    the ranks build different models
+    loop_probes.py length_branch       the model takes another path for short sequences: a
+                                       new length that the plan cannot run is an error on
+                                       every rank naming the op, and training goes on
 """
 import sys
 import time
@@ -87,6 +90,30 @@ elif probe in ("data_branch", "different_models"):
                      "control flow depends on its input data")
     else:
         expect_error(lambda: wrapped(x), "the ranks built different models")
+    print(f"OK rank {rank}", flush=True)
+elif probe == "length_branch":
+    class LengthBranch(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = self.a(x)
+            if x.size(1) > 6:  # long sequences go through tanh
+                h = torch.tanh(h)
+            return self.b(h).pow(2).mean()
+
+    model = LengthBranch()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    wrapped = rannc.RaNNCModule(model, opt, num_stages=2, num_microbatches=2)
+    g = torch.Generator().manual_seed(rank)
+    train(wrapped, opt, (torch.randn(4, 8, 8, generator=g),))
+    for _ in range(2):  # the error comes on every such call
+        expect_error(lambda: wrapped(torch.randn(4, 4, 8, generator=g)),
+                     "at the new input shapes the model is another program than the one planned",
+                     "but was aten::tanh", "Pad the inputs to one length")
+    train(wrapped, opt, (torch.randn(4, 8, 8, generator=g),))
+    train(wrapped, opt, (torch.randn(4, 10, 8, generator=g),))  # the same program: runs
     print(f"OK rank {rank}", flush=True)
 else:
     raise SystemExit(f"unknown probe {probe}")

@@ -1,6 +1,6 @@
 """RaNNCModule's API besides training: clip_grad_norm over all stages, state_dict gathered
 under the original names, load_state_dict, save_plan/load_plan, options from the
-environment, unknown options, arguments of other shapes than traced."""
+environment, unknown options, arguments of other shapes than traced (traced again)."""
 import copy
 import os
 import sys
@@ -75,15 +75,26 @@ again = rannc.RaNNCModule(copy.deepcopy(reference), load_plan=plan_file)
 again(ids[rows], targets[rows])
 loaded = again.deployments["train"]
 assert loaded.to_bytes() == deployment.to_bytes()
-# [Note: fixed shapes] in module.py: a sequence of another length than traced is an error
-# that every rank raises together, naming the argument; the module goes on afterwards
-for length in (6, 10):
-    try:
-        again(ids[rows][:, :length].repeat(1, 2)[:, :length], targets[rows][:, :length].repeat(1, 2)[:, :length])
-        raise AssertionError(f"a sequence of {length} tokens ran on a plan traced at 8")
-    except rannc.Error as e:
-        assert f"argument args[0] is torch.int64 [*, {length}] in this call but was torch.int64 [*, 8]" in str(e), e
-        assert "only the batch dimension may change" in str(e), e
+# [Note: new input shapes] in module.py: a sequence of another length than traced is traced
+# again and runs the loaded plan, equal to PyTorch; a length seen before reuses its trace
+def length(t, n):
+    return t.repeat(1, 2)[:, :n].contiguous()
+
+
+for n in (6, 10, 6):
+    loss = again(length(ids[rows], n), length(targets[rows], n))
+    torch.testing.assert_close(loss.detach(), reference(length(ids, n), length(targets, n)).detach(),
+                               rtol=1e-4, atol=1e-6)
+    assert again.deployments["train"].to_bytes() == deployment.to_bytes()
+# ranks passing different lengths in one call: an error on every rank naming this rank's shapes;
+# the module goes on afterwards
+try:
+    n = 6 + rank
+    again(length(ids[rows], n), length(targets[rows], n))
+    raise AssertionError("ranks with different sequence lengths ran")
+except rannc.Error as e:
+    assert "the ranks' arguments differ in shape besides the batch dimension" in str(e), e
+    assert f"this rank passed args[0] int64 [*, {n}], args[1] int64 [*, {n}]" in str(e), e
 loss = again(ids[rows], targets[rows])
 torch.testing.assert_close(loss.detach(), reference(ids, targets).detach(), rtol=1e-4, atol=1e-6)
 print(f"OK rank {rank}", flush=True)

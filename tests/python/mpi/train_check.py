@@ -13,6 +13,7 @@ eval()/no_grad outputs. Exits non-zero on the first mismatch (on every rank).
     outside_accum: both
     --rows: the local batch of each step (cycled; default 4), e.g. 4,4,2 for the short last
             batch of an epoch
+    --lengths: the sequence length of each step (cycled), e.g. 8,5,12 for dynamic padding
     --input-grad: the floating arguments require grad; their gradients equal the
             reference's (this rank's rows, or the whole gradient of a tensor without a batch)
     --amp bf16|fp16: both run under torch.autocast("cpu", dtype) (fp16 with loss scaling:
@@ -42,6 +43,7 @@ ap.add_argument("--mode", default="plain", choices=["plain", "accum", "scale2", 
 ap.add_argument("--eval", action="store_true")
 ap.add_argument("--opt", nargs="*", default=[])
 ap.add_argument("--rows", default="4", help="local batch per step, cycled")
+ap.add_argument("--lengths", default="", help="sequence length per step, cycled (default the model's)")
 ap.add_argument("--input-grad", action="store_true")
 ap.add_argument("--amp", default="", choices=["", "bf16", "fp16"])
 ap.add_argument("--inject-inf", type=int, default=-1)
@@ -69,6 +71,7 @@ else:
 wrapped = rannc.RaNNCModule(model, opt, num_stages=a.stages, num_microbatches=a.micro, **options)
 batches = zoo.Batches(a.model, world, rank)
 step_rows = [int(r) for r in a.rows.split(",")]
+step_lengths = [int(n) for n in a.lengths.split(",")] if a.lengths else []
 loss_of = zoo.loss_of
 
 
@@ -180,8 +183,9 @@ for step in range(a.steps):
     opt.zero_grad()
     ref_opt.zero_grad()
     n = step_rows[step % len(step_rows)]
+    length = step_lengths[step % len(step_lengths)] if step_lengths else None
     for call in range(calls):
-        (g_args, g_kwargs), (l_args, l_kwargs) = batches(100 + 10 * step + call, n, a.input_grad)
+        (g_args, g_kwargs), (l_args, l_kwargs) = batches(100 + 10 * step + call, n, a.input_grad, length)
         with autocast_for_rannc():
             out = wrapped(*l_args, **l_kwargs)
         with autocast():
