@@ -45,11 +45,14 @@ HF_LAYOUTS = [
     (2, "hf_swin", 2, 2, []),                                # shifted windows, x * x
     (2, "hf_convbert", 2, 2, []),                            # x += bias: in-place writes
     (2, "hf_mixtral", 2, 2, []),                             # mixture of experts (batched_mm)
+    (2, "hf_t5", 2, 2, ["--lengths", "16,12,20"]),           # dynamic padding: new lengths
+    (2, "hf_llama", 2, 2, ["--lengths", "16,9,20"]),
 ]
 
 
 @pytest.mark.parametrize("ranks,model,stages,micro,extra", HF_LAYOUTS,
                          ids=[f"{r}ranks-{m}-{s}st-{mb}mb" + ("-fd" if "schedule=fill_drain" in e else "")
+                              + ("-lengths" if "--lengths" in e else "")
                               for r, m, s, mb, e in HF_LAYOUTS])
 def test_hf_training_equals_pytorch(ranks, model, stages, micro, extra):
     res = mpirun("train_check.py", ranks, model, "--stages", stages, "--micro", micro,

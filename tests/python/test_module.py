@@ -267,9 +267,8 @@ except rannc.Error as e:
 
 
 def test_one_rank_with_one_stage_takes_sequences_of_any_length():
-    """[Note: fixed shapes] in module.py: several ranks must keep the traced shape (tested in
-    module_api_check.py), but one rank running one stage in one micro-batch moves nothing,
-    so sequences of other lengths than traced train as in PyTorch."""
+    """[Note: new input shapes] in module.py: one rank running one stage in one micro-batch
+    (the plan of a single GPU) trains sequences of other lengths than traced as PyTorch."""
     here = os.path.dirname(__file__)
     script = f"""
 import copy, sys
@@ -346,6 +345,26 @@ def test_batch_size_may_change_between_calls(ranks, model, stages, micro, rows, 
     if rows.startswith("4,4,1"):
         assert ("local batch of 1 rows (planned with 4): the plan's stages and replicas re-split "
                 "the rows; 2 micro-batch(es) instead of the plan's 4") in res.stdout
+
+
+@pytest.mark.parametrize("ranks,model,stages,micro,lengths,extra", [
+    (2, "gpt", 2, 2, "8,5,12,5", ["--eval"]),
+    (4, "gpt", 2, 2, "8,12,5,12", ["--opt", "replicas=2,2", "--rows", "4,3,4,2"]),  # rows too
+    (2, "transformer", 2, 2, "6,4,9", ["--mode", "outside"]),   # fill-drain
+    (2, "gpt", 2, 4, "8,5,12", ["--opt", "schedule=zb_h1"]),     # split backward
+])
+def test_sequence_length_may_change_between_calls(ranks, model, stages, micro, lengths, extra):
+    """[Note: new input shapes] in module.py: each new length is traced again and runs the
+    plan made at the first one (rank 0 logs it once per length); loss, gradients and
+    parameters after every step equal PyTorch on the concatenated batch."""
+    res = mpirun("train_check.py", ranks, model, "--stages", stages, "--micro", micro,
+                 "--steps", len(lengths.split(",")), "--lengths", lengths, *extra, timeout=300,
+                 env={"RANNC_COMM_TIMEOUT": "60"})
+    assert res.returncode == 0, res.stdout[-4000:]
+    for r in range(ranks):
+        assert f"OK rank {r}" in res.stdout, res.stdout[-4000:]
+    new = len(set(lengths.split(","))) - 1
+    assert res.stdout.count("new input shapes") == new, res.stdout[-4000:]
 
 
 def test_a_scalar_shape_value_crossing_stages_is_given_as_a_scalar():

@@ -295,5 +295,76 @@ TEST(ADeployment, RefusesChunksThatDoNotShareTheirGroupsRanks) {
   EXPECT_THROW(deserializeDeployment(serializeDeployment(mixed), g), SerializationError);
 }
 
+
+// [Note: new input shapes] A trace at other input shapes runs the plan of the first one when
+// it is the same program; otherwise the error names the first op that differs.
+std::string rebindRefusal(const Deployment& d, const ir::Graph& planned, const ir::Graph& now) {
+  try {
+    rebindDeployment(d, planned, now);
+  } catch (const TraceError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(ARebindDeployment, RunsThePlanOnTheSameProgramAtOtherShapes) {
+  ir::Graph planned = uniformChain(8, 64);
+  ir::Graph wider = uniformChain(8, 32);  // the same ops on other sizes
+  ASSERT_NE(planned.contentHash(), wider.contentHash());
+  AnalyticCostModel m(planned, DeviceSpec{});
+  Deployment d = planChain(planned, m);
+  Deployment r = rebindDeployment(d, planned, wider);
+  EXPECT_EQ(r.graph_hash, wider.contentHash());
+  ASSERT_EQ(r.numStages(), d.numStages());
+  for (int s = 0; s < d.numStages(); ++s) {
+    EXPECT_EQ(r.stages[s].tasks, d.stages[s].tasks);
+    EXPECT_EQ(r.stages[s].ranks, d.stages[s].ranks);
+  }
+  EXPECT_EQ(r.micro_batches, d.micro_batches);
+  EXPECT_EQ(r.pipelines, d.pipelines);
+  EXPECT_NO_THROW(validateDeployment(wider, r));
+  // it loads against the new graph, and not against the planned one
+  EXPECT_NO_THROW(deserializeDeployment(serializeDeployment(r), wider));
+  EXPECT_THROW(deserializeDeployment(serializeDeployment(r), planned), SerializationError);
+}
+
+TEST(ARebindDeployment, NamesTheFirstOpThatDiffers) {
+  ir::Graph planned = uniformChain(8, 64);
+  AnalyticCostModel m(planned, DeviceSpec{});
+  Deployment d = planChain(planned, m);
+
+  ir::Graph longer = uniformChain(9, 64);
+  EXPECT_NE(rebindRefusal(d, planned, longer).find("9 ops instead of 8, from task 8 (aten::linear (module 'layer8')) on"),
+            std::string::npos)
+      << rebindRefusal(d, planned, longer);
+
+  // uniformChain(8, 64) with layer 3 another op
+  ir::Graph other;
+  other.setBatchSize(8);
+  ir::ValueId cur = testing::act(other, "x", 64, ir::ValueRole::Input);
+  other.setInputs({cur});
+  for (int i = 0; i < 8; ++i) {
+    ir::ValueId w = testing::param(other, "w" + std::to_string(i), {64, 64});
+    ir::ValueId out = testing::act(other, "h" + std::to_string(i), 64);
+    other.addTask(i == 3 ? "aten::matmul" : "aten::linear", {cur, w}, {out}, "layer" + std::to_string(i));
+    cur = out;
+  }
+  other.setOutputs({cur});
+  const std::string why = rebindRefusal(d, planned, other);
+  EXPECT_NE(why.find("at the new input shapes the model is another program than the one planned: task 3 is "
+                     "aten::matmul (module 'layer3') but was aten::linear (module 'layer3')"),
+            std::string::npos)
+      << why;
+  EXPECT_NE(why.find("Pad the inputs to one length"), std::string::npos) << why;
+
+  ir::Graph unbatched = uniformChain(8, 64);
+  unbatched.mutableValue(unbatched.task(2).outputs[0]).batch_dim = 1;
+  EXPECT_NE(rebindRefusal(d, planned, unbatched).find("is batch dimension 1 instead of 0"), std::string::npos)
+      << rebindRefusal(d, planned, unbatched);
+
+  // a plan of another graph is a caller's mistake, not the model's
+  EXPECT_THROW(rebindDeployment(d, other, planned), Error);
+}
+
 }  // namespace
 }  // namespace rannc::partition
