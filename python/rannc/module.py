@@ -183,14 +183,20 @@ class _Deployed:
         state = self.graph._trace.state.tensors(self.owner.module)
         signature = repr([(n, tuple(t.shape), str(t.dtype))
                           for n, t in zip(self.graph._trace.state.names, state)])
+        inputs = ir.inputs[len(state):]
+        shapes = _shapes_but_batch(zip(self.graph._trace.inputs.tensors,
+                                       (ir.value(v).batch_dim for v in inputs)))
         mine = torch.tensor([ir.content_hash() & 0x7FFFFFFFFFFFFFFF, self.graph.batch_size,
-                             zlib.crc32(signature.encode())], dtype=torch.int64)
-        everyone = torch.empty(comm.size, 3, dtype=torch.int64)
+                             zlib.crc32(signature.encode()), zlib.crc32(repr(shapes).encode())],
+                            dtype=torch.int64)
+        everyone = torch.empty(comm.size, 4, dtype=torch.int64)
         comm.all_gather(mine, everyone).wait()
-        hashes, batches, models = (everyone[:, i].tolist() for i in range(3))
+        hashes, batches, models, arguments = (everyone[:, i].tolist() for i in range(4))
         if len(set(batches)) > 1:
             raise failure.agreed(f"local batches must have the same size on every rank; got "
                                  f"{dict(enumerate(batches))} (rank: rows)")
+        if len(set(arguments)) > 1:
+            raise _shapes_differ(arguments, self.graph._trace.inputs, shapes)
         if len(set(models)) > 1:
             raise failure.agreed("the ranks built different models (their parameters and "
                                  "buffers differ in names, shapes or dtypes); every rank must "
@@ -344,21 +350,12 @@ class _Deployed:
         takes a size from another as traced: so each new shape is traced again, on every
         rank together, and runs the plan made at the first shapes when the trace is the same
         program (partition::rebindDeployment), else the error names the op that differs."""
-        shapes = []
-        for vid, t in local.items():
-            if isinstance(t, torch.Tensor):
-                dim = self.engine.value(vid).batch_dim
-                shapes.append((str(t.dtype).replace("torch.", ""),
-                               tuple(-1 if k == dim else n for k, n in enumerate(t.shape))))
-        return tuple(shapes)
+        return _shapes_but_batch((t, self.engine.value(vid).batch_dim) for vid, t in local.items())
 
     def describe_shapes(self, shapes: tuple | None = None) -> str:
         """"kwargs['input_ids'] int64 [*, 16], ..." for `shapes` (default: this deployment's
         traced ones; * is the batch)."""
-        example = self.graph._trace.inputs
-        return ", ".join(
-            f"{example.paths[slot]} {dtype} [{', '.join('*' if n < 0 else str(n) for n in shape)}]"
-            for slot, (dtype, shape) in zip(example.tensor_slots, shapes or self.shapes))
+        return _describe_shapes(self.graph._trace.inputs, shapes or self.shapes)
 
     def _agree(self, rows: int, shapes: tuple):
         """Every rank's local batch must have the same rows and its arguments the same shapes
@@ -373,14 +370,7 @@ class _Deployed:
         comm.all_gather(torch.tensor([rows, mine], dtype=torch.int64), everyone).wait()
         sizes, signatures = everyone[0::2].tolist(), everyone[1::2].tolist()
         if len(set(signatures)) > 1:
-            differ = [r for r, sig in enumerate(signatures) if sig != signatures[0]]
-            raise failure.agreed(
-                f"the ranks' arguments differ in shape besides the batch dimension (ranks "
-                f"{differ} differ from rank 0; this rank passed "
-                f"{self.describe_shapes(shapes)}): every rank must pass the same shapes in "
-                "a call, since the ranks' batches are rows of one global batch. Pad every "
-                "rank's batch to the same length (transformers tokenizers: "
-                "padding=\"max_length\", or a collator that pads to a fixed length)")
+            raise _shapes_differ(signatures, self.graph._trace.inputs, shapes)
         if len(set(sizes)) > 1:
             raise failure.agreed(f"local batches must have the same size on every rank in "
                                  f"each call; got {dict(enumerate(sizes))} (rank: rows)")
@@ -500,6 +490,35 @@ class _Deployed:
                 if vid != engine.loss_vid and t.is_floating_point():
                     tensors[i] = _NoGradientPath.apply(anchor, t, f"#{i} ({engine.value(vid).name or vid})")
         return self.graph._rebuild_output(tensors)
+
+
+def _shapes_but_batch(tensors_and_batch_dims) -> tuple:
+    """[Note: new input shapes] The dtype and shape of each tensor argument, -1 in its batch
+    dimension, from (argument, batch_dim) pairs."""
+    return tuple((str(t.dtype).replace("torch.", ""),
+                  tuple(-1 if k == dim else n for k, n in enumerate(t.shape)))
+                 for t, dim in tensors_and_batch_dims if isinstance(t, torch.Tensor))
+
+
+def _describe_shapes(example, shapes) -> str:
+    """"kwargs['input_ids'] int64 [*, 16], ..." (* is the batch); `example`: the traced
+    arguments (their paths)."""
+    return ", ".join(
+        f"{example.paths[slot]} {dtype} [{', '.join('*' if n < 0 else str(n) for n in shape)}]"
+        for slot, (dtype, shape) in zip(example.tensor_slots, shapes))
+
+
+def _shapes_differ(signatures, example, shapes) -> Exception:
+    """The agreed error for ranks whose arguments differ in shape (`signatures`: one crc per
+    rank; `shapes`: this rank's)."""
+    differ = [r for r, sig in enumerate(signatures) if sig != signatures[0]]
+    return failure.agreed(
+        f"the ranks' arguments differ in shape besides the batch dimension (ranks {differ} "
+        f"differ from rank 0; this rank passed {_describe_shapes(example, shapes)}): every "
+        "rank must pass the same shapes in a call, since the ranks' batches are rows of one "
+        "global batch. Pad every rank's batch to the longest of the call "
+        "(rannc.pad_to_same_length) or to a fixed length (transformers tokenizers: "
+        "padding=\"max_length\")")
 
 
 def _checkpoint():

@@ -7,6 +7,10 @@ behaviour and prints "OK rank r", or fails the way the test expects.
                                        every such call, and training goes on after
     loop_probes.py data_branch         control flow on data that differs between ranks
     loop_probes.py different_models    the ranks build different models
+    loop_probes.py padded_lengths      each rank's batch has its own length (a per-rank
+                                       collator); rannc.pad_to_same_length pads them to the
+                                       longest of the global batch: equal to PyTorch on the
+                                       padded global batch; unpadded, an error naming the cause
     loop_probes.py length_branch       the model takes another path for short sequences: a
                                        new length that the plan cannot run is an error on
                                        every rank naming the op, and training goes on
@@ -114,6 +118,53 @@ elif probe == "length_branch":
                      "but was aten::tanh", "Pad the inputs to one length")
     train(wrapped, opt, (torch.randn(4, 8, 8, generator=g),))
     train(wrapped, opt, (torch.randn(4, 10, 8, generator=g),))  # the same program: runs
+    print(f"OK rank {rank}", flush=True)
+elif probe == "padded_lengths":
+    import copy
+
+    import torch.nn.functional as F
+
+    import hf_zoo
+    world = rannc.get_world_size()
+    model, _, _ = hf_zoo.make("hf_bert", batch=4)
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    # One micro-batch: the loss's mean over the labels that are not -100 is then taken over
+    # the whole global batch, as in the reference (several micro-batches weight their means
+    # by rows, as gradient accumulation does: docs/api.md).
+    wrapped = rannc.RaNNCModule(model, opt, num_stages=2, num_microbatches=1)
+    PAD = {"input_ids": 0, "attention_mask": 0, "labels": -100}
+
+    def rank_batch(r, step):
+        """Rank r's batch at `step`, padded to its own longest sequence (as a collator does)."""
+        _, _, kwargs = hf_zoo.make("hf_bert", batch=4, seed=100 * step + r, length=9 + 3 * r + step)
+        return kwargs
+
+    for step in range(3):
+        mine = rank_batch(rank, step)
+        if step == 0:
+            expect_error(lambda: wrapped(**mine), "the ranks' arguments differ in shape besides the "
+                         "batch dimension", f"this rank passed kwargs['input_ids'] int64 [*, {9 + 3 * rank}]")
+        padded = rannc.pad_to_same_length(mine, PAD, multiple_of=4)
+        # the reference: every rank's batch padded by hand to the longest, rounded up to 4
+        batches = [rank_batch(r, step) for r in range(world)]
+        target = -(-max(b["input_ids"].shape[1] for b in batches) // 4) * 4
+        assert padded["input_ids"].shape[1] == target, (padded["input_ids"].shape, target)
+        glob = {k: torch.cat([F.pad(b[k], (0, target - b[k].shape[1]), value=v) for b in batches])
+                for k, v in PAD.items()}
+        loss = wrapped(**padded).loss
+        ref_loss = reference(**glob).loss
+        torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1e-4, atol=1e-6)
+        loss.backward()
+        ref_loss.backward()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    ref = dict(reference.named_parameters())
+    for n, p in model.named_parameters():
+        if p.numel():  # the parameters of this rank's stage
+            torch.testing.assert_close(p, ref[n], rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")
     print(f"OK rank {rank}", flush=True)
 else:
     raise SystemExit(f"unknown probe {probe}")
