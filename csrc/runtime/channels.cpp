@@ -1,5 +1,8 @@
 #include "runtime/channels.h"
 
+#include <map>
+#include <tuple>
+
 #include "comm/nccl_communicator.h"
 #include "comm/world.h"
 #include "common/error.h"
@@ -127,9 +130,17 @@ std::unique_ptr<Channels> ncclChannels(const std::vector<ChannelKey>& keys, c10:
 
 std::shared_ptr<comm::Communicator> groupCommunicator(const std::vector<int>& ranks, bool nccl,
                                                       c10::Device device) {
+  // One per group for the process: the engines of every mode and input shape of a plan
+  // ([Note: new input shapes] in python/rannc/module.py) have the same gradient groups, and
+  // an NCCL communicator holds device memory. Every rank creates engines in the same order,
+  // so the members of a group all find it here or all create it together.
+  using Key = std::tuple<std::vector<int>, bool, int>;
+  static std::map<Key, std::shared_ptr<comm::Communicator>> groups;
+  auto& group = groups[Key{ranks, nccl, nccl ? device.index() : -1}];
+  if (group) return group;
 #ifdef RANNC_HAVE_NCCL
   if (nccl) {
-    auto group = comm::worldCudaCommunicator(device.index())->subgroup(ranks);
+    group = comm::worldCudaCommunicator(device.index())->subgroup(ranks);
     warmUpGroup(*group, device);  // [Note: NCCL warm-up]
     return group;
   }
@@ -137,7 +148,8 @@ std::shared_ptr<comm::Communicator> groupCommunicator(const std::vector<int>& ra
   (void)device;
   RANNC_CHECK(!nccl, "NCCL asked for in a build without it");
 #endif
-  return comm::worldCpuCommunicator()->subgroup(ranks);
+  group = comm::worldCpuCommunicator()->subgroup(ranks);
+  return group;
 }
 
 }  // namespace rannc::runtime

@@ -37,9 +37,9 @@ std::unique_ptr<Channels> ncclChannels(const std::vector<ChannelKey>& keys, c10:
 comm::WorkPtr stagedThroughHost(comm::WorkPtr work, at::Tensor host, at::Tensor target);
 
 // The communicator that all-reduces gradients among `ranks` (ascending, this rank among
-// them; collective over them): NCCL on `device` for CUDA stages where `nccl` (warmed up
-// as it is made), else MPI (CUDA tensors then go through host memory: GradBuckets stages
-// them).
+// them; collective over them the first time, then shared by every engine that asks): NCCL
+// on `device` for CUDA stages where `nccl` (warmed up as it is made), else MPI (CUDA
+// tensors then go through host memory: GradBuckets stages them).
 std::shared_ptr<comm::Communicator> groupCommunicator(const std::vector<int>& ranks, bool nccl,
                                                       c10::Device device);
 
