@@ -54,6 +54,18 @@ def test_one_rank_nccl_schedules_equal_pytorch(stages, extra):
     _ok(res, 1)
 
 
+@pytest.mark.parametrize("ranks,model,lengths,extra", [
+    (1, "hf_gpt2", "16,12,20", []),                     # one rank: NCCL groups, shared
+    (2, "gpt", "8,5,12", ["data_plane=mpi"]),
+    (2, "hf_t5", "16,12,20", ["data_plane=mpi"])])
+def test_new_sequence_lengths_on_cuda_equal_pytorch(ranks, model, lengths, extra):
+    """[Note: new input shapes]: each new length is traced again (the stages' parameters go
+    home for the trace and back to the GPU) and runs the first plan."""
+    res = mpirun("train_check.py", ranks, model, "--stages", ranks, "--micro", 2, "--steps", 3,
+                 "--lengths", lengths, "--opt", "device=cuda", *extra, timeout=300)
+    _ok(res, ranks)
+
+
 @pytest.mark.parametrize("ranks,amp,extra", [
     (1, "bf16", []), (2, "bf16", ["data_plane=mpi"]), (1, "fp16", []),
     (2, "fp16", ["data_plane=mpi"])])
