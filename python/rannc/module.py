@@ -611,9 +611,11 @@ class RaNNCModule(torch.nn.Module):
                     deployed = self._deploy(mode, args, kwargs, amp)
                 elif not mode:
                     self.placement.before_eval()
+                out = deployed.run(args, kwargs)
+                # after the call: deploying new input shapes in it gathers current weights
                 if mode:
                     self.placement.trained()
-                return deployed.run(args, kwargs)
+                return out
         except _C.CommError:
             raise
         except Exception as e:

@@ -11,6 +11,8 @@ behaviour and prints "OK rank r", or fails the way the test expects.
                                        collator); rannc.pad_to_same_length pads them to the
                                        longest of the global batch: equal to PyTorch on the
                                        padded global batch; unpadded, an error naming the cause
+    loop_probes.py eval_after_new_length  training at a new length between evaluations: the
+                                       eval stages get the weights the training updated
     loop_probes.py length_branch       the model takes another path for short sequences: a
                                        new length that the plan cannot run is an error on
                                        every rank naming the op, and training goes on
@@ -165,6 +167,57 @@ elif probe == "padded_lengths":
     for n, p in model.named_parameters():
         if p.numel():  # the parameters of this rank's stage
             torch.testing.assert_close(p, ref[n], rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")
+    print(f"OK rank {rank}", flush=True)
+elif probe == "eval_after_new_length":
+    import copy
+
+    class FrozenFirst(nn.Module):
+        """Frozen layers first: training (no backward there) puts trainable layer 8 on the
+        first stage, evaluation on the second, so eval's rank needs training's weights."""
+
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Linear(512, 512) for _ in range(12)])
+            for layer in self.layers[:8]:
+                layer.requires_grad_(False)
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = torch.tanh(layer(x))
+            return x.pow(2).mean()
+
+    world = rannc.get_world_size()
+    torch.manual_seed(0)
+    model = FrozenFirst()
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    ref_opt = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=0.5)
+    wrapped = rannc.RaNNCModule(model, opt, num_stages=2)
+    rows = slice(32 * rank, 32 * (rank + 1))
+    # evaluated at the first length: eval deploys no new shape (which would gather weights)
+    x_eval = torch.randn(32 * world, 2, 512, generator=torch.Generator().manual_seed(99))
+    for step, length in enumerate((2, 3, 3)):
+        x = torch.randn(32 * world, length, 512, generator=torch.Generator().manual_seed(step))
+        model.train()
+        loss, ref_loss = wrapped(x[rows]), reference(x)
+        torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1e-4, atol=1e-6)
+        for o, l in ((opt, loss), (ref_opt, ref_loss)):
+            l.backward()
+            o.step()
+            o.zero_grad()
+        model.eval()
+        with torch.no_grad():
+            torch.testing.assert_close(wrapped(x_eval[rows]), reference(x_eval), rtol=1e-4, atol=1e-6,
+                                       msg=lambda m: f"rank {rank}: eval after step {step}: {m}")
+        # every weight this rank holds is current (eval's ranks got training's updates)
+        for (name, p), ref_p in zip(model.named_parameters(), reference.parameters()):
+            if p.numel():
+                torch.testing.assert_close(p.detach(), ref_p.detach(), rtol=1e-5, atol=1e-7,
+                                           msg=lambda m: f"rank {rank}: {name} after step {step}: {m}")
+    train_first = [len(s.tasks) for s in wrapped.deployments["train"].stages][0]
+    eval_first = [len(s.tasks) for s in wrapped.deployments["eval"].stages][0]
+    # the case this probe is for (profiled plans: checked, not assumed)
+    assert train_first > eval_first, (train_first, eval_first)
     print(f"OK rank {rank}", flush=True)
 else:
     raise SystemExit(f"unknown probe {probe}")
