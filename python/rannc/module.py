@@ -127,6 +127,10 @@ class _Deployed:
         self.amp = amp  # the autocast dtype traced into the graph (None: fp32)
         ir = self.graph.ir
         rank, world = _C.get_rank(), _C.get_world_size()
+        # the arguments' shapes but the batch -> the deployment of this mode that runs them
+        n_state = len(self.graph._trace.state.names)
+        self.shapes = _shapes_but_batch(zip(self.graph._trace.inputs.tensors,
+                                            (ir.value(v).batch_dim for v in ir.inputs[n_state:])))
         self._check_agreement(ir)
         # Training without a single scalar loss to seed 1F1B takes gradients from outside.
         has_loss = sum(1 for v in ir.outputs if ir.value(v).is_loss) == 1
@@ -161,8 +165,6 @@ class _Deployed:
         state = dict(zip(self.state_ids, state_tensors))
         self.engine = Engine(self.graph._trace.traced, deployment, rank, world,
                              self.planned_rows, state, device=owner.device, nccl=owner.nccl)
-        # input shapes (but the batch) -> the deployment of this mode that runs them
-        self.shapes = self._shapes(dict(zip(self.input_ids, self.graph._trace.inputs.tensors)))
         self.variants = {self.shapes: self}
         self.unrunnable = {}  # input shapes -> why the plan cannot run them (agreed)
         self.own = self.engine.own  # the parameters this rank updates
@@ -183,11 +185,8 @@ class _Deployed:
         state = self.graph._trace.state.tensors(self.owner.module)
         signature = repr([(n, tuple(t.shape), str(t.dtype))
                           for n, t in zip(self.graph._trace.state.names, state)])
-        inputs = ir.inputs[len(state):]
-        shapes = _shapes_but_batch(zip(self.graph._trace.inputs.tensors,
-                                       (ir.value(v).batch_dim for v in inputs)))
         mine = torch.tensor([ir.content_hash() & 0x7FFFFFFFFFFFFFFF, self.graph.batch_size,
-                             zlib.crc32(signature.encode()), zlib.crc32(repr(shapes).encode())],
+                             zlib.crc32(signature.encode()), zlib.crc32(repr(self.shapes).encode())],
                             dtype=torch.int64)
         everyone = torch.empty(comm.size, 4, dtype=torch.int64)
         comm.all_gather(mine, everyone).wait()
@@ -196,7 +195,7 @@ class _Deployed:
             raise failure.agreed(f"local batches must have the same size on every rank; got "
                                  f"{dict(enumerate(batches))} (rank: rows)")
         if len(set(arguments)) > 1:
-            raise _shapes_differ(arguments, self.graph._trace.inputs, shapes)
+            raise _shapes_differ(arguments, self.graph._trace.inputs, self.shapes)
         if len(set(models)) > 1:
             raise failure.agreed("the ranks built different models (their parameters and "
                                  "buffers differ in names, shapes or dtypes); every rank must "
@@ -643,10 +642,10 @@ class RaNNCModule(torch.nn.Module):
         state tensors that no deployed stage on this rank uses. `plan_from`: the mode's
         deployment at other input shapes, whose plan the new trace runs."""
         self.placement.materialize()
+        # Profiling runs the pieces on the module's own buffers, and a batch norm in training
+        # mode updates its running statistics each time: keep the values from before.
+        buffers = [(b, b.detach().clone()) for b in self.module.buffers()]
         try:
-            # Profiling runs the pieces on the module's own buffers, and a batch norm in
-            # training mode updates its running statistics each time: keep the values.
-            buffers = [(b, b.detach().clone()) for b in self.module.buffers()]
             # Traced where the model is, in the precision the stages' device would compute in.
             home = self._home.type
             start = time.perf_counter()
@@ -660,16 +659,18 @@ class RaNNCModule(torch.nn.Module):
                     graph = TracedGraph(self.module, args, kwargs)
                 deployed = _Deployed(self, graph, args, kwargs, amp, time.perf_counter() - start,
                                      plan_from=plan_from)
+        finally:
             with torch.no_grad():
                 for b, before in buffers:
                     b.copy_(before)
             del buffers
-        except Exception as e:
-            if plan_from is not None and getattr(e, "on_every_rank", False):
-                self.placement.settle()  # the deployed shapes go on running
-            raise
-        if plan_from is None:
-            self._deployed[mode] = deployed
+            if plan_from is not None:
+                # the mode's plan, so each tensor's ranks are as before: free and place again
+                # (also when the new shapes fail, and the deployed ones go on running)
+                self.placement.settle()
+        if plan_from is not None:
+            return deployed
+        self._deployed[mode] = deployed
         if mode:
             self.optimizer_share.keep_only({id(t) for t in deployed.own.values()})
         self.placement.add_mode(mode, deployed)

@@ -134,12 +134,11 @@ class StatePlacement:
             for v in vids:
                 users[position[v]] = set(ranks)
         self._users[mode] = users
-        self._release()
-        self._place()
+        self.settle()
 
     def settle(self):
-        """Back to the deployed placement after materialize() (a new mode or shapes failed
-        to deploy): frees and moves again what the deployed stages of this rank do not keep."""
+        """The deployed placement (after materialize() or a new mode): frees what no deployed
+        stage on this rank uses and moves the rest to this rank's device."""
         self._release()
         self._place()
 
