@@ -93,6 +93,15 @@ void bindRuntime(py::module& m) {
       .def_property_readonly("own", &PipelineEngine::ownParameters)
       .def_property_readonly("batch_output_ids", &PipelineEngine::batchOutputIds)
       .def("producer_of", &PipelineEngine::producerOf, py::arg("value"))
+      .def_property_readonly("token_means", [](const PipelineEngine& e) {
+        // [Note: token-mean losses]: the ops made exact, and those weighted by rows with why
+        py::dict d;
+        py::list exact;
+        for (const auto& loss : e.tokenMeans().exact) exact.append(e.describeTask(loss.task));
+        d["exact"] = exact;
+        d["row_weighted"] = e.tokenMeans().row_weighted;
+        return d;
+      })
       .def("grad_groups", &PipelineEngine::gradientGroups)
       .def("use_batch", &PipelineEngine::useBatch, py::arg("local_batch"))
       .def("set_input_grads", &PipelineEngine::setInputGrads, py::arg("ids"))

@@ -15,6 +15,8 @@
 
 namespace rannc::frontend {
 
+struct TokenMeanLosses;  // token_means.h
+
 struct TracedModel {
   ir::Graph graph;
   std::shared_ptr<torch::jit::Graph> jit_graph;
@@ -25,6 +27,8 @@ struct TracedModel {
   std::vector<ir::TaskId> order;                  // a topological order of the tasks
   // Module path -> class name, to name modules in messages ("encoder.layers.3 (Block)").
   std::unordered_map<std::string, std::string> module_classes;
+  // Set by tokenMeanLosses() on its first call, which wraps those losses' operations.
+  mutable std::shared_ptr<const TokenMeanLosses> token_means;
 
   // "op aten::view in module 'encoder.layers.3' (Block) at model.py:42"
   std::string describeTask(ir::TaskId task) const;

@@ -7,6 +7,7 @@
 
 #include "common/error.h"
 #include "frontend/dtypes.h"
+#include "frontend/token_means.h"
 
 namespace rannc::runtime {
 namespace {
@@ -42,9 +43,15 @@ PipelineEngine::PipelineEngine(std::shared_ptr<const frontend::TracedModel> mode
                                c10::Device device, bool nccl, int64_t bucket_bytes)
     : model_(std::move(model)), graph_(model_->graph), deployment_(std::move(deployment)),
       rank_(rank), world_size_(world_size), device_(device), nccl_(nccl) {
+  // before the executors copy the operations ([Note: token-mean losses])
+  token_means_ = &frontend::tokenMeanLosses(*model_);
   for (int s = 0; s < deployment_.numStages(); ++s) {
     pieces_.push_back(partition::stageSubgraph(graph_, deployment_.stages[s]));
     for (ir::ValueId v : pieces_.back().outputs) producer_[v] = s;
+    for (const frontend::TokenMeanLoss& loss : token_means_->exact) {
+      const auto& tasks = pieces_.back().tasks;
+      if (std::find(tasks.begin(), tasks.end(), loss.task) != tasks.end()) token_mean_stages_.push_back(s);
+    }
   }
   graph_inputs_ = {graph_.inputs().begin(), graph_.inputs().end()};
   graph_outputs_ = {graph_.outputs().begin(), graph_.outputs().end()};
@@ -219,11 +226,27 @@ StepOutputs PipelineEngine::step(const std::map<ir::ValueId, c10::IValue>& local
       seeds_[m][loss_id_] = Seed{loss_scale * double(rows.size()) / double(L.globalBatch()), {}};
     }
   }
+  scaleTokenMeans(local);
   return execute(programFor(train ? StepMode::Train : StepMode::Eval), &local, train);
+}
+
+void PipelineEngine::scaleTokenMeans(const std::map<ir::ValueId, c10::IValue>& local) {
+  if (token_means_->exact.empty()) return;
+  const Layout& L = config_->layout;
+  bool shared = false;  // the same on every rank: the layout is global
+  for (int s : token_mean_stages_) shared |= L.microBatches() * L.pipelines() * L.replicas(s) > 1;
+  if (!shared) {  // one share of the global batch: the op's own mean is the global one
+    frontend::setShareScales(*token_means_, nullptr);
+    return;
+  }
+  at::Tensor counts = frontend::localTargetCounts(*model_, *token_means_, local);
+  if (world_size_ > 1) comm::worldCpuCommunicator()->allReduce(counts)->wait();
+  frontend::setShareScales(*token_means_, &counts);
 }
 
 StepOutputs PipelineEngine::forwardForBackward(const std::map<ir::ValueId, c10::IValue>& local) {
   for (Chunk& c : chunks_) c.executor->discard();  // a training forward whose backward never came
+  scaleTokenMeans(local);
   return execute(programFor(StepMode::FillDrainForward), &local, true);
 }
 

@@ -35,6 +35,7 @@
 #include <ATen/ATen.h>
 
 #include "partition/plan.h"
+#include "frontend/token_means.h"
 #include "runtime/channels.h"
 #include "runtime/grad_buckets.h"
 #include "runtime/layout.h"
@@ -126,6 +127,9 @@ class PipelineEngine {
   void applyStepGrads(double scale);
   // After a step with backwards: the gradients of the arguments setInputGrads() named.
   const std::map<ir::ValueId, at::Tensor>& inputGrads() const { return input_grads_; }
+  // The model's mean losses over a count the data decides ([Note: token-mean losses]).
+  const frontend::TokenMeanLosses& tokenMeans() const { return *token_means_; }
+  std::string describeTask(ir::TaskId task) const { return model_->describeTask(task); }
   // The dtype of output `value` of micro-batch `m` in the last forwards.
   at::ScalarType outputDtype(int m, ir::ValueId value) const;
   const StepTimes& lastStepTimes() const { return times_; }
@@ -158,6 +162,10 @@ class PipelineEngine {
   using PostedByValue = std::map<ir::ValueId, std::vector<Posted>>;
 
   void configure(int64_t local_batch, bool cap_micro_batches);
+  // Before a step's forwards: the token-mean losses' share scales from the global target
+  // counts ([Note: token-mean losses] in frontend/token_means.h). Collective when the
+  // global batch is cut into several shares of such a loss's stage.
+  void scaleTokenMeans(const std::map<ir::ValueId, c10::IValue>& local);
   // The step's gradients of ownParameters(), in its order; .grad += each.
   std::vector<at::Tensor> stepGradList() const;
   void addToGrads(const std::vector<at::Tensor>& grads);
@@ -195,6 +203,8 @@ class PipelineEngine {
   std::map<ir::ValueId, int> producer_;
   std::set<ir::ValueId> graph_inputs_, graph_outputs_;
   ir::ValueId loss_id_ = ir::kNoId;
+  const frontend::TokenMeanLosses* token_means_ = nullptr;  // owned by model_
+  std::vector<int> token_mean_stages_;  // the stages that compute them
   std::vector<Chunk> chunks_;
   std::map<ir::ValueId, at::Tensor> stage_state_;
   std::map<ir::ValueId, at::Tensor> own_;

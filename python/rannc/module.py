@@ -175,6 +175,11 @@ class _Deployed:
         if rank == 0 and plan_from is None:
             print(deployment.report(), flush=True)
             print(self.times.line(), flush=True)
+            for why in self.engine.token_means["row_weighted"]:
+                # [Note: token-mean losses] in csrc/frontend/token_means.h
+                _C.log_info(f"the mean loss {why}: micro-batches and replicas weigh it by their "
+                            "rows (as DistributedDataParallel does), not by its count over the "
+                            "global batch")
 
     def _check_agreement(self, ir):
         """Every rank must trace the same graph with the same local batch size. Where the

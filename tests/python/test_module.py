@@ -30,6 +30,7 @@ LAYOUTS = [
     (4, "gpt", 4, 3, []),                                        # 4 stages
     (4, "mlp", 2, 2, ["--opt", "replicas=1,1"]),                 # 2 pipeline copies of 2 stages
     (4, "multi_io", 2, 2, ["--eval"]),            # kwargs, dict output, batch-shaped rows
+    (2, "bert_mlm", 2, 2, ["--eval"]),            # a mean over the masked tokens only
 ]
 
 # ZB-H1: each backward split into its input and weight parts, the weight part deferred
@@ -79,6 +80,29 @@ def test_training_equals_pytorch(ranks, model, stages, micro, extra):
     if "schedule=auto" in extra:  # both schedules planned, their times in the report
         assert re.search(r"schedule auto: 1f1b [\d.]+ ms \(bubble [\d.]+%\)( chosen)?; zb-h1 [\d.]+ ms",
                          res.stdout), res.stdout[-4000:]
+
+
+@pytest.mark.parametrize("ranks,case,stages,micro,extra", [
+    (1, "mlm_nsp", 1, 2, []),
+    (2, "mlm_nsp", 2, 2, ["--opt", "schedule=zb_h1", "recompute=always"]),
+    (4, "mlm_nsp", 4, 4, ["--opt", "schedule=interleaved"]),
+    (4, "weighted", 2, 2, ["--opt", "replicas=2,2"]),
+    (3, "nll_nd", 2, 3, ["--opt", "schedule=fill_drain"]),
+    (1, "teacher", 1, 2, []),
+])
+def test_a_mean_over_the_targets_that_count_equals_pytorch(ranks, case, stages, micro, extra):
+    """[Note: token-mean losses] in csrc/frontend/token_means.h: cross entropy over masked
+    tokens (plus a loss over rows), with class weights, nll_loss with another ignore_index:
+    equal to PyTorch on the global batch in float64 (to 1e-10) though each micro-batch and
+    replica counts other targets; a target made from parameters keeps the rows' weights,
+    and rank 0 says so."""
+    res = mpirun("token_mean_check.py", ranks, case, "--stages", stages, "--micro", micro, *extra,
+                 timeout=300, env={"RANNC_COMM_TIMEOUT": "60"})
+    assert res.returncode == 0, res.stdout[-4000:]
+    for r in range(ranks):
+        assert f"OK rank {r}" in res.stdout, res.stdout[-4000:]
+    if case == "teacher":
+        assert "micro-batches and replicas weigh it by their rows" in res.stdout, res.stdout[-4000:]
 
 
 @pytest.mark.parametrize("mode,ranks,model,stages,micro", [

@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
-from models import GPT, ResNet  # examples/models.py: the tests run the example models
+from models import BERT, GPT, ResNet  # examples/models.py: the tests run the example models
 
 
 class MLP(nn.Module):
@@ -199,6 +199,18 @@ def make(name, batch=4, seed=0, length=None):
     if name == "gpt":
         return GPT(), (torch.randint(0, 50, (batch, length or 8), generator=g),
                        torch.randint(0, 50, (batch, length or 8), generator=g)), {}
+    if name == "bert_mlm":
+        # a masked-language-model loss: the mean over the masked tokens only (labels -100
+        # elsewhere), so each micro-batch's count differs; every third row masks nothing
+        ids = torch.randint(0, 50, (batch, length or 8), generator=g)
+        masked = torch.rand(ids.shape, generator=g) < 0.3
+        masked[::3] = False
+        model = BERT()
+        for layer in model.encoder.layers:
+            # the key bias's gradient is zero in exact arithmetic; Adam would make its float
+            # noise (1e-8 here) into steps that differ by more than the comparison allows
+            layer.self_attn.in_proj_bias.requires_grad_(False)
+        return model, (ids, torch.where(masked, ids, torch.full_like(ids, -100))), {}
     if name == "multi_io":
         x, y = torch.randn(batch, 8, generator=g), torch.randn(batch, 8, generator=g)
         kwargs = {"mask": (torch.rand(batch, 8, generator=g) > 0.2).float(),

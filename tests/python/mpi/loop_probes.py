@@ -132,10 +132,9 @@ elif probe == "padded_lengths":
     reference = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    # One micro-batch: the loss's mean over the labels that are not -100 is then taken over
-    # the whole global batch, as in the reference (several micro-batches weight their means
-    # by rows, as gradient accumulation does: docs/api.md).
-    wrapped = rannc.RaNNCModule(model, opt, num_stages=2, num_microbatches=1)
+    # Two micro-batches: the loss is a mean over the labels that are not -100 (padding),
+    # whose count differs between them ([Note: token-mean losses]).
+    wrapped = rannc.RaNNCModule(model, opt, num_stages=2, num_microbatches=2)
     PAD = {"input_ids": 0, "attention_mask": 0, "labels": -100}
 
     def rank_batch(r, step):

@@ -174,7 +174,7 @@ def inputs_of_later_stages():
     return any(inputs & set(piece.inputs) for piece in engine.pieces[1:])
 
 
-names = {id(p): n for n, p in model.named_parameters()}
+names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}  # frozen: nobody updates them
 ref_params = dict(reference.named_parameters())
 scale = 2.0 if a.mode == "scale2" else 1.0
 calls = 2 if a.mode.endswith("accum") else 1

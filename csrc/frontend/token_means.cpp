@@ -1,0 +1,198 @@
+#include "frontend/token_means.h"
+
+#include <algorithm>
+#include <set>
+
+#include <ATen/core/Reduction.h>
+
+#include "common/error.h"
+#include "frontend/interpreter.h"
+
+namespace rannc::frontend {
+namespace {
+
+// Argument positions shared by cross_entropy_loss and the nll_loss family:
+// (self, target, weight, reduction, ignore_index[, label_smoothing]).
+constexpr size_t kSelf = 0, kTarget = 1, kWeight = 2, kReduction = 3, kIgnoreIndex = 4;
+
+size_t argumentCount(const std::string& op) {
+  if (op == "aten::cross_entropy_loss") return 6;
+  if (op == "aten::nll_loss" || op == "aten::nll_loss_nd" || op == "aten::nll_loss2d") return 5;
+  return 0;
+}
+
+bool isIntegral(ir::DType d) {
+  return d == ir::DType::Int64 || d == ir::DType::Int32 || d == ir::DType::Int16 ||
+         d == ir::DType::Int8 || d == ir::DType::UInt8;
+}
+
+bool drawsAtRandom(const std::string& op) {
+  for (const char* word : {"rand", "bernoulli", "dropout", "multinomial", "normal", "poisson",
+                           "uniform", "exponential", "geometric", "cauchy"}) {
+    if (op.find(word) != std::string::npos) return true;
+  }
+  return false;
+}
+
+// The share's sum times global numel / (global count * the share's target numel) when the
+// scale is on ([Note: token-mean losses]), else the op as traced.
+torch::jit::Operation shareScaled(torch::jit::Operation op, size_t nargs,
+                                  std::shared_ptr<const ShareScale> scale) {
+  return torch::jit::Operation([op = std::move(op), nargs, scale](torch::jit::Stack& stack) mutable {
+    if (!scale->on) {
+      op(stack);
+      return;
+    }
+    const size_t base = stack.size() - nargs;
+    const double numel = static_cast<double>(stack[base + kTarget].toTensor().numel());
+    at::Tensor weight = stack[base + kWeight].isTensor() ? stack[base + kWeight].toTensor() : at::Tensor();
+    // a sum over many tokens overflows float16 where their mean does not
+    const bool half = stack[base + kSelf].toTensor().scalar_type() == at::kHalf;
+    if (half) stack[base + kSelf] = stack[base + kSelf].toTensor().to(at::kFloat);
+    stack[base + kReduction] = c10::IValue(static_cast<int64_t>(at::Reduction::Sum));
+    op(stack);
+    at::Tensor share = stack.back().toTensor() * (scale->global_numel / numel);
+    if (scale->global_class_counts.defined()) {  // the global count is the kept targets' weights
+      at::Tensor counts = scale->global_class_counts.to(weight.device());
+      share = share / (weight.detach().to(at::kDouble) * counts).sum().to(share.scalar_type());
+    } else {
+      share = share / scale->global_count;
+    }
+    stack.back() = half ? share.to(at::kHalf) : share;
+  });
+}
+
+class Finder {
+ public:
+  explicit Finder(const TracedModel& model) : model_(model), g_(model.graph) {
+    for (size_t i = 0; i < model.order.size(); ++i) position_[model.order[i]] = i;
+  }
+
+  TokenMeanLosses find() {
+    TokenMeanLosses out;
+    std::set<size_t> program;  // positions in model.order
+    for (ir::TaskId t : model_.order) {
+      const ir::Task& task = g_.task(t);
+      const size_t nargs = argumentCount(task.op);
+      if (nargs == 0 || task.inputs.size() != nargs || task.outputs.size() != 1) continue;
+      const ir::Value& reduction = g_.value(task.inputs[kReduction]);
+      if (!reduction.isConstant() || !model_.constants[reduction.id].isInt() ||
+          model_.constants[reduction.id].toInt() != static_cast<int64_t>(at::Reduction::Mean)) {
+        continue;
+      }
+      const ir::Value& target = g_.value(task.inputs[kTarget]);
+      if (!target.isBatch() || !isIntegral(target.dtype)) continue;  // no count over the batch
+      TokenMeanLoss loss;
+      loss.task = t;
+      loss.target = target.id;
+      std::vector<ir::TaskId> makes_target;
+      std::string why = checkArguments(task, loss);
+      if (why.empty()) why = targetProgram(target.id, makes_target);
+      if (!why.empty()) {
+        out.row_weighted.push_back(model_.describeTask(t) + ": " + why);
+        continue;
+      }
+      for (ir::TaskId p : makes_target) program.insert(position_.at(p));
+      loss.scale = std::make_shared<ShareScale>();
+      model_.operations[t] = shareScaled(model_.operations[t], nargs, loss.scale);
+      out.exact.push_back(std::move(loss));
+    }
+    for (size_t i : program) out.program.push_back(model_.order[i]);
+    return out;
+  }
+
+ private:
+  // Empty when ignore_index is a constant and the classes are known, else why not.
+  std::string checkArguments(const ir::Task& task, TokenMeanLoss& loss) const {
+    const ir::Value& ignore = g_.value(task.inputs[kIgnoreIndex]);
+    if (!ignore.isConstant() || !model_.constants[ignore.id].isInt()) {
+      return "its ignore_index is computed, not a constant";
+    }
+    loss.ignore_index = model_.constants[ignore.id].toInt();
+    if (g_.value(task.inputs[kWeight]).kind == ir::ValueKind::None) return "";
+    // the class dimension of the scores: (C), (N, C) or (N, C, d1, ...)
+    const std::vector<int64_t>& scores = g_.value(task.inputs[kSelf]).shape;
+    if (scores.empty()) return "the number of its classes is unknown";
+    loss.classes = scores.size() == 1 ? scores[0] : scores[1];
+    return "";
+  }
+
+  // The tasks that make `target` from the model's arguments, in order; a reason when it
+  // needs the model's state, a random draw or an in-place write.
+  std::string targetProgram(ir::ValueId target, std::vector<ir::TaskId>& program) const {
+    std::set<size_t> found;
+    std::vector<ir::ValueId> todo{target};
+    std::set<ir::ValueId> seen{target};
+    while (!todo.empty()) {
+      const ir::Value& v = g_.value(todo.back());
+      todo.pop_back();
+      if (v.isModelState()) return "its target depends on '" + v.name + "'";
+      if (v.producer == ir::kNoId) continue;
+      const ir::Task& task = g_.task(v.producer);
+      if (drawsAtRandom(task.op)) return "its target is drawn at random (" + model_.describeTask(task.id) + ")";
+      if (writesInputs(model_, task.id)) {
+        return "its target is written in place (" + model_.describeTask(task.id) + ")";
+      }
+      found.insert(position_.at(task.id));
+      for (ir::ValueId in : task.inputs) {
+        if (seen.insert(in).second) todo.push_back(in);
+      }
+    }
+    for (size_t i : found) program.push_back(model_.order[i]);
+    return "";
+  }
+
+  const TracedModel& model_;
+  const ir::Graph& g_;
+  std::unordered_map<ir::TaskId, size_t> position_;
+};
+
+}  // namespace
+
+const TokenMeanLosses& tokenMeanLosses(const TracedModel& model) {
+  if (!model.token_means) model.token_means = std::make_shared<const TokenMeanLosses>(Finder(model).find());
+  return *model.token_means;
+}
+
+at::Tensor localTargetCounts(const TracedModel& model, const TokenMeanLosses& losses,
+                             const std::map<ir::ValueId, c10::IValue>& local) {
+  at::NoGradGuard no_grad;
+  std::vector<c10::IValue> env(model.graph.numValues());
+  for (const auto& [id, value] : local) env[id] = value;
+  for (ir::TaskId t : losses.program) runTask(model, t, env);
+  std::vector<at::Tensor> counts;
+  for (const TokenMeanLoss& loss : losses.exact) {
+    RANNC_CHECK(env[loss.target].isTensor(), "the target of " << model.describeTask(loss.task) << " was not computed");
+    const at::Tensor target = env[loss.target].toTensor();
+    const at::Tensor kept = target.ne(loss.ignore_index);
+    const auto f64 = at::TensorOptions().dtype(at::kDouble).device(target.device());
+    counts.push_back(at::full({1}, static_cast<double>(target.numel()), f64));
+    counts.push_back(kept.sum().to(at::kDouble).reshape({1}));
+    if (loss.classes > 0) {
+      // a target out of range fails in the op itself, naming it
+      at::Tensor per_class = at::bincount(target.masked_select(kept).clamp(0, loss.classes - 1).flatten(),
+                                          {}, loss.classes);
+      counts.push_back(per_class.to(at::kDouble));
+    }
+  }
+  return at::cat(counts).to(at::kCPU);  // one copy from a GPU
+}
+
+void setShareScales(const TokenMeanLosses& losses, const at::Tensor* global_counts) {
+  int64_t pos = 0;
+  for (const TokenMeanLoss& loss : losses.exact) {
+    ShareScale& s = *loss.scale;
+    s.on = global_counts != nullptr;
+    if (!s.on) continue;
+    auto c = global_counts->accessor<double, 1>();
+    s.global_numel = c[pos];
+    s.global_count = c[pos + 1];
+    pos += 2;
+    if (loss.classes > 0) {
+      s.global_class_counts = global_counts->narrow(0, pos, loss.classes).clone();
+      pos += loss.classes;
+    }
+  }
+}
+
+}  // namespace rannc::frontend

@@ -1,0 +1,77 @@
+#pragma once
+// Losses averaged over a count the data decides, made exact across micro-batches.
+//
+// [Note: token-mean losses] cross_entropy (and nll_loss) with reduction "mean" divides by
+// the count of targets that are not ignore_index, each weighted by its class's weight when
+// class weights are given: a language model's loss over padded or masked labels (-100) is
+// a mean over the tokens that count, and a class-weighted loss a mean over the weights the
+// labels draw; both counts differ between micro-batches and replicas. Weighting each
+// share's mean by its rows, as scalar outputs are combined (DESIGN.md §1), gives what
+// DistributedDataParallel and gradient accumulation give, not what one process gives on the
+// global batch. So when the global batch is cut into several shares of such an op's stage,
+// the op runs as
+//     (its sum over the share's targets) * (global target numel / global count)
+//     / (the share's target numel)
+// instead of its mean. The row-weighted combination of the shares (share rows / global
+// rows; a share's target numel is its rows times the target's elements per row) then gives
+// exactly  (sum over all targets) / (global count), the loss of one process, and its
+// gradients; other terms of the loss (an NSP loss added to an MLM loss) keep their row
+// weighting. The global counts come before the step: the ops that make the target from the
+// model's arguments (labels.view(-1), a shift by one token) run on each rank's own
+// arguments, and one all-reduce sums the counts (PipelineEngine::step). A loss whose target
+// depends on parameters, buffers, random draws or in-place writes keeps the row-weighted
+// mean; `row_weighted` says why (rank 0 logs it).
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+#include "frontend/traced_model.h"
+
+namespace rannc::frontend {
+
+// What the wrapped op needs of the global batch; off: the op's own mean. Read by the op on
+// the thread that runs the stage, set before each step.
+struct ShareScale {
+  bool on = false;
+  double global_numel = 0.0;  // elements of the global target
+  double global_count = 0.0;  // of them, those not ignored
+  // With class weights: the global count of each class among the kept targets (float64,
+  // CPU); the op weighs them with its weight argument, wherever that lives.
+  at::Tensor global_class_counts;
+};
+
+struct TokenMeanLoss {
+  ir::TaskId task = ir::kNoId;
+  ir::ValueId target = ir::kNoId;
+  int64_t ignore_index = -100;
+  int64_t classes = 0;  // with class weights, their number; 0 without
+  std::shared_ptr<ShareScale> scale;
+};
+
+struct TokenMeanLosses {
+  std::vector<TokenMeanLoss> exact;
+  std::vector<ir::TaskId> program;  // the tasks that make their targets, in order
+  // Mean losses over a count the data decides that stay weighted by rows: "op ... : why".
+  std::vector<std::string> row_weighted;
+};
+
+// The token-mean losses of `model`, found and their operations wrapped on the first call
+// (model.operations is mutable; copies made later, such as onDevice's, share the scales).
+// Not thread-safe: call it before running the model on several threads.
+const TokenMeanLosses& tokenMeanLosses(const TracedModel& model);
+
+// Per loss of `losses.exact`, over this rank's arguments `local` (value id -> value): the
+// numel of its target, the count of its targets that are not ignored and, with class
+// weights, that count per class; all in one float64 tensor on the CPU, to be summed over
+// the ranks.
+at::Tensor localTargetCounts(const TracedModel& model, const TokenMeanLosses& losses,
+                             const std::map<ir::ValueId, c10::IValue>& local);
+
+// Sets each loss's scale from the sum of every rank's localTargetCounts (nullptr: off, the
+// ops' own means).
+void setShareScales(const TokenMeanLosses& losses, const at::Tensor* global_counts);
+
+}  // namespace rannc::frontend

@@ -1,0 +1,126 @@
+"""Losses averaged over a count the data decides ([Note: token-mean losses] in
+csrc/frontend/token_means.h), trained with RaNNCModule in float64 and compared with plain
+PyTorch on the concatenated global batch: loss, this rank's gradients and parameters after
+each SGD step, all to 1e-10. Exits non-zero on the first mismatch.
+
+    token_mean_check.py CASE --stages S --micro M [--opt key=value ...]
+
+    mlm_nsp   BERT pretraining's loss: cross entropy over the masked tokens (labels -100
+              elsewhere; some rows mask none) plus a sentence loss over the rows
+    weighted  nn.CrossEntropyLoss with class weights (a buffer) and label smoothing: its mean
+              divides by the weights the labels draw
+    nll_nd    log_softmax + nll_loss over (N, C, T) scores, ignore_index=0
+    teacher   the target comes from a parameter (a teacher's argmax): no count can be made
+              before the step, so the shares stay weighted by rows (as DDP does); rank 0
+              logs why, and the loss is the rows-weighted mean of the micro-batches
+"""
+import argparse
+import copy
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import rannc
+
+ap = argparse.ArgumentParser()
+ap.add_argument("case", choices=["mlm_nsp", "weighted", "nll_nd", "teacher"])
+ap.add_argument("--stages", type=int, default=1)
+ap.add_argument("--micro", type=int, default=2)
+ap.add_argument("--steps", type=int, default=3)
+ap.add_argument("--opt", nargs="*", default=[])
+a = ap.parse_args()
+options = dict(o.split("=", 1) for o in a.opt)
+rank, world = rannc.get_rank(), rannc.get_world_size()
+torch.set_num_threads(1)
+VOCAB, HIDDEN, LENGTH, LOCAL = 20, 16, 6, 4
+
+
+class Model(nn.Module):
+    def __init__(self, case):
+        super().__init__()
+        self.case = case
+        self.emb = nn.Embedding(VOCAB, HIDDEN)
+        self.body = nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, HIDDEN),
+                                  nn.Tanh(), nn.Linear(HIDDEN, HIDDEN), nn.Tanh())
+        self.tokens = nn.Linear(HIDDEN, VOCAB)
+        self.sentence = nn.Linear(HIDDEN, 2)
+        self.weighted_loss = nn.CrossEntropyLoss(weight=torch.linspace(0.2, 3.0, VOCAB),
+                                                 label_smoothing=0.1)
+        self.teacher = nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, ids, labels, next_sentence):
+        h = self.body(self.emb(ids))
+        scores = self.tokens(h)
+        if self.case == "mlm_nsp":
+            return (F.cross_entropy(scores.view(-1, VOCAB), labels.view(-1))
+                    + F.cross_entropy(self.sentence(h[:, 0]), next_sentence))
+        if self.case == "weighted":
+            return self.weighted_loss(scores.flatten(0, 1), ids.flatten())
+        if self.case == "nll_nd":
+            return F.nll_loss(F.log_softmax(scores, -1).transpose(1, 2), ids * (labels >= 0),
+                              ignore_index=0)
+        target = torch.where(labels >= 0, self.teacher(self.emb(ids)).argmax(-1), labels)
+        return F.cross_entropy(scores.flatten(0, 1), target.flatten())
+
+
+def global_batch(step):
+    g = torch.Generator().manual_seed(step)
+    n = LOCAL * world
+    ids = torch.randint(0, VOCAB, (n, LENGTH), generator=g)
+    masked = torch.rand(ids.shape, generator=g) < 0.3
+    masked[::3] = False  # rows that mask nothing: the count differs between shares
+    labels = torch.where(masked, ids, torch.full_like(ids, -100))
+    return ids, labels, torch.randint(0, 2, (n,), generator=g)
+
+
+torch.manual_seed(0)
+model = Model(a.case).double()
+reference = copy.deepcopy(model)
+opt = torch.optim.SGD(model.parameters(), lr=0.5)
+ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+wrapped = rannc.RaNNCModule(model, opt, num_stages=a.stages, num_microbatches=a.micro, **options)
+mine = slice(LOCAL * rank, LOCAL * (rank + 1))
+names = {id(p): n for n, p in model.named_parameters()}
+ref_params = dict(reference.named_parameters())
+
+
+def close(x, y, what):
+    torch.testing.assert_close(x.detach(), y.detach(), rtol=1e-10, atol=1e-12,
+                               msg=lambda m: f"rank {rank}: {what}: {m}")
+
+
+def rows_weighted_reference(batch):
+    """The mean of the micro-batches' losses weighted by their rows (one rank: halves)."""
+    assert world == 1
+    cuts = torch.tensor_split(torch.arange(LOCAL), a.micro)
+    return sum(reference(*(t[c] for t in batch)) * len(c) / LOCAL for c in cuts)
+
+
+for step in range(a.steps):
+    batch = global_batch(step)
+    loss = wrapped(*(t[mine] for t in batch))
+    ref_loss = rows_weighted_reference(batch) if a.case == "teacher" else reference(*batch)
+    close(loss, ref_loss, f"loss at step {step}")
+    loss.backward()
+    ref_loss.backward()
+    for p in model.parameters():
+        if p.grad is not None:  # this rank's stage
+            ref_grad = ref_params[names[id(p)]].grad  # None: no gradient reaches it (the teacher)
+            close(p.grad, ref_grad if ref_grad is not None else torch.zeros_like(p.grad),
+                  f"gradient of {names[id(p)]} at step {step}")
+    for o in (opt, ref_opt):
+        o.step()
+        o.zero_grad()
+    for p in model.parameters():
+        if p.numel():
+            close(p, ref_params[names[id(p)]], f"{names[id(p)]} after step {step}")
+    if rank == 0:
+        print(f"step {step}: loss {loss.item():.12f} (reference {ref_loss.item():.12f})", flush=True)
+
+means = wrapped._deployed[True].engine.token_means
+expected = 0 if a.case == "teacher" else 2 if a.case == "mlm_nsp" else 1
+assert len(means["exact"]) == expected, means
+if a.case == "teacher":
+    assert any("its target depends on '" in why for why in means["row_weighted"]), means
+print(f"OK rank {rank}", flush=True)
