@@ -12,6 +12,7 @@
 #include "common/log.h"
 #include "frontend/convert.h"
 #include "frontend/interpreter.h"
+#include "ir/reduction.h"
 #include "ir/serialize.h"
 #include "ir/subgraph.h"
 #include "runtime/stage.h"
@@ -237,6 +238,9 @@ PYBIND11_MODULE(_C, m) {
       .def("values", [](const ir::Graph& g) { return g.values(); }, py::return_value_policy::reference_internal)
       .def("tasks", [](const ir::Graph& g) { return g.tasks(); }, py::return_value_policy::reference_internal)
       .def("topological_order", &ir::Graph::topologicalOrder)
+      .def("batch_reduction", [](const ir::Graph& g, ir::ValueId v) {
+        return std::string(ir::batchReductionName(ir::batchReduction(g, v)));
+      }, py::arg("value"), "how a scalar reduces over the batch: mean, sum or unknown (ir/reduction.h)")
       .def("is_convex", [](const ir::Graph& g, const std::vector<ir::TaskId>& tasks) {
         return ir::isConvex(g, tasks);
       })

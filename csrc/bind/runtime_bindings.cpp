@@ -105,6 +105,7 @@ void bindRuntime(py::module& m) {
       .def("grad_groups", &PipelineEngine::gradientGroups)
       .def("use_batch", &PipelineEngine::useBatch, py::arg("local_batch"))
       .def("set_input_grads", &PipelineEngine::setInputGrads, py::arg("ids"))
+      .def("set_summed_outputs", &PipelineEngine::setSummedOutputs, py::arg("ids"))
       .def("step",
            [](PipelineEngine& e, const py::dict& local, bool train, double loss_scale) {
              auto values = localValues(local);

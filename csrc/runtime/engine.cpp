@@ -221,9 +221,12 @@ StepOutputs PipelineEngine::step(const std::map<ir::ValueId, c10::IValue>& local
   if (train && loss_id_ != ir::kNoId) {
     const Layout& L = config_->layout;
     const Place& at = place();  // every chunk has the same copy and replica, hence rows
+    const bool summed = summed_outputs_.count(loss_id_) > 0;
     for (int m = 0; m < L.microBatches(); ++m) {
       Rows rows = L.share(at.stage, at.copy, m, at.replica);
-      seeds_[m][loss_id_] = Seed{loss_scale * double(rows.size()) / double(L.globalBatch()), {}};
+      // a mean over the batch: each share's mean weighs by its rows; a sum: each share's sum
+      const double weight = summed ? 1.0 : double(rows.size()) / double(L.globalBatch());
+      seeds_[m][loss_id_] = Seed{loss_scale * weight, {}};
     }
   }
   scaleTokenMeans(local);

@@ -105,6 +105,10 @@ class PipelineEngine {
   bool useBatch(int64_t local_batch);
   // The model arguments whose tensors require grad in the next steps.
   void setInputGrads(std::set<ir::ValueId> ids);
+  // Scalar outputs that are sums over the batch (ir/reduction.h, option loss_reduction): the
+  // loss among them seeds each micro-batch with the whole loss scale instead of its rows'
+  // share of it.
+  void setSummedOutputs(std::set<ir::ValueId> ids) { summed_outputs_ = std::move(ids); }
 
   // One step: with `train`, the planned schedule seeded by the scalar loss (its share of
   // each micro-batch, times `loss_scale`: a loss scaler's factor must reach the fp16
@@ -205,6 +209,7 @@ class PipelineEngine {
   ir::ValueId loss_id_ = ir::kNoId;
   const frontend::TokenMeanLosses* token_means_ = nullptr;  // owned by model_
   std::vector<int> token_mean_stages_;  // the stages that compute them
+  std::set<ir::ValueId> summed_outputs_;
   std::vector<Chunk> chunks_;
   std::map<ir::ValueId, at::Tensor> stage_state_;
   std::map<ir::ValueId, at::Tensor> own_;

@@ -165,6 +165,9 @@ class _Deployed:
         state = dict(zip(self.state_ids, state_tensors))
         self.engine = Engine(self.graph._trace.traced, deployment, rank, world,
                              self.planned_rows, state, device=owner.device, nccl=owner.nccl)
+        # scalar outputs that are sums over the batch: added up, not weighted by rows
+        self.summed = {vid for vid in ir.outputs if _summed(ir, vid, opts.loss_reduction)}
+        self.engine.set_summed_outputs(self.summed)
         self.variants = {self.shapes: self}
         self.unrunnable = {}  # input shapes -> why the plan cannot run them (agreed)
         self.own = self.engine.own  # the parameters this rank updates
@@ -175,6 +178,12 @@ class _Deployed:
         if rank == 0 and plan_from is None:
             print(deployment.report(), flush=True)
             print(self.times.line(), flush=True)
+            for i, vid in enumerate(ir.outputs):
+                if vid in self.summed and opts.loss_reduction == "auto":
+                    name = f" ({ir.value(vid).name})" if ir.value(vid).name else ""
+                    _C.log_info(f"output #{i}{name} is a sum over the batch "
+                                "(reduction=\"sum\", or a sum divided by a count passed in): its "
+                                "micro-batches and ranks add up (option loss_reduction)")
             for why in self.engine.token_means["row_weighted"]:
                 # [Note: token-mean losses] in csrc/frontend/token_means.h
                 _C.log_info(f"the mean loss {why}: micro-batches and replicas weigh it by their "
@@ -425,8 +434,9 @@ class _Deployed:
                 v = engine.value(vid)
                 dtype = engine.output_dtype(m, vid)
                 if v.batch_dependent and v.shape == []:
-                    # the output is the row-weighted mean of the shares
-                    seeds.setdefault(m, {})[vid] = (sums[vid] * len(rows) / layout.global_batch).to(dtype)
+                    # the output is the row-weighted mean of the shares, or their sum
+                    weight = 1.0 if vid in self.summed else len(rows) / layout.global_batch
+                    seeds.setdefault(m, {})[vid] = (sums[vid] * weight).to(dtype)
                 elif m == 0 and engine.copy == 0 and engine.replica == 0:
                     # returned from micro-batch 0 of the first replica: its gradient goes there
                     seeds.setdefault(m, {})[vid] = sums[vid].to(dtype)
@@ -457,11 +467,12 @@ class _Deployed:
             if vid in batch_outputs:
                 tensors.append(batch_outputs[vid].to(self.out_device))
             elif v.batch_dependent and v.kind == "Tensor" and v.shape == []:
-                # a mean over the rows of each micro-batch share: weight by rows
-                # summed where the stage computed it, then one copy to the host (a GPU
-                # would stall once per micro-batch on a .cpu() each)
+                # a mean over the rows of each micro-batch share: weight by rows (a sum:
+                # add up); summed where the stage computed it, then one copy to the host (a
+                # GPU would stall once per micro-batch on a .cpu() each)
                 parts = [outs[vid].detach().double()
-                         * (len(layout.share(engine.producer_of(vid), engine.copy, m, engine.replica))
+                         * (1.0 if vid in self.summed else
+                            len(layout.share(engine.producer_of(vid), engine.copy, m, engine.replica))
                             / layout.global_batch)
                          for m, outs in produced.items() if vid in outs]
                 total = (torch.stack(parts).sum().cpu() if parts
@@ -494,6 +505,16 @@ class _Deployed:
                 if vid != engine.loss_vid and t.is_floating_point():
                     tensors[i] = _NoGradientPath.apply(anchor, t, f"#{i} ({engine.value(vid).name or vid})")
         return self.graph._rebuild_output(tensors)
+
+
+def _summed(ir, vid: int, loss_reduction: str) -> bool:
+    """Whether scalar output `vid` combines over micro-batches, replicas and ranks as a sum
+    (option loss_reduction; auto: where the graph shows a sum over the batch,
+    csrc/ir/reduction.h) rather than a mean weighted by rows."""
+    v = ir.value(vid)
+    if not (v.batch_dependent and v.kind == "Tensor" and v.shape == []):
+        return False
+    return loss_reduction == "sum" or (loss_reduction == "auto" and ir.batch_reduction(vid) == "sum")
 
 
 def _shapes_but_batch(tensors_and_batch_dims) -> tuple:

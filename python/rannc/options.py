@@ -134,6 +134,11 @@ class Options:
     data_plane: str = _option("auto", "CUDA stages: auto (NCCL if built with it and no two ranks share a "
                               "GPU, else MPI through host memory), nccl, mpi", where=MODULE,
                               choices=("auto", "nccl", "mpi"))
+    loss_reduction: str = _option("auto", "how scalar outputs combine over micro-batches, replicas and "
+                                  "ranks: mean (weighted by rows: a mean over the batch), sum (added "
+                                  "up: a sum over the batch, such as reduction=\"sum\" or a sum divided "
+                                  "by a count passed in) or auto (sum where the graph shows a sum over "
+                                  "the batch, else mean)", where=MODULE, choices=("auto", "mean", "sum"))
     precision: str = _option("fp32", "fp32 (the caller's torch.autocast, if any), bf16, fp16 (as if "
                              "every call ran under torch.autocast(dtype))", where=MODULE,
                              choices=tuple(PRECISIONS))

@@ -89,13 +89,19 @@ def test_training_equals_pytorch(ranks, model, stages, micro, extra):
     (4, "weighted", 2, 2, ["--opt", "replicas=2,2"]),
     (3, "nll_nd", 2, 3, ["--opt", "schedule=fill_drain"]),
     (1, "teacher", 1, 2, []),
+    # sums over the batch add up over the shares (csrc/ir/reduction.h, option loss_reduction)
+    (4, "items", 2, 2, ["--opt", "replicas=2,2"]),
+    (3, "items", 2, 3, ["--opt", "schedule=fill_drain"]),
+    (2, "einsum", 2, 2, ["--opt", "loss_reduction=sum"]),
 ])
 def test_a_mean_over_the_targets_that_count_equals_pytorch(ranks, case, stages, micro, extra):
     """[Note: token-mean losses] in csrc/frontend/token_means.h: cross entropy over masked
     tokens (plus a loss over rows), with class weights, nll_loss with another ignore_index:
     equal to PyTorch on the global batch in float64 (to 1e-10) though each micro-batch and
     replica counts other targets; a target made from parameters keeps the rows' weights,
-    and rank 0 says so."""
+    and rank 0 says so. A loss that is a sum over the batch (a sum divided by a count the
+    caller passes, as transformers' num_items_in_batch; a sum the graph does not show, with
+    loss_reduction=sum) adds up over the shares."""
     res = mpirun("token_mean_check.py", ranks, case, "--stages", stages, "--micro", micro, *extra,
                  timeout=300, env={"RANNC_COMM_TIMEOUT": "60"})
     assert res.returncode == 0, res.stdout[-4000:]
@@ -103,6 +109,8 @@ def test_a_mean_over_the_targets_that_count_equals_pytorch(ranks, case, stages, 
         assert f"OK rank {r}" in res.stdout, res.stdout[-4000:]
     if case == "teacher":
         assert "micro-batches and replicas weigh it by their rows" in res.stdout, res.stdout[-4000:]
+    if case == "items":  # found in the graph, and said
+        assert "is a sum over the batch" in res.stdout, res.stdout[-4000:]
 
 
 @pytest.mark.parametrize("mode,ranks,model,stages,micro", [

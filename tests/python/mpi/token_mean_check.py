@@ -13,6 +13,11 @@ each SGD step, all to 1e-10. Exits non-zero on the first mismatch.
     teacher   the target comes from a parameter (a teacher's argmax): no count can be made
               before the step, so the shares stay weighted by rows (as DDP does); rank 0
               logs why, and the loss is the rows-weighted mean of the micro-batches
+
+Sums over the batch (option loss_reduction, csrc/ir/reduction.h), added up over the shares:
+    items     cross entropy with reduction="sum" divided by the global count of kept labels,
+              which the caller passes in (transformers' num_items_in_batch)
+    einsum    a sum the graph does not show (einsum), with --opt loss_reduction=sum
 """
 import argparse
 import copy
@@ -24,7 +29,7 @@ import torch.nn.functional as F
 import rannc
 
 ap = argparse.ArgumentParser()
-ap.add_argument("case", choices=["mlm_nsp", "weighted", "nll_nd", "teacher"])
+ap.add_argument("case", choices=["mlm_nsp", "weighted", "nll_nd", "teacher", "items", "einsum"])
 ap.add_argument("--stages", type=int, default=1)
 ap.add_argument("--micro", type=int, default=2)
 ap.add_argument("--steps", type=int, default=3)
@@ -49,7 +54,7 @@ class Model(nn.Module):
                                                  label_smoothing=0.1)
         self.teacher = nn.Linear(HIDDEN, VOCAB)
 
-    def forward(self, ids, labels, next_sentence):
+    def forward(self, ids, labels, next_sentence, items):
         h = self.body(self.emb(ids))
         scores = self.tokens(h)
         if self.case == "mlm_nsp":
@@ -60,6 +65,10 @@ class Model(nn.Module):
         if self.case == "nll_nd":
             return F.nll_loss(F.log_softmax(scores, -1).transpose(1, 2), ids * (labels >= 0),
                               ignore_index=0)
+        if self.case == "items":
+            return F.cross_entropy(scores.flatten(0, 1), labels.flatten(), reduction="sum") / items
+        if self.case == "einsum":
+            return torch.einsum("btv,btv->", scores, scores) / 100
         target = torch.where(labels >= 0, self.teacher(self.emb(ids)).argmax(-1), labels)
         return F.cross_entropy(scores.flatten(0, 1), target.flatten())
 
@@ -71,7 +80,9 @@ def global_batch(step):
     masked = torch.rand(ids.shape, generator=g) < 0.3
     masked[::3] = False  # rows that mask nothing: the count differs between shares
     labels = torch.where(masked, ids, torch.full_like(ids, -100))
-    return ids, labels, torch.randint(0, 2, (n,), generator=g)
+    # the count of the global batch's kept labels, the same on every rank
+    items = (labels != -100).sum().double()
+    return ids, labels, torch.randint(0, 2, (n,), generator=g), items
 
 
 torch.manual_seed(0)
@@ -94,12 +105,12 @@ def rows_weighted_reference(batch):
     """The mean of the micro-batches' losses weighted by their rows (one rank: halves)."""
     assert world == 1
     cuts = torch.tensor_split(torch.arange(LOCAL), a.micro)
-    return sum(reference(*(t[c] for t in batch)) * len(c) / LOCAL for c in cuts)
+    return sum(reference(*(t[c] for t in batch[:3]), batch[3]) * len(c) / LOCAL for c in cuts)
 
 
 for step in range(a.steps):
     batch = global_batch(step)
-    loss = wrapped(*(t[mine] for t in batch))
+    loss = wrapped(*(t[mine] for t in batch[:3]), batch[3])
     ref_loss = rows_weighted_reference(batch) if a.case == "teacher" else reference(*batch)
     close(loss, ref_loss, f"loss at step {step}")
     loss.backward()
@@ -119,7 +130,7 @@ for step in range(a.steps):
         print(f"step {step}: loss {loss.item():.12f} (reference {ref_loss.item():.12f})", flush=True)
 
 means = wrapped._deployed[True].engine.token_means
-expected = 0 if a.case == "teacher" else 2 if a.case == "mlm_nsp" else 1
+expected = {"teacher": 0, "mlm_nsp": 2, "items": 0, "einsum": 0}.get(a.case, 1)
 assert len(means["exact"]) == expected, means
 if a.case == "teacher":
     assert any("its target depends on '" in why for why in means["row_weighted"]), means

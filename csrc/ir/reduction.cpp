@@ -1,0 +1,121 @@
+#include "ir/reduction.h"
+
+#include <string>
+#include <unordered_map>
+
+namespace rannc::ir {
+namespace {
+
+// Loss ops -> the position of their `reduction` argument (0 none, 1 mean, 2 sum).
+const std::unordered_map<std::string, size_t>& lossReductionArgument() {
+  static const std::unordered_map<std::string, size_t> table = {
+      {"aten::cross_entropy_loss", 3}, {"aten::nll_loss", 3}, {"aten::nll_loss_nd", 3},
+      {"aten::nll_loss2d", 3}, {"aten::mse_loss", 2}, {"aten::l1_loss", 2},
+      {"aten::smooth_l1_loss", 2}, {"aten::huber_loss", 2}, {"aten::kl_div", 2},
+      {"aten::soft_margin_loss", 2}, {"aten::multilabel_margin_loss", 2},
+      {"aten::binary_cross_entropy", 3}, {"aten::hinge_embedding_loss", 3},
+      {"aten::binary_cross_entropy_with_logits", 4}, {"aten::margin_ranking_loss", 4},
+      {"aten::cosine_embedding_loss", 4}, {"aten::poisson_nll_loss", 5},
+      {"aten::multi_margin_loss", 5}, {"aten::triplet_margin_loss", 7},
+  };
+  return table;
+}
+
+bool passesThrough(const std::string& op) {
+  for (const char* p : {"aten::neg", "aten::to", "aten::type_as", "aten::clone", "aten::contiguous",
+                        "aten::view", "aten::reshape", "aten::squeeze", "aten::unsqueeze",
+                        "aten::flatten", "aten::float", "aten::double", "aten::detach"}) {
+    if (op == p) return true;
+  }
+  return false;
+}
+
+// A size that is k * the batch size (aten::size(x, 0), its tensor form).
+bool isBatchSize(const Value& v) {
+  return v.int_batch_multiples.size() == 1 && v.int_batch_multiples[0] != 0;
+}
+
+BatchReduction combine(BatchReduction a, BatchReduction b) { return a == b ? a : BatchReduction::Unknown; }
+
+class Classifier {
+ public:
+  explicit Classifier(const Graph& g) : g_(g) {}
+
+  BatchReduction of(ValueId id, int depth = 0) {
+    const Value& v = g_.value(id);
+    if (!fromRows(id) || v.isBatch() || v.producer == kNoId || depth > 64) return BatchReduction::Unknown;
+    const Task& t = g_.task(v.producer);
+    std::vector<ValueId> batch_inputs;  // the inputs computed from the batch's rows
+    for (ValueId in : t.inputs) {
+      if (fromRows(in)) batch_inputs.push_back(in);
+    }
+    if (batch_inputs.empty()) return BatchReduction::Unknown;
+    const bool reduces_a_batch_tensor = g_.value(t.inputs[0]).isBatch();
+    auto loss = lossReductionArgument().find(t.op);
+    if (loss != lossReductionArgument().end()) {
+      if (t.inputs.size() <= loss->second) return BatchReduction::Unknown;
+      const Value& r = g_.value(t.inputs[loss->second]);
+      if (!r.isConstant()) return BatchReduction::Unknown;
+      return r.constant == "1" ? BatchReduction::Mean
+             : r.constant == "2" ? BatchReduction::Sum : BatchReduction::Unknown;
+    }
+    if (reduces_a_batch_tensor && t.op == "aten::mean") return BatchReduction::Mean;
+    if (reduces_a_batch_tensor && t.op == "aten::sum") return BatchReduction::Sum;
+    if (t.op == "aten::add" || t.op == "aten::sub") {
+      BatchReduction r = of(batch_inputs[0], depth + 1);
+      for (size_t i = 1; i < batch_inputs.size(); ++i) r = combine(r, of(batch_inputs[i], depth + 1));
+      return r;
+    }
+    if (t.op == "aten::mul") {
+      return batch_inputs.size() == 1 ? of(batch_inputs[0], depth + 1) : BatchReduction::Unknown;
+    }
+    if (t.op == "aten::div" && t.inputs.size() >= 2) {
+      const Value& num = g_.value(t.inputs[0]);
+      const Value& den = g_.value(t.inputs[1]);
+      if (!fromRows(num.id)) return BatchReduction::Unknown;
+      if (!fromRows(den.id)) return of(num.id, depth + 1);
+      // a sum over the batch divided by its size is a mean
+      return isBatchSize(den) && of(num.id, depth + 1) == BatchReduction::Sum ? BatchReduction::Mean
+                                                                           : BatchReduction::Unknown;
+    }
+    if (passesThrough(t.op) && fromRows(t.inputs[0])) return of(t.inputs[0], depth + 1);
+    return BatchReduction::Unknown;
+  }
+
+ private:
+  // Computed from a batch tensor (a value the same for any rows, such as an argument
+  // without a batch dimension, a count passed in, or a constant, is not).
+  bool fromRows(ValueId id) {
+    if (from_rows_.empty()) {  // once, along a topological order (no recursion over the model)
+      from_rows_.resize(g_.numValues());
+      for (const Value& v : g_.values()) from_rows_[v.id] = v.isBatch();
+      for (TaskId t : g_.topologicalOrder()) {
+        bool any = false;
+        for (ValueId in : g_.task(t).inputs) any = any || from_rows_[in];
+        for (ValueId out : g_.task(t).outputs) from_rows_[out] = from_rows_[out] || any;
+      }
+    }
+    return from_rows_[id];
+  }
+
+  const Graph& g_;
+  std::vector<char> from_rows_;
+};
+
+}  // namespace
+
+std::string_view batchReductionName(BatchReduction r) {
+  switch (r) {
+    case BatchReduction::Mean: return "mean";
+    case BatchReduction::Sum: return "sum";
+    case BatchReduction::Unknown: break;
+  }
+  return "unknown";
+}
+
+BatchReduction batchReduction(const Graph& g, ValueId value) {
+  Classifier c(g);
+  return c.of(value);
+}
+
+}  // namespace rannc::ir
