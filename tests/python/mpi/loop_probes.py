@@ -16,6 +16,10 @@ behaviour and prints "OK rank r", or fails the way the test expects.
     loop_probes.py length_branch       the model takes another path for short sequences: a
                                        new length that the plan cannot run is an error on
                                        every rank naming the op, and training goes on
+    loop_probes.py num_items_in_batch  transformers GPT-2 given num_items_in_batch (the global
+                                       count of labels that are not -100, as Trainer passes
+                                       it): its loss is a sum over that count, which adds up
+                                       over the micro-batches and ranks; equal to PyTorch
 """
 import sys
 import time
@@ -166,6 +170,35 @@ elif probe == "padded_lengths":
     for n, p in model.named_parameters():
         if p.numel():  # the parameters of this rank's stage
             torch.testing.assert_close(p, ref[n], rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")
+    print(f"OK rank {rank}", flush=True)
+elif probe == "num_items_in_batch":
+    import copy
+
+    import hf_zoo
+    world = rannc.get_world_size()
+    model, _, _ = hf_zoo.make("hf_gpt2", batch=4)
+    reference = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference))
+    wrapped = rannc.RaNNCModule(model, opt, num_stages=2, num_microbatches=2)
+    g = torch.Generator().manual_seed(1)
+    mine = slice(4 * rank, 4 * (rank + 1))
+    for step in range(3):
+        ids = torch.randint(0, 96, (4 * world, 16), generator=g)
+        labels = ids.masked_fill(torch.rand(ids.shape, generator=g) < 0.4, -100)
+        labels[::3] = -100  # rows without a label
+        items = (labels[:, 1:] != -100).sum()  # the shifted labels the loss counts
+        out = wrapped(input_ids=ids[mine], labels=labels[mine], num_items_in_batch=items)
+        ref = reference(input_ids=ids, labels=labels, num_items_in_batch=items)
+        torch.testing.assert_close(out.loss.detach(), ref.loss.detach(), rtol=1e-5, atol=1e-6)
+        out.loss.backward()
+        ref.loss.backward()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    ref = dict(reference.named_parameters())
+    for n, p in model.named_parameters():
+        if p.numel():  # the parameters of this rank's stage
+            torch.testing.assert_close(p, ref[n], rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
     print(f"OK rank {rank}", flush=True)
 elif probe == "eval_after_new_length":
     import copy
