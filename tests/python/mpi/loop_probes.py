@@ -45,6 +45,23 @@ def expect_error(call, *fragments):
     raise AssertionError(f"rank {rank}: no error")
 
 
+def step_both(loss, ref_loss, opt, ref_opt):
+    """rannc's and the reference's backward, optimizer step and zero_grad."""
+    loss.backward()
+    ref_loss.backward()
+    for o in (opt, ref_opt):
+        o.step()
+        o.zero_grad()
+
+
+def same_stage_parameters(model, reference, rtol):
+    """The parameters of this rank's stages equal the reference's."""
+    ref = dict(reference.named_parameters())
+    for n, p in model.named_parameters():
+        if p.numel():  # the others are freed on this rank
+            torch.testing.assert_close(p, ref[n], rtol=rtol, atol=1e-6, msg=lambda m: f"{n}: {m}")
+
+
 def train(wrapped, opt, args):
     loss = wrapped(*args)
     loss.backward()
@@ -161,15 +178,8 @@ elif probe == "padded_lengths":
         loss = wrapped(**padded).loss
         ref_loss = reference(**glob).loss
         torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1e-4, atol=1e-6)
-        loss.backward()
-        ref_loss.backward()
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad()
-    ref = dict(reference.named_parameters())
-    for n, p in model.named_parameters():
-        if p.numel():  # the parameters of this rank's stage
-            torch.testing.assert_close(p, ref[n], rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")
+        step_both(loss, ref_loss, opt, ref_opt)
+    same_stage_parameters(model, reference, rtol=1e-4)
     print(f"OK rank {rank}", flush=True)
 elif probe == "num_items_in_batch":
     import copy
@@ -190,15 +200,8 @@ elif probe == "num_items_in_batch":
         out = wrapped(input_ids=ids[mine], labels=labels[mine], num_items_in_batch=items)
         ref = reference(input_ids=ids, labels=labels, num_items_in_batch=items)
         torch.testing.assert_close(out.loss.detach(), ref.loss.detach(), rtol=1e-5, atol=1e-6)
-        out.loss.backward()
-        ref.loss.backward()
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad()
-    ref = dict(reference.named_parameters())
-    for n, p in model.named_parameters():
-        if p.numel():  # the parameters of this rank's stage
-            torch.testing.assert_close(p, ref[n], rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
+        step_both(out.loss, ref.loss, opt, ref_opt)
+    same_stage_parameters(model, reference, rtol=1e-5)
     print(f"OK rank {rank}", flush=True)
 elif probe == "eval_after_new_length":
     import copy
