@@ -93,6 +93,7 @@ void bindRuntime(py::module& m) {
       .def_property_readonly("own", &PipelineEngine::ownParameters)
       .def_property_readonly("batch_output_ids", &PipelineEngine::batchOutputIds)
       .def("producer_of", &PipelineEngine::producerOf, py::arg("value"))
+      .def("share_weight", &PipelineEngine::shareWeight, py::arg("value"), py::arg("micro_batch"))
       .def_property_readonly("token_means", [](const PipelineEngine& e) {
         // [Note: token-mean losses]: the ops made exact, and those weighted by rows with why
         py::dict d;

@@ -6,6 +6,7 @@
 #include <ATen/core/Reduction.h>
 
 #include "common/error.h"
+#include "frontend/dtypes.h"
 #include "frontend/interpreter.h"
 
 namespace rannc::frontend {
@@ -19,11 +20,6 @@ size_t argumentCount(const std::string& op) {
   if (op == "aten::cross_entropy_loss") return 6;
   if (op == "aten::nll_loss" || op == "aten::nll_loss_nd" || op == "aten::nll_loss2d") return 5;
   return 0;
-}
-
-bool isIntegral(ir::DType d) {
-  return d == ir::DType::Int64 || d == ir::DType::Int32 || d == ir::DType::Int16 ||
-         d == ir::DType::Int8 || d == ir::DType::UInt8;
 }
 
 bool drawsAtRandom(const std::string& op) {
@@ -53,7 +49,7 @@ torch::jit::Operation shareScaled(torch::jit::Operation op, size_t nargs,
     op(stack);
     at::Tensor share = stack.back().toTensor() * (scale->global_numel / numel);
     if (scale->global_class_counts.defined()) {  // the global count is the kept targets' weights
-      at::Tensor counts = scale->global_class_counts.to(weight.device());
+      at::Tensor counts = scale->global_class_counts.to(weight.device());  // there already
       share = share / (weight.detach().to(at::kDouble) * counts).sum().to(share.scalar_type());
     } else {
       share = share / scale->global_count;
@@ -81,7 +77,10 @@ class Finder {
         continue;
       }
       const ir::Value& target = g_.value(task.inputs[kTarget]);
-      if (!target.isBatch() || !isIntegral(target.dtype)) continue;  // no count over the batch
+      if (!target.isBatch() || target.dtype == ir::DType::Undefined ||
+          !c10::isIntegralType(toScalarType(target.dtype), /*includeBool=*/false)) {
+        continue;  // no count over the batch, or class probabilities as targets
+      }
       TokenMeanLoss loss;
       loss.task = t;
       loss.target = target.id;
@@ -178,7 +177,8 @@ at::Tensor localTargetCounts(const TracedModel& model, const TokenMeanLosses& lo
   return at::cat(counts).to(at::kCPU);  // one copy from a GPU
 }
 
-void setShareScales(const TokenMeanLosses& losses, const at::Tensor* global_counts) {
+void setShareScales(const TokenMeanLosses& losses, const at::Tensor* global_counts,
+                    c10::Device device) {
   int64_t pos = 0;
   for (const TokenMeanLoss& loss : losses.exact) {
     ShareScale& s = *loss.scale;
@@ -189,7 +189,8 @@ void setShareScales(const TokenMeanLosses& losses, const at::Tensor* global_coun
     s.global_count = c[pos + 1];
     pos += 2;
     if (loss.classes > 0) {
-      s.global_class_counts = global_counts->narrow(0, pos, loss.classes).clone();
+      // once per step, not once per micro-batch
+      s.global_class_counts = global_counts->narrow(0, pos, loss.classes).to(device, /*non_blocking=*/false, /*copy=*/true);
       pos += loss.classes;
     }
   }

@@ -38,8 +38,8 @@ struct ShareScale {
   bool on = false;
   double global_numel = 0.0;  // elements of the global target
   double global_count = 0.0;  // of them, those not ignored
-  // With class weights: the global count of each class among the kept targets (float64,
-  // CPU); the op weighs them with its weight argument, wherever that lives.
+  // With class weights: the global count of each class among the kept targets (float64, on
+  // the stages' device); the op weighs them with its weight argument.
   at::Tensor global_class_counts;
 };
 
@@ -71,7 +71,8 @@ at::Tensor localTargetCounts(const TracedModel& model, const TokenMeanLosses& lo
                              const std::map<ir::ValueId, c10::IValue>& local);
 
 // Sets each loss's scale from the sum of every rank's localTargetCounts (nullptr: off, the
-// ops' own means).
-void setShareScales(const TokenMeanLosses& losses, const at::Tensor* global_counts);
+// ops' own means); class counts go to `device`, where the stages run.
+void setShareScales(const TokenMeanLosses& losses, const at::Tensor* global_counts,
+                    c10::Device device = c10::kCPU);
 
 }  // namespace rannc::frontend

@@ -112,6 +112,15 @@ int PipelineEngine::producerOf(ir::ValueId value) const {
   return it == producer_.end() ? -1 : it->second;
 }
 
+double PipelineEngine::shareWeight(ir::ValueId value, int m) const {
+  if (summed_outputs_.count(value) > 0) return 1.0;  // each share's sum adds up
+  // a mean over the batch: each share's mean weighs by its rows
+  const Layout& L = config_->layout;
+  const Place& at = place();  // every chunk has the same copy and replica
+  const Rows rows = L.share(producerOf(value), at.copy, m, at.replica);
+  return double(rows.size()) / double(L.globalBatch());
+}
+
 std::vector<ir::ValueId> PipelineEngine::batchOutputIds() const {
   std::vector<ir::ValueId> out;
   for (const auto& [v, _] : ownRowsPlan().out_recv) out.push_back(v);
@@ -219,14 +228,11 @@ StepOutputs PipelineEngine::step(const std::map<ir::ValueId, c10::IValue>& local
                                  double loss_scale) {
   seeds_.clear();
   if (train && loss_id_ != ir::kNoId) {
-    const Layout& L = config_->layout;
-    const Place& at = place();  // every chunk has the same copy and replica, hence rows
-    const bool summed = summed_outputs_.count(loss_id_) > 0;
-    for (int m = 0; m < L.microBatches(); ++m) {
-      Rows rows = L.share(at.stage, at.copy, m, at.replica);
-      // a mean over the batch: each share's mean weighs by its rows; a sum: each share's sum
-      const double weight = summed ? 1.0 : double(rows.size()) / double(L.globalBatch());
-      seeds_[m][loss_id_] = Seed{loss_scale * weight, {}};
+    const std::vector<int> mine = stages();
+    if (std::count(mine.begin(), mine.end(), producerOf(loss_id_)) > 0) {
+      for (int m = 0; m < config_->layout.microBatches(); ++m) {
+        seeds_[m][loss_id_] = Seed{loss_scale * shareWeight(loss_id_, m), {}};
+      }
     }
   }
   scaleTokenMeans(local);
@@ -244,7 +250,7 @@ void PipelineEngine::scaleTokenMeans(const std::map<ir::ValueId, c10::IValue>& l
   }
   at::Tensor counts = frontend::localTargetCounts(*model_, *token_means_, local);
   if (world_size_ > 1) comm::worldCpuCommunicator()->allReduce(counts)->wait();
-  frontend::setShareScales(*token_means_, &counts);
+  frontend::setShareScales(*token_means_, &counts, device_);
 }
 
 StepOutputs PipelineEngine::forwardForBackward(const std::map<ir::ValueId, c10::IValue>& local) {

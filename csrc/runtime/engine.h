@@ -34,8 +34,8 @@
 
 #include <ATen/ATen.h>
 
-#include "partition/plan.h"
 #include "frontend/token_means.h"
+#include "partition/plan.h"
 #include "runtime/channels.h"
 #include "runtime/grad_buckets.h"
 #include "runtime/layout.h"
@@ -90,6 +90,10 @@ class PipelineEngine {
   StageExecutor& executor(int chunk = 0) { return *chunks_.at(chunk).executor; }
   // Stage producing `value` (-1 for none: a model argument, a constant).
   int producerOf(ir::ValueId value) const;
+  // The factor of micro-batch `m`'s value of scalar output `value` (made by a stage of this
+  // rank) in the output over the global batch, its seed's factor too: the share's fraction
+  // of the global rows (a mean over the batch), or 1 for a summed output.
+  double shareWeight(ir::ValueId value, int m) const;
   ir::ValueId lossId() const { return loss_id_; }
   // Its stage's parameters and buffers (value id -> the module's tensor).
   const std::map<ir::ValueId, at::Tensor>& stageState() const { return stage_state_; }

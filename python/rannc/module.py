@@ -430,13 +430,11 @@ class _Deployed:
             for vid in whole:
                 if engine.producer_of(vid) not in mine:
                     continue
-                rows = layout.share(engine.producer_of(vid), engine.copy, m, engine.replica)
                 v = engine.value(vid)
                 dtype = engine.output_dtype(m, vid)
                 if v.batch_dependent and v.shape == []:
                     # the output is the row-weighted mean of the shares, or their sum
-                    weight = 1.0 if vid in self.summed else len(rows) / layout.global_batch
-                    seeds.setdefault(m, {})[vid] = (sums[vid] * weight).to(dtype)
+                    seeds.setdefault(m, {})[vid] = (sums[vid] * engine.share_weight(vid, m)).to(dtype)
                 elif m == 0 and engine.copy == 0 and engine.replica == 0:
                     # returned from micro-batch 0 of the first replica: its gradient goes there
                     seeds.setdefault(m, {})[vid] = sums[vid].to(dtype)
@@ -470,10 +468,7 @@ class _Deployed:
                 # a mean over the rows of each micro-batch share: weight by rows (a sum:
                 # add up); summed where the stage computed it, then one copy to the host (a
                 # GPU would stall once per micro-batch on a .cpu() each)
-                parts = [outs[vid].detach().double()
-                         * (1.0 if vid in self.summed else
-                            len(layout.share(engine.producer_of(vid), engine.copy, m, engine.replica))
-                            / layout.global_batch)
+                parts = [outs[vid].detach().double() * engine.share_weight(vid, m)
                          for m, outs in produced.items() if vid in outs]
                 total = (torch.stack(parts).sum().cpu() if parts
                          else torch.zeros((), dtype=torch.float64))
