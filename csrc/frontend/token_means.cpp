@@ -58,6 +58,24 @@ torch::jit::Operation shareScaled(torch::jit::Operation op, size_t nargs,
   });
 }
 
+thread_local double share_rows = 0.0;
+
+// The numerator over (global count * the share's rows / global rows) when the scale is on
+// and the engine names the share ([Note: token-mean losses]), else the division as traced.
+torch::jit::Operation countedScaled(torch::jit::Operation op, std::shared_ptr<const ShareScale> scale) {
+  return torch::jit::Operation([op = std::move(op), scale](torch::jit::Stack& stack) mutable {
+    const double rows = ShareRows::current();
+    if (!scale->on || rows <= 0.0) {
+      op(stack);
+      return;
+    }
+    const at::Tensor count = stack.back().toTensor();
+    stack.pop_back();
+    const at::Tensor sum = stack.back().toTensor();
+    stack.back() = sum.to(at::result_type(sum, count)) / (scale->global_count * rows);
+  });
+}
+
 class Finder {
  public:
   explicit Finder(const TracedModel& model) : model_(model), g_(model.graph) {
@@ -86,6 +104,7 @@ class Finder {
       loss.target = target.id;
       std::vector<ir::TaskId> makes_target;
       std::string why = checkArguments(task, loss);
+      if (why.empty()) why = usedAsATerm(task.outputs[0]);
       if (why.empty()) why = targetProgram(target.id, makes_target);
       if (!why.empty()) {
         out.row_weighted.push_back(model_.describeTask(t) + ": " + why);
@@ -96,11 +115,47 @@ class Finder {
       model_.operations[t] = shareScaled(model_.operations[t], nargs, loss.scale);
       out.exact.push_back(std::move(loss));
     }
+    for (ir::TaskId t : model_.order) findCountedMean(t, out, program);
     for (size_t i : program) out.program.push_back(model_.order[i]);
     return out;
   }
 
  private:
+  // A division of a sum over the batch by a count over its rows, a loss term.
+  void findCountedMean(ir::TaskId t, TokenMeanLosses& out, std::set<size_t>& program) const {
+    const ir::Task& task = g_.task(t);
+    if (task.op != "aten::div" || task.inputs.size() != 2 || task.outputs.size() != 1) return;
+    const ir::Value& quotient = g_.value(task.outputs[0]);
+    const ir::Value& sum = g_.value(task.inputs[0]);
+    if (!quotient.isTensor() || !quotient.shape.empty() || !sum.isTensor() ||
+        sum.dtype == ir::DType::Undefined || !at::isFloatingType(toScalarType(sum.dtype))) {
+      return;
+    }
+    std::optional<ir::BatchCount> count = ir::batchCount(g_, task.inputs[1]);
+    if (!count || ir::batchReduction(g_, sum.id) != ir::BatchReduction::Sum) return;
+    TokenMeanLoss loss;
+    loss.task = t;
+    loss.target = count->counted;
+    loss.count = count;
+    std::vector<ir::TaskId> makes_count;
+    std::string why = usedAsATerm(quotient.id);
+    if (why.empty()) why = targetProgram(count->counted, makes_count);
+    if (!why.empty()) {
+      // "its target ..." reads "its count ..." here
+      if (why.rfind("its target", 0) == 0) why.replace(0, 10, "its count");
+      out.row_weighted.push_back(model_.describeTask(t) + " (a sum over a count of the batch): " + why);
+      return;
+    }
+    for (ir::TaskId p : makes_count) program.insert(position_.at(p));
+    loss.scale = std::make_shared<ShareScale>();
+    model_.operations[t] = countedScaled(model_.operations[t], loss.scale);
+    out.exact.push_back(std::move(loss));
+  }
+
+  std::string usedAsATerm(ir::ValueId mean) const {
+    return ir::reachesOutputsLinearly(g_, mean) ? "" : "its value is used otherwise than as a term of the outputs";
+  }
+
   // Empty when ignore_index is a constant and the classes are known, else why not.
   std::string checkArguments(const ir::Task& task, TokenMeanLoss& loss) const {
     const ir::Value& ignore = g_.value(task.inputs[kIgnoreIndex]);
@@ -148,6 +203,10 @@ class Finder {
 
 }  // namespace
 
+ShareRows::ShareRows(double fraction) : previous_(share_rows) { share_rows = fraction; }
+ShareRows::~ShareRows() { share_rows = previous_; }
+double ShareRows::current() { return share_rows; }
+
 const TokenMeanLosses& tokenMeanLosses(const TracedModel& model) {
   if (!model.token_means) model.token_means = std::make_shared<const TokenMeanLosses>(Finder(model).find());
   return *model.token_means;
@@ -163,9 +222,14 @@ at::Tensor localTargetCounts(const TracedModel& model, const TokenMeanLosses& lo
   for (const TokenMeanLoss& loss : losses.exact) {
     RANNC_CHECK(env[loss.target].isTensor(), "the target of " << model.describeTask(loss.task) << " was not computed");
     const at::Tensor target = env[loss.target].toTensor();
-    const at::Tensor kept = target.ne(loss.ignore_index);
     const auto f64 = at::TensorOptions().dtype(at::kDouble).device(target.device());
     counts.push_back(at::full({1}, static_cast<double>(target.numel()), f64));
+    if (loss.count) {  // a counted mean's count, before its clamp
+      const at::Tensor counted = loss.count->nonzero ? target.ne(0) : target;
+      counts.push_back(counted.sum(at::kDouble).reshape({1}));
+      continue;
+    }
+    const at::Tensor kept = target.ne(loss.ignore_index);
     counts.push_back(kept.sum().to(at::kDouble).reshape({1}));
     if (loss.classes > 0) {
       // a target out of range fails in the op itself, naming it
@@ -187,6 +251,7 @@ void setShareScales(const TokenMeanLosses& losses, const at::Tensor* global_coun
     auto c = global_counts->accessor<double, 1>();
     s.global_numel = c[pos];
     s.global_count = c[pos + 1];
+    if (loss.count && loss.count->clamp_min) s.global_count = std::max(s.global_count, *loss.count->clamp_min);
     pos += 2;
     if (loss.classes > 0) {
       // once per step, not once per micro-batch

@@ -21,14 +21,26 @@
 // arguments, and one all-reduce sums the counts (PipelineEngine::step). A loss whose target
 // depends on parameters, buffers, random draws or in-place writes keeps the row-weighted
 // mean; `row_weighted` says why (rank 0 logs it).
+//
+// A mean written by hand, a sum over the batch divided by a count over its rows
+// (`(loss * mask).sum() / mask.sum().clamp(min=1)`, `/ (labels != -100).sum()`; ir::batchCount),
+// is made exact the same way: its division runs as
+//     numerator / (global count * share rows / global rows)
+// so that the row-weighted shares add up to (global numerator) / (global count). The division
+// has no batch tensor to tell the share's rows, so the engine names them (ShareRows) around
+// each stage's forward and backward. Only divisions whose value reaches the outputs as a
+// term of them (ir::reachesOutputsLinearly) are changed: a count that normalises
+// activations is the share's own, as in one process on that share.
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include <ATen/ATen.h>
 
 #include "frontend/traced_model.h"
+#include "ir/reduction.h"
 
 namespace rannc::frontend {
 
@@ -45,10 +57,26 @@ struct ShareScale {
 
 struct TokenMeanLoss {
   ir::TaskId task = ir::kNoId;
-  ir::ValueId target = ir::kNoId;
+  ir::ValueId target = ir::kNoId;  // for a counted mean, the tensor its count sums
   int64_t ignore_index = -100;
   int64_t classes = 0;  // with class weights, their number; 0 without
+  // A mean written by hand: `task` is the division of a sum by this count.
+  std::optional<ir::BatchCount> count;
   std::shared_ptr<ShareScale> scale;
+};
+
+// The rows of the share whose stage the calling thread runs, as a fraction of the global
+// batch, while one lives (the engine's forward and backward of a stage); 0 outside.
+class ShareRows {
+ public:
+  explicit ShareRows(double fraction);
+  ~ShareRows();
+  ShareRows(const ShareRows&) = delete;
+  ShareRows& operator=(const ShareRows&) = delete;
+  static double current();
+
+ private:
+  double previous_;
 };
 
 struct TokenMeanLosses {
@@ -64,8 +92,8 @@ struct TokenMeanLosses {
 const TokenMeanLosses& tokenMeanLosses(const TracedModel& model);
 
 // Per loss of `losses.exact`, over this rank's arguments `local` (value id -> value): the
-// numel of its target, the count of its targets that are not ignored and, with class
-// weights, that count per class; all in one float64 tensor on the CPU, to be summed over
+// numel of its target, the count of its targets that are not ignored (a counted mean: its
+// count before the clamp) and, with class weights, that count per class; all in one float64 tensor on the CPU, to be summed over
 // the ranks.
 at::Tensor localTargetCounts(const TracedModel& model, const TokenMeanLosses& losses,
                              const std::map<ir::ValueId, c10::IValue>& local);

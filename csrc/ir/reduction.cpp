@@ -1,7 +1,9 @@
 #include "ir/reduction.h"
 
+#include <algorithm>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 
 namespace rannc::ir {
 namespace {
@@ -34,6 +36,8 @@ bool passesThrough(const std::string& op) {
 bool isBatchSize(const Value& v) {
   return v.int_batch_multiples.size() == 1 && v.int_batch_multiples[0] != 0;
 }
+
+bool isScalarTensor(const Value& v) { return v.isTensor() && v.shape.empty(); }
 
 BatchReduction combine(BatchReduction a, BatchReduction b) { return a == b ? a : BatchReduction::Unknown; }
 
@@ -74,12 +78,36 @@ class Classifier {
       const Value& den = g_.value(t.inputs[1]);
       if (!fromRows(num.id)) return BatchReduction::Unknown;
       if (!fromRows(den.id)) return of(num.id, depth + 1);
-      // a sum over the batch divided by its size is a mean
-      return isBatchSize(den) && of(num.id, depth + 1) == BatchReduction::Sum ? BatchReduction::Mean
-                                                                           : BatchReduction::Unknown;
+      // a sum over the batch divided by its size, or by a count over its rows, is a mean
+      const bool counts_rows = isBatchSize(den) || batchCount(g_, den.id).has_value();
+      return counts_rows && of(num.id, depth + 1) == BatchReduction::Sum ? BatchReduction::Mean
+                                                                        : BatchReduction::Unknown;
     }
     if (passesThrough(t.op) && fromRows(t.inputs[0])) return of(t.inputs[0], depth + 1);
     return BatchReduction::Unknown;
+  }
+
+  // See reachesOutputsLinearly.
+  bool linearToOutputs(ValueId id) {
+    std::unordered_set<ValueId> seen{id};
+    std::vector<ValueId> todo{id};
+    while (!todo.empty()) {
+      const Value& v = g_.value(todo.back());
+      todo.pop_back();
+      for (TaskId c : v.consumers) {
+        const Task& t = g_.task(c);
+        if (t.outputs.size() != 1 || !isScalarTensor(g_.value(t.outputs[0]))) return false;
+        bool linear = t.op == "aten::add" || t.op == "aten::sub" || (passesThrough(t.op) && t.inputs[0] == v.id);
+        if (t.op == "aten::mul" || (t.op == "aten::div" && t.inputs[0] == v.id)) {
+          // by what does not depend on the rows (v * v is not linear)
+          linear = std::count(t.inputs.begin(), t.inputs.end(), v.id) == 1;
+          for (ValueId in : t.inputs) linear = linear && (in == v.id || !fromRows(in));
+        }
+        if (!linear) return false;
+        if (seen.insert(t.outputs[0]).second) todo.push_back(t.outputs[0]);
+      }
+    }
+    return true;
   }
 
  private:
@@ -98,6 +126,7 @@ class Classifier {
     return from_rows_[id];
   }
 
+ private:
   const Graph& g_;
   std::vector<char> from_rows_;
 };
@@ -116,6 +145,47 @@ std::string_view batchReductionName(BatchReduction r) {
 BatchReduction batchReduction(const Graph& g, ValueId value) {
   Classifier c(g);
   return c.of(value);
+}
+
+std::optional<BatchCount> batchCount(const Graph& g, ValueId value) {
+  BatchCount count;
+  for (int depth = 0; depth < 16; ++depth) {
+    const Value& v = g.value(value);
+    if (!isScalarTensor(v) || v.producer == kNoId) return std::nullopt;
+    const Task& t = g.task(v.producer);
+    if (t.inputs.empty()) return std::nullopt;
+    const Value& in = g.value(t.inputs[0]);
+    if (t.op == "aten::sum" || t.op == "aten::count_nonzero") {
+      if (!in.isBatch()) return std::nullopt;
+      count.counted = in.id;
+      count.nonzero = t.op == "aten::count_nonzero";
+      return count;
+    }
+    const bool clamp = t.op == "aten::clamp" || t.op == "aten::clamp_min";
+    if (clamp) {
+      // clamp(self, min, max=None) or clamp_min(self, min), min a constant number, once
+      if (count.clamp_min || t.inputs.size() < 2) return std::nullopt;
+      const Value& min = g.value(t.inputs[1]);
+      if (!min.isConstant() || (min.kind != ValueKind::Int && min.kind != ValueKind::Float)) return std::nullopt;
+      if (t.op == "aten::clamp" && (t.inputs.size() != 3 || g.value(t.inputs[2]).kind != ValueKind::None)) {
+        return std::nullopt;
+      }
+      try {
+        count.clamp_min = std::stod(min.constant);
+      } catch (const std::exception&) {
+        return std::nullopt;
+      }
+    } else if (!passesThrough(t.op) || t.op == "aten::neg") {
+      return std::nullopt;
+    }
+    value = in.id;
+  }
+  return std::nullopt;
+}
+
+bool reachesOutputsLinearly(const Graph& g, ValueId value) {
+  Classifier c(g);
+  return c.linearToOutputs(value);
 }
 
 }  // namespace rannc::ir

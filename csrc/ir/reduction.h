@@ -4,6 +4,7 @@
 // caller passes in, as transformers' num_items_in_batch). The runtime combines the
 // micro-batches' and replicas' values of a mean weighted by their rows and those of a sum
 // added up (DESIGN.md §1; option loss_reduction). Plain C++ over the IR.
+#include <optional>
 #include <string_view>
 
 #include "ir/graph.h"
@@ -17,8 +18,27 @@ std::string_view batchReductionName(BatchReduction r);  // "mean", "sum", "unkno
 // Follows `value` back through scalar arithmetic (+, -, * and / by what does not depend on
 // the batch, casts, views) to the ops that reduce a batch tensor to it: aten::mean and the
 // loss ops with reduction "mean" are means; aten::sum and the loss ops with reduction
-// "sum" are sums, and a sum divided by the batch size is a mean. Unknown where the terms
-// disagree or an op is none of these (a value that does not depend on the batch: Unknown).
+// "sum" are sums, and a sum divided by the batch size or by a count over the batch
+// (batchCount) is a mean. Unknown where the terms disagree or an op is none of these (a
+// value that does not depend on the batch: Unknown).
 BatchReduction batchReduction(const Graph& g, ValueId value);
+
+// A scalar that counts over the batch's rows, as the denominator of a mean written by hand
+// (`(loss * mask).sum() / mask.sum().clamp(min=1)`, `/ (labels != -100).sum()`): aten::sum
+// or aten::count_nonzero of a batch tensor down to a scalar, through casts and at most one
+// clamp from below by a constant. Over the global batch it is the sum of its value over
+// the shares, clamped.
+struct BatchCount {
+  ValueId counted = kNoId;  // the batch tensor summed (or whose nonzeros are counted)
+  bool nonzero = false;     // count_nonzero: its nonzero elements, not its sum
+  std::optional<double> clamp_min;
+};
+std::optional<BatchCount> batchCount(const Graph& g, ValueId value);
+
+// Whether each use of scalar `value` reaches the graph's outputs only through scalar +, -,
+// casts, and * or / by values that do not depend on the rows, so that an output combined
+// over shares weighs `value`'s shares as it weighs the output's (a loss term: yes; a
+// normaliser of activations: no).
+bool reachesOutputsLinearly(const Graph& g, ValueId value);
 
 }  // namespace rannc::ir

@@ -115,10 +115,14 @@ int PipelineEngine::producerOf(ir::ValueId value) const {
 double PipelineEngine::shareWeight(ir::ValueId value, int m) const {
   if (summed_outputs_.count(value) > 0) return 1.0;  // each share's sum adds up
   // a mean over the batch: each share's mean weighs by its rows
+  Place at = place();  // every chunk has the same copy and replica
+  at.stage = producerOf(value);
+  return shareRows(at, m);
+}
+
+double PipelineEngine::shareRows(const Place& place, int m) const {
   const Layout& L = config_->layout;
-  const Place& at = place();  // every chunk has the same copy and replica
-  const Rows rows = L.share(producerOf(value), at.copy, m, at.replica);
-  return double(rows.size()) / double(L.globalBatch());
+  return double(L.share(place.stage, place.copy, m, place.replica).size()) / double(L.globalBatch());
 }
 
 std::vector<ir::ValueId> PipelineEngine::batchOutputIds() const {
@@ -535,6 +539,7 @@ StepOutputs PipelineEngine::execute(const StepProgram& program,
         std::vector<c10::IValue> ins;
         for (ir::ValueId vid : chunk.executor->inputIds()) ins.push_back(gather(vid, a.micro_batch, *local, posted));
         auto t0 = Clock::now();
+        frontend::ShareRows share(shareRows(chunk.place, a.micro_batch));
         auto outs = chunk.executor->forward(a.micro_batch, ins, train, chunk.recompute);
         times_.forward += since(t0);
         const auto& ids = chunk.executor->outputIds();
@@ -559,6 +564,7 @@ StepOutputs PipelineEngine::execute(const StepProgram& program,
         std::vector<at::Tensor> grads;
         for (ir::ValueId vid : executor.outputIds()) grads.push_back(outputGrad(vid, a.micro_batch, posted));
         auto t0 = Clock::now();
+        frontend::ShareRows share(shareRows(chunks_[a.chunk].place, a.micro_batch));  // recomputation
         input_grads_of_[{a.chunk, a.micro_batch}] = a.kind == StepActionKind::Backward
                                                         ? executor.backward(a.micro_batch, grads)
                                                         : executor.backwardInput(a.micro_batch, grads);

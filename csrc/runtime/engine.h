@@ -170,6 +170,8 @@ class PipelineEngine {
   using PostedByValue = std::map<ir::ValueId, std::vector<Posted>>;
 
   void configure(int64_t local_batch, bool cap_micro_batches);
+  // The rows of micro-batch `m` at `place`, as a fraction of the global batch.
+  double shareRows(const Place& place, int m) const;
   // Before a step's forwards: the token-mean losses' share scales from the global target
   // counts ([Note: token-mean losses] in frontend/token_means.h). Collective when the
   // global batch is cut into several shares of such a loss's stage.

@@ -93,6 +93,9 @@ def test_training_equals_pytorch(ranks, model, stages, micro, extra):
     (4, "items", 2, 2, ["--opt", "replicas=2,2"]),
     (3, "items", 2, 3, ["--opt", "schedule=fill_drain"]),
     (2, "einsum", 2, 2, ["--opt", "loss_reduction=sum"]),
+    # a mean written by hand: a sum over a count of the batch ([Note: token-mean losses])
+    (4, "masked", 2, 2, ["--opt", "replicas=1,3", "schedule=zb_h1", "recompute=always"]),
+    (3, "counted", 3, 3, ["--opt", "schedule=fill_drain"]),
 ])
 def test_a_mean_over_the_targets_that_count_equals_pytorch(ranks, case, stages, micro, extra):
     """[Note: token-mean losses] in csrc/frontend/token_means.h: cross entropy over masked
@@ -101,7 +104,8 @@ def test_a_mean_over_the_targets_that_count_equals_pytorch(ranks, case, stages, 
     replica counts other targets; a target made from parameters keeps the rows' weights,
     and rank 0 says so. A loss that is a sum over the batch (a sum divided by a count the
     caller passes, as transformers' num_items_in_batch; a sum the graph does not show, with
-    loss_reduction=sum) adds up over the shares."""
+    loss_reduction=sum) adds up over the shares. A mean written by hand, a masked sum over
+    the mask's sum (clamped) or over the count of kept labels, is exact as well."""
     res = mpirun("token_mean_check.py", ranks, case, "--stages", stages, "--micro", micro, *extra,
                  timeout=300, env={"RANNC_COMM_TIMEOUT": "60"})
     assert res.returncode == 0, res.stdout[-4000:]

@@ -41,6 +41,17 @@ struct LossGraph {
     g.addTask(op, inputs, {out});
     return out;
   }
+  ValueId none() {
+    ValueId v = constant("None");
+    g.mutableValue(v).kind = ValueKind::None;
+    return v;
+  }
+  // A batch tensor made by `op` from `inputs`.
+  ValueId rows(const std::string& op, std::vector<ValueId> inputs) {
+    ValueId out = batch(tensor(g, op));
+    g.addTask(op, inputs, {out});
+    return out;
+  }
   ValueId batchSize() {
     ValueId n = scalar("aten::size", {h, constant("0")});
     Value& val = g.mutableValue(n);
@@ -91,6 +102,62 @@ TEST(ABatchReduction, IsUnknownWhereTermsDisagreeOrAnOpIsNotArithmetic) {
   EXPECT_EQ(batchReduction(l.g, l.scalar("aten::exp", {sum})), BatchReduction::Unknown);
   EXPECT_EQ(batchReduction(l.g, l.scalar("aten::mul", {sum, mean})), BatchReduction::Unknown);
   EXPECT_EQ(batchReduction(l.g, l.constant("3")), BatchReduction::Unknown);
+}
+
+TEST(ABatchCount, FollowsCastsAndOneClampToASumOverTheRows) {
+  // (loss * mask).sum() / mask.float().sum().clamp(min=1)
+  LossGraph l;
+  ValueId mask = l.rows("aten::gt", {l.x, l.constant("0")});
+  ValueId count = l.scalar("aten::sum", {mask, l.none()});
+  ValueId clamped = l.scalar("aten::clamp", {l.scalar("aten::to", {count, l.constant("6")}), l.constant("1"), l.none()});
+  std::optional<BatchCount> c = batchCount(l.g, clamped);
+  ASSERT_TRUE(c.has_value());
+  EXPECT_EQ(c->counted, mask);
+  EXPECT_FALSE(c->nonzero);
+  EXPECT_EQ(c->clamp_min, std::optional<double>(1.0));
+  ValueId sum = l.scalar("aten::sum", {l.rows("aten::mul", {l.h, mask}), l.none()});
+  EXPECT_EQ(batchReduction(l.g, l.scalar("aten::div", {sum, clamped})), BatchReduction::Mean);
+  // (labels != -100).count_nonzero(): no clamp
+  std::optional<BatchCount> nonzero = batchCount(l.g, l.scalar("aten::count_nonzero", {mask, l.none()}));
+  ASSERT_TRUE(nonzero.has_value());
+  EXPECT_TRUE(nonzero->nonzero);
+  EXPECT_FALSE(nonzero->clamp_min.has_value());
+}
+
+TEST(ABatchCount, IsNoneForScalarsThatAreNotSumsOfTheShares) {
+  LossGraph l;
+  ValueId count = l.scalar("aten::sum", {l.h, l.none()});
+  EXPECT_FALSE(batchCount(l.g, l.scalar("aten::clamp", {count, l.constant("1"), l.constant("9")})));  // a max
+  ValueId once = l.scalar("aten::clamp_min", {count, l.constant("1")});
+  EXPECT_FALSE(batchCount(l.g, l.scalar("aten::clamp_min", {once, l.constant("2")})));  // two clamps
+  EXPECT_FALSE(batchCount(l.g, l.scalar("aten::exp", {count})));
+  EXPECT_FALSE(batchCount(l.g, l.scalar("aten::neg", {count})));
+  ValueId fixed = tensor(l.g, "w", ValueRole::Param);
+  EXPECT_FALSE(batchCount(l.g, l.scalar("aten::sum", {fixed, l.none()})));  // not over the rows
+}
+
+TEST(AScalar, ReachesTheOutputsLinearlyOnlyAsATermOfThem) {
+  LossGraph l;
+  ValueId mean = l.scalar("aten::div", {l.scalar("aten::sum", {l.h, l.none()}), l.batchSize()});
+  ValueId other = l.scalar("aten::mean", {l.h, l.none()});
+  ValueId term = l.scalar("aten::mul", {mean, l.constant("2")});
+  l.scalar("aten::add", {l.scalar("aten::to", {term, l.constant("6")}), other, l.constant("1")});
+  EXPECT_TRUE(reachesOutputsLinearly(l.g, mean));
+  // a normaliser of activations is the share's own
+  LossGraph n;
+  ValueId m = n.scalar("aten::mean", {n.h, n.none()});
+  n.rows("aten::sub", {n.h, m, n.constant("1")});
+  EXPECT_FALSE(reachesOutputsLinearly(n.g, m));
+  // a square, a product with another share's value, a division of something by it
+  for (const char* op : {"square", "product", "divides"}) {
+    LossGraph q;
+    ValueId v = q.scalar("aten::mean", {q.h, q.none()});
+    const std::string which = op;
+    if (which == "square") q.scalar("aten::mul", {v, v});
+    if (which == "product") q.scalar("aten::mul", {v, q.scalar("aten::sum", {q.h, q.none()})});
+    if (which == "divides") q.scalar("aten::div", {q.constant("1"), v});
+    EXPECT_FALSE(reachesOutputsLinearly(q.g, v)) << op;
+  }
 }
 
 }  // namespace

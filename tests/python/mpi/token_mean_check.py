@@ -18,6 +18,11 @@ Sums over the batch (option loss_reduction, csrc/ir/reduction.h), added up over 
     items     cross entropy with reduction="sum" divided by the global count of kept labels,
               which the caller passes in (transformers' num_items_in_batch)
     einsum    a sum the graph does not show (einsum), with --opt loss_reduction=sum
+
+A sum divided by a count of the batch (a masked mean written by hand):
+    masked    per-token cross entropy (reduction="none") times a float mask, summed, over
+              mask.sum().clamp(min=1)
+    counted   cross entropy with reduction="sum" over (labels != -100).sum(), an integer
 """
 import argparse
 import copy
@@ -29,7 +34,8 @@ import torch.nn.functional as F
 import rannc
 
 ap = argparse.ArgumentParser()
-ap.add_argument("case", choices=["mlm_nsp", "weighted", "nll_nd", "teacher", "items", "einsum"])
+ap.add_argument("case", choices=["mlm_nsp", "weighted", "nll_nd", "teacher", "items", "einsum",
+                                    "masked", "counted"])
 ap.add_argument("--stages", type=int, default=1)
 ap.add_argument("--micro", type=int, default=2)
 ap.add_argument("--steps", type=int, default=3)
@@ -67,6 +73,13 @@ class Model(nn.Module):
                               ignore_index=0)
         if self.case == "items":
             return F.cross_entropy(scores.flatten(0, 1), labels.flatten(), reduction="sum") / items
+        if self.case == "masked":
+            mask = (labels >= 0).float()
+            each = F.cross_entropy(scores.flatten(0, 1), labels.clamp(min=0).flatten(), reduction="none")
+            return (each * mask.flatten()).sum() / mask.sum().clamp(min=1)
+        if self.case == "counted":
+            return (F.cross_entropy(scores.flatten(0, 1), labels.flatten(), reduction="sum")
+                    / (labels != -100).sum())
         if self.case == "einsum":
             return torch.einsum("btv,btv->", scores, scores) / 100
         target = torch.where(labels >= 0, self.teacher(self.emb(ids)).argmax(-1), labels)
