@@ -14,6 +14,7 @@
 #include "common/log.h"
 #include "frontend/dtypes.h"
 #include "frontend/interpreter.h"
+#include "frontend/masked_losses.h"
 
 namespace rannc::frontend {
 namespace {
@@ -1028,6 +1029,10 @@ std::shared_ptr<TracedModel> buildTracedModel(
                      " inputs but " + std::to_string(inputs.size()) + " were described");
   }
   checkSameProgram(first, second, module_classes);
+  // after the check, which compares the traces as the user's code made them
+  if (int n = rewriteMaskedLosses(*first.graph)) {
+    logDebug(std::to_string(n) + " loss(es) over a boolean mask's tokens read as ignore_index targets");
+  }
   IrBuilder builder(first.graph, inputs, module_classes, first.batch_size);
   std::shared_ptr<TracedModel> model = buildGluedModel(builder, first, second, inputs);
   ir::Graph& ir = model->graph;

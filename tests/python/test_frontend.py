@@ -162,6 +162,59 @@ def test_a_value_written_in_place_never_leaves_the_task_of_its_producer_and_read
     assert plan.deployment.num_stages == 2
 
 
+class MaskedTokenLoss(nn.Module):
+    """A loss over the tokens a boolean mask selects, as older transformers' token
+    classification wrote it; `how` varies what may be read as ignore_index targets."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.emb = nn.Embedding(12, 8)
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, ids, labels, attention):
+        logits = self.head(torch.tanh(self.emb(ids)))
+        active = attention.view(-1) == 1
+        flat, flat_labels = logits.view(-1, 5), labels.view(-1)
+        if self.how == "mean":
+            return nn.functional.cross_entropy(flat[active], flat_labels[active])
+        if self.how == "sum_2d":  # a 2-D mask over (batch, tokens)
+            mask = attention == 1
+            return nn.functional.cross_entropy(logits[mask], labels[mask], reduction="sum")
+        if self.how == "none":  # a value per selected token: kept as written
+            return nn.functional.cross_entropy(flat[active], flat_labels[active], reduction="none")
+        # scores and targets selected by different masks: kept as written
+        return nn.functional.cross_entropy(flat[active], flat_labels[flat_labels.ne(0)])
+
+
+@pytest.mark.parametrize("how,rewritten", [("mean", True), ("sum_2d", True), ("none", False),
+                                           ("two_masks", False)])
+def test_a_loss_over_a_masks_tokens_reads_as_ignore_index_targets(how, rewritten):
+    """[Note: masked losses] in csrc/frontend/masked_losses.h: cross_entropy(logits[mask],
+    labels[mask]) becomes cross_entropy over all tokens with the unselected ones' targets
+    set to ignore_index, a loss op of its own (so token means make it exact); outputs and
+    gradients stay those of the model."""
+    torch.manual_seed(0)
+    model = MaskedTokenLoss(how)
+
+    def batch(n):
+        ids = torch.randint(0, 12, (n, 6))
+        attention = (torch.rand(n, 6) < 0.6).long()
+        attention[:, 0] = 1
+        labels = torch.randint(0, 5, (n, 6)) if how != "two_masks" else attention * 2
+        return ids, labels, attention
+
+    g = rannc.trace(model, batch(4))
+    ops = [t.op for t in g.ir.tasks()]
+    assert ("aten::cross_entropy_loss" in ops) == rewritten, ops
+    assert any("aten::where" == op for op in ops) == rewritten, ops
+    args = batch(3)
+    mine, ref = run(g, model, args, {}), run(model, model, args, {})
+    torch.testing.assert_close(mine[0], ref[0], rtol=1e-6, atol=1e-7)
+    for name in ref[1]:
+        torch.testing.assert_close(mine[1][name], ref[1][name], rtol=1e-5, atol=1e-7, msg=name)
+
+
 class LoopsOverHits(nn.Module):
     """A loop over the columns that data selects (as transformers' mixture-of-experts
     models loop over the experts their tokens hit): the trace unrolls it."""

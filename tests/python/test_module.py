@@ -96,6 +96,9 @@ def test_training_equals_pytorch(ranks, model, stages, micro, extra):
     # a mean written by hand: a sum over a count of the batch ([Note: token-mean losses])
     (4, "masked", 2, 2, ["--opt", "replicas=1,3", "schedule=zb_h1", "recompute=always"]),
     (3, "counted", 3, 3, ["--opt", "schedule=fill_drain"]),
+    # over the tokens a boolean mask selects ([Note: masked losses])
+    (4, "selected", 2, 2, ["--opt", "replicas=2,2"]),
+    (2, "selected_sum", 2, 2, []),
 ])
 def test_a_mean_over_the_targets_that_count_equals_pytorch(ranks, case, stages, micro, extra):
     """[Note: token-mean losses] in csrc/frontend/token_means.h: cross entropy over masked
@@ -105,7 +108,8 @@ def test_a_mean_over_the_targets_that_count_equals_pytorch(ranks, case, stages, 
     and rank 0 says so. A loss that is a sum over the batch (a sum divided by a count the
     caller passes, as transformers' num_items_in_batch; a sum the graph does not show, with
     loss_reduction=sum) adds up over the shares. A mean written by hand, a masked sum over
-    the mask's sum (clamped) or over the count of kept labels, is exact as well."""
+    the mask's sum (clamped) or over the count of kept labels, is exact as well, and so is
+    cross entropy over the tokens a boolean mask selects (logits[mask], labels[mask])."""
     res = mpirun("token_mean_check.py", ranks, case, "--stages", stages, "--micro", micro, *extra,
                  timeout=300, env={"RANNC_COMM_TIMEOUT": "60"})
     assert res.returncode == 0, res.stdout[-4000:]
@@ -113,7 +117,7 @@ def test_a_mean_over_the_targets_that_count_equals_pytorch(ranks, case, stages, 
         assert f"OK rank {r}" in res.stdout, res.stdout[-4000:]
     if case == "teacher":
         assert "micro-batches and replicas weigh it by their rows" in res.stdout, res.stdout[-4000:]
-    if case == "items":  # found in the graph, and said
+    if case in ("items", "selected_sum"):  # found in the graph, and said
         assert "is a sum over the batch" in res.stdout, res.stdout[-4000:]
 
 

@@ -23,6 +23,10 @@ A sum divided by a count of the batch (a masked mean written by hand):
     masked    per-token cross entropy (reduction="none") times a float mask, summed, over
               mask.sum().clamp(min=1)
     counted   cross entropy with reduction="sum" over (labels != -100).sum(), an integer
+
+Losses over the tokens a boolean mask selects ([Note: masked losses]):
+    selected  cross_entropy(scores.view(-1, V)[active], labels.view(-1)[active]), a mean
+    selected_sum  cross_entropy(scores[mask], ids[mask], reduction="sum") over a 2-D mask
 """
 import argparse
 import copy
@@ -35,7 +39,8 @@ import rannc
 
 ap = argparse.ArgumentParser()
 ap.add_argument("case", choices=["mlm_nsp", "weighted", "nll_nd", "teacher", "items", "einsum",
-                                    "masked", "counted"])
+                                    "masked", "counted",
+                                    "selected", "selected_sum"])
 ap.add_argument("--stages", type=int, default=1)
 ap.add_argument("--micro", type=int, default=2)
 ap.add_argument("--steps", type=int, default=3)
@@ -80,6 +85,12 @@ class Model(nn.Module):
         if self.case == "counted":
             return (F.cross_entropy(scores.flatten(0, 1), labels.flatten(), reduction="sum")
                     / (labels != -100).sum())
+        if self.case == "selected":
+            active = labels.view(-1) >= 0
+            return F.cross_entropy(scores.view(-1, VOCAB)[active], labels.view(-1)[active])
+        if self.case == "selected_sum":
+            mask = ids % 3 != 0
+            return F.cross_entropy(scores[mask], ids[mask], reduction="sum")
         if self.case == "einsum":
             return torch.einsum("btv,btv->", scores, scores) / 100
         target = torch.where(labels >= 0, self.teacher(self.emb(ids)).argmax(-1), labels)
@@ -143,7 +154,7 @@ for step in range(a.steps):
         print(f"step {step}: loss {loss.item():.12f} (reference {ref_loss.item():.12f})", flush=True)
 
 means = wrapped._deployed[True].engine.token_means
-expected = {"teacher": 0, "mlm_nsp": 2, "items": 0, "einsum": 0}.get(a.case, 1)
+expected = {"teacher": 0, "mlm_nsp": 2, "items": 0, "einsum": 0, "selected_sum": 0}.get(a.case, 1)
 assert len(means["exact"]) == expected, means
 if a.case == "teacher":
     assert any("its target depends on '" in why for why in means["row_weighted"]), means
