@@ -99,6 +99,8 @@ def test_training_equals_pytorch(ranks, model, stages, micro, extra):
     # over the tokens a boolean mask selects ([Note: masked losses])
     (4, "selected", 2, 2, ["--opt", "replicas=2,2"]),
     (2, "selected_sum", 2, 2, []),
+    (3, "selected_mean", 2, 3, ["--opt", "schedule=fill_drain"]),
+    (2, "mse_selected", 1, 2, []),
 ])
 def test_a_mean_over_the_targets_that_count_equals_pytorch(ranks, case, stages, micro, extra):
     """[Note: token-mean losses] in csrc/frontend/token_means.h: cross entropy over masked

@@ -27,6 +27,8 @@ A sum divided by a count of the batch (a masked mean written by hand):
 Losses over the tokens a boolean mask selects ([Note: masked losses]):
     selected  cross_entropy(scores.view(-1, V)[active], labels.view(-1)[active]), a mean
     selected_sum  cross_entropy(scores[mask], ids[mask], reduction="sum") over a 2-D mask
+    selected_mean  per-token cross entropy (reduction="none")[active].mean()
+    mse_selected  mse_loss(scores[..., 0][mask], ids[mask]) over a 2-D mask
 """
 import argparse
 import copy
@@ -40,7 +42,8 @@ import rannc
 ap = argparse.ArgumentParser()
 ap.add_argument("case", choices=["mlm_nsp", "weighted", "nll_nd", "teacher", "items", "einsum",
                                     "masked", "counted",
-                                    "selected", "selected_sum"])
+                                    "selected", "selected_sum", "selected_mean",
+                                    "mse_selected"])
 ap.add_argument("--stages", type=int, default=1)
 ap.add_argument("--micro", type=int, default=2)
 ap.add_argument("--steps", type=int, default=3)
@@ -91,6 +94,13 @@ class Model(nn.Module):
         if self.case == "selected_sum":
             mask = ids % 3 != 0
             return F.cross_entropy(scores[mask], ids[mask], reduction="sum")
+        if self.case == "selected_mean":
+            active = labels.view(-1) >= 0
+            each = F.cross_entropy(scores.view(-1, VOCAB), labels.clamp(min=0).view(-1), reduction="none")
+            return each[active].mean()
+        if self.case == "mse_selected":
+            mask = labels >= 0
+            return F.mse_loss(scores[..., 0][mask], ids.to(scores.dtype)[mask])
         if self.case == "einsum":
             return torch.einsum("btv,btv->", scores, scores) / 100
         target = torch.where(labels >= 0, self.teacher(self.emb(ids)).argmax(-1), labels)
