@@ -115,12 +115,36 @@ class Finder {
       model_.operations[t] = shareScaled(model_.operations[t], nargs, loss.scale);
       out.exact.push_back(std::move(loss));
     }
-    for (ir::TaskId t : model_.order) findCountedMean(t, out, program);
+    for (ir::TaskId t : model_.order) {
+      findCountedMean(t, out, program);
+      findSelection(t, out);
+    }
     for (size_t i : program) out.program.push_back(model_.order[i]);
     return out;
   }
 
  private:
+  // A scalar term of the outputs made inside one task from the elements a mask selects
+  // ([Note: masked losses] could not read it as a mask): its count is the data's, and it
+  // is weighted by rows; say so.
+  void findSelection(ir::TaskId t, TokenMeanLosses& out) const {
+    const ir::Task& task = g_.task(t);
+    bool selects = false;
+    for (const char* op : {"aten::index", "aten::masked_select", "aten::nonzero"}) {
+      selects = selects || ("+" + task.op + "+").find(std::string("+") + op + "+") != std::string::npos;
+    }
+    if (!selects) return;
+    for (ir::ValueId v : task.outputs) {
+      const ir::Value& value = g_.value(v);
+      if (value.isTensor() && value.shape.empty() && value.batch_dependent && usedAsATerm(v).empty()) {
+        out.row_weighted.push_back(model_.describeTask(t) + ": its value comes from the elements a "
+                                   "boolean mask selects, a count the data decides (write the mask "
+                                   "as ignore_index targets or as a sum over mask.sum())");
+        return;
+      }
+    }
+  }
+
   // A division of a sum over the batch by a count over its rows, a loss term.
   void findCountedMean(ir::TaskId t, TokenMeanLosses& out, std::set<size_t>& program) const {
     const ir::Task& task = g_.task(t);

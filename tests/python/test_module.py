@@ -101,6 +101,7 @@ def test_training_equals_pytorch(ranks, model, stages, micro, extra):
     (2, "selected_sum", 2, 2, []),
     (3, "selected_mean", 2, 3, ["--opt", "schedule=fill_drain"]),
     (2, "mse_selected", 1, 2, []),
+    (1, "unread", 1, 2, []),
 ])
 def test_a_mean_over_the_targets_that_count_equals_pytorch(ranks, case, stages, micro, extra):
     """[Note: token-mean losses] in csrc/frontend/token_means.h: cross entropy over masked
@@ -117,7 +118,7 @@ def test_a_mean_over_the_targets_that_count_equals_pytorch(ranks, case, stages, 
     assert res.returncode == 0, res.stdout[-4000:]
     for r in range(ranks):
         assert f"OK rank {r}" in res.stdout, res.stdout[-4000:]
-    if case == "teacher":
+    if case in ("teacher", "unread"):
         assert "micro-batches and replicas weigh it by their rows" in res.stdout, res.stdout[-4000:]
     if case in ("items", "selected_sum"):  # found in the graph, and said
         assert "is a sum over the batch" in res.stdout, res.stdout[-4000:]

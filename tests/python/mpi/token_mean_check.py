@@ -29,6 +29,8 @@ Losses over the tokens a boolean mask selects ([Note: masked losses]):
     selected_sum  cross_entropy(scores[mask], ids[mask], reduction="sum") over a 2-D mask
     selected_mean  per-token cross entropy (reduction="none")[active].mean()
     mse_selected  mse_loss(scores[..., 0][mask], ids[mask]) over a 2-D mask
+    unread    the mean of a function of the selected rows (logsumexp of scores[active]):
+              not read as a mask, so weighted by rows like teacher, and rank 0 says why
 """
 import argparse
 import copy
@@ -43,7 +45,7 @@ ap = argparse.ArgumentParser()
 ap.add_argument("case", choices=["mlm_nsp", "weighted", "nll_nd", "teacher", "items", "einsum",
                                     "masked", "counted",
                                     "selected", "selected_sum", "selected_mean",
-                                    "mse_selected"])
+                                    "mse_selected", "unread"])
 ap.add_argument("--stages", type=int, default=1)
 ap.add_argument("--micro", type=int, default=2)
 ap.add_argument("--steps", type=int, default=3)
@@ -101,6 +103,8 @@ class Model(nn.Module):
         if self.case == "mse_selected":
             mask = labels >= 0
             return F.mse_loss(scores[..., 0][mask], ids.to(scores.dtype)[mask])
+        if self.case == "unread":
+            return scores.view(-1, VOCAB)[labels.view(-1) >= 0].logsumexp(-1).mean()
         if self.case == "einsum":
             return torch.einsum("btv,btv->", scores, scores) / 100
         target = torch.where(labels >= 0, self.teacher(self.emb(ids)).argmax(-1), labels)
@@ -145,7 +149,8 @@ def rows_weighted_reference(batch):
 for step in range(a.steps):
     batch = global_batch(step)
     loss = wrapped(*(t[mine] for t in batch[:3]), batch[3])
-    ref_loss = rows_weighted_reference(batch) if a.case == "teacher" else reference(*batch)
+    by_rows = a.case in ("teacher", "unread")
+    ref_loss = rows_weighted_reference(batch) if by_rows else reference(*batch)
     close(loss, ref_loss, f"loss at step {step}")
     loss.backward()
     ref_loss.backward()
@@ -164,8 +169,10 @@ for step in range(a.steps):
         print(f"step {step}: loss {loss.item():.12f} (reference {ref_loss.item():.12f})", flush=True)
 
 means = wrapped._deployed[True].engine.token_means
-expected = {"teacher": 0, "mlm_nsp": 2, "items": 0, "einsum": 0, "selected_sum": 0}.get(a.case, 1)
+expected = {"teacher": 0, "mlm_nsp": 2, "items": 0, "einsum": 0, "selected_sum": 0, "unread": 0}.get(a.case, 1)
 assert len(means["exact"]) == expected, means
 if a.case == "teacher":
     assert any("its target depends on '" in why for why in means["row_weighted"]), means
+if a.case == "unread":
+    assert any("a boolean mask selects" in why for why in means["row_weighted"]), means
 print(f"OK rank {rank}", flush=True)
