@@ -138,8 +138,9 @@ class Finder {
       const ir::Value& value = g_.value(v);
       if (value.isTensor() && value.shape.empty() && value.batch_dependent && usedAsATerm(v).empty()) {
         out.row_weighted.push_back(model_.describeTask(t) + ": its value comes from the elements a "
-                                   "boolean mask selects, a count the data decides (write the mask "
-                                   "as ignore_index targets or as a sum over mask.sum())");
+                                   "boolean mask selects, as many as the data decides (a mean over "
+                                   "them is exact written as ignore_index targets or as a sum over "
+                                   "mask.sum(); a sum, with option loss_reduction=\"sum\")");
         return;
       }
     }
