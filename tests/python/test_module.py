@@ -102,6 +102,7 @@ def test_training_equals_pytorch(ranks, model, stages, micro, extra):
     (3, "selected_mean", 2, 3, ["--opt", "schedule=fill_drain"]),
     (2, "mse_selected", 1, 2, []),
     (1, "unread", 1, 2, []),
+    (3, "aux", 2, 2, ["--opt", "replicas=2,1"]),
 ])
 def test_a_mean_over_the_targets_that_count_equals_pytorch(ranks, case, stages, micro, extra):
     """[Note: token-mean losses] in csrc/frontend/token_means.h: cross entropy over masked

@@ -29,6 +29,8 @@ Losses over the tokens a boolean mask selects ([Note: masked losses]):
     selected_sum  cross_entropy(scores[mask], ids[mask], reduction="sum") over a 2-D mask
     selected_mean  per-token cross entropy (reduction="none")[active].mean()
     mse_selected  mse_loss(scores[..., 0][mask], ids[mask]) over a 2-D mask
+    aux       cross entropy plus terms of the embeddings: a mean over rows and a masked sum
+              over its count, on stages with other replica counts
     unread    the mean of a function of the selected rows (logsumexp of scores[active]):
               not read as a mask, so weighted by rows like teacher, and rank 0 says why
 """
@@ -45,7 +47,7 @@ ap = argparse.ArgumentParser()
 ap.add_argument("case", choices=["mlm_nsp", "weighted", "nll_nd", "teacher", "items", "einsum",
                                     "masked", "counted",
                                     "selected", "selected_sum", "selected_mean",
-                                    "mse_selected", "unread"])
+                                    "mse_selected", "unread", "aux"])
 ap.add_argument("--stages", type=int, default=1)
 ap.add_argument("--micro", type=int, default=2)
 ap.add_argument("--steps", type=int, default=3)
@@ -105,6 +107,10 @@ class Model(nn.Module):
             return F.mse_loss(scores[..., 0][mask], ids.to(scores.dtype)[mask])
         if self.case == "unread":
             return scores.view(-1, VOCAB)[labels.view(-1) >= 0].logsumexp(-1).mean()
+        if self.case == "aux":
+            e = self.emb(ids)
+            aux = e.pow(2).mean() + (e.sum(-1) * (labels >= 0)).sum() / (labels >= 0).sum().clamp(min=1)
+            return F.cross_entropy(scores.view(-1, VOCAB), labels.view(-1)) + 0.1 * aux
         if self.case == "einsum":
             return torch.einsum("btv,btv->", scores, scores) / 100
         target = torch.where(labels >= 0, self.teacher(self.emb(ids)).argmax(-1), labels)
@@ -169,7 +175,7 @@ for step in range(a.steps):
         print(f"step {step}: loss {loss.item():.12f} (reference {ref_loss.item():.12f})", flush=True)
 
 means = wrapped._deployed[True].engine.token_means
-expected = {"teacher": 0, "mlm_nsp": 2, "items": 0, "einsum": 0, "selected_sum": 0, "unread": 0}.get(a.case, 1)
+expected = {"teacher": 0, "mlm_nsp": 2, "aux": 2, "items": 0, "einsum": 0, "selected_sum": 0, "unread": 0}.get(a.case, 1)
 assert len(means["exact"]) == expected, means
 if a.case == "teacher":
     assert any("its target depends on '" in why for why in means["row_weighted"]), means
