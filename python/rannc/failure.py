@@ -35,7 +35,8 @@ def describe(error: BaseException) -> str:
     """'ValueError: boom (at train.py:42)': the exception and the innermost frame."""
     frames = traceback.extract_tb(error.__traceback__)
     where = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
-    return f"{type(error).__name__}: {error}{where}"
+    notes = "".join(f"; {n}" for n in getattr(error, "__notes__", []))
+    return f"{type(error).__name__}: {error}{where}{notes}"
 
 
 def _hook(previous):

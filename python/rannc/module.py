@@ -306,6 +306,9 @@ class _Deployed:
             except Exception as e:
                 if getattr(e, "on_every_rank", False):
                     self.unrunnable[shapes] = str(e)
+                else:  # say which step failed: the whole model runs to trace it again
+                    e.add_note(f"rannc: while tracing the model again at new input shapes "
+                               f"{self.describe_shapes(shapes)} (planned at {self.describe_shapes()})")
                 raise
             if _C.get_rank() == 0:
                 def per_row(shapes):

@@ -358,6 +358,18 @@ def test_an_exception_between_steps_ends_every_rank_in_seconds(stages):
     assert "finished though rank 1 failed" not in res.stdout
 
 
+def test_a_failure_while_tracing_new_shapes_says_so_with_both_shapes():
+    """[Note: new input shapes]: the whole model runs again to trace it at a new length; an
+    error there (here the model's own) names that step, the new shapes and the planned ones,
+    and ends every rank."""
+    res = mpirun("loop_probes.py", 2, "new_length_fails", timeout=300)
+    assert res.returncode != 0, res.stdout[-3000:]
+    assert ("ValueError: sequences longer than 6 are not supported" in res.stdout
+            and "rannc: while tracing the model again at new input shapes args[0] float32 "
+            "[*, 8, 8] (planned at args[0] float32 [*, 4, 8])" in res.stdout), res.stdout[-3000:]
+    assert "finished though tracing failed" not in res.stdout
+
+
 @pytest.mark.parametrize("probe", ["mismatched_rows", "data_branch", "different_models",
                                    "length_branch", "padded_lengths", "eval_after_new_length",
                                    "num_items_in_batch"])

@@ -80,6 +80,24 @@ if probe == "user_error":
             raise ValueError("user code failed after step 2")
     print(f"rank {rank} finished though rank 1 failed", flush=True)
 
+elif probe == "new_length_fails":
+    class ShortOnly(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            if x.size(1) > 6:
+                raise ValueError("sequences longer than 6 are not supported")
+            return self.b(torch.tanh(self.a(x))).pow(2).mean()
+
+    model = ShortOnly()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    wrapped = rannc.RaNNCModule(model, opt, num_stages=2, num_microbatches=2)
+    train(wrapped, opt, (torch.randn(4, 4, 8),))
+    train(wrapped, opt, (torch.randn(4, 8, 8),))  # traced again at the new length: fails
+    print(f"rank {rank} finished though tracing failed", flush=True)
+
 elif probe == "mismatched_rows":
     model, args, _ = zoo.make("mlp", batch=4, seed=rank)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
