@@ -179,11 +179,17 @@ class _Deployed:
             print(deployment.report(), flush=True)
             print(self.times.line(), flush=True)
             for i, vid in enumerate(ir.outputs):
+                name = f" ({ir.value(vid).name})" if ir.value(vid).name else ""
                 if vid in self.summed and opts.loss_reduction == "auto":
-                    name = f" ({ir.value(vid).name})" if ir.value(vid).name else ""
                     _C.log_info(f"output #{i}{name} is a sum over the batch "
                                 "(reduction=\"sum\", or a sum divided by a count passed in): its "
                                 "micro-batches and ranks add up (option loss_reduction)")
+                elif (opts.loss_reduction == "auto" and _scalar_over_batch(ir, vid)
+                      and ir.batch_reduction(vid) == "unknown"):
+                    _C.log_info(f"output #{i}{name}: the graph does not show whether it is a mean "
+                                "or a sum over the batch (a function of one, such as exp of a mean, "
+                                "or a mix of both): each micro-batch's and rank's value is "
+                                "weighted by its rows, as for a mean (option loss_reduction)")
             for why in self.engine.token_means["row_weighted"]:
                 # [Note: token-mean losses] in csrc/frontend/token_means.h
                 _C.log_info(f"the mean loss {why}: micro-batches and replicas weigh it by their "
@@ -509,10 +515,15 @@ def _summed(ir, vid: int, loss_reduction: str) -> bool:
     """Whether scalar output `vid` combines over micro-batches, replicas and ranks as a sum
     (option loss_reduction; auto: where the graph shows a sum over the batch,
     csrc/ir/reduction.h) rather than a mean weighted by rows."""
-    v = ir.value(vid)
-    if not (v.batch_dependent and v.kind == "Tensor" and v.shape == []):
+    if not _scalar_over_batch(ir, vid):
         return False
     return loss_reduction == "sum" or (loss_reduction == "auto" and ir.batch_reduction(vid) == "sum")
+
+
+def _scalar_over_batch(ir, vid: int) -> bool:
+    """A 0-dim tensor computed from the batch (a loss, a metric)."""
+    v = ir.value(vid)
+    return v.batch_dependent and v.kind == "Tensor" and v.shape == []
 
 
 def _shapes_but_batch(tensors_and_batch_dims) -> tuple:

@@ -119,6 +119,8 @@ def test_a_mean_over_the_targets_that_count_equals_pytorch(ranks, case, stages, 
     assert res.returncode == 0, res.stdout[-4000:]
     for r in range(ranks):
         assert f"OK rank {r}" in res.stdout, res.stdout[-4000:]
+    if case == "unread":  # a composite task: its reduction is not in the graph either
+        assert "the graph does not show whether it is a mean or a sum" in res.stdout, res.stdout[-4000:]
     if case in ("teacher", "unread"):
         assert "micro-batches and replicas weigh it by their rows" in res.stdout, res.stdout[-4000:]
     if case in ("items", "selected_sum"):  # found in the graph, and said
