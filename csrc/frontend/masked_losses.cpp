@@ -2,6 +2,7 @@
 
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include <torch/csrc/jit/ir/constants.h>
@@ -12,8 +13,6 @@ namespace {
 using torch::jit::Node;
 using JitValue = torch::jit::Value;
 
-// Argument positions shared by cross_entropy_loss and the nll_loss family:
-// (self, target, weight, reduction, ignore_index[, label_smoothing]).
 // `indexed` = aten::index(base, [mask]) with one boolean mask: the mask, and `base`.
 JitValue* boolMaskOf(JitValue* indexed, JitValue** base) {
   Node* index = indexed->node();
@@ -47,9 +46,12 @@ bool sameSizes(const JitValue* a, const JitValue* b) {
   return x && y && *x == *y;
 }
 
-// Destroys the nodes, consumers first, whose outputs nothing reads any more.
+// Destroys the nodes, consumers first, whose outputs nothing reads any more (each once:
+// the two index nodes of a loss may share their list).
 void dropUnused(const std::vector<Node*>& nodes) {
+  std::unordered_set<Node*> seen;
   for (Node* n : nodes) {
+    if (!seen.insert(n).second) continue;
     bool used = false;
     for (const JitValue* out : n->outputs()) used = used || out->hasUses();
     if (!used) n->destroy();
@@ -60,8 +62,9 @@ void dropUnused(const std::vector<Node*>& nodes) {
 std::vector<Node*> withIndices(Node* index) { return {index, index->input(1)->node()}; }
 
 // `a` and `b` as they were before torch.broadcast_tensors (which F.mse_loss and l1_loss
-// call first) when that changed nothing: the same sizes. Adds its nodes to `made`.
-void unbroadcast(JitValue*& a, JitValue*& b, std::vector<Node*>& made) {
+// call first) when that changed nothing: the same sizes. Adds its nodes to `dead`, to drop
+// once nothing reads them.
+void unbroadcast(JitValue*& a, JitValue*& b, std::vector<Node*>& dead) {
   Node* unpack = a->node();
   if (unpack->kind() != c10::prim::ListUnpack || b->node() != unpack || unpack->outputs().size() != 2 ||
       a != unpack->output(0) || b != unpack->output(1)) {
@@ -76,7 +79,7 @@ void unbroadcast(JitValue*& a, JitValue*& b, std::vector<Node*>& made) {
   }
   a = list->input(0);
   b = list->input(1);
-  made.insert(made.end(), {unpack, broadcast, list});
+  dead.insert(dead.end(), {unpack, broadcast, list});
 }
 
 // Inserts nodes before the insertion point, with the module and source line of `like`.
@@ -186,6 +189,7 @@ bool rewriteElementwiseLoss(torch::jit::Graph& graph, Node* loss, const Elementw
     torch::jit::WithInsertPoint here(loss);
     loss->replaceInput(form.reduction, graph.insertConstant(int64_t{0}));
   }
+  loss->output()->setType(c10::TensorType::get());  // no longer the traced 0-dim value
   loss->replaceInput(0, predicted);
   loss->replaceInput(1, targets);
   replaceBySelectedSum(graph, loss, loss->output(), loss->output(), mask, *reduction == 1);
