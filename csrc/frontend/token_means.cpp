@@ -30,24 +30,26 @@ bool drawsAtRandom(const std::string& op) {
   return false;
 }
 
-// The share's sum times global numel / (global count * the share's target numel) when the
-// scale is on ([Note: token-mean losses]), else the op as traced.
+thread_local double share_rows = 0.0;
+
+// The share's sum over (global count * the share's rows / global rows) when the scale is on
+// and the engine names the share ([Note: token-mean losses]), else the op as traced.
 torch::jit::Operation shareScaled(torch::jit::Operation op, size_t nargs,
                                   std::shared_ptr<const ShareScale> scale) {
   return torch::jit::Operation([op = std::move(op), nargs, scale](torch::jit::Stack& stack) mutable {
-    if (!scale->on) {
+    const double rows = ShareRows::current();
+    if (!scale->on || rows <= 0.0) {
       op(stack);
       return;
     }
     const size_t base = stack.size() - nargs;
-    const double numel = static_cast<double>(stack[base + kTarget].toTensor().numel());
     at::Tensor weight = stack[base + kWeight].isTensor() ? stack[base + kWeight].toTensor() : at::Tensor();
     // a sum over many tokens overflows float16 where their mean does not
     const bool half = stack[base + kSelf].toTensor().scalar_type() == at::kHalf;
     if (half) stack[base + kSelf] = stack[base + kSelf].toTensor().to(at::kFloat);
     stack[base + kReduction] = c10::IValue(static_cast<int64_t>(at::Reduction::Sum));
     op(stack);
-    at::Tensor share = stack.back().toTensor() * (scale->global_numel / numel);
+    at::Tensor share = stack.back().toTensor() / rows;
     if (scale->global_class_counts.defined()) {  // the global count is the kept targets' weights
       at::Tensor counts = scale->global_class_counts.to(weight.device());  // there already
       share = share / (weight.detach().to(at::kDouble) * counts).sum().to(share.scalar_type());
@@ -58,10 +60,7 @@ torch::jit::Operation shareScaled(torch::jit::Operation op, size_t nargs,
   });
 }
 
-thread_local double share_rows = 0.0;
-
-// The numerator over (global count * the share's rows / global rows) when the scale is on
-// and the engine names the share ([Note: token-mean losses]), else the division as traced.
+// The numerator over (global count * the share's rows / global rows), as shareScaled.
 torch::jit::Operation countedScaled(torch::jit::Operation op, std::shared_ptr<const ShareScale> scale) {
   return torch::jit::Operation([op = std::move(op), scale](torch::jit::Stack& stack) mutable {
     const double rows = ShareRows::current();
@@ -105,7 +104,7 @@ class Finder {
       std::vector<ir::TaskId> makes_target;
       std::string why = checkArguments(task, loss);
       if (why.empty()) why = usedAsATerm(task.outputs[0]);
-      if (why.empty()) why = targetProgram(target.id, makes_target);
+      if (why.empty()) why = targetProgram(target.id, "target", makes_target);
       if (!why.empty()) {
         out.row_weighted.push_back(model_.describeTask(t) + ": " + why);
         continue;
@@ -164,10 +163,8 @@ class Finder {
     loss.count = count;
     std::vector<ir::TaskId> makes_count;
     std::string why = usedAsATerm(quotient.id);
-    if (why.empty()) why = targetProgram(count->counted, makes_count);
+    if (why.empty()) why = targetProgram(count->counted, "count", makes_count);
     if (!why.empty()) {
-      // "its target ..." reads "its count ..." here
-      if (why.rfind("its target", 0) == 0) why.replace(0, 10, "its count");
       out.row_weighted.push_back(model_.describeTask(t) + " (a sum over a count of the batch): " + why);
       return;
     }
@@ -196,21 +193,22 @@ class Finder {
     return "";
   }
 
-  // The tasks that make `target` from the model's arguments, in order; a reason when it
-  // needs the model's state, a random draw or an in-place write.
-  std::string targetProgram(ir::ValueId target, std::vector<ir::TaskId>& program) const {
+  // The tasks that make `target` from the model's arguments, in order; a reason ("its
+  // <noun> depends on ...") when it needs the model's state, a random draw or an in-place
+  // write.
+  std::string targetProgram(ir::ValueId target, const std::string& noun, std::vector<ir::TaskId>& program) const {
     std::set<size_t> found;
     std::vector<ir::ValueId> todo{target};
     std::set<ir::ValueId> seen{target};
     while (!todo.empty()) {
       const ir::Value& v = g_.value(todo.back());
       todo.pop_back();
-      if (v.isModelState()) return "its target depends on '" + v.name + "'";
+      if (v.isModelState()) return "its " + noun + " depends on '" + v.name + "'";
       if (v.producer == ir::kNoId) continue;
       const ir::Task& task = g_.task(v.producer);
-      if (drawsAtRandom(task.op)) return "its target is drawn at random (" + model_.describeTask(task.id) + ")";
+      if (drawsAtRandom(task.op)) return "its " + noun + " is drawn at random (" + model_.describeTask(task.id) + ")";
       if (writesInputs(model_, task.id)) {
-        return "its target is written in place (" + model_.describeTask(task.id) + ")";
+        return "its " + noun + " is written in place (" + model_.describeTask(task.id) + ")";
       }
       found.insert(position_.at(task.id));
       for (ir::ValueId in : task.inputs) {
@@ -247,8 +245,6 @@ at::Tensor localTargetCounts(const TracedModel& model, const TokenMeanLosses& lo
   for (const TokenMeanLoss& loss : losses.exact) {
     RANNC_CHECK(env[loss.target].isTensor(), "the target of " << model.describeTask(loss.task) << " was not computed");
     const at::Tensor target = env[loss.target].toTensor();
-    const auto f64 = at::TensorOptions().dtype(at::kDouble).device(target.device());
-    counts.push_back(at::full({1}, static_cast<double>(target.numel()), f64));
     if (loss.count) {  // a counted mean's count, before its clamp
       const at::Tensor counted = loss.count->nonzero ? target.ne(0) : target;
       counts.push_back(counted.sum(at::kDouble).reshape({1}));
@@ -274,10 +270,8 @@ void setShareScales(const TokenMeanLosses& losses, const at::Tensor* global_coun
     s.on = global_counts != nullptr;
     if (!s.on) continue;
     auto c = global_counts->accessor<double, 1>();
-    s.global_numel = c[pos];
-    s.global_count = c[pos + 1];
+    s.global_count = c[pos++];
     if (loss.count && loss.count->clamp_min) s.global_count = std::max(s.global_count, *loss.count->clamp_min);
-    pos += 2;
     if (loss.classes > 0) {
       // once per step, not once per micro-batch
       s.global_class_counts = global_counts->narrow(0, pos, loss.classes).to(device, /*non_blocking=*/false, /*copy=*/true);

@@ -10,10 +10,9 @@
 // DistributedDataParallel and gradient accumulation give, not what one process gives on the
 // global batch. So when the global batch is cut into several shares of such an op's stage,
 // the op runs as
-//     (its sum over the share's targets) * (global target numel / global count)
-//     / (the share's target numel)
+//     (its sum over the share's targets) / (global count * share rows / global rows)
 // instead of its mean. The row-weighted combination of the shares (share rows / global
-// rows; a share's target numel is its rows times the target's elements per row) then gives
+// rows) then gives
 // exactly  (sum over all targets) / (global count), the loss of one process, and its
 // gradients; other terms of the loss (an NSP loss added to an MLM loss) keep their row
 // weighting. The global counts come before the step: the ops that make the target from the
@@ -22,13 +21,15 @@
 // depends on parameters, buffers, random draws or in-place writes keeps the row-weighted
 // mean; `row_weighted` says why (rank 0 logs it).
 //
+// The ops have no batch size to tell the share's rows (a target's elements per row may vary,
+// as a boolean selection's do), so the engine names them (ShareRows) around each stage's
+// forward and backward.
+//
 // A mean written by hand, a sum over the batch divided by a count over its rows
 // (`(loss * mask).sum() / mask.sum().clamp(min=1)`, `/ (labels != -100).sum()`; ir::batchCount),
 // is made exact the same way: its division runs as
-//     numerator / (global count * share rows / global rows)
-// so that the row-weighted shares add up to (global numerator) / (global count). The division
-// has no batch tensor to tell the share's rows, so the engine names them (ShareRows) around
-// each stage's forward and backward. Only divisions whose value reaches the outputs as a
+//     numerator / (global count * share rows / global rows).
+// Only divisions whose value reaches the outputs as a
 // term of them (ir::reachesOutputsLinearly) are changed: a count that normalises
 // activations is the share's own, as in one process on that share.
 #include <map>
@@ -48,8 +49,7 @@ namespace rannc::frontend {
 // the thread that runs the stage, set before each step.
 struct ShareScale {
   bool on = false;
-  double global_numel = 0.0;  // elements of the global target
-  double global_count = 0.0;  // of them, those not ignored
+  double global_count = 0.0;  // the targets not ignored (a counted mean: its count, clamped)
   // With class weights: the global count of each class among the kept targets (float64, on
   // the stages' device); the op weighs them with its weight argument.
   at::Tensor global_class_counts;
@@ -92,9 +92,9 @@ struct TokenMeanLosses {
 const TokenMeanLosses& tokenMeanLosses(const TracedModel& model);
 
 // Per loss of `losses.exact`, over this rank's arguments `local` (value id -> value): the
-// numel of its target, the count of its targets that are not ignored (a counted mean: its
-// count before the clamp) and, with class weights, that count per class; all in one float64 tensor on the CPU, to be summed over
-// the ranks.
+// count of its targets that are not ignored (a counted mean: its count before the clamp)
+// and, with class weights, that count per class; all in one float64 tensor on the CPU, to
+// be summed over the ranks.
 at::Tensor localTargetCounts(const TracedModel& model, const TokenMeanLosses& losses,
                              const std::map<ir::ValueId, c10::IValue>& local);
 

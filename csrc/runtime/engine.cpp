@@ -125,6 +125,11 @@ double PipelineEngine::shareRows(const Place& place, int m) const {
   return double(L.share(place.stage, place.copy, m, place.replica).size()) / double(L.globalBatch());
 }
 
+std::optional<frontend::ShareRows> PipelineEngine::shareScope(const Place& place, int m) const {
+  if (token_means_->exact.empty()) return std::nullopt;
+  return std::optional<frontend::ShareRows>(std::in_place, shareRows(place, m));
+}
+
 std::vector<ir::ValueId> PipelineEngine::batchOutputIds() const {
   std::vector<ir::ValueId> out;
   for (const auto& [v, _] : ownRowsPlan().out_recv) out.push_back(v);
@@ -539,7 +544,7 @@ StepOutputs PipelineEngine::execute(const StepProgram& program,
         std::vector<c10::IValue> ins;
         for (ir::ValueId vid : chunk.executor->inputIds()) ins.push_back(gather(vid, a.micro_batch, *local, posted));
         auto t0 = Clock::now();
-        frontend::ShareRows share(shareRows(chunk.place, a.micro_batch));
+        const auto share = shareScope(chunk.place, a.micro_batch);
         auto outs = chunk.executor->forward(a.micro_batch, ins, train, chunk.recompute);
         times_.forward += since(t0);
         const auto& ids = chunk.executor->outputIds();
@@ -564,7 +569,7 @@ StepOutputs PipelineEngine::execute(const StepProgram& program,
         std::vector<at::Tensor> grads;
         for (ir::ValueId vid : executor.outputIds()) grads.push_back(outputGrad(vid, a.micro_batch, posted));
         auto t0 = Clock::now();
-        frontend::ShareRows share(shareRows(chunks_[a.chunk].place, a.micro_batch));  // recomputation
+        const auto share = shareScope(chunks_[a.chunk].place, a.micro_batch);  // recomputation
         input_grads_of_[{a.chunk, a.micro_batch}] = a.kind == StepActionKind::Backward
                                                         ? executor.backward(a.micro_batch, grads)
                                                         : executor.backwardInput(a.micro_batch, grads);

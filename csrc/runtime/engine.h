@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <unordered_map>
 #include <vector>
@@ -172,6 +173,8 @@ class PipelineEngine {
   void configure(int64_t local_batch, bool cap_micro_batches);
   // The rows of micro-batch `m` at `place`, as a fraction of the global batch.
   double shareRows(const Place& place, int m) const;
+  // Those rows named to the token-mean losses' ops while it lives (none without such ops).
+  std::optional<frontend::ShareRows> shareScope(const Place& place, int m) const;
   // Before a step's forwards: the token-mean losses' share scales from the global target
   // counts ([Note: token-mean losses] in frontend/token_means.h). Collective when the
   // global batch is cut into several shares of such a loss's stage.
