@@ -241,6 +241,10 @@ PYBIND11_MODULE(_C, m) {
       .def("batch_reduction", [](const ir::Graph& g, ir::ValueId v) {
         return std::string(ir::batchReductionName(ir::batchReduction(g, v)));
       }, py::arg("value"), "how a scalar reduces over the batch: mean, sum or unknown (ir/reduction.h)")
+      .def("output_reduction", [](const ir::Graph& g, ir::ValueId v) {
+        return std::string(ir::batchReductionName(ir::outputReduction(ir::outputTerms(g, v))));
+      }, py::arg("value"), "how a scalar output combines over shares by default: sum where a term "
+         "is a sum over the batch, mean, or unknown (ir/reduction.h)")
       .def("is_convex", [](const ir::Graph& g, const std::vector<ir::TaskId>& tasks) {
         return ir::isConvex(g, tasks);
       })

@@ -101,6 +101,13 @@ void bindRuntime(py::module& m) {
         for (const auto& loss : e.tokenMeans().exact) exact.append(e.describeTask(loss.task));
         d["exact"] = exact;
         d["row_weighted"] = e.tokenMeans().row_weighted;
+        d["unknown_terms"] = e.tokenMeans().unknown_terms;
+        // [Note: mixed terms]: those scaled by the share's rows (power 1) or divided by them (-1)
+        py::list scaled;
+        for (const auto& t : e.tokenMeans().terms) {
+          if (*t.power != 0) scaled.append(py::make_tuple(e.describeTerm(t.term), *t.power));
+        }
+        d["scaled_terms"] = scaled;
         return d;
       })
       .def("grad_groups", &PipelineEngine::gradientGroups)

@@ -15,6 +15,7 @@
 #include "frontend/dtypes.h"
 #include "frontend/interpreter.h"
 #include "frontend/masked_losses.h"
+#include "frontend/scalar_updates.h"
 
 namespace rannc::frontend {
 namespace {
@@ -1032,6 +1033,9 @@ std::shared_ptr<TracedModel> buildTracedModel(
   // after the check, which compares the traces as the user's code made them
   if (int n = rewriteMaskedLosses(*first.graph)) {
     logDebug(std::to_string(n) + " loss(es) over a boolean mask's tokens read as ignore_index targets");
+  }
+  if (int n = functionalScalarUpdates(first.graph)) {
+    logDebug(std::to_string(n) + " in-place update(s) of a scalar made functional");
   }
   IrBuilder builder(first.graph, inputs, module_classes, first.batch_size);
   std::shared_ptr<TracedModel> model = buildGluedModel(builder, first, second, inputs);

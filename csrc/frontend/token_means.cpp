@@ -75,6 +75,24 @@ torch::jit::Operation countedScaled(torch::jit::Operation op, std::shared_ptr<co
   });
 }
 
+// Scales input `input` by the share's rows to the power `power` points to ([Note: mixed terms]).
+torch::jit::Operation termScaled(torch::jit::Operation op, size_t nargs, size_t input,
+                                 std::shared_ptr<const int> power) {
+  return torch::jit::Operation([op = std::move(op), nargs, input, power](torch::jit::Stack& stack) mutable {
+    const double rows = ShareRows::current();
+    if (*power != 0 && rows > 0.0 && rows < 1.0) {
+      const double factor = *power > 0 ? rows : 1.0 / rows;
+      c10::IValue& term = stack[stack.size() - nargs + input];
+      if (term.isTensor()) {
+        term = term.toTensor() * factor;
+      } else if (term.isDouble() || term.isInt()) {
+        term = c10::IValue(term.toScalar().toDouble() * factor);
+      }
+    }
+    op(stack);
+  });
+}
+
 class Finder {
  public:
   explicit Finder(const TracedModel& model) : model_(model), g_(model.graph) {
@@ -119,6 +137,7 @@ class Finder {
       findSelection(t, out);
     }
     for (size_t i : program) out.program.push_back(model_.order[i]);
+    findMixedTerms(out);
     return out;
   }
 
@@ -141,6 +160,30 @@ class Finder {
                                    "them is exact written as ignore_index targets or as a sum over "
                                    "mask.sum(); a sum, with option loss_reduction=\"sum\")");
         return;
+      }
+    }
+  }
+
+  // The terms of scalar outputs that add terms of several kinds, their + and - wrapped to
+  // scale them ([Note: mixed terms]); those whose reduction the graph does not show, logged
+  // where the output is a sum.
+  void findMixedTerms(TokenMeanLosses& out) const {
+    std::set<std::pair<ir::TaskId, size_t>> wrapped;  // an addition two outputs share: once
+    for (ir::ValueId o : g_.outputs()) {
+      const ir::Value& v = g_.value(o);
+      if (!v.isTensor() || !v.shape.empty() || !v.batch_dependent) continue;
+      std::vector<ir::OutputTerm> terms = ir::outputTerms(g_, o);
+      if (terms.size() < 2) continue;
+      const bool sum = ir::outputReduction(terms) == ir::BatchReduction::Sum;
+      for (const ir::OutputTerm& t : terms) {
+        if (!wrapped.insert({t.task, t.input}).second) continue;
+        LossTerm term{o, t, std::make_shared<int>(0)};
+        const size_t nargs = g_.task(t.task).inputs.size();
+        model_.operations[t.task] = termScaled(model_.operations[t.task], nargs, t.input, term.power);
+        out.terms.push_back(std::move(term));
+        if (sum && !t.fixed && t.reduction == ir::BatchReduction::Unknown) {
+          out.unknown_terms.push_back(describeTerm(model_, t) + " of output '" + v.name + "'");
+        }
       }
     }
   }
@@ -233,6 +276,23 @@ double ShareRows::current() { return share_rows; }
 const TokenMeanLosses& tokenMeanLosses(const TracedModel& model) {
   if (!model.token_means) model.token_means = std::make_shared<const TokenMeanLosses>(Finder(model).find());
   return *model.token_means;
+}
+
+std::string describeTerm(const TracedModel& model, const ir::OutputTerm& t) {
+  const ir::Value& term = model.graph.value(model.graph.task(t.task).inputs[t.input]);
+  const std::string made = term.producer == ir::kNoId ? "" : " (" + model.describeTask(term.producer) + ")";
+  return "term '" + (term.name.empty() ? "%" + std::to_string(term.id) : term.name) + "'" + made;
+}
+
+void setTermPowers(const TokenMeanLosses& losses, const std::set<ir::ValueId>& summed_outputs) {
+  for (const LossTerm& t : losses.terms) {
+    const bool sum_term = !t.term.fixed && t.term.reduction == ir::BatchReduction::Sum;
+    if (summed_outputs.count(t.output) > 0) {
+      *t.power = sum_term ? 0 : 1;  // the shares add up: all but sums weighed by rows
+    } else {
+      *t.power = sum_term ? -1 : 0;  // weighted by rows: sums divided by them
+    }
+  }
 }
 
 at::Tensor localTargetCounts(const TracedModel& model, const TokenMeanLosses& losses,

@@ -32,9 +32,24 @@
 // Only divisions whose value reaches the outputs as a
 // term of them (ir::reachesOutputsLinearly) are changed: a count that normalises
 // activations is the share's own, as in one process on that share.
+//
+// [Note: mixed terms] A scalar output may add terms that combine differently: a sum over the
+// batch (reduction="sum", a sum over a count passed in, as transformers' num_items_in_batch)
+// plus a mean (a router's auxiliary loss), or plus a term that is the same for any rows (a
+// penalty on parameters, a constant). Summing each share's whole value counts the fixed
+// term once per share and the mean as many times; weighting each by its rows shrinks the
+// sum. So the output combines as a sum where one of its terms is a sum over the batch
+// (ir::outputReduction), and the + or - that adds a term of another kind
+// (ir::outputTerms) scales it by the share's rows (global rows = 1): the shares of a mean
+// then add up to its row-weighted mean, those of a fixed term to the term, and a term
+// whose reduction the graph does not show is weighted by rows, as a whole output of that
+// kind is (rank 0 logs it). Where an output combines as a mean (the option says so), a sum
+// term is divided by the share's rows instead. As traced outside the engine's shares and
+// where one share is the global batch.
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -79,8 +94,20 @@ class ShareRows {
   double previous_;
 };
 
+// A term of a scalar output whose reduction may differ from the output's ([Note: mixed
+// terms]); the engine sets `power` once it knows how the output combines.
+struct LossTerm {
+  ir::ValueId output = ir::kNoId;
+  ir::OutputTerm term;
+  // The term is multiplied by (share rows / global rows) to this power: 1, -1, or 0 (as traced).
+  std::shared_ptr<int> power;
+};
+
 struct TokenMeanLosses {
   std::vector<TokenMeanLoss> exact;
+  std::vector<LossTerm> terms;
+  // Terms of outputs combined as sums whose reduction the graph does not show: "term ...".
+  std::vector<std::string> unknown_terms;
   std::vector<ir::TaskId> program;  // the tasks that make their targets, in order
   // Mean losses over a count the data decides that stay weighted by rows: "op ... : why".
   std::vector<std::string> row_weighted;
@@ -90,6 +117,12 @@ struct TokenMeanLosses {
 // (model.operations is mutable; copies made later, such as onDevice's, share the scales).
 // Not thread-safe: call it before running the model on several threads.
 const TokenMeanLosses& tokenMeanLosses(const TracedModel& model);
+
+// "term 'name' (op at file:line)".
+std::string describeTerm(const TracedModel& model, const ir::OutputTerm& term);
+
+// Sets the power of each of `losses.terms` from whether its output is combined as a sum.
+void setTermPowers(const TokenMeanLosses& losses, const std::set<ir::ValueId>& summed_outputs);
 
 // Per loss of `losses.exact`, over this rank's arguments `local` (value id -> value): the
 // count of its targets that are not ignored (a counted mean: its count before the clamp)

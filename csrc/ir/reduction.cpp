@@ -87,6 +87,34 @@ class Classifier {
     return BatchReduction::Unknown;
   }
 
+  // See outputTerms: the terms of `id`, which `consumer`'s input `input` reads.
+  void terms(ValueId id, TaskId consumer, size_t input, std::vector<OutputTerm>& out, int depth = 0) {
+    const Value& v = g_.value(id);
+    if (!fromRows(id)) {
+      out.push_back({consumer, input, BatchReduction::Unknown, /*fixed=*/true});
+      return;
+    }
+    if (v.producer != kNoId && depth < 64 && isScalarTensor(v)) {
+      const Task& t = g_.task(v.producer);
+      if ((t.op == "aten::add" || t.op == "aten::sub") && t.inputs.size() >= 2) {
+        for (size_t i = 0; i < 2; ++i) terms(t.inputs[i], t.id, i, out, depth + 1);
+        return;
+      }
+      // the one operand that depends on the rows, as a term scaled by the others
+      std::optional<size_t> linear;
+      if (passesThrough(t.op) && !t.inputs.empty()) linear = 0;
+      if (t.op == "aten::mul" && t.inputs.size() == 2 && fromRows(t.inputs[0]) != fromRows(t.inputs[1])) {
+        linear = fromRows(t.inputs[0]) ? 0 : 1;
+      }
+      if (t.op == "aten::div" && t.inputs.size() == 2 && !fromRows(t.inputs[1])) linear = 0;
+      if (linear) {
+        terms(t.inputs[*linear], consumer, input, out, depth + 1);
+        return;
+      }
+    }
+    out.push_back({consumer, input, of(id), /*fixed=*/false});
+  }
+
   // See reachesOutputsLinearly.
   bool linearToOutputs(ValueId id) {
     std::unordered_set<ValueId> seen{id};
@@ -181,6 +209,25 @@ std::optional<BatchCount> batchCount(const Graph& g, ValueId value) {
     value = in.id;
   }
   return std::nullopt;
+}
+
+std::vector<OutputTerm> outputTerms(const Graph& g, ValueId output) {
+  Classifier c(g);
+  std::vector<OutputTerm> out;
+  c.terms(output, kNoId, 0, out);
+  return out;
+}
+
+BatchReduction outputReduction(const std::vector<OutputTerm>& terms) {
+  bool sum = false, mean = false, unknown = false;
+  for (const OutputTerm& t : terms) {
+    if (t.fixed) continue;
+    sum = sum || t.reduction == BatchReduction::Sum;
+    mean = mean || t.reduction == BatchReduction::Mean;
+    unknown = unknown || t.reduction == BatchReduction::Unknown;
+  }
+  if (sum) return BatchReduction::Sum;
+  return mean && !unknown ? BatchReduction::Mean : BatchReduction::Unknown;
 }
 
 bool reachesOutputsLinearly(const Graph& g, ValueId value) {

@@ -6,6 +6,7 @@
 // added up (DESIGN.md §1; option loss_reduction). Plain C++ over the IR.
 #include <optional>
 #include <string_view>
+#include <vector>
 
 #include "ir/graph.h"
 
@@ -22,6 +23,23 @@ std::string_view batchReductionName(BatchReduction r);  // "mean", "sum", "unkno
 // (batchCount) is a mean. Unknown where the terms disagree or an op is none of these (a
 // value that does not depend on the batch: Unknown).
 BatchReduction batchReduction(const Graph& g, ValueId value);
+
+// A term of a scalar output: a value that + or - adds to it, through casts and products
+// with what does not depend on the rows, that is not itself such a sum.
+// `loss_sum / num_items + coef * aux_mean + 1e-4 * weights.pow(2).sum()` has three.
+struct OutputTerm {
+  TaskId task = kNoId;  // the + or - that adds it (kNoId: the output is one term)
+  size_t input = 0;     // its position among that task's inputs
+  BatchReduction reduction = BatchReduction::Unknown;  // of the term (batchReduction)
+  bool fixed = false;  // the same for any rows: a penalty on parameters, a constant
+};
+std::vector<OutputTerm> outputTerms(const Graph& g, ValueId output);
+
+// How a scalar output combines over shares by default (option loss_reduction "auto"): as a
+// sum where a term is a sum over the batch, as a mean where every term is a mean or fixed,
+// Unknown otherwise. The runtime scales the terms that differ ([Note: mixed terms] in
+// csrc/frontend/token_means.h).
+BatchReduction outputReduction(const std::vector<OutputTerm>& terms);
 
 // A scalar that counts over the batch's rows, as the denominator of a mean written by hand
 // (`(loss * mask).sum() / mask.sum().clamp(min=1)`, `/ (labels != -100).sum()`): aten::sum

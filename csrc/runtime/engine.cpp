@@ -125,8 +125,13 @@ double PipelineEngine::shareRows(const Place& place, int m) const {
   return double(L.share(place.stage, place.copy, m, place.replica).size()) / double(L.globalBatch());
 }
 
+void PipelineEngine::setSummedOutputs(std::set<ir::ValueId> ids) {
+  summed_outputs_ = std::move(ids);
+  frontend::setTermPowers(*token_means_, summed_outputs_);
+}
+
 std::optional<frontend::ShareRows> PipelineEngine::shareScope(const Place& place, int m) const {
-  if (token_means_->exact.empty()) return std::nullopt;
+  if (token_means_->exact.empty() && token_means_->terms.empty()) return std::nullopt;
   return std::optional<frontend::ShareRows>(std::in_place, shareRows(place, m));
 }
 

@@ -112,8 +112,8 @@ class PipelineEngine {
   void setInputGrads(std::set<ir::ValueId> ids);
   // Scalar outputs that are sums over the batch (ir/reduction.h, option loss_reduction): the
   // loss among them seeds each micro-batch with the whole loss scale instead of its rows'
-  // share of it.
-  void setSummedOutputs(std::set<ir::ValueId> ids) { summed_outputs_ = std::move(ids); }
+  // share of it. Terms of another kind in them are scaled to match ([Note: mixed terms]).
+  void setSummedOutputs(std::set<ir::ValueId> ids);
 
   // One step: with `train`, the planned schedule seeded by the scalar loss (its share of
   // each micro-batch, times `loss_scale`: a loss scaler's factor must reach the fp16
@@ -139,6 +139,7 @@ class PipelineEngine {
   // The model's mean losses over a count the data decides ([Note: token-mean losses]).
   const frontend::TokenMeanLosses& tokenMeans() const { return *token_means_; }
   std::string describeTask(ir::TaskId task) const { return model_->describeTask(task); }
+  std::string describeTerm(const ir::OutputTerm& term) const { return frontend::describeTerm(*model_, term); }
   // The dtype of output `value` of micro-batch `m` in the last forwards.
   at::ScalarType outputDtype(int m, ir::ValueId value) const;
   const StepTimes& lastStepTimes() const { return times_; }

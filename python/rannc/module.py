@@ -183,13 +183,18 @@ class _Deployed:
                 if vid in self.summed and opts.loss_reduction == "auto":
                     _C.log_info(f"output #{i}{name} is a sum over the batch "
                                 "(reduction=\"sum\", or a sum divided by a count passed in): its "
-                                "micro-batches and ranks add up (option loss_reduction)")
+                                "micro-batches and ranks add up, its terms that are means or the "
+                                "same for any rows weighted by their rows (option loss_reduction)")
                 elif (opts.loss_reduction == "auto" and _scalar_over_batch(ir, vid)
-                      and ir.batch_reduction(vid) == "unknown"):
+                      and ir.output_reduction(vid) == "unknown"):
                     _C.log_info(f"output #{i}{name}: the graph does not show whether it is a mean "
-                                "or a sum over the batch (a function of one, such as exp of a mean, "
-                                "or a mix of both): each micro-batch's and rank's value is "
+                                "or a sum over the batch (a function of one, such as exp of a mean): each micro-batch's and rank's value is "
                                 "weighted by its rows, as for a mean (option loss_reduction)")
+            for term in self.engine.token_means["unknown_terms"]:
+                # [Note: mixed terms] in csrc/frontend/token_means.h
+                _C.log_info(f"the {term}, added to a sum over the batch: the graph does not show "
+                            "whether it is a mean or a sum over the batch: each micro-batch's and "
+                            "rank's value is weighted by its rows, as for a mean")
             for why in self.engine.token_means["row_weighted"]:
                 # [Note: token-mean losses] in csrc/frontend/token_means.h
                 _C.log_info(f"the mean loss {why}: micro-batches and replicas weigh it by their "
@@ -517,7 +522,7 @@ def _summed(ir, vid: int, loss_reduction: str) -> bool:
     csrc/ir/reduction.h) rather than a mean weighted by rows."""
     if not _scalar_over_batch(ir, vid):
         return False
-    return loss_reduction == "sum" or (loss_reduction == "auto" and ir.batch_reduction(vid) == "sum")
+    return loss_reduction == "sum" or (loss_reduction == "auto" and ir.output_reduction(vid) == "sum")
 
 
 def _scalar_over_batch(ir, vid: int) -> bool:

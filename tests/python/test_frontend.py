@@ -227,6 +227,49 @@ def test_a_loss_over_a_masks_tokens_reads_as_ignore_index_targets(how, rewritten
         torch.testing.assert_close(mine[1][name], ref[1][name], rtol=1e-5, atol=1e-7, msg=name)
 
 
+class AccumulatedLoss(nn.Module):
+    """A loss whose terms are added in place, as training code writes them."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 5)
+
+    def forward(self, x, y, items):
+        logits = self.lin(x)
+        loss = torch.nn.functional.cross_entropy(logits, y, reduction="sum") / items
+        loss += 0.1 * logits.pow(2).mean()
+        loss -= 0.01 * self.lin.weight.abs().sum()
+        total = torch.zeros((), dtype=loss.dtype)
+        total += loss
+        total *= 2
+        return total
+
+
+def test_a_loss_accumulated_in_place_is_read_term_by_term():
+    """[Note: scalar updates]: `loss += term` on a 0-dim loss becomes a functional add, so
+    the loss op stays an op of its own and the output reads as a sum over the batch whose
+    mean and fixed terms scale by the share's rows ([Note: mixed terms]); the outputs and
+    gradients stay those of the model."""
+    torch.manual_seed(0)
+    model = AccumulatedLoss()
+
+    def batch(n):
+        return torch.randn(n, 6), torch.randint(0, 5, (n,)), torch.tensor(float(3 * n))
+
+    g = rannc.trace(model, batch(4))
+    ops = [t.op for t in g.ir.tasks()]
+    assert not any(op.endswith("_") or "+" in op for op in ops), ops  # no in-place op, none glued
+    assert "aten::cross_entropy_loss" in ops, ops
+    out = g.ir.outputs[0]
+    assert g.ir.batch_reduction(out) == "unknown"  # not one reduction...
+    assert g.ir.output_reduction(out) == "sum"  # ...but a sum plus a mean and a fixed term
+    args = batch(3)
+    mine, ref = run(g, model, args, {}), run(model, model, args, {})
+    torch.testing.assert_close(mine[0], ref[0], rtol=1e-6, atol=1e-7)
+    for name in ref[1]:
+        torch.testing.assert_close(mine[1][name], ref[1][name], rtol=1e-5, atol=1e-7, msg=name)
+
+
 class LoopsOverHits(nn.Module):
     """A loop over the columns that data selects (as transformers' mixture-of-experts
     models loop over the experts their tokens hit): the trace unrolls it."""

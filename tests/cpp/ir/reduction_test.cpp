@@ -104,6 +104,52 @@ TEST(ABatchReduction, IsUnknownWhereTermsDisagreeOrAnOpIsNotArithmetic) {
   EXPECT_EQ(batchReduction(l.g, l.constant("3")), BatchReduction::Unknown);
 }
 
+TEST(AnOutput, HasTheTermsThatAddUpToItWithTheirKinds) {
+  // loss_sum / num_items + 0.1 * aux_mean + penalty(w) - 2
+  LossGraph l;
+  ValueId n = tensor(l.g, "num_items", ValueRole::Input, {});
+  ValueId sum = l.scalar("aten::div", {l.scalar("aten::sum", {l.h, l.none()}), n});
+  ValueId aux = l.scalar("aten::mul", {l.scalar("aten::mean", {l.h, l.none()}), l.constant("0.1")});
+  ValueId penalty = l.scalar("aten::sum", {tensor(l.g, "w", ValueRole::Param), l.none()});
+  ValueId first = l.scalar("aten::add", {sum, aux, l.constant("1")});
+  ValueId second = l.scalar("aten::add", {first, penalty, l.constant("1")});
+  ValueId loss = l.scalar("aten::sub", {second, l.constant("2"), l.constant("1")});
+  std::vector<OutputTerm> terms = outputTerms(l.g, loss);
+  ASSERT_EQ(terms.size(), 4u);
+  const TaskId add1 = l.g.value(first).producer, add2 = l.g.value(second).producer, sub = l.g.value(loss).producer;
+  EXPECT_EQ(terms[0].task, add1);
+  EXPECT_EQ(terms[0].input, 0u);
+  EXPECT_EQ(terms[0].reduction, BatchReduction::Sum);
+  EXPECT_EQ(terms[1].task, add1);  // the mean itself, under its product with a constant
+  EXPECT_EQ(terms[1].input, 1u);
+  EXPECT_EQ(terms[1].reduction, BatchReduction::Mean);
+  EXPECT_EQ(terms[2].task, add2);
+  EXPECT_TRUE(terms[2].fixed);
+  EXPECT_EQ(terms[3].task, sub);
+  EXPECT_EQ(terms[3].input, 1u);
+  EXPECT_TRUE(terms[3].fixed);
+  EXPECT_EQ(outputReduction(terms), BatchReduction::Sum);  // a sum is among them
+  EXPECT_EQ(batchReduction(l.g, loss), BatchReduction::Unknown);  // as one reduction: none
+}
+
+TEST(AnOutput, CombinesAsAMeanOnlyWhenEveryTermThatDependsOnTheRowsIsOne) {
+  LossGraph l;
+  ValueId mean = l.scalar("aten::mean", {l.h, l.none()});
+  ValueId fixed = l.scalar("aten::sum", {tensor(l.g, "w", ValueRole::Param), l.none()});
+  EXPECT_EQ(outputReduction(outputTerms(l.g, l.scalar("aten::add", {mean, fixed, l.constant("1")}))),
+            BatchReduction::Mean);
+  ValueId odd = l.scalar("aten::exp", {mean});
+  EXPECT_EQ(outputReduction(outputTerms(l.g, l.scalar("aten::add", {mean, odd, l.constant("1")}))),
+            BatchReduction::Unknown);
+  std::vector<OutputTerm> one = outputTerms(l.g, odd);  // no + or -: the output is its one term
+  ASSERT_EQ(one.size(), 1u);
+  EXPECT_EQ(one[0].task, kNoId);
+  // a product of two terms that depend on the rows is one term, of no known kind
+  std::vector<OutputTerm> product = outputTerms(l.g, l.scalar("aten::mul", {mean, mean}));
+  ASSERT_EQ(product.size(), 1u);
+  EXPECT_EQ(product[0].reduction, BatchReduction::Unknown);
+}
+
 TEST(ABatchCount, FollowsCastsAndOneClampToASumOverTheRows) {
   // (loss * mask).sum() / mask.float().sum().clamp(min=1)
   LossGraph l;

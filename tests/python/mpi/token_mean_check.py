@@ -33,6 +33,16 @@ Losses over the tokens a boolean mask selects ([Note: masked losses]):
               over its count, on stages with other replica counts
     unread    the mean of a function of the selected rows (logsumexp of scores[active]):
               not read as a mask, so weighted by rows like teacher, and rank 0 says why
+
+Terms of several kinds in one loss, added in place ([Note: mixed terms], [Note: scalar
+updates]):
+    penalty   `loss = ce(sum) / items; loss += 0.01 * weight.pow(2).sum()`: a sum plus a term
+              the same for any rows, which the shares must not count once each
+    items_aux `loss = ce(sum) / items; loss += 0.1 * h.pow(2).mean()`: a sum plus a mean (a
+              router's auxiliary loss next to transformers' num_items_in_batch)
+    inplace   mlm_nsp written `loss = ce; loss += ce_sentence; loss += 0.5`: both still
+              counted exactly, not glued into one op
+    forced_mean  items_aux with --opt loss_reduction=mean: the sum term divided by the rows
 """
 import argparse
 import copy
@@ -47,7 +57,8 @@ ap = argparse.ArgumentParser()
 ap.add_argument("case", choices=["mlm_nsp", "weighted", "nll_nd", "teacher", "items", "einsum",
                                     "masked", "counted",
                                     "selected", "selected_sum", "selected_mean",
-                                    "mse_selected", "unread", "aux"])
+                                    "mse_selected", "unread", "aux",
+                                    "penalty", "items_aux", "inplace", "forced_mean"])
 ap.add_argument("--stages", type=int, default=1)
 ap.add_argument("--micro", type=int, default=2)
 ap.add_argument("--steps", type=int, default=3)
@@ -111,6 +122,19 @@ class Model(nn.Module):
             e = self.emb(ids)
             aux = e.pow(2).mean() + (e.sum(-1) * (labels >= 0)).sum() / (labels >= 0).sum().clamp(min=1)
             return F.cross_entropy(scores.view(-1, VOCAB), labels.view(-1)) + 0.1 * aux
+        if self.case == "penalty":
+            loss = F.cross_entropy(scores.flatten(0, 1), labels.flatten(), reduction="sum") / items
+            loss += 0.01 * self.tokens.weight.pow(2).sum()
+            return loss
+        if self.case in ("items_aux", "forced_mean"):
+            loss = F.cross_entropy(scores.flatten(0, 1), labels.flatten(), reduction="sum") / items
+            loss += 0.1 * h.pow(2).mean()
+            return loss
+        if self.case == "inplace":
+            loss = F.cross_entropy(scores.view(-1, VOCAB), labels.view(-1))
+            loss += F.cross_entropy(self.sentence(h[:, 0]), next_sentence)
+            loss += 0.5
+            return loss
         if self.case == "einsum":
             return torch.einsum("btv,btv->", scores, scores) / 100
         target = torch.where(labels >= 0, self.teacher(self.emb(ids)).argmax(-1), labels)
@@ -175,8 +199,12 @@ for step in range(a.steps):
         print(f"step {step}: loss {loss.item():.12f} (reference {ref_loss.item():.12f})", flush=True)
 
 means = wrapped._deployed[True].engine.token_means
-expected = {"teacher": 0, "mlm_nsp": 2, "aux": 2, "items": 0, "einsum": 0, "selected_sum": 0, "unread": 0}.get(a.case, 1)
+expected = {"teacher": 0, "mlm_nsp": 2, "aux": 2, "items": 0, "einsum": 0, "selected_sum": 0, "unread": 0,
+            "penalty": 0, "items_aux": 0, "inplace": 2, "forced_mean": 0}.get(a.case, 1)
 assert len(means["exact"]) == expected, means
+# [Note: mixed terms]: the terms scaled by the share's rows (1) or divided by them (-1)
+scaled = {"penalty": [1], "items_aux": [1], "forced_mean": [-1]}.get(a.case, [])
+assert sorted(power for _, power in means["scaled_terms"]) == scaled, means
 if a.case == "teacher":
     assert any("its target depends on '" in why for why in means["row_weighted"]), means
 if a.case == "unread":
