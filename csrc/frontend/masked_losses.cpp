@@ -86,8 +86,9 @@ void unbroadcast(JitValue*& a, JitValue*& b, std::vector<Node*>& dead) {
 class Inserter {
  public:
   Inserter(torch::jit::Graph& graph, Node* like) : graph_(graph), like_(like) {}
-  JitValue* operator()(c10::Symbol op, std::vector<torch::jit::NamedValue> args) {
-    JitValue* out = graph_.insert(op, args);
+  JitValue* operator()(c10::Symbol op, std::vector<torch::jit::NamedValue> args,
+                       std::vector<torch::jit::NamedValue> kwargs = {}) {
+    JitValue* out = graph_.insert(op, args, kwargs);
     out->node()->copyMetadata(like_);
     return out;
   }
@@ -210,6 +211,47 @@ bool rewriteSelectedMean(torch::jit::Graph& graph, Node* mean) {
   return true;
 }
 
+// target_lengths as `mask.sum(-1)` (or over dimension 1 of a 2-D mask) makes them, through casts.
+bool countsEachRow(const JitValue* lengths, const JitValue* mask) {
+  const Node* n = lengths->node();
+  while (n->kind() == c10::aten::to && n->inputs().size() >= 2) n = n->input(0)->node();
+  if (n->kind() != c10::aten::sum || n->inputs().size() != 4 || n->input(0) != mask) return false;
+  const Node* dims = n->input(1)->node();  // a list of one constant
+  std::optional<c10::IValue> keepdim = torch::jit::toIValue(n->input(2));
+  if (dims->kind() != c10::prim::ListConstruct || dims->inputs().size() != 1 || !keepdim ||
+      !keepdim->isBool() || keepdim->toBool()) {
+    return false;
+  }
+  const std::optional<int64_t> dim = constantInt(dims->input(0));
+  return dim == -1 || dim == 1;
+}
+
+// ctc_loss(log_probs, labels.masked_select(mask), input_lengths, mask.sum(-1)) -> ctc_loss
+// over labels (N, S) with each row's selected labels moved to its front, in order (a stable
+// sort of the mask): the padded form of the same targets.
+bool rewriteMaskedCtc(torch::jit::Graph& graph, Node* loss) {
+  if (loss->inputs().size() != 7 || loss->outputs().size() != 1) return false;
+  Node* select = loss->input(1)->node();
+  if (select->kind() != c10::aten::masked_select || select->inputs().size() != 2) return false;
+  JitValue* labels = select->input(0);
+  JitValue* mask = select->input(1);
+  auto mask_type = mask->type()->cast<c10::TensorType>();
+  auto labels_type = labels->type()->cast<c10::TensorType>();
+  if (!mask_type || mask_type->scalarType() != at::kBool || !labels_type || !labels_type->scalarType() ||
+      !c10::isIntegralType(*labels_type->scalarType(), /*includeBool=*/false)) {
+    return false;
+  }
+  const std::optional<std::vector<int64_t>> sizes = sizesOf(mask);
+  if (!sizes || sizes->size() != 2 || !sameSizes(mask, labels) || !countsEachRow(loss->input(3), mask)) return false;
+  torch::jit::WithInsertPoint here(loss);
+  Inserter insert(graph, loss);
+  JitValue* order = insert(c10::aten::argsort, {mask},
+                           {{"stable", true}, {"dim", int64_t{-1}}, {"descending", true}});
+  loss->replaceInput(1, insert(c10::aten::gather, {labels, int64_t{-1}, order}));
+  dropUnused({select});
+  return true;
+}
+
 }  // namespace
 
 int rewriteMaskedLosses(torch::jit::Graph& graph) {
@@ -220,6 +262,8 @@ int rewriteMaskedLosses(torch::jit::Graph& graph) {
     const auto k = n->kind();
     if (k == c10::aten::cross_entropy_loss || k == c10::aten::nll_loss || k == c10::aten::nll_loss_nd) {
       rewritten += n->inputs().size() >= 5 && rewriteClassLoss(graph, n);
+    } else if (k == c10::aten::ctc_loss) {
+      rewritten += rewriteMaskedCtc(graph, n);
     } else if (k == c10::aten::mean) {
       rewritten += rewriteSelectedMean(graph, n);
     } else if (auto it = elementwiseLosses().find(k.toQualString()); it != elementwiseLosses().end()) {

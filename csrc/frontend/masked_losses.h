@@ -16,6 +16,11 @@
 //     torch.where(mask, F.mse_loss(pred, target, reduction="none"), 0).sum() / mask.sum()
 //         for mse, l1, smooth l1, huber and binary cross entropy (without weights), mask
 //         as large as both: a sum over a count of the batch, exact the same way.
+//     F.ctc_loss(log_probs, labels.masked_select(mask), lengths, mask.sum(-1))
+//         (transformers' Wav2Vec2ForCTC and its kin; mask and labels (N, S)) as ctc_loss
+//         over labels.gather(-1, mask.argsort(-1, stable, descending)): each row's
+//         selected labels at its front, in order, the padded form of the same targets,
+//         whose "sum" and "mean" (per row, over its target length) read;
 // Reduction "sum" drops the division and adds up as a sum over the batch. The values and
 // gradients are those of the masked form; the loss is computed over the unselected
 // elements too (a non-finite value there gives a non-finite gradient).

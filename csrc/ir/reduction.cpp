@@ -19,6 +19,7 @@ const std::unordered_map<std::string, size_t>& lossReductionArgument() {
       {"aten::binary_cross_entropy_with_logits", 4}, {"aten::margin_ranking_loss", 4},
       {"aten::cosine_embedding_loss", 4}, {"aten::poisson_nll_loss", 5},
       {"aten::multi_margin_loss", 5}, {"aten::triplet_margin_loss", 7},
+      {"aten::ctc_loss", 5},  // "mean": over the rows of each row's loss per target
   };
   return table;
 }

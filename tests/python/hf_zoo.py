@@ -1,6 +1,6 @@
 """Hugging Face transformers models with small configs and random weights, as a user
-would build them (no weights are downloaded): BERT, GPT-2, Llama, T5, ViT, Swin, ConvBERT and
-Mixtral.
+would build them (no weights are downloaded): BERT, GPT-2, Llama, T5, ViT, Swin, ConvBERT,
+Mixtral and wav2vec2 with its CTC head.
 
     model, args, kwargs = hf_zoo.make("hf_gpt2", batch=4)
 """
@@ -77,7 +77,21 @@ def make(name, batch=4, seed=0, length=None):
                                experts_implementation="batched_mm")
         ids = _lm_batch(batch, g, seq)
         return tf.MixtralForCausalLM(cfg), (), {"input_ids": ids, "labels": ids}
+    if name == "hf_wav2vec2_ctc":  # speech recognition: CTC over labels padded with -100
+        cfg = tf.Wav2Vec2Config(num_hidden_layers=2, hidden_size=32, intermediate_size=64,
+                                num_attention_heads=4, conv_dim=[16, 16], conv_stride=[5, 2],
+                                conv_kernel=[10, 3], num_conv_pos_embeddings=16,
+                                num_conv_pos_embedding_groups=4, mask_time_prob=0.0,
+                                layerdrop=0.0, vocab_size=12, hidden_dropout=0.0,
+                                attention_dropout=0.0, activation_dropout=0.0,
+                                feat_proj_dropout=0.0, final_dropout=0.0)  # ctc_loss_reduction "sum"
+        labels = torch.randint(1, 12, (batch, 6), generator=g)
+        for i in range(batch):
+            labels[i, 3 + i % 3:] = -100  # transcripts of other lengths
+        return tf.Wav2Vec2ForCTC(cfg), (), {"input_values": torch.randn(batch, 400, generator=g),
+                                            "labels": labels}
     raise KeyError(name)
 
 
-NAMES = ["hf_bert", "hf_gpt2", "hf_llama", "hf_t5", "hf_vit", "hf_swin", "hf_convbert", "hf_mixtral"]
+NAMES = ["hf_bert", "hf_gpt2", "hf_llama", "hf_t5", "hf_vit", "hf_swin", "hf_convbert", "hf_mixtral",
+         "hf_wav2vec2_ctc"]

@@ -227,6 +227,50 @@ def test_a_loss_over_a_masks_tokens_reads_as_ignore_index_targets(how, rewritten
         torch.testing.assert_close(mine[1][name], ref[1][name], rtol=1e-5, atol=1e-7, msg=name)
 
 
+class MaskedCtc(nn.Module):
+    """CTC over the labels a mask selects, as transformers' Wav2Vec2ForCTC writes it."""
+
+    def __init__(self, lengths_from_mask=True):
+        super().__init__()
+        self.lengths_from_mask = lengths_from_mask
+        self.emb = nn.Linear(3, 6)
+
+    def forward(self, frames, labels):
+        log_probs = nn.functional.log_softmax(self.emb(frames), -1).transpose(0, 1)
+        mask = (labels >= 0) & (labels != 0)
+        lengths = mask.sum(-1) if self.lengths_from_mask else (labels > 0).sum(-1)
+        return nn.functional.ctc_loss(log_probs, labels.masked_select(mask), (frames[..., 0] == frames[..., 0]).sum(-1),
+                                      lengths, reduction="sum", zero_infinity=True)
+
+
+@pytest.mark.parametrize("lengths_from_mask", [True, False])
+def test_ctc_over_a_masks_labels_reads_as_padded_targets(lengths_from_mask):
+    """[Note: masked losses]: ctc_loss(lp, labels.masked_select(mask), lengths, mask.sum(-1))
+    becomes ctc_loss over labels with each row's selected labels moved to its front (holes
+    in the mask too), a loss op of its own whose reduction reads; target lengths made
+    otherwise keep the op as written. Outputs and gradients stay the model's."""
+    torch.manual_seed(0)
+    model = MaskedCtc(lengths_from_mask)
+
+    def batch(n):
+        labels = torch.randint(1, 6, (n, 4))
+        labels[0, 1] = -100  # a hole, not only padding at the end
+        labels[1:, 3] = -100
+        labels[2:, 2] = -100  # rows of other counts: the selection cannot be cut by rows
+        return torch.randn(n, 9, 3), labels
+
+    g = rannc.trace(model, batch(4))
+    ops = [t.op for t in g.ir.tasks()]
+    assert ("aten::ctc_loss" in ops) == lengths_from_mask, ops
+    assert any("aten::masked_select" in op for op in ops) != lengths_from_mask, ops
+    assert (g.ir.batch_reduction(g.ir.outputs[0]) == "sum") == lengths_from_mask
+    args = batch(3)
+    mine, ref = run(g, model, args, {}), run(model, model, args, {})
+    torch.testing.assert_close(mine[0], ref[0], rtol=1e-6, atol=1e-6)
+    for name in ref[1]:
+        torch.testing.assert_close(mine[1][name], ref[1][name], rtol=1e-5, atol=1e-6, msg=name)
+
+
 class AccumulatedLoss(nn.Module):
     """A loss whose terms are added in place, as training code writes them."""
 

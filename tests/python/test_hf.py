@@ -45,6 +45,7 @@ HF_LAYOUTS = [
     (2, "hf_swin", 2, 2, []),                                # shifted windows, x * x
     (2, "hf_convbert", 2, 2, []),                            # x += bias: in-place writes
     (2, "hf_mixtral", 2, 2, []),                             # mixture of experts (batched_mm)
+    (2, "hf_wav2vec2_ctc", 2, 2, []),                        # CTC over masked labels, a sum
     (2, "hf_t5", 2, 2, ["--lengths", "16,12,20"]),           # dynamic padding: new lengths
     (2, "hf_llama", 2, 2, ["--lengths", "16,9,20"]),
 ]

@@ -43,6 +43,11 @@ updates]):
     inplace   mlm_nsp written `loss = ce; loss += ce_sentence; loss += 0.5`: both still
               counted exactly, not glued into one op
     forced_mean  items_aux with --opt loss_reduction=mean: the sum term divided by the rows
+
+CTC over the labels a mask selects (transformers' Wav2Vec2ForCTC and its kin), read as the
+padded form of the same targets ([Note: masked losses]):
+    ctc       reduction="sum" (wav2vec2's default): added up over the shares
+    ctc_mean  reduction="mean": each row's loss over its target length, weighted by rows
 """
 import argparse
 import copy
@@ -58,7 +63,7 @@ ap.add_argument("case", choices=["mlm_nsp", "weighted", "nll_nd", "teacher", "it
                                     "masked", "counted",
                                     "selected", "selected_sum", "selected_mean",
                                     "mse_selected", "unread", "aux",
-                                    "penalty", "items_aux", "inplace", "forced_mean"])
+                                    "penalty", "items_aux", "inplace", "forced_mean", "ctc", "ctc_mean"])
 ap.add_argument("--stages", type=int, default=1)
 ap.add_argument("--micro", type=int, default=2)
 ap.add_argument("--steps", type=int, default=3)
@@ -135,6 +140,11 @@ class Model(nn.Module):
             loss += F.cross_entropy(self.sentence(h[:, 0]), next_sentence)
             loss += 0.5
             return loss
+        if self.case in ("ctc", "ctc_mean"):
+            mask = (labels >= 0) & (labels != 0)  # blank (0) is never a target
+            log_probs = F.log_softmax(scores, -1).transpose(0, 1)
+            return F.ctc_loss(log_probs, labels.masked_select(mask), (ids >= 0).sum(-1), mask.sum(-1),
+                              reduction="sum" if self.case == "ctc" else "mean", zero_infinity=True)
         if self.case == "einsum":
             return torch.einsum("btv,btv->", scores, scores) / 100
         target = torch.where(labels >= 0, self.teacher(self.emb(ids)).argmax(-1), labels)
@@ -200,7 +210,7 @@ for step in range(a.steps):
 
 means = wrapped._deployed[True].engine.token_means
 expected = {"teacher": 0, "mlm_nsp": 2, "aux": 2, "items": 0, "einsum": 0, "selected_sum": 0, "unread": 0,
-            "penalty": 0, "items_aux": 0, "inplace": 2, "forced_mean": 0}.get(a.case, 1)
+            "penalty": 0, "items_aux": 0, "inplace": 2, "forced_mean": 0, "ctc": 0, "ctc_mean": 0}.get(a.case, 1)
 assert len(means["exact"]) == expected, means
 # [Note: mixed terms]: the terms scaled by the share's rows (1) or divided by them (-1)
 scaled = {"penalty": [1], "items_aux": [1], "forced_mean": [-1]}.get(a.case, [])
