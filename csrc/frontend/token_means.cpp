@@ -166,23 +166,25 @@ class Finder {
 
   // The terms of scalar outputs that add terms of several kinds, their + and - wrapped to
   // scale them ([Note: mixed terms]); those whose reduction the graph does not show, logged
-  // where the output is a sum.
+  // where the other terms tell how the output combines.
   void findMixedTerms(TokenMeanLosses& out) const {
     std::set<std::pair<ir::TaskId, size_t>> wrapped;  // an addition two outputs share: once
-    for (ir::ValueId o : g_.outputs()) {
+    for (size_t i = 0; i < g_.outputs().size(); ++i) {
+      const ir::ValueId o = g_.outputs()[i];
       const ir::Value& v = g_.value(o);
       if (!v.isTensor() || !v.shape.empty() || !v.batch_dependent) continue;
       std::vector<ir::OutputTerm> terms = ir::outputTerms(g_, o);
       if (terms.size() < 2) continue;
-      const bool sum = ir::outputReduction(terms) == ir::BatchReduction::Sum;
+      const bool known = ir::outputReduction(terms) != ir::BatchReduction::Unknown;
       for (const ir::OutputTerm& t : terms) {
         if (!wrapped.insert({t.task, t.input}).second) continue;
         LossTerm term{o, t, std::make_shared<int>(0)};
         const size_t nargs = g_.task(t.task).inputs.size();
         model_.operations[t.task] = termScaled(model_.operations[t.task], nargs, t.input, term.power);
         out.terms.push_back(std::move(term));
-        if (sum && !t.fixed && t.reduction == ir::BatchReduction::Unknown) {
-          out.unknown_terms.push_back(describeTerm(model_, t) + " of output '" + v.name + "'");
+        if (known && !t.fixed && t.reduction == ir::BatchReduction::Unknown) {
+          out.unknown_terms.push_back(describeTerm(model_, t) + " of output #" + std::to_string(i) +
+                                      (v.name.empty() ? "" : " (" + v.name + ")"));
         }
       }
     }

@@ -42,8 +42,8 @@
 // (ir::outputReduction), and the + or - that adds a term of another kind
 // (ir::outputTerms) scales it by the share's rows (global rows = 1): the shares of a mean
 // then add up to its row-weighted mean, those of a fixed term to the term, and a term
-// whose reduction the graph does not show is weighted by rows, as a whole output of that
-// kind is (rank 0 logs it). Where an output combines as a mean (the option says so), a sum
+// whose reduction the graph does not show (a router's load-balancing loss, a product of
+// means) is weighted by rows, as a whole output of that kind is (rank 0 logs it). Where an output combines as a mean (the option says so), a sum
 // term is divided by the share's rows instead. As traced outside the engine's shares and
 // where one share is the global batch.
 #include <map>
@@ -106,7 +106,8 @@ struct LossTerm {
 struct TokenMeanLosses {
   std::vector<TokenMeanLoss> exact;
   std::vector<LossTerm> terms;
-  // Terms of outputs combined as sums whose reduction the graph does not show: "term ...".
+  // Terms whose reduction the graph does not show, of outputs whose other terms tell how
+  // they combine: "term ... of output #0 (loss)".
   std::vector<std::string> unknown_terms;
   std::vector<ir::TaskId> program;  // the tasks that make their targets, in order
   // Mean losses over a count the data decides that stay weighted by rows: "op ... : why".

@@ -220,15 +220,14 @@ std::vector<OutputTerm> outputTerms(const Graph& g, ValueId output) {
 }
 
 BatchReduction outputReduction(const std::vector<OutputTerm>& terms) {
-  bool sum = false, mean = false, unknown = false;
+  bool sum = false, mean = false;
   for (const OutputTerm& t : terms) {
     if (t.fixed) continue;
     sum = sum || t.reduction == BatchReduction::Sum;
     mean = mean || t.reduction == BatchReduction::Mean;
-    unknown = unknown || t.reduction == BatchReduction::Unknown;
   }
   if (sum) return BatchReduction::Sum;
-  return mean && !unknown ? BatchReduction::Mean : BatchReduction::Unknown;
+  return mean ? BatchReduction::Mean : BatchReduction::Unknown;
 }
 
 bool reachesOutputsLinearly(const Graph& g, ValueId value) {

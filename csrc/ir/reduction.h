@@ -36,8 +36,9 @@ struct OutputTerm {
 std::vector<OutputTerm> outputTerms(const Graph& g, ValueId output);
 
 // How a scalar output combines over shares by default (option loss_reduction "auto"): as a
-// sum where a term is a sum over the batch, as a mean where every term is a mean or fixed,
-// Unknown otherwise. The runtime scales the terms that differ ([Note: mixed terms] in
+// sum where a term is a sum over the batch, else as a mean where a term is a mean (terms of
+// no known kind are then weighted by rows, as a mean's), Unknown where no term is either.
+// The runtime scales the terms that differ ([Note: mixed terms] in
 // csrc/frontend/token_means.h).
 BatchReduction outputReduction(const std::vector<OutputTerm>& terms);
 

@@ -192,9 +192,10 @@ class _Deployed:
                                 "weighted by its rows, as for a mean (option loss_reduction)")
             for term in self.engine.token_means["unknown_terms"]:
                 # [Note: mixed terms] in csrc/frontend/token_means.h
-                _C.log_info(f"the {term}, added to a sum over the batch: the graph does not show "
-                            "whether it is a mean or a sum over the batch: each micro-batch's and "
-                            "rank's value is weighted by its rows, as for a mean")
+                _C.log_info(f"the {term}: the graph does not show whether it is a mean or a "
+                            "sum over the batch (a function of one, such as a product of means): "
+                            "each micro-batch's and rank's value is weighted by its rows, as for "
+                            "a mean")
             for why in self.engine.token_means["row_weighted"]:
                 # [Note: token-mean losses] in csrc/frontend/token_means.h
                 _C.log_info(f"the mean loss {why}: micro-batches and replicas weigh it by their "

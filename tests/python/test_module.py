@@ -109,6 +109,7 @@ def test_training_equals_pytorch(ranks, model, stages, micro, extra):
     (2, "forced_mean", 1, 2, ["--opt", "loss_reduction=mean"]),
     (2, "ctc", 2, 2, []),
     (3, "ctc_mean", 1, 2, ["--opt", "replicas=3"]),
+    (1, "product", 1, 2, []),
 ])
 def test_a_mean_over_the_targets_that_count_equals_pytorch(ranks, case, stages, micro, extra):
     """[Note: token-mean losses] in csrc/frontend/token_means.h: cross entropy over masked
@@ -129,6 +130,9 @@ def test_a_mean_over_the_targets_that_count_equals_pytorch(ranks, case, stages, 
         assert "the graph does not show whether it is a mean or a sum" in res.stdout, res.stdout[-4000:]
     if case in ("teacher", "unread"):
         assert "micro-batches and replicas weigh it by their rows" in res.stdout, res.stdout[-4000:]
+    if case == "product":  # the one term, not the whole output
+        assert "of output #0" in res.stdout, res.stdout[-4000:]
+        assert "] output #0: the graph" not in res.stdout, res.stdout[-4000:]
     if case in ("items", "selected_sum", "penalty", "items_aux", "ctc"):  # found in the graph, and said
         assert "is a sum over the batch" in res.stdout, res.stdout[-4000:]
 

@@ -132,7 +132,7 @@ TEST(AnOutput, HasTheTermsThatAddUpToItWithTheirKinds) {
   EXPECT_EQ(batchReduction(l.g, loss), BatchReduction::Unknown);  // as one reduction: none
 }
 
-TEST(AnOutput, CombinesAsAMeanOnlyWhenEveryTermThatDependsOnTheRowsIsOne) {
+TEST(AnOutput, CombinesAsAMeanWhereATermIsOneAndNoneASum) {
   LossGraph l;
   ValueId mean = l.scalar("aten::mean", {l.h, l.none()});
   ValueId fixed = l.scalar("aten::sum", {tensor(l.g, "w", ValueRole::Param), l.none()});
@@ -140,6 +140,8 @@ TEST(AnOutput, CombinesAsAMeanOnlyWhenEveryTermThatDependsOnTheRowsIsOne) {
             BatchReduction::Mean);
   ValueId odd = l.scalar("aten::exp", {mean});
   EXPECT_EQ(outputReduction(outputTerms(l.g, l.scalar("aten::add", {mean, odd, l.constant("1")}))),
+            BatchReduction::Mean);  // the term of no known kind weighted by rows, as a mean's
+  EXPECT_EQ(outputReduction(outputTerms(l.g, l.scalar("aten::add", {odd, fixed, l.constant("1")}))),
             BatchReduction::Unknown);
   std::vector<OutputTerm> one = outputTerms(l.g, odd);  // no + or -: the output is its one term
   ASSERT_EQ(one.size(), 1u);

@@ -43,6 +43,8 @@ updates]):
     inplace   mlm_nsp written `loss = ce; loss += ce_sentence; loss += 0.5`: both still
               counted exactly, not glued into one op
     forced_mean  items_aux with --opt loss_reduction=mean: the sum term divided by the rows
+    product   a mean plus a product of means (no known reduction, as a router's
+              load-balancing loss): a mean weighted by rows, the product term logged
 
 CTC over the labels a mask selects (transformers' Wav2Vec2ForCTC and its kin), read as the
 padded form of the same targets ([Note: masked losses]):
@@ -63,7 +65,8 @@ ap.add_argument("case", choices=["mlm_nsp", "weighted", "nll_nd", "teacher", "it
                                     "masked", "counted",
                                     "selected", "selected_sum", "selected_mean",
                                     "mse_selected", "unread", "aux",
-                                    "penalty", "items_aux", "inplace", "forced_mean", "ctc", "ctc_mean"])
+                                    "penalty", "items_aux", "inplace", "forced_mean", "ctc", "ctc_mean",
+                                    "product"])
 ap.add_argument("--stages", type=int, default=1)
 ap.add_argument("--micro", type=int, default=2)
 ap.add_argument("--steps", type=int, default=3)
@@ -135,6 +138,8 @@ class Model(nn.Module):
             loss = F.cross_entropy(scores.flatten(0, 1), labels.flatten(), reduction="sum") / items
             loss += 0.1 * h.pow(2).mean()
             return loss
+        if self.case == "product":
+            return F.mse_loss(scores[..., 0], ids.to(scores.dtype) / VOCAB) + 0.1 * h.mean() * h.pow(2).mean()
         if self.case == "inplace":
             loss = F.cross_entropy(scores.view(-1, VOCAB), labels.view(-1))
             loss += F.cross_entropy(self.sentence(h[:, 0]), next_sentence)
@@ -189,7 +194,7 @@ def rows_weighted_reference(batch):
 for step in range(a.steps):
     batch = global_batch(step)
     loss = wrapped(*(t[mine] for t in batch[:3]), batch[3])
-    by_rows = a.case in ("teacher", "unread")
+    by_rows = a.case in ("teacher", "unread", "product")
     ref_loss = rows_weighted_reference(batch) if by_rows else reference(*batch)
     close(loss, ref_loss, f"loss at step {step}")
     loss.backward()
@@ -210,7 +215,8 @@ for step in range(a.steps):
 
 means = wrapped._deployed[True].engine.token_means
 expected = {"teacher": 0, "mlm_nsp": 2, "aux": 2, "items": 0, "einsum": 0, "selected_sum": 0, "unread": 0,
-            "penalty": 0, "items_aux": 0, "inplace": 2, "forced_mean": 0, "ctc": 0, "ctc_mean": 0}.get(a.case, 1)
+            "penalty": 0, "items_aux": 0, "inplace": 2, "forced_mean": 0, "ctc": 0, "ctc_mean": 0,
+            "product": 0}.get(a.case, 1)
 assert len(means["exact"]) == expected, means
 # [Note: mixed terms]: the terms scaled by the share's rows (1) or divided by them (-1)
 scaled = {"penalty": [1], "items_aux": [1], "forced_mean": [-1]}.get(a.case, [])
@@ -219,4 +225,6 @@ if a.case == "teacher":
     assert any("its target depends on '" in why for why in means["row_weighted"]), means
 if a.case == "unread":
     assert any("a boolean mask selects" in why for why in means["row_weighted"]), means
+if a.case == "product":
+    assert len(means["unknown_terms"]) == 1 and "aten::mul" in means["unknown_terms"][0], means
 print(f"OK rank {rank}", flush=True)
