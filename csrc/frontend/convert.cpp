@@ -661,6 +661,73 @@ std::vector<ir::ValueId> findBatchValues(ir::Graph& ir, const Observed& at1, con
   return interleaved;
 }
 
+// [Note: data-sized values] An op whose output size the data decides (x[mask], nonzero,
+// masked_select, unique) makes a value with as many rows as the data selects. When the
+// traced example selects as many elements from every row (no padding in the first batch),
+// that count is a multiple of the rows at both batch sizes and the value reads as a batch
+// value; a later batch that selects unevenly would then be cut at the wrong rows (a stage
+// failed in index_put with "shape mismatch"). So such values, and what is computed from
+// them along the same data-sized dimension (its sizes at both batch sizes), are glued into
+// their tasks whatever the example's counts.
+bool selectsByData(const ir::Graph& ir, const ir::Task& task) {
+  std::string ops = "+" + task.op + "+";
+  for (const char* op : {"aten::nonzero", "aten::argwhere", "aten::masked_select", "aten::_unique2",
+                         "aten::unique_dim", "aten::unique_consecutive", "aten::nonzero_numpy"}) {
+    if (ops.find(std::string("+") + op + "+") != std::string::npos) return true;
+  }
+  if (ops.find("+aten::index+") == std::string::npos) return false;
+  // indexed by a boolean (or byte) mask, x[mask]: the mask, or its list (the task may hold
+  // the list's construction, and its inputs are then in no fixed order)
+  auto isMask = [&](ir::ValueId v) {
+    const ir::DType d = ir.value(v).dtype;
+    return ir.value(v).isTensor() && (d == ir::DType::Bool || d == ir::DType::UInt8);
+  };
+  for (ir::ValueId id : task.inputs) {
+    const ir::Value& in = ir.value(id);
+    if (isMask(in.id)) return true;
+    if (in.kind == ir::ValueKind::TensorList && in.producer != ir::kNoId) {
+      const std::vector<ir::ValueId>& items = ir.task(in.producer).inputs;
+      if (std::any_of(items.begin(), items.end(), isMask)) return true;
+    }
+  }
+  return false;
+}
+
+std::vector<ir::ValueId> dataSizedValues(const ir::Graph& ir, const Observed& at1, const Observed& at2) {
+  // per value: its dimension's sizes at both batch sizes, for data-sized values
+  std::vector<std::optional<std::pair<int64_t, int64_t>>> sized(ir.numValues());
+  std::vector<ir::ValueId> out;
+  auto changing = [&](ir::ValueId v) -> std::vector<std::pair<int64_t, int64_t>> {
+    std::vector<std::pair<int64_t, int64_t>> dims;
+    if (!at1.seen[v] || !at2.seen[v] || !ir.value(v).isTensor()) return dims;
+    const auto &s1 = at1.shapes[v], &s2 = at2.shapes[v];
+    if (s1.size() != s2.size()) return dims;
+    for (size_t d = 0; d < s1.size(); ++d) {
+      if (s1[d] != s2[d]) dims.emplace_back(s1[d], s2[d]);
+    }
+    return dims;
+  };
+  for (ir::TaskId t : ir.topologicalOrder()) {
+    const ir::Task& task = ir.task(t);
+    const bool selects = selectsByData(ir, task);
+    std::vector<std::pair<int64_t, int64_t>> from;
+    for (ir::ValueId in : task.inputs) {
+      if (sized[in]) from.push_back(*sized[in]);
+    }
+    if (!selects && from.empty()) continue;
+    for (ir::ValueId v : task.outputs) {
+      for (const auto& dim : changing(v)) {
+        if (selects || std::find(from.begin(), from.end(), dim) != from.end()) {
+          sized[v] = dim;
+          if (ir.value(v).role == ir::ValueRole::Intermediate) out.push_back(v);
+          break;
+        }
+      }
+    }
+  }
+  return out;
+}
+
 // [Note: row-coupling flags] The argument of each op that makes rows depend on each other
 // (batch statistics) or on the RNG (dropout): switched off while observing, so that the rows
 // two observations share can be compared.
@@ -980,6 +1047,9 @@ std::shared_ptr<TracedModel> buildGluedModel(IrBuilder& builder, const TraceExam
     }
     std::vector<ir::ValueId> interleaved =
         findBatchValues(model->graph, at1, at2, first.batch_size, second.batch_size);
+    if (attempt == 0) {  // [Note: data-sized values]: once, while tasks are single ops
+      for (ir::ValueId id : dataSizedValues(model->graph, at1, at2)) interleaved.push_back(id);
+    }
     size_t before = glue.size();
     for (ir::ValueId id : interleaved) glue.insert(jit_of[id]);
     if (glue.size() == before || attempt == 4) break;

@@ -271,6 +271,34 @@ def test_ctc_over_a_masks_labels_reads_as_padded_targets(lengths_from_mask):
         torch.testing.assert_close(mine[1][name], ref[1][name], rtol=1e-5, atol=1e-6, msg=name)
 
 
+class KeepsTokens(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 8)
+
+    def forward(self, x, keep):
+        h = torch.tanh(self.a(x))
+        return torch.zeros_like(h).index_put((keep,), self.b(h[keep])).sum(-1)
+
+
+def test_values_sized_by_a_selection_stay_in_one_task_though_the_example_selects_evenly():
+    """[Note: data-sized values]: x[keep] over a mask that keeps two tokens of every row reads
+    as a batch value (8 rows at 4, 4 at 2); it and the layer over the kept tokens are glued
+    into the task that scatters them back, so no stage receives it cut by rows; the batch
+    values around it stay (and the model runs at uneven selections)."""
+    keep = torch.zeros(4, 6, dtype=torch.bool)
+    keep[:, :2] = True
+    model = KeepsTokens()
+    g = rannc.trace(model, (torch.randn(4, 6, 4), keep))
+    ops = [t.op for t in g.ir.tasks()]
+    glued = [op for op in ops if "aten::index+" in op]
+    assert len(glued) == 1 and "aten::linear" in glued[0] and "aten::index_put" in glued[0], ops
+    assert ops.count("aten::linear") == 1, ops  # the first layer, on all tokens
+    uneven = torch.rand(3, 6) < 0.5
+    x = torch.randn(3, 6, 4)
+    torch.testing.assert_close(g(x, uneven), model(x, uneven))
+
+
 class AccumulatedLoss(nn.Module):
     """A loss whose terms are added in place, as training code writes them."""
 

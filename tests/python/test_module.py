@@ -384,7 +384,7 @@ def test_a_failure_while_tracing_new_shapes_says_so_with_both_shapes():
 
 @pytest.mark.parametrize("probe", ["mismatched_rows", "data_branch", "different_models",
                                    "length_branch", "padded_lengths", "eval_after_new_length",
-                                   "num_items_in_batch"])
+                                   "num_items_in_batch", "uneven_selection"])
 def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
     """Ranks with different batch sizes in one call (on every such call), control flow on
     data that differs between ranks, different models, a sequence length for which the
@@ -393,7 +393,9 @@ def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
     and go on; padded with rannc.pad_to_same_length, the ranks' batches train equal to
     PyTorch). eval_after_new_length: a training call at a new length between evaluations
     leaves the weights of eval's ranks current (it had marked them so before the step).
-    num_items_in_batch: transformers' sum over a count passed in adds up over the shares."""
+    num_items_in_batch: transformers' sum over a count passed in adds up over the shares.
+    uneven_selection: x[keep] selecting as many tokens from every row of the first batch
+    does not make later, uneven batches fail ([Note: data-sized values])."""
     res = mpirun("loop_probes.py", 2, probe, timeout=300, env={"RANNC_COMM_TIMEOUT": "60"})
     assert res.returncode == 0, res.stdout[-4000:]
     for r in range(2):

@@ -20,7 +20,12 @@ behaviour and prints "OK rank r", or fails the way the test expects.
                                        count of labels that are not -100, as Trainer passes
                                        it): its loss is a sum over that count, which adds up
                                        over the micro-batches and ranks; equal to PyTorch
+    loop_probes.py uneven_selection    the first batch selects as many tokens from every row
+                                       (x[keep], no padding yet), later ones do not: the
+                                       selected tokens stay in one task ([Note: data-sized
+                                       values]) and every step equals PyTorch
 """
+import copy
 import sys
 import time
 
@@ -271,6 +276,39 @@ elif probe == "eval_after_new_length":
     eval_first = [len(s.tasks) for s in wrapped.deployments["eval"].stages][0]
     # the case this probe is for (profiled plans: checked, not assumed)
     assert train_first > eval_first, (train_first, eval_first)
+    print(f"OK rank {rank}", flush=True)
+elif probe == "uneven_selection":
+    class Packed(nn.Module):
+        """Layers over the tokens a mask keeps, scattered back (as unpadded attention does)."""
+
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c, self.d = nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 1)
+
+        def forward(self, x, keep):
+            h = torch.tanh(self.a(x))
+            packed = torch.tanh(self.c(torch.tanh(self.b(h[keep]))))
+            return self.d(torch.zeros_like(h).index_put((keep,), packed)).pow(2).mean()
+
+    torch.manual_seed(0)
+    model = Packed().double()
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    wrapped = rannc.RaNNCModule(model, opt, num_stages=2, num_microbatches=2)
+    rows = slice(4 * rank, 4 * rank + 4)
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(8, 6, 4, generator=g, dtype=torch.float64)
+        keep = torch.rand(8, 6, generator=g) < 0.5
+        if step == 0:  # two tokens from every row
+            keep = torch.zeros(8, 6, dtype=torch.bool)
+            keep[:, :2] = True
+        loss, ref_loss = wrapped(x[rows], keep[rows]), reference(x, keep)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-10, atol=1e-12,
+                                   msg=lambda m: f"rank {rank}: loss at step {step}: {m}")
+        step_both(loss, ref_loss, opt, ref_opt)
+        same_stage_parameters(model, reference, rtol=1e-10)
     print(f"OK rank {rank}", flush=True)
 else:
     raise SystemExit(f"unknown probe {probe}")
