@@ -188,8 +188,9 @@ class _Deployed:
                 elif (opts.loss_reduction == "auto" and _scalar_over_batch(ir, vid)
                       and ir.output_reduction(vid) == "unknown"):
                     _C.log_info(f"output #{i}{name}: the graph does not show whether it is a mean "
-                                "or a sum over the batch (a function of one, such as exp of a mean): each micro-batch's and rank's value is "
-                                "weighted by its rows, as for a mean (option loss_reduction)")
+                                "or a sum over the batch (a function of one, such as exp of a mean): "
+                                "each micro-batch's and rank's value is weighted by its rows, as "
+                                "for a mean (option loss_reduction)")
             for term in self.engine.token_means["unknown_terms"]:
                 # [Note: mixed terms] in csrc/frontend/token_means.h
                 _C.log_info(f"the {term}: the graph does not show whether it is a mean or a "

@@ -162,6 +162,14 @@ def test_a_value_written_in_place_never_leaves_the_task_of_its_producer_and_read
     assert plan.deployment.num_stages == 2
 
 
+def same_outputs_and_gradients(g, model, args, atol):
+    """The traced graph's outputs and parameter gradients (run) equal the model's."""
+    mine, ref = run(g, model, args, {}), run(model, model, args, {})
+    torch.testing.assert_close(mine[0], ref[0], rtol=1e-6, atol=atol)
+    for name in ref[1]:
+        torch.testing.assert_close(mine[1][name], ref[1][name], rtol=1e-5, atol=atol, msg=name)
+
+
 class MaskedTokenLoss(nn.Module):
     """A loss over the tokens a boolean mask selects, as older transformers' token
     classification wrote it; `how` varies what may be read as ignore_index targets."""
@@ -221,10 +229,7 @@ def test_a_loss_over_a_masks_tokens_reads_as_ignore_index_targets(how, rewritten
     assert (not any("aten::index" in op.split("+") for op in ops)) == rewritten, ops
     assert ("aten::where" in ops) == rewritten, ops
     args = batch(3)
-    mine, ref = run(g, model, args, {}), run(model, model, args, {})
-    torch.testing.assert_close(mine[0], ref[0], rtol=1e-6, atol=1e-7)
-    for name in ref[1]:
-        torch.testing.assert_close(mine[1][name], ref[1][name], rtol=1e-5, atol=1e-7, msg=name)
+    same_outputs_and_gradients(g, model, args, atol=1e-7)
 
 
 class MaskedCtc(nn.Module):
@@ -265,10 +270,7 @@ def test_ctc_over_a_masks_labels_reads_as_padded_targets(lengths_from_mask):
     assert any("aten::masked_select" in op for op in ops) != lengths_from_mask, ops
     assert (g.ir.batch_reduction(g.ir.outputs[0]) == "sum") == lengths_from_mask
     args = batch(3)
-    mine, ref = run(g, model, args, {}), run(model, model, args, {})
-    torch.testing.assert_close(mine[0], ref[0], rtol=1e-6, atol=1e-6)
-    for name in ref[1]:
-        torch.testing.assert_close(mine[1][name], ref[1][name], rtol=1e-5, atol=1e-6, msg=name)
+    same_outputs_and_gradients(g, model, args, atol=1e-6)
 
 
 class KeepsTokens(nn.Module):
@@ -336,10 +338,7 @@ def test_a_loss_accumulated_in_place_is_read_term_by_term():
     assert g.ir.batch_reduction(out) == "unknown"  # not one reduction...
     assert g.ir.output_reduction(out) == "sum"  # ...but a sum plus a mean and a fixed term
     args = batch(3)
-    mine, ref = run(g, model, args, {}), run(model, model, args, {})
-    torch.testing.assert_close(mine[0], ref[0], rtol=1e-6, atol=1e-7)
-    for name in ref[1]:
-        torch.testing.assert_close(mine[1][name], ref[1][name], rtol=1e-5, atol=1e-7, msg=name)
+    same_outputs_and_gradients(g, model, args, atol=1e-7)
 
 
 class LoopsOverHits(nn.Module):
