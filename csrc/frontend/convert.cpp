@@ -16,6 +16,7 @@
 #include "frontend/interpreter.h"
 #include "frontend/masked_losses.h"
 #include "frontend/scalar_updates.h"
+#include "ir/reduction.h"
 
 namespace rannc::frontend {
 namespace {
@@ -669,30 +670,6 @@ std::vector<ir::ValueId> findBatchValues(ir::Graph& ir, const Observed& at1, con
 // failed in index_put with "shape mismatch"). So such values, and what is computed from
 // them along the same data-sized dimension (its sizes at both batch sizes), are glued into
 // their tasks whatever the example's counts.
-bool selectsByData(const ir::Graph& ir, const ir::Task& task) {
-  std::string ops = "+" + task.op + "+";
-  for (const char* op : {"aten::nonzero", "aten::argwhere", "aten::masked_select", "aten::_unique2",
-                         "aten::unique_dim", "aten::unique_consecutive", "aten::nonzero_numpy"}) {
-    if (ops.find(std::string("+") + op + "+") != std::string::npos) return true;
-  }
-  if (ops.find("+aten::index+") == std::string::npos) return false;
-  // indexed by a boolean (or byte) mask, x[mask]: the mask, or its list (the task may hold
-  // the list's construction, and its inputs are then in no fixed order)
-  auto isMask = [&](ir::ValueId v) {
-    const ir::DType d = ir.value(v).dtype;
-    return ir.value(v).isTensor() && (d == ir::DType::Bool || d == ir::DType::UInt8);
-  };
-  for (ir::ValueId id : task.inputs) {
-    const ir::Value& in = ir.value(id);
-    if (isMask(in.id)) return true;
-    if (in.kind == ir::ValueKind::TensorList && in.producer != ir::kNoId) {
-      const std::vector<ir::ValueId>& items = ir.task(in.producer).inputs;
-      if (std::any_of(items.begin(), items.end(), isMask)) return true;
-    }
-  }
-  return false;
-}
-
 std::vector<ir::ValueId> dataSizedValues(const ir::Graph& ir, const Observed& at1, const Observed& at2) {
   // per value: its dimension's sizes at both batch sizes, for data-sized values
   std::vector<std::optional<std::pair<int64_t, int64_t>>> sized(ir.numValues());
@@ -709,7 +686,7 @@ std::vector<ir::ValueId> dataSizedValues(const ir::Graph& ir, const Observed& at
   };
   for (ir::TaskId t : ir.topologicalOrder()) {
     const ir::Task& task = ir.task(t);
-    const bool selects = selectsByData(ir, task);
+    const bool selects = ir::selectsByData(ir, task);
     std::vector<std::pair<int64_t, int64_t>> from;
     for (ir::ValueId in : task.inputs) {
       if (sized[in]) from.push_back(*sized[in]);
@@ -1102,7 +1079,7 @@ std::shared_ptr<TracedModel> buildTracedModel(
   checkSameProgram(first, second, module_classes);
   // after the check, which compares the traces as the user's code made them
   if (int n = rewriteMaskedLosses(*first.graph)) {
-    logDebug(std::to_string(n) + " loss(es) over a boolean mask's tokens read as ignore_index targets");
+    logDebug(std::to_string(n) + " loss(es) over the elements a boolean mask selects rewritten ([Note: masked losses])");
   }
   if (int n = functionalScalarUpdates(first.graph)) {
     logDebug(std::to_string(n) + " in-place update(s) of a scalar made functional");

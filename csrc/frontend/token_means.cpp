@@ -147,11 +147,7 @@ class Finder {
   // is weighted by rows; say so.
   void findSelection(ir::TaskId t, TokenMeanLosses& out) const {
     const ir::Task& task = g_.task(t);
-    bool selects = false;
-    for (const char* op : {"aten::index", "aten::masked_select", "aten::nonzero"}) {
-      selects = selects || ("+" + task.op + "+").find(std::string("+") + op + "+") != std::string::npos;
-    }
-    if (!selects) return;
+    if (!ir::selectsByData(g_, task)) return;
     for (ir::ValueId v : task.outputs) {
       const ir::Value& value = g_.value(v);
       if (value.isTensor() && value.shape.empty() && value.batch_dependent && usedAsATerm(v).empty()) {

@@ -43,9 +43,10 @@
 // (ir::outputTerms) scales it by the share's rows (global rows = 1): the shares of a mean
 // then add up to its row-weighted mean, those of a fixed term to the term, and a term
 // whose reduction the graph does not show (a router's load-balancing loss, a product of
-// means) is weighted by rows, as a whole output of that kind is (rank 0 logs it). Where an output combines as a mean (the option says so), a sum
-// term is divided by the share's rows instead. As traced outside the engine's shares and
-// where one share is the global batch.
+// means) is weighted by rows, as a whole output of that kind is (rank 0 logs it). Where
+// an output combines as a mean (the option says so), a sum term is divided by the share's
+// rows instead. As traced outside the engine's shares and where one share is the global
+// batch.
 #include <map>
 #include <memory>
 #include <optional>

@@ -230,6 +230,29 @@ BatchReduction outputReduction(const std::vector<OutputTerm>& terms) {
   return mean ? BatchReduction::Mean : BatchReduction::Unknown;
 }
 
+bool selectsByData(const Graph& g, const Task& task) {
+  for (const char* op : {"aten::nonzero", "aten::argwhere", "aten::masked_select", "aten::_unique2",
+                         "aten::unique_dim", "aten::unique_consecutive", "aten::nonzero_numpy"}) {
+    if (task.runs(op)) return true;
+  }
+  if (!task.runs("aten::index")) return false;
+  // indexed by a boolean (or byte) mask: the mask, or its list (the task may hold the
+  // list's construction, and its inputs are then in no fixed order)
+  auto isMask = [&](ValueId v) {
+    const DType d = g.value(v).dtype;
+    return g.value(v).isTensor() && (d == DType::Bool || d == DType::UInt8);
+  };
+  for (ValueId id : task.inputs) {
+    const Value& in = g.value(id);
+    if (isMask(id)) return true;
+    if (in.kind == ValueKind::TensorList && in.producer != kNoId) {
+      const std::vector<ValueId>& items = g.task(in.producer).inputs;
+      if (std::any_of(items.begin(), items.end(), isMask)) return true;
+    }
+  }
+  return false;
+}
+
 bool reachesOutputsLinearly(const Graph& g, ValueId value) {
   Classifier c(g);
   return c.linearToOutputs(value);

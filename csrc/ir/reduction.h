@@ -54,6 +54,11 @@ struct BatchCount {
 };
 std::optional<BatchCount> batchCount(const Graph& g, ValueId value);
 
+// Whether `task` makes a value as large as the data selects: nonzero, argwhere,
+// masked_select, unique, or x[mask] with a boolean (or byte) mask ([Note: data-sized
+// values] in csrc/frontend/convert.cpp).
+bool selectsByData(const Graph& g, const Task& task);
+
 // Whether each use of scalar `value` reaches the graph's outputs only through scalar +, -,
 // casts, and * or / by values that do not depend on the rows, so that an output combined
 // over shares weighs `value`'s shares as it weighs the output's (a loss term: yes; a

@@ -152,6 +152,23 @@ TEST(AnOutput, CombinesAsAMeanWhereATermIsOneAndNoneASum) {
   EXPECT_EQ(product[0].reduction, BatchReduction::Unknown);
 }
 
+TEST(ATask, SelectsByDataWhereItsOpsMakeAsManyElementsAsAMaskKeeps) {
+  LossGraph l;
+  ValueId mask = l.rows("aten::gt", {l.x, l.constant("0")});
+  l.g.mutableValue(mask).dtype = DType::Bool;
+  ValueId ids = l.rows("aten::argmax", {l.h});
+  l.g.mutableValue(ids).dtype = DType::Int64;
+  auto task = [&](const std::string& op, std::vector<ValueId> inputs) -> const Task& {
+    return l.g.task(l.g.value(l.rows(op, std::move(inputs))).producer);
+  };
+  EXPECT_TRUE(selectsByData(l.g, task("prim::ListConstruct+aten::index", {mask, l.h})));  // h[mask], glued
+  EXPECT_TRUE(selectsByData(l.g, task("aten::nonzero", {l.h})));
+  EXPECT_FALSE(selectsByData(l.g, task("prim::ListConstruct+aten::index", {l.h, ids})));  // h[ids]
+  EXPECT_FALSE(selectsByData(l.g, task("prim::ListConstruct+aten::index_put", {l.h, mask, l.h})));
+  EXPECT_TRUE(task("aten::zeros_like+aten::index_put_", {l.h}).runs("aten::index_put_"));
+  EXPECT_FALSE(task("aten::zeros_like+aten::index_put_", {l.h}).runs("aten::index"));
+}
+
 TEST(ABatchCount, FollowsCastsAndOneClampToASumOverTheRows) {
   // (loss * mask).sum() / mask.float().sum().clamp(min=1)
   LossGraph l;
