@@ -97,7 +97,10 @@ PipelineEngine::PipelineEngine(std::shared_ptr<const frontend::TracedModel> mode
     auto comm = ranks.size() > 1 ? groupCommunicator(ranks, nccl_, device_) : nullptr;
     groups.emplace_back(std::move(comm), std::move(owned));
   }
-  buckets_ = std::make_unique<GradBuckets>(std::move(groups), own_, device_.is_cuda() && !nccl_, bucket_bytes);
+  std::map<ir::ValueId, int64_t> bytes;
+  for (const auto& [v, _] : own_) bytes[v] = graph_.value(v).bytes();
+  buckets_ = std::make_unique<GradBuckets>(std::move(groups), own_, bytes, device_.is_cuda() && !nccl_,
+                                           bucket_bytes);
   setInputGrads({});
 }
 

@@ -10,7 +10,8 @@ namespace rannc::runtime {
 
 GradBuckets::GradBuckets(
     std::vector<std::pair<std::shared_ptr<comm::Communicator>, std::vector<ir::ValueId>>> groups,
-    std::map<ir::ValueId, at::Tensor> own, bool staged, int64_t bucket_bytes)
+    std::map<ir::ValueId, at::Tensor> own, const std::map<ir::ValueId, int64_t>& bytes, bool staged,
+    int64_t bucket_bytes)
     : own_(std::move(own)), staged_(staged) {
   for (auto& [comm, ids] : groups) {
     if (!comm || ids.empty()) continue;
@@ -19,8 +20,7 @@ GradBuckets::GradBuckets(
     int64_t size = 0;
     for (ir::ValueId v : ids) {
       current.ids.push_back(v);
-      const at::Tensor& t = own_.at(v);
-      size += t.numel() * t.element_size();
+      size += bytes.at(v);
       if (size >= bucket_bytes) {
         buckets_.push_back(std::move(current));
         current = Bucket{comm, {}};

@@ -31,10 +31,13 @@ namespace rannc::runtime {
 class GradBuckets {
  public:
   // `groups`: this rank's (communicator, parameter ids) pairs; `own`: id -> the parameter
-  // this rank updates. Tensors on a CUDA device with an MPI communicator (`staged`) go
-  // through host memory.
+  // this rank updates; `bytes`: id -> its size, from the IR (the same on every rank of a
+  // group, so they cut the same buckets, also where a rank gives a parameter storage only
+  // after the engine is built). Tensors on a CUDA device with an MPI communicator
+  // (`staged`) go through host memory.
   GradBuckets(std::vector<std::pair<std::shared_ptr<comm::Communicator>, std::vector<ir::ValueId>>> groups,
-              std::map<ir::ValueId, at::Tensor> own, bool staged, int64_t bucket_bytes = 4 << 20);
+              std::map<ir::ValueId, at::Tensor> own, const std::map<ir::ValueId, int64_t>& bytes,
+              bool staged, int64_t bucket_bytes = 4 << 20);
   ~GradBuckets();
 
   bool empty() const { return buckets_.empty(); }

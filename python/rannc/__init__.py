@@ -18,6 +18,7 @@ from ._C import (  # noqa: F401
 )
 from . import failure
 from .amp import GradScaler  # noqa: F401
+from .empty_weights import empty_weights  # noqa: F401
 from .graph import SplitGraph, TracedGraph, load_ir, trace  # noqa: F401
 from .module import RaNNCModule  # noqa: F401
 from .options import Options, option_docs  # noqa: F401
@@ -27,7 +28,7 @@ from .planning import Plan, ProfileCache, plan  # noqa: F401
 failure.install()  # [Note: failure notices]
 
 __all__ = [
-    "RaNNCModule", "Options", "option_docs", "GradScaler", "pad_to_same_length", "trace", "plan", "Plan", "ProfileCache", "load_ir", "TracedGraph", "SplitGraph", "set_log_level",
+    "RaNNCModule", "Options", "option_docs", "GradScaler", "empty_weights", "pad_to_same_length", "trace", "plan", "Plan", "ProfileCache", "load_ir", "TracedGraph", "SplitGraph", "set_log_level",
     "Error", "TraceError", "InvalidGraphError", "SerializationError", "InfeasiblePlanError",
     "InternalError", "CommError", "CommTimeoutError",
     "get_rank", "get_world_size", "get_local_rank", "barrier",

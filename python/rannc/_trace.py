@@ -70,11 +70,81 @@ def flatten_args(args: tuple, kwargs: dict) -> FlatArgs:
 
 
 def home_device(model: torch.nn.Module, tensors=()) -> torch.device:
-    """Where the model runs: the device of its first parameter or buffer, else of the first
-    tensor argument, else the CPU ([Note: home device])."""
+    """Where the model runs: the device of its first parameter or buffer that is not on the
+    meta device, else of the first tensor argument, else the CPU ([Note: home device])."""
     for t in itertools.chain(model.parameters(), model.buffers(), tensors):
-        return t.device
+        if not t.is_meta:
+            return t.device
     return torch.device("cpu")
+
+
+# [Note: stand-in parameters] Tracing runs the whole model, but what it records and observes
+# (the ops, the sizes, which values carry the batch) does not depend on the parameters'
+# values: a model whose program changes with its weights would bake one program for every
+# step anyway. So a parameter that this rank does not hold (built on the meta device, or
+# freed here because another rank's stage keeps it) is traced as a stand-in: a tensor of
+# its shape and dtype whose elements are a random vector read with unit strides along
+# every dimension (element [i, j] = v[i + j], a Hankel matrix: full rank, of the scale of
+# a default initialisation), so it costs the sum of its sizes instead of their product.
+# Ops read it like any strided tensor; the profiler copies it dense before timing a piece
+# (profile/boundary_inputs.cpp). Every rank draws the same stand-ins (a fixed seed), so
+# their traces agree. Buffers are never stood in for: they hold data (position ids,
+# masks, running statistics) that indexes and decides.
+_STAND_IN_SEED = 0x5EED
+
+
+def stand_in(shape, dtype: torch.dtype, requires_grad: bool, device: torch.device,
+             generator: torch.Generator) -> torch.Tensor:
+    """A tensor of `shape` and `dtype` on `device` that takes the sum of its sizes in
+    memory, not their product ([Note: stand-in parameters]); a leaf that requires grad
+    where asked (floating dtypes only)."""
+    shape = tuple(shape)
+    floating = dtype.is_floating_point
+    if not shape or not all(shape):  # a scalar (say a temperature): one
+        fill = torch.ones if floating and not shape else torch.zeros
+        return fill(shape, dtype=dtype, device=device).requires_grad_(requires_grad and floating)
+    numel = sum(shape) - len(shape) + 1
+    if floating:
+        fan_in = 1
+        for size in shape[1:]:
+            fan_in *= size
+        values = (torch.rand(numel, generator=generator, dtype=torch.float64) * 2 - 1)
+        # matrices: a default initialisation's scale; scales and biases: around one
+        values = values / max(1, fan_in) ** 0.5 if len(shape) > 1 else 1.0 + 0.1 * values
+    else:
+        values = torch.zeros(numel)
+    out = values.to(device=device, dtype=dtype).as_strided(shape, (1,) * len(shape))
+    return out.detach().requires_grad_(requires_grad and floating)
+
+
+def stand_in_generator() -> torch.Generator:
+    """The random stream of stand-ins: the same on every rank."""
+    return torch.Generator().manual_seed(_STAND_IN_SEED)
+
+
+def state_for_tracing(model: torch.nn.Module, state: "ModelState", home: torch.device,
+                      stand_in_for=None) -> list[torch.Tensor]:
+    """The tensors to trace `model`'s state with, in `state` order: its parameters, as
+    stand-ins ([Note: stand-in parameters]) those on the meta device and those for which
+    `stand_in_for(position)` gives their full shape, then its buffers. A buffer on the
+    meta device has no values to trace with: an error that names it."""
+    tensors = state.tensors(model)
+    n_params = len(state.param_names)
+    generator = stand_in_generator()
+    out = []
+    for i, (name, t) in enumerate(zip(state.names, tensors)):
+        shape = t.shape if t.is_meta else stand_in_for(i) if stand_in_for is not None else None
+        if i < n_params and shape is not None:
+            out.append(stand_in(shape, t.dtype, t.requires_grad, home, generator))
+        elif t.is_meta:
+            raise TraceError(
+                f"the buffer {name!r} is on the meta device, so it has no values to trace the "
+                "model with (buffers hold data such as position ids and masks); build the model "
+                "with only its parameters on the meta device: `with rannc.empty_weights(): "
+                "model = ...`")
+        else:
+            out.append(t)
+    return out
 
 
 def autocast_dtype(device_type: str):
@@ -116,14 +186,13 @@ class ModelState:
         return ModelState([n for n, _ in model.named_parameters()],
                           [n for n, _ in model.named_buffers()])
 
-    def tensors(self, model: torch.nn.Module, copy_buffers: bool = False) -> list[torch.Tensor]:
+    def tensors(self, model: torch.nn.Module) -> list[torch.Tensor]:
         params = dict(model.named_parameters())
         buffers = dict(model.named_buffers())
         if list(params) != self.param_names or list(buffers) != self.buffer_names:
             raise TraceError("the module's parameters or buffers changed since it was traced; "
                              "trace it again")
-        bufs = [b.clone() if copy_buffers else b for b in buffers.values()]
-        return list(params.values()) + bufs
+        return list(params.values()) + list(buffers.values())
 
     @property
     def names(self) -> list[str]:
@@ -134,6 +203,8 @@ class ModelState:
 class Trace:
     traced: Any            # _C.TracedModel
     state: ModelState
+    state_tensors: list | None  # what the state was traced with (profiling runs them too)
+    home: torch.device     # where the model was traced ([Note: home device])
     inputs: FlatArgs       # the example inputs
     out_spec: Any          # pytree spec of the model's output
     out_leaves: list[Any]  # output leaves; non-tensors are returned as traced
@@ -207,8 +278,14 @@ class _WatchRandomDecisions(torch.overrides.TorchFunctionMode):
         return out
 
 
-def _trace_once(model, state: ModelState, flat: FlatArgs, tensors, tracer_notes: list,
-                watch_random: bool = False):
+def _fresh_buffers(state: ModelState, state_tensors: list) -> list[torch.Tensor]:
+    """`state_tensors` with the buffers copied: a run may write into them."""
+    n_params = len(state.param_names)
+    return state_tensors[:n_params] + [b.clone() for b in state_tensors[n_params:]]
+
+
+def _trace_once(model, state: ModelState, state_tensors: list, flat: FlatArgs, tensors,
+                tracer_notes: list, watch_random: bool = False):
     n_state = len(state.names)
     out_info = {}
 
@@ -221,7 +298,7 @@ def _trace_once(model, state: ModelState, flat: FlatArgs, tensors, tracer_notes:
         out_info["spec"], out_info["leaves"] = spec, leaves
         return tuple(x for x in leaves if isinstance(x, torch.Tensor))
 
-    example = tuple(state.tensors(model, copy_buffers=True)) + tuple(tensors)
+    example = tuple(_fresh_buffers(state, state_tensors)) + tuple(tensors)
     old_map = torch.jit._trace._trace_module_map
     torch.jit._trace._trace_module_map = {m: name for name, m in model.named_modules()}
     try:
@@ -258,7 +335,12 @@ def _user_frame(error: BaseException) -> str:
     return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
 
 
-def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> Trace:
+def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
+          state_tensors: list | None = None, home: torch.device | None = None) -> Trace:
+    """`state_tensors`: what to trace the model's parameters and buffers with, in
+    ModelState order (default: state_for_tracing's, the module's own with stand-ins for
+    parameters on the meta device); `home`: where they are and the model runs (default:
+    home_device)."""
     if not isinstance(model, torch.nn.Module):
         raise TraceError(f"expected an nn.Module, got {type(model).__qualname__}")
     if not isinstance(args, tuple):
@@ -267,7 +349,7 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> Tr
     # [Note: home device] The model runs where its parameters and buffers are; arguments
     # on another device (inputs on the GPU, the model still on the CPU, or the reverse)
     # are copied there for tracing. The user's tensors stay where they are.
-    home = home_device(model, flat.tensors)
+    home = home if home is not None else home_device(model, flat.tensors)
     if any(t.device != home for t in flat.tensors):
         flat = dataclasses.replace(flat, tensors=[t.to(home) for t in flat.tensors])
     batched = [t for t in flat.tensors if t.dim() >= 1]
@@ -275,18 +357,21 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> Tr
         raise TraceError("no tensor argument has a batch dimension (dimension 0)")
     batch = batched[0].shape[0]
     state = ModelState.of(model)
+    if state_tensors is None:
+        state_tensors = state_for_tracing(model, state, home)
     notes: list[str] = []
     tensors2, batch2 = _second_batch(flat, batch)
     # the user's random streams stay as they were, the model's GPU's too
     cuda = [home.index if home.index is not None else torch.cuda.current_device()] if home.type == "cuda" else []
     with torch.random.fork_rng(devices=cuda), recording_autocast(home.type):
-        g1, ex1, out1 = _trace_once(model, state, flat, flat.tensors, notes, watch_random=model.training)
+        g1, ex1, out1 = _trace_once(model, state, state_tensors, flat, flat.tensors, notes,
+                                    watch_random=model.training)
         try:
             try:
-                g2, ex2, out2 = _trace_once(model, state, flat, tensors2, notes)
+                g2, ex2, out2 = _trace_once(model, state, state_tensors, flat, tensors2, notes)
             except Exception:  # perhaps only the changed values upset it: same values then
                 tensors2, _ = _second_batch(flat, batch, mirror=False)
-                g2, ex2, out2 = _trace_once(model, state, flat, tensors2, notes)
+                g2, ex2, out2 = _trace_once(model, state, state_tensors, flat, tensors2, notes)
         except Exception as e:  # the model itself fails at another batch size
             raise TraceError(
                 f"the model fails when run at batch size {batch2} instead of {batch}, so it cannot "
@@ -300,8 +385,8 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> Tr
                  + ["input"] * len(flat.tensors))
         classes = {name: type(m).__qualname__ for name, m in model.named_modules()}
         try:
-            observe1 = state.tensors(model, copy_buffers=True) + list(flat.tensors)
-            observe2 = (state.tensors(model, copy_buffers=True)
+            observe1 = _fresh_buffers(state, state_tensors) + list(flat.tensors)
+            observe2 = (_fresh_buffers(state, state_tensors)
                         + _second_batch(flat, batch, mirror=False)[0])
             traced = _C.build_traced_model(g1, list(ex1), batch, g2, list(ex2), batch2,
                                            observe1, observe2, names, roles, classes)
@@ -312,4 +397,4 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> Tr
             raise
     leaves = out1["leaves"]
     slots = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-    return Trace(traced, state, flat, out1["spec"], leaves, slots, batch)
+    return Trace(traced, state, state_tensors, home, flat, out1["spec"], leaves, slots, batch)

@@ -582,6 +582,7 @@ def apply_pending(wrapped, everything: bool = False) -> None:
             forget_pending(wrapped)
             raise
         wrapped.placement.current_everywhere()
+        wrapped.placement.loaded([e.tensor for e in entries if e.here and e.name in pending.matched])
         forget_pending(wrapped, weights=True, optimizer=False)
     if pending.optimizer and (wrapped.optimizer_share.patched or everything):
         try:

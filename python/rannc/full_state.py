@@ -49,9 +49,17 @@ def load_state_dict(wrapped, state_dict, strict: bool = True, assign: bool = Fal
     if assign and wrapped.deployments:
         raise _C.Error("load_state_dict(assign=True) would replace the tensors the deployed "
                        "stages run with; load with assign=False (the default)")
+    if not wrapped.placement.deployed and any(p.is_meta for p in wrapped.module.parameters()):
+        raise _C.Error("load_state_dict before the first call of a model built on the meta "
+                       "device: its parameters have no storage yet to load into. Load a "
+                       "checkpoint with load_checkpoint(path) (a state_dict file or a Hugging "
+                       "Face directory; each rank reads its stages' tensors once the plan is "
+                       "known), or call load_state_dict after the first call")
     freed_here = wrapped.placement.freed()
     if not freed_here:
-        return wrapped.module.load_state_dict(state_dict, strict=strict, assign=assign)
+        result = wrapped.module.load_state_dict(state_dict, strict=strict, assign=assign)
+        wrapped.placement.loaded(_loaded(wrapped, state_dict))
+        return result
     tensors = wrapped.placement.tensors()
     freed = {id(tensors[i]): shape for i, shape in freed_here.items()}
     shapes = {k: freed[id(v)] for k, v in wrapped.module.state_dict(keep_vars=True).items()
@@ -67,6 +75,7 @@ def load_state_dict(wrapped, state_dict, strict: bool = True, assign: bool = Fal
     if getattr(state_dict, "_metadata", None) is not None:
         kept._metadata = state_dict._metadata
     result = wrapped.module.load_state_dict(kept, strict=False)
+    wrapped.placement.loaded(_loaded(wrapped, kept))
     missing = [k for k in result.missing_keys if k not in state_dict]
     unexpected = list(result.unexpected_keys)
     if strict and (missing or unexpected):
@@ -80,6 +89,12 @@ def load_state_dict(wrapped, state_dict, strict: bool = True, assign: bool = Fal
         raise RuntimeError(f"Error(s) in loading state_dict for {type(wrapped.module).__name__}:"
                            "\n\t" + "\n\t".join(errors))
     return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+
+def _loaded(wrapped, state_dict) -> list[torch.Tensor]:
+    """The module's tensors that `state_dict` gave values to."""
+    own = wrapped.module.state_dict(keep_vars=True)
+    return [own[k] for k in state_dict if isinstance(own.get(k), torch.Tensor)]
 
 
 def gather_optimizer_state(wrapped) -> dict:

@@ -17,9 +17,11 @@ from . import _C, _trace
 class TracedGraph:
     """A model traced into rannc's IR, runnable like the model itself."""
 
-    def __init__(self, model: torch.nn.Module, args: tuple, kwargs: dict | None = None):
+    def __init__(self, model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
+                 state_tensors: list | None = None, home: torch.device | None = None):
+        """`state_tensors`, `home`: see _trace.trace."""
         self._model = model
-        self._trace = _trace.trace(model, args, kwargs)
+        self._trace = _trace.trace(model, args, kwargs, state_tensors, home)
 
     # ---- inspection -----------------------------------------------------------------
     @property
@@ -47,6 +49,12 @@ class TracedGraph:
         are elsewhere ([Note: home device] in _trace.py)."""
         return self._trace.state.tensors(self._model) + self._flat_args(args, kwargs, at_home)
 
+    def _profiling_inputs(self, args, kwargs) -> list[torch.Tensor]:
+        """The graph's inputs for profiling: the state it was traced with (stand-ins for
+        parameters this rank does not hold, [Note: stand-in parameters] in _trace.py), then
+        the tensors of `args` and `kwargs` on the model's device."""
+        return list(self._trace.state_tensors) + self._flat_args(args, kwargs, at_home=True)
+
     def _flat_args(self, args, kwargs, at_home: bool = False) -> list[torch.Tensor]:
         """The tensors of `args` and `kwargs` (the graph's inputs after the model's state),
         checked against the traced arguments' structure and constants."""
@@ -61,8 +69,7 @@ class TracedGraph:
                                     f"{now!r} now; constants are baked into the trace")
         if not at_home:
             return flat.tensors
-        home = _trace.home_device(self._model, flat.tensors)
-        return [t.to(home) for t in flat.tensors]
+        return [t.to(self._trace.home) for t in flat.tensors]
 
     def _rebuild_output(self, tensors: list) -> Any:
         leaves = list(self._trace.out_leaves)

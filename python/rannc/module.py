@@ -142,7 +142,7 @@ class _Deployed:
                          else "1f1b" if opts.schedule == "fill_drain" or not model.training
                          else opts.schedule)
         if plan_from is None:
-            self.example_inputs = self.graph._flat_inputs(args, kwargs, at_home=True)  # for profiling
+            self.example_inputs = self.graph._profiling_inputs(args, kwargs)
             deployment = self._plan(ir, world, opts)
             self.example_inputs = None
             # the local batch the plan was made for (its memory)
@@ -155,6 +155,7 @@ class _Deployed:
                 # every rank traced the same graph (_check_agreement): all fail alike
                 raise failure.agreed(str(e)) from e
             self.planned_rows = plan_from.planned_rows
+        self.graph._trace.state_tensors = None  # stand-ins and gathered buffers, for planning
         if opts.verify_plan:
             deployment.validate(ir)
         self.deployment = deployment
@@ -210,8 +211,9 @@ class _Deployed:
         between the ranks' batches."""
         comm = _C.Communicator.world_cpu()
         state = self.graph._trace.state.tensors(self.owner.module)
-        signature = repr([(n, tuple(t.shape), str(t.dtype))
-                          for n, t in zip(self.graph._trace.state.names, state)])
+        full_shape = self.owner.placement.full_shape  # freed here or not
+        signature = repr([(n, tuple(full_shape(i, t)), str(t.dtype))
+                          for i, (n, t) in enumerate(zip(self.graph._trace.state.names, state))])
         mine = torch.tensor([ir.content_hash() & 0x7FFFFFFFFFFFFFFF, self.graph.batch_size,
                              zlib.crc32(signature.encode()), zlib.crc32(repr(self.shapes).encode())],
                             dtype=torch.int64)
@@ -287,7 +289,7 @@ class _Deployed:
             # Only rank 0 plans; the others profile their share of the pieces.
             timed = time.perf_counter()
             update_rate = measure_update_rate(
-                self.owner.module.parameters(), self.owner.optimizer, optimizer,
+                self.owner.placement.shaped_parameters(), self.owner.optimizer, optimizer,
                 device=where) if _C.get_rank() == 0 else 0.0
             self.times.profiling += time.perf_counter() - timed
         if not profiled and self.owner.device.type == "cpu":
@@ -619,8 +621,10 @@ class RaNNCModule(torch.nn.Module):
         if self.device.type == "cuda":  # the user's `.cuda()` and `torch.cuda.*` mean this GPU
             torch.cuda.set_device(self.device)
         self.nccl = uses_nccl(self.device, self.options.data_plane)
-        first = next(itertools.chain(model.parameters(), model.buffers()), None)
-        self._home = first.device if first is not None else torch.device("cpu")
+        # [Note: home device] in _trace.py; a model built on meta runs where its stages do
+        first = next((t for t in itertools.chain(model.parameters(), model.buffers())
+                      if not t.is_meta), None)
+        self._home = first.device if first is not None else self.device
         self.placement = StatePlacement(model, self._home, self.device, optimizer)
         from . import planning
         self.profile_cache = planning.default_profile_cache()
@@ -683,7 +687,6 @@ class RaNNCModule(torch.nn.Module):
         """Traces, plans and deploys `mode` (a collective) in precision `amp`, then frees the
         state tensors that no deployed stage on this rank uses. `plan_from`: the mode's
         deployment at other input shapes, whose plan the new trace runs."""
-        self.placement.materialize()
         # Profiling runs the pieces on the module's own buffers, and a batch norm in training
         # mode updates its running statistics each time: keep the values from before.
         buffers = [(b, b.detach().clone()) for b in self.module.buffers()]
@@ -691,6 +694,8 @@ class RaNNCModule(torch.nn.Module):
             # Traced where the model is, in the precision the stages' device would compute in.
             home = self._home.type
             start = time.perf_counter()
+            # no rank gathers the whole model ([Note: freed state] in placement.py)
+            state = self.placement.trace_tensors()
             # Deploying draws no random numbers from the user's generators (profiling fills
             # inputs at random), so a run resumed from a checkpoint, which deploys after
             # restoring them, draws what the uninterrupted run drew.
@@ -698,7 +703,9 @@ class RaNNCModule(torch.nn.Module):
             with torch.random.fork_rng(devices=devices):
                 with (torch.autocast(home, dtype=amp) if amp is not None
                       else torch.autocast(home, enabled=False)):
-                    graph = TracedGraph(self.module, args, kwargs)
+                    graph = TracedGraph(self.module, args, kwargs, state_tensors=state,
+                                        home=self._home)
+                del state
                 deployed = _Deployed(self, graph, args, kwargs, amp, time.perf_counter() - start,
                                      plan_from=plan_from)
         finally:
@@ -706,17 +713,14 @@ class RaNNCModule(torch.nn.Module):
                 for b, before in buffers:
                     b.copy_(before)
             del buffers
-            if plan_from is not None:
-                # the mode's plan, so each tensor's ranks are as before: free and place again
-                # (also when the new shapes fail, and the deployed ones go on running)
-                self.placement.settle()
         if plan_from is not None:
-            return deployed
+            return deployed  # the mode's plan: each tensor's ranks are as before
         self._deployed[mode] = deployed
         if mode:
             self.optimizer_share.keep_only({id(t) for t in deployed.own.values()})
         self.placement.add_mode(mode, deployed)
         _checkpoint().apply_pending(self)  # a checkpoint loaded before the plan was known
+        self.placement.initialize()  # parameters built on meta that it did not fill
         return deployed
 
     def _deploy_shapes(self, deployed, args, kwargs):

@@ -2,11 +2,24 @@
 
 [Note: freed state] A rank keeps real storage only for the parameters and buffers that its
 stage of some deployed mode (train, eval) uses; the module's other state tensors are empty
-(numel 0, same objects; their full shapes are kept here). Every rank computes the same
-placement from the plans, so the copies below need no negotiation. A tensor's owner, which
-holds its current value, is the first rank whose training stage updates it (else the first
-rank keeping it). Tracing a new mode runs the whole model, so it re-materialises every
-tensor first and frees again after deploying.
+(numel 0, same objects; their full shapes are kept here). Every rank computes the same placement from the plans, so the copies below need no negotiation. A
+tensor's owner, which holds its current value, is the first rank whose training stage
+updates it (else the first rank keeping it). Tracing new input shapes or a new mode needs
+no rank to hold the whole model: parameters are traced as stand-ins ([Note: stand-in
+parameters] in _trace.py) and only the buffers are gathered for it. A tensor that a new
+mode's stage uses on a rank that freed it gets storage there and its owner's value.
+
+[Note: models built on the meta device] A model built with its parameters on the meta
+device (`rannc.empty_weights()`) has them swapped for empty tensors when it is wrapped
+(torch.utils.swap_tensors: the same Python objects, which the optimizer holds), as if
+freed on every rank; it is traced and profiled with stand-ins, and each rank allocates
+only the parameters its stages keep. Their values come from a checkpoint loaded
+before the first call (`load_checkpoint`, read once the plan is known); the parameters no
+checkpoint filled are initialised by their modules' `reset_parameters()` (as FSDP does
+for meta modules; `_reset_parameters()` where that is all there is, as in
+nn.MultiheadAttention), children before parents as their constructors ran, each module
+from a seed of its name and rank 0's seed, so replicas agree; a parameter left without a
+value is an error on every rank that names it.
 
 [Note: placement] Tracing runs the whole model where the user keeps it (`home`); each rank
 then moves its stages' parameters and buffers to its device (the same tensor objects, so
@@ -14,10 +27,13 @@ the optimizer's references stay valid).
 """
 from __future__ import annotations
 
+import zlib
+
 import torch
 
-from . import _C
-from .transport import recv_staged, send_staged
+from . import _C, failure
+from ._trace import ModelState, stand_in, stand_in_generator, state_for_tracing
+from .transport import all_gather_objects, recv_staged, send_staged
 
 # Tag of the point-to-point copies of parameters and buffers between ranks.
 _STATE_TAG = 7
@@ -33,8 +49,25 @@ class StatePlacement:
         self.optimizer = optimizer  # its state moves with the parameters
         self._users = {}      # mode -> per state tensor, the ranks whose stage uses it
         self._freed = {}      # state tensor position -> its full shape, for tensors freed here
+        self._unset = set()   # positions allocated here without a value yet (built on meta)
         self._stale = False   # trained since the ranks that only evaluate a tensor got it
-        self._trace_state = None  # the traced state's names, resolved on the module
+        # the state's names in trace order, resolved on the module (the trace's once deployed)
+        self._trace_state = ModelState.of(module)
+        self._meta_built = self._empty_meta_parameters()
+
+    def _empty_meta_parameters(self) -> set[int]:
+        """Swaps the parameters built on the meta device for empty ones at home, freed on
+        every rank ([Note: models built on the meta device]); their positions."""
+        built = set()
+        for i, t in enumerate(self.tensors()[:len(self._trace_state.param_names)]):
+            if t.is_meta:
+                empty = torch.nn.Parameter(torch.empty(0, dtype=t.dtype, device=self.home),
+                                           requires_grad=t.requires_grad)
+                shape = t.shape
+                torch.utils.swap_tensors(t, empty)
+                self._freed[i] = shape
+                built.add(i)
+        return built
 
     # ---- what is where --------------------------------------------------------------------
     @property
@@ -73,9 +106,12 @@ class StatePlacement:
     def holders(self) -> dict[int, tuple[torch.Size, list[int], bool]]:
         """For checkpoints: id(state tensor) -> (its full shape, the ranks holding its current
         value and, once training is deployed, a parameter's optimizer state; whether this
-        rank holds storage for it). Empty before the first deployment."""
+        rank holds storage for it). Before the first deployment, only the parameters built on
+        the meta device, with no storage anywhere yet."""
         if not self._users:
-            return {}
+            world = list(range(_C.get_world_size()))
+            tensors = self.tensors()
+            return {id(tensors[i]): (shape, world, False) for i, shape in self._freed.items()}
         train = self._users.get(True)
         result = {}
         for i, (t, (_, current)) in enumerate(zip(self.tensors(), self.sources())):
@@ -107,46 +143,90 @@ class StatePlacement:
             _transfer(copies)
         self._stale = False
 
-    def materialize(self):
-        """Gives every state tensor real storage and its current value on every rank (a
-        collective), for tracing a new mode."""
+    def trace_tensors(self) -> list[torch.Tensor]:
+        """What to trace (and profile) the module's state with at `home`, in trace order: once
+        a mode is deployed, stand-ins for every parameter and the buffers' current values
+        (a collective: a rank that freed a buffer, or holds a stale one, gets a copy from
+        its owner); before, the module's own tensors with stand-ins for parameters built on
+        the meta device ([Note: freed state])."""
         if not self._users:
-            return
-        world = set(range(_C.get_world_size()))
-        copies = []
+            return state_for_tracing(self.module, self._trace_state, self.home, self._freed.get)
+        rank, world = _C.get_rank(), set(range(_C.get_world_size()))
+        n_params = len(self._trace_state.param_names)
+        generator = stand_in_generator()
+        out, copies = [], []
         for i, (t, (owner, current)) in enumerate(zip(self.tensors(), self.sources())):
-            if i in self._freed:
-                t.data = torch.empty(self._freed.pop(i), dtype=t.dtype, device=self.home)
-            elif t.device != self.home:  # tracing runs the whole model at home
-                t.data = t.data.to(self.home)
+            if i < n_params:  # every rank stands in for all of them: their traces agree
+                out.append(stand_in(self.full_shape(i, t), t.dtype, t.requires_grad, self.home,
+                                    generator))
+                continue
+            if rank in current and i not in self._freed:
+                value = t.detach() if t.device == self.home else t.detach().to(self.home)
+            else:
+                value = torch.empty(self.full_shape(i, t), dtype=t.dtype, device=self.home)
             if current != world:
-                copies.append((owner, world - current, t.data))
+                copies.append((owner, world - current, value))
+            out.append(value)
         _transfer(copies)
-        self._stale = False
+        return out
+
+    def shaped_parameters(self) -> list[torch.Tensor]:
+        """The parameters as meta tensors of their full shapes (for what reads only shapes)."""
+        n_params = len(self._trace_state.param_names)
+        return [torch.empty(self.full_shape(i, t), dtype=t.dtype, device="meta")
+                .requires_grad_(t.requires_grad)
+                for i, t in enumerate(self.tensors()[:n_params])]
 
     def add_mode(self, mode: bool, deployed):
-        """`deployed` (a _Deployed) now runs `mode`: record which ranks use each tensor, free
-        what no stage on this rank uses and move the rest to this rank's device."""
+        """`deployed` (a _Deployed) now runs `mode` (a collective): record which ranks use
+        each tensor, give the ones this rank's stages newly use storage and their current
+        value, free what no stage on this rank uses and move the rest to this rank's
+        device."""
+        first = not self._users
         self._trace_state = deployed.graph._trace.state
+        tensors = self.tensors()
         position = {v: i for i, v in enumerate(deployed.state_ids)}
         users = [set() for _ in deployed.state_ids]
         for ranks, vids in deployed.engine.grad_groups():  # the ranks whose stages use each
             for v in vids:
                 users[position[v]] = set(ranks)
+        world = set(range(_C.get_world_size()))
+        # before this mode: who holds each tensor's storage, and its current value
+        holding = ([set() if i in self._meta_built else world for i in range(len(tensors))]
+                   if first else [self._keepers(i) or world for i in range(len(tensors))])
+        sources = None if first else self.sources()
         self._users[mode] = users
-        self.settle()
-
-    def settle(self):
-        """The deployed placement (after materialize() or a new mode): frees what no deployed
-        stage on this rank uses and moves the rest to this rank's device."""
+        self._fill(tensors, holding, sources)
         self._release()
         self._place()
+
+    def _keepers(self, i: int) -> set:
+        """The ranks whose deployed stages use state tensor `i`."""
+        return set().union(*(users[i] for users in self._users.values()))
+
+    def _fill(self, tensors, holding, sources):
+        """Storage on this rank's device for the tensors its stages now use and it does not
+        hold, with the owner's value where some rank holds one (a collective)."""
+        rank = _C.get_rank()
+        copies = []
+        for i, t in enumerate(tensors):
+            newly = self._keepers(i) - holding[i]
+            if not newly:
+                continue
+            if rank in newly:
+                t.data = torch.empty(self.full_shape(i, t), dtype=t.dtype, device=self.device)
+                self._freed.pop(i, None)
+            if sources is not None and sources[i][0] is not None:
+                copies.append((sources[i][0], newly, t.data))
+            elif rank in newly:
+                self._unset.add(i)  # built on meta: a checkpoint or initialize() fills it
+        _transfer(copies)
 
     def _release(self):
         """Frees the storage of the state tensors that no deployed stage on this rank uses."""
         rank = _C.get_rank()
         for i, t in enumerate(self.tensors()):
-            keepers = set().union(*(users[i] for users in self._users.values()))
+            keepers = self._keepers(i)
             if keepers and rank not in keepers and i not in self._freed:
                 self._freed[i] = t.shape
                 t.grad = None
@@ -160,6 +240,46 @@ class StatePlacement:
             if i not in self._freed and t.device != self.device:
                 t.data = t.data.to(self.device)
                 self._place_optimizer_state(t)
+
+    # ---- values of parameters built on the meta device --------------------------------------
+    def loaded(self, tensors):
+        """`tensors` (state tensors) got values here (from a checkpoint or a state_dict)."""
+        if self._unset:
+            ids, state = {id(t) for t in tensors}, self.tensors()
+            self._unset = {i for i in self._unset if id(state[i]) not in ids}
+
+    def initialize(self):
+        """Values for the parameters built on the meta device that no checkpoint filled
+        ([Note: models built on the meta device]); a collective where the model was built
+        there. Raises, on every rank, naming them, where some are left without one."""
+        if not self._meta_built:
+            return
+        seed = all_gather_objects(torch.initial_seed())[0]  # rank 0's: replicas agree
+        tensors = self.tensors()
+        unset = {id(tensors[i]) for i in self._unset}
+        # children first, as their constructors run before their parent's own reset
+        # (nn.MultiheadAttention zeroes out_proj.bias after out_proj initialised it)
+        for name, m in reversed(list(self.module.named_modules())):
+            reset = getattr(m, "reset_parameters", getattr(m, "_reset_parameters", None))
+            held = [p for p in m.parameters(recurse=False) if p.numel()]
+            if callable(reset) and held and all(id(p) in unset for p in held):
+                with torch.random.fork_rng(devices=[]), torch.no_grad():
+                    torch.manual_seed((seed ^ zlib.crc32(name.encode())) & 0x7FFFFFFFFFFFFFFF)
+                    reset()
+                self.loaded(held)
+        names = self._trace_state.names
+        left = [names[i] for i in sorted(self._unset)]
+        everyone = all_gather_objects(left)
+        missing = {r: l for r, l in enumerate(everyone) if l}
+        if missing:
+            r, first = next(iter(missing.items()))
+            more = sum(len(l) for l in missing.values()) - min(len(first), 5)
+            raise failure.agreed(
+                f"parameters built on the meta device have no values (rank {r}: "
+                f"{', '.join(first[:5])}{f' and {more} more' if more > 0 else ''}): no "
+                "checkpoint held them and their modules have no reset_parameters(); load "
+                "their values with load_checkpoint(path) before the first call (each rank "
+                "reads its stages' tensors), or build those modules on a real device")
 
     def _place_optimizer_state(self, param: torch.Tensor):
         """Optimizer state made before the first call (a loaded state_dict) follows its

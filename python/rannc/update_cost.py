@@ -59,7 +59,7 @@ def measure_update_rate(params, optimizer=None, kind: str = "adam", device="cpu"
     after two that create the state). `params`: the model's trainable parameters;
     `optimizer`: the user's optimizer (its type and defaults are used) or None for `kind`
     (adam, adamw, sgd_momentum, sgd). 0.0 when there are no parameters."""
-    params = [p for p in params if p.requires_grad and p.numel() and p.device.type != "meta"]
+    params = [p for p in params if p.requires_grad and p.numel()]  # shapes and dtypes only
     # Once per process and setting, like the profiles: a second plan of the same model
     # gets the same rate, hence the same plan.
     key = (type(optimizer).__name__ if optimizer is not None else kind,

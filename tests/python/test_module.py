@@ -202,6 +202,20 @@ def test_checkpoints_are_whole_though_each_rank_keeps_only_its_stage(ranks, mode
         assert f"OK rank {r}" in res.stdout, res.stdout[-4000:]
 
 
+@pytest.mark.parametrize("ranks,model,stages,micro", [(2, "gpt", 2, 2), (4, "gpt", 2, 2),
+                                                      (2, "resnet", 2, 1), (3, "transformer_loss", 2, 2)],
+                         ids=["2ranks-gpt", "4ranks-gpt-replicas", "2ranks-resnet-buffers",
+                              "3ranks-transformer"])
+def test_a_model_built_on_meta_holds_only_its_stages_and_equals_pytorch(tmp_path, ranks, model,
+                                                                        stages, micro):
+    """[Note: models built on the meta device] and [Note: stand-in parameters]."""
+    res = mpirun("empty_weights_check.py", ranks, model, "--stages", stages, "--micro", micro,
+                 "--dir", tmp_path, timeout=300, env={"RANNC_COMM_TIMEOUT": "60"})
+    assert res.returncode == 0, res.stdout[-4000:]
+    for r in range(ranks):
+        assert f"OK rank {r}" in res.stdout, res.stdout[-4000:]
+
+
 def test_device_and_data_plane_options_are_checked():
     model = torch.nn.Linear(2, 2)
     assert resolve_device("cpu", model) == torch.device("cpu")
