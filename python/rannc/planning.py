@@ -216,22 +216,33 @@ def _on_meta(model: torch.nn.Module) -> bool:
     return any(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
 
 
-def _materialise(model, args, kwargs):
-    import copy
-
+def _meta_state(model, args, kwargs):
+    """What to trace a model on the meta device with, on the CPU ([Note: stand-in
+    parameters] in _trace.py): stand-ins for its parameters (the sum of their sizes in
+    memory, not their bytes), its buffers and arguments on meta made up (zeros for
+    integers, N(0, 0.02) or N(0, 1) for floats)."""
     import torch.utils._pytree as pytree
 
-    cpu = copy.deepcopy(model).to_empty(device="cpu")
-    with torch.no_grad():
-        for t in list(cpu.parameters()) + list(cpu.buffers()):
-            t.zero_() if not t.is_floating_point() else t.normal_(0.0, 0.02)
+    from ._trace import ModelState, stand_in, stand_in_generator
+
+    state = ModelState.of(model)
+    generator = stand_in_generator()
+    n_params = len(state.param_names)
+    tensors = []
+    for i, t in enumerate(state.tensors(model)):
+        if i < n_params and t.is_meta:
+            t = stand_in(t.shape, t.dtype, t.requires_grad, torch.device("cpu"), generator)
+        elif t.is_meta:
+            t = (torch.zeros(t.shape, dtype=t.dtype) if not t.is_floating_point()
+                 else torch.empty(t.shape, dtype=t.dtype).normal_(0.0, 0.02, generator=generator))
+        tensors.append(t)
 
     def real(x):
         if isinstance(x, torch.Tensor) and x.is_meta:
             return torch.zeros(x.shape, dtype=x.dtype) if not x.is_floating_point() else torch.randn(x.shape, dtype=x.dtype)
         return x
 
-    return cpu, pytree.tree_map(real, args), pytree.tree_map(real, kwargs)
+    return tensors, pytree.tree_map(real, args), pytree.tree_map(real, kwargs)
 
 
 def _device_spec(world_size, devices_per_node, device_memory):
@@ -346,31 +357,31 @@ def plan(model: torch.nn.Module, args, kwargs: dict | None = None, *, world_size
 
     Costs are measured on this machine's device at the real micro-batch sizes
     (cost_model="profile", cached in `profile_cache`, a rannc ProfileCache or a file path;
-    default: one cache per process) or derived from shapes (cost_model="analytic", always
-    used for models on the meta device). `optimizer` (adam, adamw, sgd_momentum, sgd) sets
+    default: one cache per process) or derived from shapes (cost_model="analytic"). A model
+    on the meta device is traced and profiled with stand-ins for its parameters, never
+    materialised. `optimizer` (adam, adamw, sgd_momentum, sgd) sets
     the optimizer state in the memory model. Other options: see `option_docs()`.
     Raises rannc.InfeasiblePlanError (with .bytes_needed) when no plan fits.
     """
     start = time.perf_counter()
     args = args if isinstance(args, tuple) else (args,)
     kwargs = kwargs or {}
+    state, home = None, None
     if _on_meta(model):
-        # [meta models] torch.jit.trace runs on meta tensors, but observing the graph
-        # needs values (sizes read with .item()); so the model is materialised without
-        # initialisation on the CPU (its parameter bytes, once) and traced with zeros for
-        # meta arguments, then planned from shapes (analytic costs). See docs/profile.md.
-        cost_model = "analytic"
-        model, args, kwargs = _materialise(model, args, kwargs)
+        # Observing the graph needs values (sizes read with .item()): traced and profiled
+        # on the CPU with stand-ins, so a model larger than this host plans too.
+        state, args, kwargs = _meta_state(model, args, kwargs)
+        home = torch.device("cpu")
     opts = Options.resolve(dict(options, cost_model=cost_model), environ={}, entry=PLAN)
     times = PlanTimes()
-    graph = trace(model, args, kwargs)
+    graph = TracedGraph(model, args, kwargs, state_tensors=state, home=home)
     times.tracing = time.perf_counter() - start
     device = _device_spec(world_size, devices_per_node, device_memory)
     cache, path = profile_cache, None
     if isinstance(profile_cache, (str, os.PathLike)):
         path, cache = os.fspath(profile_cache), _C.ProfileCache()
         cache.load(path)
-    flat = graph._flat_inputs(args, kwargs, at_home=True) if cost_model == "profile" else []
+    flat = graph._profiling_inputs(args, kwargs) if cost_model == "profile" else []
     update_rate = None
     if cost_model == "profile" and opts.training and opts.update_seconds_per_byte is None:
         device_name = profile_device(opts.profile_device)

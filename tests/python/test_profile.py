@@ -212,13 +212,25 @@ def test_analytic_cost_model_and_unknown_options():
         rannc.plan(model, args, kwargs, world_size=2, no_such_option=1)
 
 
-def test_meta_device_model_is_planned_with_analytic_costs():
+def test_a_model_on_meta_is_profiled_with_stand_ins_and_never_materialised():
+    """[Note: stand-in parameters]: each parameter costs the sum of its sizes, so a model
+    larger than the host plans from real measurements; the plan is the one of the same
+    model built on the CPU (its analytic costs, which do not depend on values, agree)."""
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
     with torch.device("meta"):
-        model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
-    x = torch.randn(8, 64, device="meta")
-    plan = rannc.plan(model, (x,), world_size=4, device_memory="1GiB")
-    assert plan.cost_model == "analytic"
+        model = build()
+    x = torch.randn(8, 64)
+    plan = rannc.plan(model, (torch.empty(8, 64, device="meta"),), world_size=4,
+                      device_memory="1GiB", profile_repetitions=1)
+    assert plan.cost_model == "profile" and plan.times.profiling > 0
+    assert all(p.is_meta for p in model.parameters())
     plan.validate()
+    on_meta = rannc.plan(model, (x,), world_size=4, device_memory="1GiB", cost_model="analytic")
+    built = rannc.plan(build(), (x,), world_size=4, device_memory="1GiB", cost_model="analytic")
+    assert on_meta.deployment.hash == built.deployment.hash
+    assert [s.param_bytes for s in on_meta.stages()] == [s.param_bytes for s in built.stages()]
 
 
 def _cli(*args, timeout=600):
