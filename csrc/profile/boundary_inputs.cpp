@@ -199,10 +199,7 @@ c10::IValue BoundaryInputs::build(const ir::Value& v, int64_t rows) const {
   const int64_t batch = g.batchSize();
   if (v.isModelState()) {
     const at::Tensor& t = kept_.at(v.id).toTensor();
-    // A stand-in parameter ([Note: stand-in parameters] in python/rannc/_trace.py) reads
-    // its elements with overlapping strides: timed as a dense tensor, as the stage holds it.
-    at::Tensor d = t.is_non_overlapping_and_dense() ? t.detach() : t.detach().contiguous();
-    return d.requires_grad_(t.is_floating_point() && t.requires_grad());
+    return t.detach().requires_grad_(t.is_floating_point() && t.requires_grad());
   }
   // Sizes and shapes: recomputed for the rows.
   if (!v.int_values.empty() && v.role == ir::ValueRole::Intermediate &&

@@ -38,7 +38,7 @@ class BoundaryInputs {
 
   // The inputs of `piece` in frontend::runPieceInputs order at a micro-batch of `rows`
   // rows. Parameters and buffers are the model's tensors, detached (gradients of a
-  // profiling run never reach the model); stand-ins copied dense. Floating tensors require grad where the value
+  // profiling run never reach the model). Floating tensors require grad where the value
   // does (the piece's boundary leaves). Throws rannc::Error for a value it cannot build.
   std::vector<c10::IValue> make(const ir::Subgraph& piece, int64_t rows) const;
 

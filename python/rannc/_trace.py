@@ -80,62 +80,63 @@ def home_device(model: torch.nn.Module, tensors=()) -> torch.device:
 
 # [Note: stand-in parameters] Tracing runs the whole model, but what it records and observes
 # (the ops, the sizes, which values carry the batch) does not depend on the parameters'
-# values: a model whose program changes with its weights would bake one program for every
+# values: a model whose program changed with its weights would bake one program for every
 # step anyway. So a parameter that this rank does not hold (built on the meta device, or
-# freed here because another rank's stage keeps it) is traced as a stand-in: a tensor of
-# its shape and dtype whose elements are a random vector read with unit strides along
-# every dimension (element [i, j] = v[i + j], a Hankel matrix: full rank, of the scale of
-# a default initialisation), so it costs the sum of its sizes instead of their product.
-# Ops read it like any strided tensor; the profiler copies it dense before timing a piece
-# (profile/boundary_inputs.cpp). Every rank draws the same stand-ins (a fixed seed), so
-# their traces agree. Buffers are never stood in for: they hold data (position ids,
-# masks, running statistics) that indexes and decides.
+# freed here because another rank's stage keeps it) is traced as a stand-in: a contiguous
+# view of the first elements of one random buffer shared by every stand-in of its dtype
+# (matrices and tensors of more dimensions: N(0, 0.02), as GPT-style initialisations draw;
+# vectors, which are scales and biases: 1 + N(0, 0.02)). All of them together take the
+# memory of the largest one. They are dense, so ops and the profiler read them as they
+# read real weights, without copies (a strided stand-in of the sum of its sizes made every
+# matmul copy its weight: tracing a 387 MiB GPT peaked at 1 GiB). Every rank draws the
+# same buffers (a fixed seed), so their traces agree. Buffers are never stood in for: they
+# hold data (position ids, masks, running statistics) that indexes and decides.
 _STAND_IN_SEED = 0x5EED
 
 
-def stand_in(shape, dtype: torch.dtype, requires_grad: bool, device: torch.device,
-             generator: torch.Generator) -> torch.Tensor:
-    """A tensor of `shape` and `dtype` on `device` that takes the sum of its sizes in
-    memory, not their product ([Note: stand-in parameters]); a leaf that requires grad
-    where asked (floating dtypes only)."""
-    shape = tuple(shape)
-    floating = dtype.is_floating_point
-    if not shape or not all(shape):  # a scalar (say a temperature): one
-        fill = torch.ones if floating and not shape else torch.zeros
-        return fill(shape, dtype=dtype, device=device).requires_grad_(requires_grad and floating)
-    numel = sum(shape) - len(shape) + 1
-    if floating:
-        fan_in = 1
-        for size in shape[1:]:
-            fan_in *= size
-        values = (torch.rand(numel, generator=generator, dtype=torch.float64) * 2 - 1)
-        # matrices: a default initialisation's scale; scales and biases: around one
-        values = values / max(1, fan_in) ** 0.5 if len(shape) > 1 else 1.0 + 0.1 * values
-    else:
-        values = torch.zeros(numel)
-    out = values.to(device=device, dtype=dtype).as_strided(shape, (1,) * len(shape))
-    return out.detach().requires_grad_(requires_grad and floating)
+def stand_ins(specs, device: torch.device) -> list[torch.Tensor]:
+    """Stand-ins ([Note: stand-in parameters]) for parameters of `specs`, a list of
+    (shape, dtype, requires_grad), on `device`: leaves that require grad where asked
+    (floating dtypes only), views of shared buffers that take the largest one's memory."""
+    def key(shape, dtype):
+        return dtype, len(shape) > 1
 
-
-def stand_in_generator() -> torch.Generator:
-    """The random stream of stand-ins: the same on every rank."""
-    return torch.Generator().manual_seed(_STAND_IN_SEED)
+    sizes = {}
+    for shape, dtype, _ in specs:
+        k = key(shape, dtype)
+        sizes[k] = max(sizes.get(k, 0), torch.Size(shape).numel())
+    generator = torch.Generator().manual_seed(_STAND_IN_SEED)
+    buffers = {}
+    for (dtype, matrix), n in sorted(sizes.items(), key=lambda kv: (str(kv[0][0]), kv[0][1])):
+        if dtype.is_floating_point or dtype.is_complex:
+            values = torch.empty(n, dtype=torch.float32).normal_(0.0, 0.02, generator=generator)
+            buffers[dtype, matrix] = (values if matrix else 1.0 + values).to(device=device, dtype=dtype)
+        else:
+            buffers[dtype, matrix] = torch.zeros(n, dtype=dtype, device=device)
+    out = []
+    for shape, dtype, requires_grad in specs:
+        numel = torch.Size(shape).numel()
+        t = buffers[key(shape, dtype)][:numel].view(shape).detach()
+        out.append(t.requires_grad_(requires_grad and dtype.is_floating_point))
+    return out
 
 
 def state_for_tracing(model: torch.nn.Module, state: "ModelState", home: torch.device,
-                      stand_in_for=None) -> list[torch.Tensor]:
+                      freed=None) -> list[torch.Tensor]:
     """The tensors to trace `model`'s state with, in `state` order: its parameters, as
-    stand-ins ([Note: stand-in parameters]) those on the meta device and those for which
-    `stand_in_for(position)` gives their full shape, then its buffers. A buffer on the
-    meta device has no values to trace with: an error that names it."""
+    stand-ins ([Note: stand-in parameters]) those on the meta device and those `freed`
+    maps (position -> full shape), then its buffers. A buffer on the meta device has no
+    values to trace with: an error that names it."""
     tensors = state.tensors(model)
     n_params = len(state.param_names)
-    generator = stand_in_generator()
+    freed = freed or {}
+    stood = {i: (t.shape if t.is_meta else freed[i], t.dtype, t.requires_grad)
+             for i, t in enumerate(tensors[:n_params]) if t.is_meta or i in freed}
+    made = dict(zip(stood, stand_ins(list(stood.values()), home)))
     out = []
     for i, (name, t) in enumerate(zip(state.names, tensors)):
-        shape = t.shape if t.is_meta else stand_in_for(i) if stand_in_for is not None else None
-        if i < n_params and shape is not None:
-            out.append(stand_in(shape, t.dtype, t.requires_grad, home, generator))
+        if i in made:
+            out.append(made[i])
         elif t.is_meta:
             raise TraceError(
                 f"the buffer {name!r} is on the meta device, so it has no values to trace the "

@@ -32,7 +32,7 @@ import zlib
 import torch
 
 from . import _C, failure
-from ._trace import ModelState, stand_in, stand_in_generator, state_for_tracing
+from ._trace import ModelState, stand_ins, state_for_tracing
 from .transport import all_gather_objects, recv_staged, send_staged
 
 # Tag of the point-to-point copies of parameters and buffers between ranks.
@@ -150,15 +150,16 @@ class StatePlacement:
         its owner); before, the module's own tensors with stand-ins for parameters built on
         the meta device ([Note: freed state])."""
         if not self._users:
-            return state_for_tracing(self.module, self._trace_state, self.home, self._freed.get)
+            return state_for_tracing(self.module, self._trace_state, self.home, self._freed)
         rank, world = _C.get_rank(), set(range(_C.get_world_size()))
+        tensors = self.tensors()
         n_params = len(self._trace_state.param_names)
-        generator = stand_in_generator()
-        out, copies = [], []
-        for i, (t, (owner, current)) in enumerate(zip(self.tensors(), self.sources())):
-            if i < n_params:  # every rank stands in for all of them: their traces agree
-                out.append(stand_in(self.full_shape(i, t), t.dtype, t.requires_grad, self.home,
-                                    generator))
+        # every rank stands in for all parameters: their traces agree
+        out = stand_ins([(self.full_shape(i, t), t.dtype, t.requires_grad)
+                         for i, t in enumerate(tensors[:n_params])], self.home)
+        copies = []
+        for i, (t, (owner, current)) in enumerate(zip(tensors, self.sources())):
+            if i < n_params:
                 continue
             if rank in current and i not in self._freed:
                 value = t.detach() if t.device == self.home else t.detach().to(self.home)

@@ -217,31 +217,30 @@ def _on_meta(model: torch.nn.Module) -> bool:
 
 
 def _meta_state(model, args, kwargs):
-    """What to trace a model on the meta device with, on the CPU ([Note: stand-in
-    parameters] in _trace.py): stand-ins for its parameters (the sum of their sizes in
-    memory, not their bytes), its buffers and arguments on meta made up (zeros for
-    integers, N(0, 0.02) or N(0, 1) for floats)."""
+    """What to trace a model on the meta device with, on the CPU: stand-ins for its
+    parameters ([Note: stand-in parameters] in _trace.py: the largest one's memory, not
+    the model's), its buffers and arguments on meta made up (zeros for integers, N(0, 0.02)
+    or N(0, 1) for floats)."""
     import torch.utils._pytree as pytree
 
-    from ._trace import ModelState, stand_in, stand_in_generator
+    from ._trace import ModelState, stand_ins
 
     state = ModelState.of(model)
-    generator = stand_in_generator()
+    tensors = list(state.tensors(model))
     n_params = len(state.param_names)
-    tensors = []
-    for i, t in enumerate(state.tensors(model)):
-        if i < n_params and t.is_meta:
-            t = stand_in(t.shape, t.dtype, t.requires_grad, torch.device("cpu"), generator)
-        elif t.is_meta:
-            t = (torch.zeros(t.shape, dtype=t.dtype) if not t.is_floating_point()
-                 else torch.empty(t.shape, dtype=t.dtype).normal_(0.0, 0.02, generator=generator))
-        tensors.append(t)
+    params = [i for i, t in enumerate(tensors[:n_params]) if t.is_meta]
+    made = stand_ins([(tensors[i].shape, tensors[i].dtype, tensors[i].requires_grad)
+                      for i in params], torch.device("cpu"))
+    for i, t in zip(params, made):
+        tensors[i] = t
 
-    def real(x):
+    def real(x, scale=1.0):
         if isinstance(x, torch.Tensor) and x.is_meta:
-            return torch.zeros(x.shape, dtype=x.dtype) if not x.is_floating_point() else torch.randn(x.shape, dtype=x.dtype)
+            return (torch.zeros(x.shape, dtype=x.dtype) if not x.is_floating_point()
+                    else torch.randn(x.shape, dtype=x.dtype) * scale)
         return x
 
+    tensors[n_params:] = [real(b, scale=0.02) for b in tensors[n_params:]]
     return tensors, pytree.tree_map(real, args), pytree.tree_map(real, kwargs)
 
 
