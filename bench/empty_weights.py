@@ -8,7 +8,8 @@ rank gathers the model) and trains once at a new sequence length (new shapes, th
 
 Per rank and way of building: the peak resident memory above what the process held after
 importing torch and rannc (VmHWM - VmRSS at start, from /proc), the bytes of the
-parameters the rank holds, and the whole model's bytes. Writes
+parameters the rank holds, and the difference of the peaks against the bytes of the
+parameters a rank holds beyond its share when the model is built on the CPU. Writes
 bench/results/empty_weights.{json,md}.
 """
 import argparse
@@ -112,12 +113,18 @@ def main():
              f"--layers {a.layers} --hidden {a.hidden}`)", "",
              f"GPT, {a.layers} layers, hidden {a.hidden}: parameters {whole:.1f} MiB; one stage "
              "per rank, Adam; two training steps, an eval call, a step at a new length. Peak: "
-             "resident memory above the process's after importing torch and rannc.", "",
-             "| rank | built on the CPU: peak MiB | empty_weights + load_checkpoint: peak MiB | "
-             "parameters held MiB | peak / whole model (empty) |", "|---|---|---|---|---|"]
+             "resident memory above the process's after importing torch and rannc. A rank's "
+             "training state is about 4x the parameters it holds (weights, gradients, Adam's "
+             "two moments); built on the CPU, the whole model comes on top. The difference of "
+             "the peaks against the parameters the built model holds beyond the rank's share "
+             "shows whether any whole copy remains.", "",
+             "| rank | parameters held MiB | built on the CPU: peak MiB | empty_weights + "
+             "load_checkpoint: peak MiB | built - empty MiB | whole - held MiB |",
+             "|---|---|---|---|---|---|"]
     for built, empty in zip(results["built"], results["empty"]):
-        lines.append(f"| {built['rank']} | {built['peak_mib']:.1f} | {empty['peak_mib']:.1f} | "
-                     f"{empty['held_mib']:.1f} | {empty['peak_mib'] / whole:.2f} |")
+        lines.append(f"| {built['rank']} | {empty['held_mib']:.1f} | {built['peak_mib']:.1f} | "
+                     f"{empty['peak_mib']:.1f} | {built['peak_mib'] - empty['peak_mib']:.1f} | "
+                     f"{whole - empty['held_mib']:.1f} |")
     text = "\n".join(lines) + "\n"
     print(text)
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
