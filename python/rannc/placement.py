@@ -2,9 +2,10 @@
 
 [Note: freed state] A rank keeps real storage only for the parameters and buffers that its
 stage of some deployed mode (train, eval) uses; the module's other state tensors are empty
-(numel 0, same objects; their full shapes are kept here). Every rank computes the same placement from the plans, so the copies below need no negotiation. A
-tensor's owner, which holds its current value, is the first rank whose training stage
-updates it (else the first rank keeping it). Tracing new input shapes or a new mode needs
+(numel 0, same objects; their full shapes are kept here). Every rank computes the same
+placement from the plans, so the copies below need no negotiation. A tensor's owner, which
+holds its current value, is the first rank whose training stage updates it (else the first
+rank keeping it). Tracing new input shapes or a new mode needs
 no rank to hold the whole model: parameters are traced as stand-ins ([Note: stand-in
 parameters] in _trace.py) and only the buffers are gathered for it. A tensor that a new
 mode's stage uses on a rank that freed it gets storage there and its owner's value.
