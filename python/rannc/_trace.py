@@ -122,11 +122,11 @@ def stand_ins(specs, device: torch.device) -> list[torch.Tensor]:
 
 
 def state_for_tracing(model: torch.nn.Module, state: "ModelState", home: torch.device,
-                      freed=None) -> list[torch.Tensor]:
+                      freed=None, make_up_buffer=None) -> list[torch.Tensor]:
     """The tensors to trace `model`'s state with, in `state` order: its parameters, as
     stand-ins ([Note: stand-in parameters]) those on the meta device and those `freed`
     maps (position -> full shape), then its buffers. A buffer on the meta device has no
-    values to trace with: an error that names it."""
+    values to trace with: `make_up_buffer(buffer)` makes them, else an error names it."""
     tensors = state.tensors(model)
     n_params = len(state.param_names)
     freed = freed or {}
@@ -137,6 +137,8 @@ def state_for_tracing(model: torch.nn.Module, state: "ModelState", home: torch.d
     for i, (name, t) in enumerate(zip(state.names, tensors)):
         if i in made:
             out.append(made[i])
+        elif t.is_meta and make_up_buffer is not None:
+            out.append(make_up_buffer(t))
         elif t.is_meta:
             raise TraceError(
                 f"the buffer {name!r} is on the meta device, so it has no values to trace the "

@@ -21,11 +21,10 @@ def empty_weights():
     def register_on_meta(module, name, param):
         register(module, name, param)
         param = module._parameters[name]
-        if param is not None and not param.is_meta:
-            kinds = type(param)
-            extra = {k: v for k, v in param.__dict__.items()}  # a subclass's attributes
-            module._parameters[name] = kinds(param.data.to("meta"),
-                                             requires_grad=param.requires_grad, **extra)
+        if param is not None and not param.is_meta:  # a subclass keeps its attributes
+            module._parameters[name] = type(param)(param.data.to("meta"),
+                                                   requires_grad=param.requires_grad,
+                                                   **param.__dict__)
 
     torch.nn.Module.register_parameter = register_on_meta
     try:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from . import _C
-from .graph import TracedGraph, trace
+from .graph import TracedGraph
 from .options import PLAN, Options, option_docs, parse_bytes  # noqa: F401 (option_docs: rannc.plan's CLI)
 from .update_cost import measure_update_rate
 
@@ -223,16 +223,7 @@ def _meta_state(model, args, kwargs):
     or N(0, 1) for floats)."""
     import torch.utils._pytree as pytree
 
-    from ._trace import ModelState, stand_ins
-
-    state = ModelState.of(model)
-    tensors = list(state.tensors(model))
-    n_params = len(state.param_names)
-    params = [i for i, t in enumerate(tensors[:n_params]) if t.is_meta]
-    made = stand_ins([(tensors[i].shape, tensors[i].dtype, tensors[i].requires_grad)
-                      for i in params], torch.device("cpu"))
-    for i, t in zip(params, made):
-        tensors[i] = t
+    from ._trace import ModelState, state_for_tracing
 
     def real(x, scale=1.0):
         if isinstance(x, torch.Tensor) and x.is_meta:
@@ -240,7 +231,8 @@ def _meta_state(model, args, kwargs):
                     else torch.randn(x.shape, dtype=x.dtype) * scale)
         return x
 
-    tensors[n_params:] = [real(b, scale=0.02) for b in tensors[n_params:]]
+    tensors = state_for_tracing(model, ModelState.of(model), torch.device("cpu"),
+                                make_up_buffer=lambda b: real(b, scale=0.02))
     return tensors, pytree.tree_map(real, args), pytree.tree_map(real, kwargs)
 
 

@@ -54,8 +54,8 @@ def storage_only_where_used(w, when):
     would show as storage here: freeing keeps the empty tensor). Returns (held, total)."""
     used = {id(t) for d in w._deployed.values() for t in d.engine.my_state.values()}
     held = total = 0
-    for name, p in w.module.named_parameters():
-        full = w.placement.full_shape(next(i for i, t in enumerate(w.placement.tensors()) if t is p), p)
+    for (name, p), shaped in zip(w.module.named_parameters(), w.placement.shaped_parameters()):
+        full = shaped.shape
         total += full.numel()
         if id(p) in used:
             assert p.shape == full, f"rank {rank}: {name} {p.shape}, not {full} ({when})"
