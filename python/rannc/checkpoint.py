@@ -53,7 +53,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _C, failure
+from . import _C, failure, full_state
 from . import safetensors_io as sio
 from .transport import all_gather_objects
 
@@ -153,6 +153,7 @@ def save_checkpoint(wrapped, directory: str, extra=None) -> None:
     rank, world = _C.get_rank(), _C.get_world_size()
     directory = os.path.abspath(directory)
     what = f"save_checkpoint({directory})"
+    full_state.refuse_without_values(wrapped, what)
     token = _agree(what, lambda: _prepare(directory) if rank == 0 else None, gather=True)[0]
     tmp = f"{directory}.tmp-{token}"
     remove_tmp = (lambda: shutil.rmtree(tmp, ignore_errors=True)) if rank == 0 else None
@@ -330,14 +331,19 @@ class Source:
     """Named tensors to load: a rannc checkpoint, a Hugging Face checkpoint directory
     (sharded or single safetensors, or pytorch_model.bin), a safetensors file, or a file
     torch.save wrote holding a state_dict. Opening checks that every file is there and
-    complete; reading checks each tensor's CRC-32 where the metadata has one."""
+    complete; reading checks each tensor's CRC-32 where the metadata has one. Or a
+    state_dict in memory (`path` a mapping; every rank passes the whole dict)."""
 
-    def __init__(self, path: str):
-        self.path = os.path.abspath(path)
+    def __init__(self, path: str | collections.abc.Mapping):
         self.meta = None
         self._readers = {}
         self._torch = None
         self.shapes, self._where = {}, {}  # name -> shape, (file, key, crc32)
+        if isinstance(path, collections.abc.Mapping):
+            self.path = "state_dict"
+            self._take_state(path)
+            return
+        self.path = os.path.abspath(path)
         if os.path.isdir(self.path):
             self._open_directory()
         elif os.path.exists(self.path):
@@ -404,6 +410,9 @@ class Source:
         state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
         if not isinstance(state, collections.abc.Mapping):
             raise _C.Error(f"{path} holds a {type(state).__name__}, not a state_dict")
+        self._take_state(state)
+
+    def _take_state(self, state: collections.abc.Mapping):
         self._torch = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
         for k, v in self._torch.items():
             self.shapes[k] = v.shape
@@ -499,23 +508,8 @@ def load_checkpoint(wrapped, path: str, strict: bool = True):
     directory or a state_dict file. Each rank reads only the tensors it keeps, whatever
     layout saved them. Returns the `extra` object saved with it (None if none).
     With `strict`, the names must match the module's as in torch's load_state_dict."""
-    rank = _C.get_rank()
-    what = f"load_checkpoint({os.path.abspath(path)})"
-
-    opened = []  # closed again if any rank fails
-
-    def open_and_match():
-        opened.append(Source(path))
-        return _match(_entries(wrapped), opened[0], strict, type(wrapped.module).__name__)
-
-    matched = _agree(what, open_and_match, cleanup=lambda: [s.close() for s in opened])
-    source = opened[0]
-    groups = source.optimizer_groups() if wrapped.optimizer is not None else None
-    pending = _Pending(source, matched, weights=True, optimizer=groups is not None, what=what,
-                       groups=groups)
-    forget_pending(wrapped)
-    _PENDING[wrapped] = pending
-    rng = source.rng_state(rank)
+    source, _, _ = _open_pending(wrapped, path, strict, f"load_checkpoint({os.path.abspath(path)})")
+    rng = source.rng_state(_C.get_rank())
     if rng is not None:
         _set_rng_state(rng)
     extra = source.extra()
@@ -524,9 +518,40 @@ def load_checkpoint(wrapped, path: str, strict: bool = True):
     return extra
 
 
-def _match(entries, source: Source, strict: bool, model: str) -> dict:
+def load_state_dict_later(wrapped, state_dict, strict: bool = True):
+    """load_state_dict before the first call of a model built on the meta device (a
+    collective; every rank passes the whole dict): its parameters get storage only once the
+    plan says which ranks keep them, so the dict is read then, as a checkpoint loaded
+    before the first call is. Returns torch's (missing_keys, unexpected_keys)."""
+    _, missing, unexpected = _open_pending(wrapped, state_dict, strict, "load_state_dict")
+    return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+
+def _open_pending(wrapped, path, strict: bool, what: str):
+    """Opens `path` (a checkpoint or a state_dict in memory) and matches its names with the
+    module's on every rank, as what is left to read once the plan is known; the source and
+    the module's keys it lacks and its keys the module lacks."""
+    opened = []  # closed again if any rank fails
+
+    def open_and_match():
+        opened.append(Source(path))
+        return _match(_entries(wrapped), opened[0], strict, type(wrapped.module).__name__)
+
+    matched, missing, unexpected = _agree(what, open_and_match,
+                                          cleanup=lambda: [s.close() for s in opened])
+    source = opened[0]
+    groups = source.optimizer_groups() if wrapped.optimizer is not None else None
+    pending = _Pending(source, matched, weights=True, optimizer=groups is not None, what=what,
+                       groups=groups)
+    forget_pending(wrapped)
+    _PENDING[wrapped] = pending
+    return source, missing, unexpected
+
+
+def _match(entries, source: Source, strict: bool, model: str) -> tuple[dict, list, list]:
     """Entry name -> the source's key for it (any of the tensor's names, or an alias the
-    checkpoint recorded); checks shapes, and with `strict`, missing and unexpected keys."""
+    checkpoint recorded), the entries it lacks and its keys no entry has; checks shapes,
+    and with `strict`, missing and unexpected keys."""
     keys = set(source.keys())
     known = {n for e in entries for n in (e.name, *e.aliases)}
     matched, missing, errors = {}, [], []
@@ -548,7 +573,7 @@ def _match(entries, source: Source, strict: bool, model: str) -> dict:
                       + ", ".join(f'"{k}"' for k in unexpected) + ".")
     if errors:
         raise _C.Error(f"Error(s) in loading {source.path} into {model}:\n\t" + "\n\t".join(errors))
-    return matched
+    return matched, missing, unexpected
 
 
 def forget_pending(wrapped, weights: bool = True, optimizer: bool = True) -> None:
@@ -568,8 +593,8 @@ def apply_pending(wrapped, everything: bool = False) -> None:
     and, once the optimizer holds only this rank's parameters (or with `everything`,
     before any deployment), its optimizer state."""
     pending = _PENDING.get(wrapped)
-    if pending is None:
-        return
+    if pending is None or wrapped.placement.without_values():
+        return  # built on meta: nothing has storage before the first call
     entries = _entries(wrapped)
     if pending.weights:
         def read_weights():

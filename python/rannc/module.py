@@ -752,6 +752,7 @@ class RaNNCModule(torch.nn.Module):
         """The full model state under the original names on every rank (a collective that
         gathers the whole model on every rank: for small models; large ones use
         save_checkpoint); see full_state.gather_state_dict."""
+        full_state.refuse_without_values(self, "state_dict()")
         _checkpoint().apply_pending(self, everything=True)
         return full_state.gather_state_dict(self, *args, destination=destination, prefix=prefix,
                                             keep_vars=keep_vars)
@@ -765,6 +766,7 @@ class RaNNCModule(torch.nn.Module):
     def optimizer_state_dict(self) -> dict:
         """The optimizer's full state in the original optimizer's format, on every rank (a
         collective that gathers it whole); see full_state.gather_optimizer_state."""
+        full_state.refuse_without_values(self, "optimizer_state_dict()")
         _checkpoint().apply_pending(self, everything=True)
         return full_state.gather_optimizer_state(self)
 

@@ -15,8 +15,10 @@ device (`rannc.empty_weights()`) has them swapped for empty tensors when it is w
 (torch.utils.swap_tensors: the same Python objects, which the optimizer holds), as if
 freed on every rank; it is traced and profiled with stand-ins, and each rank allocates
 only the parameters its stages keep. Their values come from a checkpoint loaded
-before the first call (`load_checkpoint`, read once the plan is known); the parameters no
-checkpoint filled are initialised by their modules' `reset_parameters()` (as FSDP does
+before the first call (`load_checkpoint` or `load_state_dict`, read once the plan is
+known; until then state_dict() and save_checkpoint are refused: nothing has a value); a
+parameter that no stage uses is kept on every rank, as one built with a value is; the
+parameters no checkpoint filled are initialised by their modules' `reset_parameters()` (as FSDP does
 for meta modules; `_reset_parameters()` where that is all there is, as in
 nn.MultiheadAttention), children before parents as their constructors ran, each module
 from a seed of its name and rank 0's seed, so replicas agree; a parameter left without a
@@ -75,6 +77,14 @@ class StatePlacement:
     def deployed(self) -> bool:
         """Whether any mode is deployed (before that every rank holds everything)."""
         return bool(self._users)
+
+    def without_values(self) -> list[str]:
+        """The parameters built on the meta device while no mode is deployed: they have no
+        storage or value on any rank yet (a pending checkpoint is read at the first call)."""
+        if self._users:
+            return []
+        names = self._trace_state.names
+        return [names[i] for i in sorted(self._meta_built)]
 
     def freed(self) -> dict[int, torch.Size]:
         """State tensor position -> its full shape, for the tensors freed on this rank."""
@@ -209,10 +219,11 @@ class StatePlacement:
     def _fill(self, tensors, holding, sources):
         """Storage on this rank's device for the tensors its stages now use and it does not
         hold, with the owner's value where some rank holds one (a collective)."""
-        rank = _C.get_rank()
+        rank, world = _C.get_rank(), set(range(_C.get_world_size()))
         copies = []
         for i, t in enumerate(tensors):
-            newly = self._keepers(i) - holding[i]
+            # what no stage uses is kept everywhere, as a parameter built with a value is
+            newly = (self._keepers(i) or world) - holding[i]
             if not newly:
                 continue
             if rank in newly:

@@ -202,15 +202,16 @@ def test_checkpoints_are_whole_though_each_rank_keeps_only_its_stage(ranks, mode
         assert f"OK rank {r}" in res.stdout, res.stdout[-4000:]
 
 
-@pytest.mark.parametrize("ranks,model,stages,micro", [(2, "gpt", 2, 2), (4, "gpt", 2, 2),
-                                                      (2, "resnet", 2, 1), (3, "transformer_loss", 2, 2)],
-                         ids=["2ranks-gpt", "4ranks-gpt-replicas", "2ranks-resnet-buffers",
+@pytest.mark.parametrize("ranks,model,stages,micro,load",
+                         [(2, "gpt", 2, 2, "checkpoint"), (4, "gpt", 2, 2, "state_dict"),
+                          (2, "resnet", 2, 1, "checkpoint"), (3, "transformer_loss", 2, 2, "checkpoint")],
+                         ids=["2ranks-gpt", "4ranks-gpt-replicas-state_dict", "2ranks-resnet-buffers",
                               "3ranks-transformer"])
 def test_a_model_built_on_meta_holds_only_its_stages_and_equals_pytorch(tmp_path, ranks, model,
-                                                                        stages, micro):
+                                                                        stages, micro, load):
     """[Note: models built on the meta device] and [Note: stand-in parameters]."""
     res = mpirun("empty_weights_check.py", ranks, model, "--stages", stages, "--micro", micro,
-                 "--dir", tmp_path, timeout=300, env={"RANNC_COMM_TIMEOUT": "60"})
+                 "--dir", tmp_path, "--load", load, timeout=300, env={"RANNC_COMM_TIMEOUT": "60"})
     assert res.returncode == 0, res.stdout[-4000:]
     for r in range(ranks):
         assert f"OK rank {r}" in res.stdout, res.stdout[-4000:]

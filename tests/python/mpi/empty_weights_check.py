@@ -1,11 +1,14 @@
 """A model built with its parameters on the meta device (rannc.empty_weights) and its weights
-loaded with load_checkpoint before the first call trains, evaluates and takes new sequence
-lengths equal to single-process PyTorch, and no rank ever gives storage to a parameter its
-stages do not use. Without a checkpoint, modules with reset_parameters() are initialised
-alike on every rank that holds them; a parameter nothing can fill is an error that every rank
-raises, naming it. Exits non-zero on the first mismatch.
+loaded with load_checkpoint (or load_state_dict) before the first call trains, evaluates and
+takes new sequence lengths equal to single-process PyTorch, and no rank ever gives storage
+to a parameter its stages do not use; state_dict() and save_checkpoint before the first call,
+when no parameter has a value yet, are errors naming the cause. Without a checkpoint,
+modules with reset_parameters() are initialised alike on every rank that holds them (a
+parameter no stage uses on every rank, as a model built with values keeps it); a parameter
+nothing can fill is an error that every rank raises, naming it. Exits non-zero on the first
+mismatch.
 
-    empty_weights_check.py MODEL --stages S --micro M --dir DIR
+    empty_weights_check.py MODEL --stages S --micro M --dir DIR [--load state_dict]
 """
 import argparse
 import os
@@ -22,6 +25,7 @@ ap.add_argument("model")
 ap.add_argument("--stages", type=int, default=2)
 ap.add_argument("--micro", type=int, default=2)
 ap.add_argument("--dir", required=True)
+ap.add_argument("--load", choices=["checkpoint", "state_dict"], default="checkpoint")
 a = ap.parse_args()
 rank, world = rannc.get_rank(), rannc.get_world_size()
 torch.set_num_threads(1)
@@ -82,7 +86,21 @@ ref_opt = torch.optim.Adam(reference.parameters(), **ADAM)
 wrapped = wrap(model, opt)
 assert all(p.numel() == 0 for p in model.parameters())  # swapped for empty ones, same objects
 assert all(any(p is q for q in model.parameters()) for p in opt.param_groups[0]["params"])
-wrapped.load_checkpoint(path)
+if a.load == "checkpoint":
+    wrapped.load_checkpoint(path)
+else:  # read at the first call, as a checkpoint is
+    keys = wrapped.load_state_dict(torch.load(path))
+    assert not keys.missing_keys and not keys.unexpected_keys, keys
+# no values yet: refused, and what was loaded stays to read at the first call
+for what, before in (("state_dict()", wrapped.state_dict),
+                     ("optimizer_state_dict()", wrapped.optimizer_state_dict),
+                     ("save_checkpoint", lambda: wrapped.save_checkpoint(os.path.join(a.dir, "early")))):
+    try:
+        before()
+        raise AssertionError(f"rank {rank}: {what} before the first call of a meta model passed")
+    except rannc.Error as e:
+        assert what in str(e) and "meta device" in str(e) and "no values yet" in str(e), e
+assert not os.path.exists(os.path.join(a.dir, "early")), "the refused save left a directory"
 
 for step in range(3):
     inputs = batch(10 + step)
@@ -119,6 +137,7 @@ print(f"rank {rank}: holds {held} of {total} parameter elements", flush=True)
 # ---- no checkpoint: reset_parameters() of each module, alike on every rank ----------------------
 with rannc.empty_weights():
     fresh = make(1)
+    fresh.unused = nn.Linear(3, 5)  # no stage uses it: every rank keeps it, initialised alike
 fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.1)
 fresh_wrapped = wrap(fresh, fresh_opt)
 loss = loss_of(fresh_wrapped, batch(60))
@@ -127,6 +146,7 @@ fresh_opt.step()
 assert torch.isfinite(loss), f"rank {rank}: loss {loss}"
 mine = {n: p.detach().clone() for n, p in fresh.named_parameters() if p.numel()}
 assert all(torch.isfinite(v).all() for v in mine.values()), f"rank {rank}: not finite"
+assert mine["unused.weight"].shape == (5, 3), f"rank {rank}: {mine.get('unused.weight')}"
 everyone = all_gather_objects(mine)  # a rank's stage may hold no parameter at all
 assert any(v.numel() > 1 and v.std() > 0 for held in everyone for v in held.values())
 for n, v in mine.items():
