@@ -51,6 +51,13 @@ void bindRuntime(py::module& m) {
       .def("__len__", &runtime::Rows::size)
       .def("__repr__", &runtime::Rows::str);
 
+  py::class_<runtime::MicroBatchFit>(m, "MicroBatchFit",
+                                     "A micro-batch count's predicted peak against the plan's memory limit.")
+      .def_readonly("micro_batches", &runtime::MicroBatchFit::micro_batches)
+      .def_readonly("fits", &runtime::MicroBatchFit::fits)
+      .def_readonly("peak_bytes", &runtime::MicroBatchFit::peak_bytes)
+      .def_readonly("stage", &runtime::MicroBatchFit::stage);
+
   py::class_<runtime::Layout>(m, "Layout", "Stages, pipeline copies, replicas and their rows.")
       .def_property_readonly("world_size", &runtime::Layout::worldSize)
       .def_property_readonly("local_batch", &runtime::Layout::localBatch)
@@ -112,6 +119,7 @@ void bindRuntime(py::module& m) {
       })
       .def("grad_groups", &PipelineEngine::gradientGroups)
       .def("use_batch", &PipelineEngine::useBatch, py::arg("local_batch"))
+      .def_property_readonly("memory_fit", &PipelineEngine::memoryFit, py::return_value_policy::copy)
       .def("set_input_grads", &PipelineEngine::setInputGrads, py::arg("ids"))
       .def("set_summed_outputs", &PipelineEngine::setSummedOutputs, py::arg("ids"))
       .def("step",

@@ -529,6 +529,22 @@ std::string valueDifference(const ir::Value& was, const ir::Value& now) {
 
 }  // namespace
 
+namespace {
+
+// The bytes of the batch values a stage's tasks produce, per row of the graph's batch.
+double bytesPerRow(const ir::Graph& graph, const StagePlan& stage) {
+  if (graph.batchSize() <= 0) return 0.0;
+  double bytes = 0.0;
+  for (ir::TaskId t : stage.tasks) {
+    for (ir::ValueId v : graph.task(t).outputs) {
+      if (graph.value(v).isBatch()) bytes += double(graph.value(v).bytes());
+    }
+  }
+  return bytes / double(graph.batchSize());
+}
+
+}  // namespace
+
 Deployment rebindDeployment(const Deployment& plan, const ir::Graph& planned, const ir::Graph& graph) {
   RANNC_CHECK(plan.graph_hash == planned.contentHash(), "rebindDeployment: the plan was not made for `planned`");
   const std::string cure =
@@ -578,6 +594,15 @@ Deployment rebindDeployment(const Deployment& plan, const ir::Graph& planned, co
   }
   Deployment d = plan;
   d.graph_hash = graph.contentHash();
+  // A stage stashes its values per row: at rows of other sizes (longer sequences), so much
+  // more or less ([Note: memory at other batches] in runtime/batch_memory.h). The peaks and
+  // feasibility stay as planned.
+  for (StagePlan& stage : d.stages) {
+    const double was = bytesPerRow(planned, stage), now = bytesPerRow(graph, stage);
+    if (was <= 0.0 || now <= 0.0) continue;
+    stage.stash_bytes = std::llround(double(stage.stash_bytes) * now / was);
+    stage.working_bytes = std::llround(double(stage.working_bytes) * now / was);
+  }
   return d;
 }
 

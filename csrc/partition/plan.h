@@ -121,7 +121,9 @@ void validateDeployment(const ir::Graph& graph, const Deployment& deployment);
 // and schedule, since the ops are the same and only their sizes differ. Checks that `graph`
 // is the same program: the same tasks (op, inputs, outputs) in the same order and values of
 // the same kind, dtype, role and batch dimension. Throws TraceError naming the first task that
-// differs otherwise. The predictions (times, memory) stay those of the planned shapes.
+// differs otherwise. The predictions (times, peaks) stay those of the planned shapes, but
+// each stage's stash and working bytes scale by its bytes per row ([Note: memory at other
+// batches] in runtime/batch_memory.h).
 Deployment rebindDeployment(const Deployment& plan, const ir::Graph& planned, const ir::Graph& graph);
 
 // The framed bytes of `deployment` (kind "deployment", kDeploymentFormatVersion).

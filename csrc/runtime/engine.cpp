@@ -153,8 +153,14 @@ std::vector<std::pair<std::vector<int>, std::vector<ir::ValueId>>> PipelineEngin
 }
 
 void PipelineEngine::configure(int64_t local_batch, bool cap_micro_batches) {
-  auto config = std::unique_ptr<BatchConfig>(new BatchConfig{
-      Layout(deployment_, world_size_, local_batch, cap_micro_batches), {}, {}, {}, nullptr, {}});
+  // the plan's micro-batch count (fewer for a batch too small for it), more where its
+  // memory asks ([Note: memory at other batches] in batch_memory.h)
+  const Layout planned(deployment_, world_size_, local_batch, cap_micro_batches);
+  const MicroBatchFit fit = fitMicroBatches(deployment_, world_size_, local_batch, planned.microBatches());
+  partition::Deployment at = deployment_;
+  at.micro_batches = fit.micro_batches;
+  auto config = std::unique_ptr<BatchConfig>(
+      new BatchConfig{Layout(at, world_size_, local_batch), {}, {}, {}, nullptr, {}, fit});
   DescribeTask describe = [this](ir::TaskId t) { return model_->describeTask(t); };
   for (const Chunk& c : chunks_) {
     config->plans.push_back(planTransfers(graph_, pieces_, config->layout, rank_, describe, c.place.stage));

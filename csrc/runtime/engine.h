@@ -37,6 +37,7 @@
 
 #include "frontend/token_means.h"
 #include "partition/plan.h"
+#include "runtime/batch_memory.h"
 #include "runtime/channels.h"
 #include "runtime/grad_buckets.h"
 #include "runtime/layout.h"
@@ -108,6 +109,9 @@ class PipelineEngine {
   // Runs the next steps on local batches of `local_batch` rows (every rank calls it with the
   // same size). Returns true when this size is new.
   bool useBatch(int64_t local_batch);
+  // The predicted peak of the current batch size's micro-batch count against the plan's
+  // memory limit ([Note: memory at other batches]).
+  const MicroBatchFit& memoryFit() const { return config_->memory; }
   // The model arguments whose tensors require grad in the next steps.
   void setInputGrads(std::set<ir::ValueId> ids);
   // Scalar outputs that are sums over the batch (ir/reduction.h, option loss_reduction): the
@@ -156,6 +160,7 @@ class PipelineEngine {
     std::vector<partition::Action> train_actions;
     std::unique_ptr<Channels> device_channels;  // null: the host channels
     std::map<StepMode, StepProgram> programs;
+    MicroBatchFit memory;  // the micro-batch count's predicted peak against the plan's limit
   };
   struct Chunk {
     Place place;

@@ -28,7 +28,7 @@ from . import _C, failure, full_state
 from .graph import TracedGraph
 from ._trace import autocast_dtype
 from .amp import forward_loss_scale
-from .options import PRECISIONS, Options
+from .options import PRECISIONS, Options, format_bytes
 from .pipeline import Engine
 from .optimizer_share import OptimizerShare
 from .placement import StatePlacement
@@ -326,15 +326,12 @@ class _Deployed:
                                f"{self.describe_shapes(shapes)} (planned at {self.describe_shapes()})")
                 raise
             if _C.get_rank() == 0:
-                def per_row(shapes):
-                    return sum(math.prod(n for n in shape if n >= 0) for _, shape in shapes)
-                big = (" (larger than planned: memory was planned at the first shapes)"
-                       if per_row(shapes) > per_row(self.shapes) else "")
                 _C.log_info(
                     f"new input shapes {target.describe_shapes()} (planned at "
                     f"{self.describe_shapes()}): traced again in {target.times.tracing:.2f} s, "
                     f"running plan {self.deployment.hash} made at the first shapes "
-                    f"({len(self.variants)} shapes so far){big}")
+                    f"({len(self.variants)} shapes so far){target._micro_batch_note()}")
+                target._warn_over_memory()
         return target._run(local, flat, rows)
 
     def _run(self, local: dict, flat: list, rows: int):
@@ -408,13 +405,36 @@ class _Deployed:
 
     def _use_batch(self, rows: int):
         if self.engine.use_batch(rows) and _C.get_rank() == 0:
-            now, planned = self.engine.layout.micro_batches, self.deployment.micro_batches
-            note = (f"; {now} micro-batch(es) instead of the plan's {planned} (each replica "
-                    "needs a row of each)" if now != planned else "")
-            big = (" (more rows than planned for: memory was not planned for it)"
-                   if rows > self.planned_rows else "")
             _C.log_info(f"local batch of {rows} rows (planned with {self.planned_rows}): "
-                        f"the plan's stages and replicas re-split the rows{note}{big}")
+                        f"the plan's stages and replicas re-split the rows"
+                        f"{self._micro_batch_note()}")
+            self._warn_over_memory()
+
+    def _micro_batch_note(self) -> str:
+        """Why the current batch runs another micro-batch count than the plan's: too few
+        rows for it, or more than it kept within memory ([Note: memory at other batches]
+        in csrc/runtime/batch_memory.h)."""
+        now, planned = self.engine.layout.micro_batches, self.deployment.micro_batches
+        fit = self.engine.memory_fit
+        if now > planned:
+            why = ("to stay within" if fit.fits else "the lowest predicted peak, though above")
+            return (f"; {now} micro-batches instead of the plan's {planned}, {why} the "
+                    f"{format_bytes(self.deployment.memory_limit)} per device the plan was made "
+                    f"for (predicted peak {format_bytes(fit.peak_bytes)}, stage {fit.stage})")
+        if now < planned:
+            return f"; {now} micro-batch(es) instead of the plan's {planned} (each replica needs a row of each)"
+        return ""
+
+    def _warn_over_memory(self):
+        fit = self.engine.memory_fit
+        if fit.fits or not self.deployment.feasible:  # a plan over its limit said so when made
+            return
+        _C.log_warn(
+            f"at these input sizes stage {fit.stage} is predicted to need "
+            f"{format_bytes(fit.peak_bytes)} per device, above the {format_bytes(self.deployment.memory_limit)} "
+            f"the plan was made for, even in {fit.micro_batches} micro-batches (the fewest "
+            "bytes any count gives): it may run out of memory. Make the first call the "
+            "largest batch and shapes (its plan fits them), or use more devices")
 
     def backward_from_outputs(self, grads):
         """Backward of a fill-drain forward: `grads` are the user's gradients of the float

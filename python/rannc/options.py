@@ -31,6 +31,15 @@ def parse_bytes(value) -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
+def format_bytes(n: int) -> str:
+    """Bytes for people: 3195086 -> "3.0 MiB" (the inverse of parse_bytes)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+    return str(n)
+
+
 def _replicas(value) -> str:
     """"2,1,1" or [2, 1, 1] -> "2,1,1"."""
     if isinstance(value, (list, tuple)):

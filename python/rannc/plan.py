@@ -75,7 +75,7 @@ def main(argv=None) -> int:
         if _C.get_rank() == 0:
             print(f"rannc.plan: no plan fits: {e}", file=sys.stderr)
             if needed:
-                print(f"rannc.plan: a plan needs at least {needed} bytes ({planning._human(needed)}) "
+                print(f"rannc.plan: a plan needs at least {needed} bytes ({planning.format_bytes(needed)}) "
                       f"of usable memory per device", file=sys.stderr)
         return 2
     if _C.get_rank() == 0:

@@ -20,7 +20,7 @@ import torch
 
 from . import _C
 from .graph import TracedGraph
-from .options import PLAN, Options, option_docs, parse_bytes  # noqa: F401 (option_docs: rannc.plan's CLI)
+from .options import PLAN, Options, format_bytes, option_docs, parse_bytes  # noqa: F401 (option_docs: rannc.plan's CLI)
 from .update_cost import measure_update_rate
 
 ProfileCache = _C.ProfileCache
@@ -185,7 +185,7 @@ class Plan:
             f"on {d.world_size} device(s), {d.micro_batches} micro-batch(es) of global batch "
             f"{d.batch_size}, {d.schedule}",
             f"predicted iteration {d.iteration_time * 1e3:.3f} ms, bubble fraction "
-            f"{self.bubble_fraction:.1%}, memory limit {_human(d.memory_limit)}"
+            f"{self.bubble_fraction:.1%}, memory limit {format_bytes(d.memory_limit)}"
             + ("" if d.feasible else " (EXCEEDED)"),
             self.times.line(),
             f"{'stage':>5} {'tasks':>6} {'params':>10} {'fwd ms':>9} {'bwd ms':>9} {'upd ms':>8} "
@@ -193,23 +193,15 @@ class Plan:
         ]
         for s in self.stages():
             frac = s.memory_bytes / d.memory_limit if d.memory_limit else 0.0
-            lines.append(f"{s.index:>5} {s.tasks:>6} {_human(s.param_bytes):>10} "
+            lines.append(f"{s.index:>5} {s.tasks:>6} {format_bytes(s.param_bytes):>10} "
                          f"{s.forward_time * 1e3:>9.3f} {s.backward_time * 1e3:>9.3f} "
                          f"{s.update_time * 1e3:>8.3f} "
-                         f"{_human(s.memory_bytes):>10} {frac:>8.1%} {s.replicas:>8} "
+                         f"{format_bytes(s.memory_bytes):>10} {frac:>8.1%} {s.replicas:>8} "
                          f"{s.micro_batch_rows:>5} {'yes' if s.recompute else 'no':>6}")
         return "\n".join(lines)
 
     def __repr__(self) -> str:
         return self.summary()
-
-
-def _human(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
-        n /= 1024
-    return str(n)
 
 
 def _on_meta(model: torch.nn.Module) -> bool:

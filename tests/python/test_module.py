@@ -217,6 +217,19 @@ def test_a_model_built_on_meta_holds_only_its_stages_and_equals_pytorch(tmp_path
         assert f"OK rank {r}" in res.stdout, res.stdout[-4000:]
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "fill_drain"])
+def test_larger_batches_and_longer_sequences_run_in_micro_batches_that_fit(schedule):
+    """[Note: memory at other batches] in csrc/runtime/batch_memory.h."""
+    res = mpirun("batch_memory_check.py", 2, "--schedule", schedule, timeout=300)
+    assert res.returncode == 0, res.stdout[-4000:]
+    for r in range(2):
+        assert f"OK rank {r}" in res.stdout, res.stdout[-4000:]
+    if schedule == "1f1b":
+        assert "8 micro-batches instead of the plan's 2, to stay within" in res.stdout, res.stdout[-4000:]
+    else:
+        assert "it may run out of memory" in res.stdout, res.stdout[-4000:]
+
+
 def test_device_and_data_plane_options_are_checked():
     model = torch.nn.Linear(2, 2)
     assert resolve_device("cpu", model) == torch.device("cpu")

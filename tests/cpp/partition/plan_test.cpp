@@ -322,6 +322,11 @@ TEST(ARebindDeployment, RunsThePlanOnTheSameProgramAtOtherShapes) {
   }
   EXPECT_EQ(r.micro_batches, d.micro_batches);
   EXPECT_EQ(r.pipelines, d.pipelines);
+  for (int s = 0; s < d.numStages(); ++s) {  // rows of half the bytes stash half as much
+    EXPECT_NEAR(double(r.stages[s].stash_bytes), 0.5 * double(d.stages[s].stash_bytes), 1.0);
+    EXPECT_NEAR(double(r.stages[s].working_bytes), 0.5 * double(d.stages[s].working_bytes), 1.0);
+    EXPECT_EQ(r.stages[s].memory_bytes, d.stages[s].memory_bytes);  // as planned
+  }
   EXPECT_NO_THROW(validateDeployment(wider, r));
   // it loads against the new graph, and not against the planned one
   EXPECT_NO_THROW(deserializeDeployment(serializeDeployment(r), wider));
