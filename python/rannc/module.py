@@ -243,7 +243,7 @@ class _Deployed:
         batch = self.graph.batch_size * world
         if opts.load_plan:
             return _C.load_deployment(opts.load_plan, ir, batch_size=batch, world_size=world)
-        if _C.get_rank() != 0 and self._profiled(opts) and world > 1:
+        if _C.get_rank() != 0 and self._profiled(opts, world):
             self._make_plan(ir, world, opts)  # profiles a share of the pieces for rank 0
         from .planning import broadcast_plan
         deployment = broadcast_plan(lambda: self._make_plan(ir, world, opts), ir,
@@ -253,12 +253,13 @@ class _Deployed:
         return deployment
 
     @staticmethod
-    def _profiled(opts) -> bool:
-        """Whether planning measures pieces. One stage (num_stages=1) leaves nothing to
-        search: every rank holds the whole model, and only memory decides the micro-batch
-        count and recomputation, which the shapes tell. So the first step costs about
-        one forward and backward more than plain PyTorch instead of a profiling run."""
-        return opts.cost_model == "profile" and opts.num_stages != 1
+    def _profiled(opts, world: int) -> bool:
+        """Whether planning measures pieces. One stage (num_stages=1, or a single rank, whose
+        plan can only be one stage) leaves nothing to search: every rank holds the whole
+        model, and only memory decides the micro-batch count and recomputation, which the
+        shapes tell. So the first step costs about one forward and backward more than
+        plain PyTorch instead of a profiling run."""
+        return opts.cost_model == "profile" and opts.num_stages != 1 and world > 1
 
     def _make_plan(self, ir, world, opts):
         """Rank 0's plan; with the profiler and several ranks, the other ranks take part
@@ -268,9 +269,10 @@ class _Deployed:
         training = self.owner.module.training
         optimizer = ((opts.optimizer_kind or _optimizer_kind(self.owner.optimizer))
                      if training else "sgd")
-        profiled = self._profiled(opts)
+        profiled = self._profiled(opts, world)
         if opts.cost_model == "profile" and not profiled and _C.get_rank() == 0:
-            _C.log_info("one stage (num_stages=1): nothing to search, so nothing is profiled; "
+            why = "num_stages=1" if opts.num_stages == 1 else "one rank"
+            _C.log_info(f"one stage ({why}): nothing to search, so nothing is profiled; "
                         "the plan's times are estimates from shapes")
         # Profiled where the stages will run.
         where = str(self.owner.device)
