@@ -327,25 +327,29 @@ def test_the_plan_fits_the_gpu_it_runs_on_unless_told_otherwise(monkeypatch):
     assert transport.device_memory_default(torch.device("cuda", 1)) == 40 << 30
 
 
+def _single_process(script: str) -> subprocess.CompletedProcess:
+    """Runs `script` in a fresh Python without mpirun (a singleton MPI world), with the
+    checkout's package, the examples and this directory importable."""
+    here = os.path.dirname(__file__)
+    paths = [here, os.path.join(here, "..", "..", "python"), os.path.join(here, "..", "..", "examples")]
+    return subprocess.run([sys.executable, "-c", f"import sys\nsys.path[:0] = {paths!r}\n{script}"],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
 def test_an_error_caught_by_a_single_process_leaves_its_exit_status_alone():
     """Without mpirun (a singleton MPI world) an error in forward has no peer to tell; the
     process that catches it exits 0 (it used to abort in MPI's shutdown, exit status 1)."""
-    here = os.path.dirname(__file__)
-    script = f"""
-import sys
-sys.path[:0] = [{here!r}, {os.path.join(here, '..', '..', 'python')!r},
-                {os.path.join(here, '..', '..', 'examples')!r}]
+    res = _single_process("""
 import torch, rannc, zoo
 model, args, kwargs = zoo.make("multi_io")
 module = rannc.RaNNCModule(model, torch.optim.SGD(model.parameters(), lr=0.1))
 module(*args, **kwargs)
 try:
-    module(*args, **{{**kwargs, "scale": 2.0}})
+    module(*args, **{**kwargs, "scale": 2.0})
 except rannc.Error as e:
     print("caught", type(e).__name__)
-"""
-    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+""")
     assert "caught" in res.stdout, res.stdout + res.stderr
     assert res.returncode == 0, res.stderr[-3000:]
 
@@ -353,12 +357,8 @@ except rannc.Error as e:
 def test_one_rank_is_planned_without_profiling():
     """A single rank's plan can only be one stage: nothing to search, so its first step
     costs no profiling run (74.6 s -> 10.2 s for a 12-layer GPT-2 on this CPU), as with
-    num_stages=1; with two ranks the pieces are profiled."""
-    here = os.path.dirname(__file__)
-    script = f"""
-import sys
-sys.path[:0] = [{here!r}, {os.path.join(here, '..', '..', 'python')!r},
-                {os.path.join(here, '..', '..', 'examples')!r}]
+    num_stages=1."""
+    res = _single_process("""
 import torch, rannc, zoo
 torch.set_num_threads(1)
 model, args, kwargs = zoo.make("gpt", batch=4)
@@ -366,9 +366,7 @@ module = rannc.RaNNCModule(model, torch.optim.SGD(model.parameters(), lr=0.1))
 module(*args, **kwargs).backward()
 times = module._deployed[True].times
 print("profiling", times.profiling, "pieces", times.pieces_measured)
-"""
-    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+""")
     assert res.returncode == 0, res.stdout + res.stderr[-3000:]
     assert "one stage (one rank): nothing to search, so nothing is profiled" in res.stdout + res.stderr
     assert "profiling 0.0 pieces 0" in res.stdout, res.stdout[-2000:]
@@ -377,11 +375,8 @@ print("profiling", times.profiling, "pieces", times.pieces_measured)
 def test_one_rank_with_one_stage_takes_sequences_of_any_length():
     """[Note: new input shapes] in module.py: one rank running one stage in one micro-batch
     (the plan of a single GPU) trains sequences of other lengths than traced as PyTorch."""
-    here = os.path.dirname(__file__)
-    script = f"""
-import copy, sys
-sys.path[:0] = [{here!r}, {os.path.join(here, '..', '..', 'python')!r},
-                {os.path.join(here, '..', '..', 'examples')!r}]
+    res = _single_process("""
+import copy
 import torch, rannc, zoo
 torch.set_num_threads(1)
 model, _, _ = zoo.make("gpt", batch=4)
@@ -397,9 +392,7 @@ for length in (8, 5, 12, 8):
     opt.step(); ref_opt.step(); opt.zero_grad(); ref_opt.zero_grad()
     torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1e-5, atol=1e-6)
     print("length", length, "ok", flush=True)
-"""
-    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+""")
     assert res.returncode == 0, res.stdout + res.stderr[-3000:]
     assert res.stdout.count(" ok") == 4, res.stdout
 
