@@ -527,10 +527,6 @@ std::string valueDifference(const ir::Value& was, const ir::Value& now) {
   return "";
 }
 
-}  // namespace
-
-namespace {
-
 // The bytes of the batch values a stage's tasks produce, per row of the graph's batch.
 double bytesPerRow(const ir::Graph& graph, const StagePlan& stage) {
   if (graph.batchSize() <= 0) return 0.0;

@@ -12,15 +12,13 @@ std::vector<int64_t> predictedPeaks(const partition::Deployment& d, int world_si
   partition::Deployment at = d;
   at.micro_batches = micro_batches;
   const Layout layout(at, world_size, local_batch);  // throws when a replica gets no row
+  auto ceil_div = [](int64_t a, int64_t b) { return (a + b - 1) / b; };
+  // the largest copy, micro-batch and share (splitBounds' parts differ by at most one row)
+  const int64_t micro_batch = ceil_div(ceil_div(layout.globalBatch(), layout.pipelines()), micro_batches);
   for (int s = 0; s < at.numStages(); ++s) {
     partition::StagePlan& stage = at.stages[s];
     if (stage.micro_batch_rows <= 0) continue;
-    int64_t rows = 0;  // the largest share a replica of this stage runs
-    for (int c = 0; c < layout.pipelines(); ++c) {
-      for (int m = 0; m < micro_batches; ++m) {
-        for (int j = 0; j < layout.replicas(s); ++j) rows = std::max(rows, layout.share(s, c, m, j).size());
-      }
-    }
+    const int64_t rows = ceil_div(micro_batch, layout.replicas(s));
     const double scale = double(rows) / double(stage.micro_batch_rows);
     stage.stash_bytes = std::llround(double(stage.stash_bytes) * scale);
     stage.working_bytes = std::llround(double(stage.working_bytes) * scale);
@@ -50,7 +48,7 @@ MicroBatchFit fitAt(const partition::Deployment& d, int world_size, int64_t loca
 MicroBatchFit fitMicroBatches(const partition::Deployment& d, int world_size, int64_t local_batch,
                               int micro_batches) {
   MicroBatchFit start = fitAt(d, world_size, local_batch, micro_batches);
-  if (start.fits || d.memory_limit <= 0 || !d.feasible) return start;
+  if (start.fits || !d.feasible) return start;
   // the most micro-batches that still give every replica of every stage a row of each
   int most_replicas = 1;
   for (const auto& stage : d.stages) {

@@ -53,7 +53,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _C, failure, full_state
+from . import _C, failure
 from . import safetensors_io as sio
 from .transport import all_gather_objects
 
@@ -153,7 +153,7 @@ def save_checkpoint(wrapped, directory: str, extra=None) -> None:
     rank, world = _C.get_rank(), _C.get_world_size()
     directory = os.path.abspath(directory)
     what = f"save_checkpoint({directory})"
-    full_state.refuse_without_values(wrapped, what)
+    wrapped.placement.require_values(what)
     token = _agree(what, lambda: _prepare(directory) if rank == 0 else None, gather=True)[0]
     tmp = f"{directory}.tmp-{token}"
     remove_tmp = (lambda: shutil.rmtree(tmp, ignore_errors=True)) if rank == 0 else None

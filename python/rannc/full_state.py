@@ -49,8 +49,6 @@ def load_state_dict(wrapped, state_dict, strict: bool = True, assign: bool = Fal
     if assign and wrapped.deployments:
         raise _C.Error("load_state_dict(assign=True) would replace the tensors the deployed "
                        "stages run with; load with assign=False (the default)")
-    if wrapped.placement.without_values():  # read once the plan says who keeps what
-        return _checkpoint().load_state_dict_later(wrapped, state_dict, strict)
     freed_here = wrapped.placement.freed()
     if not freed_here:
         result = wrapped.module.load_state_dict(state_dict, strict=strict, assign=assign)
@@ -85,25 +83,6 @@ def load_state_dict(wrapped, state_dict, strict: bool = True, assign: bool = Fal
         raise RuntimeError(f"Error(s) in loading state_dict for {type(wrapped.module).__name__}:"
                            "\n\t" + "\n\t".join(errors))
     return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
-
-
-def refuse_without_values(wrapped, what: str):
-    """Raises for `what` before the first call of a model built on the meta device (the same
-    on every rank): its parameters have no values anywhere yet."""
-    names = wrapped.placement.without_values()
-    if names:
-        more = f" and {len(names) - 3} more" if len(names) > 3 else ""
-        raise _C.Error(
-            f"{what} before the first call of a model built on the meta device: its "
-            f"parameters ({', '.join(names[:3])}{more}) have no values yet. They get them at "
-            "the first call, once the plan says which ranks keep them: from load_checkpoint "
-            "or load_state_dict called before it, else from their modules' reset_parameters()")
-
-
-def _checkpoint():
-    # on first use, as module.py does: `python -m rannc.checkpoint` runs it as __main__
-    from . import checkpoint
-    return checkpoint
 
 
 def _loaded(wrapped, state_dict) -> list[torch.Tensor]:

@@ -774,21 +774,24 @@ class RaNNCModule(torch.nn.Module):
         """The full model state under the original names on every rank (a collective that
         gathers the whole model on every rank: for small models; large ones use
         save_checkpoint); see full_state.gather_state_dict."""
-        full_state.refuse_without_values(self, "state_dict()")
+        self.placement.require_values("state_dict()")
         _checkpoint().apply_pending(self, everything=True)
         return full_state.gather_state_dict(self, *args, destination=destination, prefix=prefix,
                                             keep_vars=keep_vars)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Loads a full model state into the tensors this rank keeps; see
-        full_state.load_state_dict."""
+        full_state.load_state_dict. Before the first call of a model built on the meta
+        device, read at that call, as a checkpoint loaded then is."""
+        if self.placement.without_values():
+            return _checkpoint().load_state_dict_later(self, state_dict, strict)
         _checkpoint().forget_pending(self, weights=True, optimizer=False)
         return full_state.load_state_dict(self, state_dict, strict=strict, assign=assign)
 
     def optimizer_state_dict(self) -> dict:
         """The optimizer's full state in the original optimizer's format, on every rank (a
         collective that gathers it whole); see full_state.gather_optimizer_state."""
-        full_state.refuse_without_values(self, "optimizer_state_dict()")
+        self.placement.require_values("optimizer_state_dict()")
         _checkpoint().apply_pending(self, everything=True)
         return full_state.gather_optimizer_state(self)
 

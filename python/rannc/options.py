@@ -35,9 +35,9 @@ def format_bytes(n: int) -> str:
     """Bytes for people: 3195086 -> "3.0 MiB" (the inverse of parse_bytes)."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+            break
         n /= 1024
-    return str(n)
+    return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
 
 
 def _replicas(value) -> str:

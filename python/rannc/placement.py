@@ -86,6 +86,19 @@ class StatePlacement:
         names = self._trace_state.names
         return [names[i] for i in sorted(self._meta_built)]
 
+    def require_values(self, what: str):
+        """Raises for `what` (state_dict(), save_checkpoint, ...) while parameters built on
+        the meta device have no values anywhere yet (the same on every rank)."""
+        names = self.without_values()
+        if names:
+            more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+            raise _C.Error(
+                f"{what} before the first call of a model built on the meta device: its "
+                f"parameters ({', '.join(names[:3])}{more}) have no values yet. They get them "
+                "at the first call, once the plan says which ranks keep them: from "
+                "load_checkpoint or load_state_dict called before it, else from their "
+                "modules' reset_parameters()")
+
     def freed(self) -> dict[int, torch.Size]:
         """State tensor position -> its full shape, for the tensors freed on this rank."""
         return dict(self._freed)
