@@ -24,7 +24,7 @@ import zlib
 
 import torch
 
-from . import _C, failure, full_state
+from . import _C, clipping, failure, full_state, registry
 from .graph import TracedGraph
 from ._trace import autocast_dtype
 from .amp import forward_loss_scale
@@ -656,6 +656,8 @@ class RaNNCModule(torch.nn.Module):
         self._deployed = {}
         self._anchor = torch.zeros((), requires_grad=True)
         self.optimizer_share = OptimizerShare(optimizer)
+        registry.register(self)  # [Note: torch's clip_grad_norm_], [Note: agreed steps]
+        clipping.warn_early_imports()
 
     def forward(self, *args, **kwargs):
         mode = self.module.training
@@ -816,30 +818,6 @@ class RaNNCModule(torch.nn.Module):
             from torch.amp.grad_scaler import OptState
             if scaler._per_optimizer_states[id(self.optimizer)]["stage"] is not OptState.UNSCALED:
                 scaler.unscale_(self.optimizer)
-        comm = _C.Communicator.world_cpu()
-        # Each parameter counts once: on the first rank of its gradient group.
-        rank = _C.get_rank()
-        counted = {}
-        for ranks, vids in deployed.engine.grad_groups():
-            if min(ranks) != rank:
-                continue
-            for v in vids:
-                t = deployed.own.get(v)
-                if t is not None and t.grad is not None:
-                    counted.setdefault(v, t.grad.detach())
-        grads = list(counted.values())
-        # One pass over the gradients on their device and one copy to the host (a GPU
-        # would stall once per parameter on a .cpu() each).
-        infinite = math.isinf(norm_type)
-        mine = torch.zeros((), dtype=torch.float64)
-        if grads:
-            norms = torch.stack(torch._foreach_norm(grads, norm_type)).double().cpu()
-            mine = norms.max() if infinite else (norms ** norm_type).sum()
-        comm.all_reduce(mine, _C.ReduceOp.MAX if infinite else _C.ReduceOp.SUM).wait()
-        total = mine if infinite else mine ** (1.0 / norm_type)
-        coef = max_norm / (float(total) + 1e-6)
-        if coef < 1:
-            for t in deployed.own.values():
-                if t.grad is not None:
-                    t.grad.mul_(coef)
+        total = clipping.global_norm(clipping.counted_grads(self), [], float(norm_type))
+        clipping.scale_(clipping.held_grads(self), max_norm, total)
         return total.float()

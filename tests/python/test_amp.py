@@ -49,6 +49,11 @@ def test_the_planner_sees_two_byte_activations():
     (2, "mlp", 2, 2, ["--amp", "bf16", "--opt", "precision=bf16"]),  # the option, no autocast
     (2, "hf_bert", 1, 2, ["--amp", "bf16", "--opt", "replicas=2"]),  # failed to trace before
     (2, "gpt", 2, 2, ["--amp", "fp16", "--clip", "0.5"]),        # clipping unscales first
+    # torch.amp.GradScaler and torch's clip_grad_norm_, as training loops write them
+    # ([Note: agreed steps], [Note: torch's clip_grad_norm_])
+    (3, "gpt", 3, 3, ["--amp", "fp16", "--inject-inf", "2", "--scaler", "torch"]),
+    (2, "mlp_tiny_loss", 2, 2, ["--amp", "fp16", "--scaler", "torch"]),
+    (2, "gpt", 2, 2, ["--amp", "fp16", "--clip", "0.5", "--clip-by", "torch", "--scaler", "torch"]),
 ])
 def test_mixed_precision_training_equals_pytorch_under_autocast(ranks, model, stages, micro, extra):
     """The reference runs under the same torch.autocast (with the option precision, only

@@ -82,6 +82,64 @@ def test_training_equals_pytorch(ranks, model, stages, micro, extra):
                          res.stdout), res.stdout[-4000:]
 
 
+@pytest.mark.parametrize("ranks,model,stages,micro,extra", [
+    (2, "gpt", 2, 2, ["--clip-by", "torch"]),
+    (4, "gpt", 2, 2, ["--clip-by", "torch_subset", "--opt", "replicas=1,3"]),
+    (3, "gpt", 3, 3, ["--clip-by", "torch", "--opt", "schedule=zb_h1"]),
+    (2, "transformer", 2, 2, ["--clip-by", "torch", "--mode", "outside"]),  # fill-drain
+])
+def test_torchs_clip_grad_norm_clips_by_the_models_norm(ranks, model, stages, micro, extra):
+    """torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm), as training loops and
+    transformers' Trainer write it, measures the norm over every stage (before, each stage
+    was clipped by its own): gradients and parameters equal PyTorch's, with a max_norm that
+    clips every step, over all parameters and over a subset that spans the stages
+    ([Note: torch's clip_grad_norm_] in clipping.py)."""
+    res = mpirun("train_check.py", ranks, model, "--stages", stages, "--micro", micro,
+                 "--steps", 3, "--clip", 0.05, *extra, timeout=300,
+                 env={"RANNC_COMM_TIMEOUT": "60"})
+    assert res.returncode == 0, res.stdout[-4000:]
+    for r in range(ranks):
+        assert f"OK rank {r}" in res.stdout, res.stdout[-4000:]
+
+
+def test_torchs_clip_grad_norm_imported_before_rannc_is_named():
+    """A script that bound torch's clip_grad_norm_ before `import rannc` replaced it would
+    clip each stage by its own norm: RaNNCModule says so. Outside a RaNNCModule's
+    parameters the replacement is torch's function."""
+    res = _single_process("""
+import torch
+from torch.nn.utils import clip_grad_norm_
+import rannc, zoo
+assert torch.nn.utils.clip_grad_norm_ is not clip_grad_norm_
+plain = torch.nn.Linear(3, 2)
+plain(torch.ones(4, 3)).sum().backward()
+norm = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.1)
+print("plain norm", float(norm), float(torch.cat([p.grad.flatten() for p in plain.parameters()]).norm()))
+model, args, kwargs = zoo.make("gpt", batch=4)
+module = rannc.RaNNCModule(model, torch.optim.SGD(model.parameters(), lr=0.1))
+module(*args, **kwargs).backward()
+extra = torch.nn.Parameter(torch.ones(3))  # outside the RaNNCModule: this rank's own norm
+extra.grad = torch.full((3,), 2.0)
+grads = [p.grad for p in module.parameters() if p.grad is not None] + [extra.grad]
+expected = float(torch.cat([g.flatten() for g in grads]).norm())
+norm = torch.nn.utils.clip_grad_norm_(list(module.parameters()) + [extra], 0.1)
+print("mixed norm", float(norm), expected, float(extra.grad[0]), 2.0 * 0.1 / expected)
+extra.grad[0] = float("inf")
+try:
+    torch.nn.utils.clip_grad_norm_(list(module.parameters()) + [extra], 0.1, error_if_nonfinite=True)
+except RuntimeError as e:
+    print("refused:", e)
+""")
+    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
+    assert "imported torch's clip_grad_norm_ as 'clip_grad_norm_' before `import rannc`" in res.stderr
+    norm, clipped = map(float, re.search(r"plain norm (\S+) (\S+)", res.stdout).groups())
+    assert norm > 0.1 and abs(clipped - 0.1) < 1e-5, res.stdout
+    norm, expected, scaled, expected_scaled = map(
+        float, re.search(r"mixed norm (\S+) (\S+) (\S+) (\S+)", res.stdout).groups())
+    assert abs(norm - expected) < 1e-4 * expected and abs(scaled - expected_scaled) < 1e-6, res.stdout
+    assert "refused: The total norm of order 2.0 for gradients from `parameters` is non-finite" in res.stdout
+
+
 @pytest.mark.parametrize("ranks,case,stages,micro,extra", [
     (1, "mlm_nsp", 1, 2, []),
     (2, "mlm_nsp", 2, 2, ["--opt", "schedule=zb_h1", "recompute=always"]),

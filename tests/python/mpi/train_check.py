@@ -19,6 +19,11 @@ eval()/no_grad outputs. Exits non-zero on the first mismatch (on every rank).
     --amp bf16|fp16: both run under torch.autocast("cpu", dtype) (fp16 with loss scaling:
             rannc.GradScaler, the reference torch's), compared within that precision
     --clip NORM: clip_grad_norm(NORM, scaler=...) against PyTorch's unscale_ + clip_grad_norm_
+    --scaler torch: fp16 on rannc's side with torch.amp.GradScaler, not rannc.GradScaler
+            (`import rannc` makes torch's agree across the ranks, [Note: agreed steps])
+    --clip-by torch|torch_subset: clip with torch.nn.utils.clip_grad_norm_ on rannc's side
+            too (after unscale_ with a scaler), over model.parameters() or over every other
+            parameter by name (a subset that spans the stages); the norm is the model's
     --show-stages: rank 0 prints the ops of each stage ("stage 0 ops: aten::linear,...")
     --inject-inf STEP: at STEP the gradient of the model's last parameter (on the last
             stage only) overflows: every rank skips that step and halves its scale
@@ -48,6 +53,8 @@ ap.add_argument("--input-grad", action="store_true")
 ap.add_argument("--amp", default="", choices=["", "bf16", "fp16"])
 ap.add_argument("--inject-inf", type=int, default=-1)
 ap.add_argument("--clip", type=float, default=0.0, help="clip the gradients' global norm")
+ap.add_argument("--scaler", default="rannc", choices=["rannc", "torch"])
+ap.add_argument("--clip-by", default="rannc", choices=["rannc", "torch", "torch_subset"])
 ap.add_argument("--show-stages", action="store_true", help="rank 0 prints each stage's ops")
 a = ap.parse_args()
 options = dict(o.split("=", 1) for o in a.opt)
@@ -89,7 +96,8 @@ AMP_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(a.amp)
 # With option device=cuda (tests/gpu) rannc's stages compute on the GPU, under the user's
 # autocast for cuda; the reference stays on the CPU under autocast for the CPU.
 STAGE_DEVICE = "cuda" if options.get("device", "cpu").startswith("cuda") else "cpu"
-scaler = rannc.GradScaler(STAGE_DEVICE, init_scale=2.0 ** 10) if a.amp == "fp16" else None
+SCALER = rannc.GradScaler if a.scaler == "rannc" else torch.amp.GradScaler
+scaler = SCALER(STAGE_DEVICE, init_scale=2.0 ** 10) if a.amp == "fp16" else None
 ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) if a.amp == "fp16" else None
 
 
@@ -222,10 +230,20 @@ for step in range(a.steps):
             except RuntimeError as e:  # fill-drain: the loss's backward used this forward
                 assert "a second time" in str(e), e
     if a.clip:
-        norm = wrapped.clip_grad_norm(a.clip, scaler=scaler)
+        clipped = sorted(n for n, _ in reference.named_parameters())
+        clipped = set(clipped[::2] if a.clip_by == "torch_subset" else clipped)
+        if a.clip_by == "rannc":
+            norm = wrapped.clip_grad_norm(a.clip, scaler=scaler)
+        else:  # what training loops write ([Note: torch's clip_grad_norm_])
+            if scaler is not None:
+                scaler.unscale_(opt)
+            norm = torch.nn.utils.clip_grad_norm_(
+                wrapped.parameters() if a.clip_by == "torch" else
+                [p for n, p in wrapped.module.named_parameters() if n in clipped], a.clip)
         if ref_scaler is not None:
             ref_scaler.unscale_(ref_opt)
-        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), a.clip)
+        ref_norm = torch.nn.utils.clip_grad_norm_(
+            [p for n, p in reference.named_parameters() if n in clipped], a.clip)
         close(norm, ref_norm, f"gradient norm at step {step}")
     if a.input_grad:
         check_input_grads((l_args, l_kwargs), (g_args, g_kwargs), step)

@@ -1,0 +1,136 @@
+"""Gradient clipping by the norm over every stage, for RaNNCModule.clip_grad_norm and for
+torch's own torch.nn.utils.clip_grad_norm_.
+
+[Note: torch's clip_grad_norm_] Training loops clip with
+`torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`, and so do the loops users
+do not write themselves (transformers' Trainer through accelerate, Lightning, timm). Under
+rannc each rank holds the gradients of its own stages only, so torch's function would
+measure each stage's norm and clip each stage by its own: a different model from plain
+PyTorch's, without a word. `import rannc` therefore replaces torch's function with one that
+does what it does for any parameter outside a RaNNCModule, and for those of a RaNNCModule
+that has trained measures the norm over every stage (each parameter counted once, on the
+first rank of its gradient group, one all-reduce) and scales this rank's gradients by it.
+Every rank passes the same parameters (freed ones included: they are the same objects on
+every rank), so every rank sees the same modules and joins the same collective. The
+parameters outside any RaNNCModule add this rank's own norm, as torch's does.
+
+A module that imported the function before rannc was (`from torch.nn.utils import
+clip_grad_norm_` above `import rannc`) keeps torch's: RaNNCModule warns when the training
+script holds it (`warn_early_imports`).
+"""
+from __future__ import annotations
+
+import math
+import sys
+
+import torch
+
+from . import _C, registry
+
+_TORCH_CLIP = torch.nn.utils.clip_grad.clip_grad_norm_
+
+
+def install() -> None:
+    """Puts clip_grad_norm_ where torch's callers look it up."""
+    torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
+    torch.nn.utils.clip_grad.clip_grad_norm_ = clip_grad_norm_  # torch's deprecated alias calls it
+
+
+def warn_early_imports() -> None:
+    """Rank 0 warns when the training script bound torch's clip_grad_norm_ before
+    `import rannc` replaced it: that name would clip each stage by its own norm."""
+    if _C.get_rank() != 0:
+        return
+    main = sys.modules.get("__main__")
+    names = [n for n, v in vars(main).items() if v is _TORCH_CLIP] if main is not None else []
+    if names:
+        _C.log_warn(f"{main.__file__ if hasattr(main, '__file__') else '__main__'} imported torch's "
+                    f"clip_grad_norm_ as {names[0]!r} before `import rannc`: it would clip each "
+                    "stage by its own gradients' norm, not the model's; import rannc first (or "
+                    "call torch.nn.utils.clip_grad_norm_, or model.clip_grad_norm)")
+
+
+def counted_grads(module, selected: set[int] | None = None) -> list[torch.Tensor]:
+    """The gradients this rank counts in the norm over every stage: each trained parameter
+    on the first rank of its gradient group (replicas and stages sharing it hold the same
+    sum), restricted to the parameter objects in `selected` when given."""
+    deployed = module._deployed.get(True)
+    rank = _C.get_rank()
+    counted = {}
+    for ranks, vids in deployed.engine.grad_groups():
+        if min(ranks) != rank:
+            continue
+        for v in vids:
+            t = deployed.own.get(v)
+            if t is not None and t.grad is not None and (selected is None or id(t) in selected):
+                counted.setdefault(v, t.grad.detach())
+    return list(counted.values())
+
+
+def held_grads(module, selected: set[int] | None = None) -> list[torch.Tensor]:
+    """The gradients of the trained parameters this rank holds (each once)."""
+    held = {id(t): t.grad for t in module._deployed[True].own.values()
+            if t.grad is not None and (selected is None or id(t) in selected)}
+    return list(held.values())
+
+
+def _local_term(grads, norm_type: float) -> torch.Tensor:
+    """sum |g|^p over `grads` (their max for the infinity norm) as a float64 on the host:
+    one pass on their device and one copy (a GPU would stall on a .cpu() per gradient)."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float64)
+    norms = torch.stack(torch._foreach_norm(grads, norm_type)).double().cpu()
+    return norms.max() if math.isinf(norm_type) else (norms ** norm_type).sum()
+
+
+def global_norm(counted: list[torch.Tensor], local: list[torch.Tensor],
+                norm_type: float) -> torch.Tensor:
+    """The norm over `counted` on every rank (a collective) and `local` on this rank."""
+    infinite = math.isinf(norm_type)
+    term = _local_term(counted, norm_type)
+    if _C.mpi_initialized() and _C.get_world_size() > 1:
+        _C.Communicator.world_cpu().all_reduce(term, _C.ReduceOp.MAX if infinite
+                                               else _C.ReduceOp.SUM).wait()
+    mine = _local_term(local, norm_type)
+    if infinite:
+        return torch.maximum(term, mine)
+    return (term + mine) ** (1.0 / norm_type)
+
+
+def scale_(grads, max_norm: float, total: torch.Tensor) -> None:
+    """Scales `grads` by max_norm / total where that is below 1, as torch does."""
+    coef = max_norm / (float(total) + 1e-6)
+    if not coef >= 1 and grads:  # a NaN norm makes NaN gradients, as torch's does
+        torch._foreach_mul_(grads, coef)
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_, with the norm of a RaNNCModule's parameters taken
+    over every stage ([Note: torch's clip_grad_norm_]). A collective when any of
+    `parameters` belongs to a RaNNCModule that has trained."""
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    norm_type = float(norm_type)
+    ids = {id(p) for p in params}
+    counted, held, claimed = [], [], set()
+    for module in registry.modules():
+        if module._deployed.get(True) is None:
+            continue  # not trained yet: its gradients, if any, are the user's own
+        mine = {id(p) for p in module.module.parameters()} & ids
+        if mine:
+            counted += counted_grads(module, mine)
+            held += held_grads(module, mine)
+            claimed |= mine
+    if not claimed:
+        return _TORCH_CLIP(params, max_norm, norm_type, error_if_nonfinite, foreach)
+    others = [p.grad for p in params if id(p) not in claimed and p.grad is not None]
+    total = global_norm(counted, others, norm_type)
+    if error_if_nonfinite and not math.isfinite(float(total)):
+        raise RuntimeError(
+            f"The total norm of order {norm_type} for gradients from `parameters` is "
+            "non-finite, so it cannot be clipped. To disable this error and scale the "
+            "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
+    scale_(held + others, max_norm, total)
+    device = (held + others)[0].device if held or others else total.device
+    return total.float().to(device)

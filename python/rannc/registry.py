@@ -1,0 +1,25 @@
+"""The RaNNCModules alive, for the torch functions that rannc makes see every stage
+(clipping.py, amp.py). Oldest first, so every rank walks them in the same order."""
+from __future__ import annotations
+
+import weakref
+
+# A dict keeps insertion order; a module collected leaves it.
+_MODULES: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+
+
+def register(module) -> None:
+    _MODULES[id(module)] = module
+
+
+def modules() -> list:
+    return list(_MODULES.values())
+
+
+def steps_share(optimizer) -> bool:
+    """Whether `optimizer` steps parameters of a RaNNCModule: the one passed to it (which
+    holds this rank's share) or one over the model's parameters (whose freed ones have no
+    gradient here). The same answer on every rank."""
+    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    return any(m.optimizer is optimizer or any(id(p) in held for p in m.module.parameters())
+               for m in modules())
