@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import inspect
 import itertools
 import math
 import sys
@@ -657,6 +659,11 @@ class RaNNCModule(torch.nn.Module):
         self._anchor = torch.zeros((), requires_grad=True)
         self.optimizer_share = OptimizerShare(optimizer)
         registry.register(self)  # [Note: torch's clip_grad_norm_], [Note: agreed steps]
+        # Callers that read the model's argument names from forward's signature (transformers'
+        # Trainer drops the dataset's columns that forward does not name) see the model's.
+        forward = functools.partial(type(self).forward, self)
+        forward.__signature__ = inspect.signature(model.forward)
+        self.forward = forward
         clipping.warn_early_imports()
 
     def forward(self, *args, **kwargs):

@@ -412,6 +412,22 @@ except rannc.Error as e:
     assert res.returncode == 0, res.stderr[-3000:]
 
 
+def test_forward_shows_the_models_signature():
+    """transformers' Trainer keeps the dataset columns that the model's forward names:
+    RaNNCModule's forward shows the wrapped model's signature (it showed *args, **kwargs,
+    and Trainer dropped every column)."""
+    res = _single_process("""
+import inspect, torch, rannc, zoo
+model, args, kwargs = zoo.make("multi_io")
+module = rannc.RaNNCModule(model, torch.optim.SGD(model.parameters(), lr=0.1))
+print("signature", inspect.signature(module.forward), inspect.signature(model.forward))
+""")
+    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
+    line = next(l for l in res.stdout.splitlines() if l.startswith("signature"))
+    mine, theirs = line[len("signature "):].split(") (")
+    assert mine + ")" == "(" + theirs and "scale" in mine, line
+
+
 def test_one_rank_is_planned_without_profiling():
     """A single rank's plan can only be one stage: nothing to search, so its first step
     costs no profiling run (74.6 s -> 10.2 s for a 12-layer GPT-2 on this CPU), as with
