@@ -180,6 +180,8 @@ void bindRuntime(py::module& m) {
              return out;
            },
            py::arg("grads"))
+      .def("set_grad_sync", &PipelineEngine::setGradSync, py::arg("sync"))
+      .def("sync_held_grads", &PipelineEngine::syncHeldGrads, py::call_guard<py::gil_scoped_release>())
       .def("apply_step_grads",
            [](PipelineEngine& e, const py::object& scale) {
              if (scale.is_none()) {

@@ -612,7 +612,7 @@ StepOutputs PipelineEngine::execute(const StepProgram& program,
         }
         break;
       case StepActionKind::ArmAllReduce:
-        buckets_->arm();
+        if (grad_sync_) buckets_->arm();
         break;
       case StepActionKind::CollectOutputs:
         result.batch_outputs = collectBatchOutputs(result.produced);
@@ -626,7 +626,7 @@ StepOutputs PipelineEngine::execute(const StepProgram& program,
         if (has_backward) {
           step_grads_.clear();
           for (const auto& [v, t] : own_) step_grads_[v] = t.grad().defined() ? t.grad() : at::zeros_like(t);
-          buckets_->finish(step_grads_);
+          if (grad_sync_) buckets_->finish(step_grads_);
         }
         times_.wait += since(t0);
         break;
@@ -692,6 +692,20 @@ void PipelineEngine::applyStepGrads(double scale) {
   if (own_.empty()) return;
   auto grads = stepGradList();
   addToGrads(scale == 1.0 ? grads : at::_foreach_mul(grads, at::Scalar(scale)));
+}
+
+void PipelineEngine::syncHeldGrads() {
+  if (buckets_->empty()) return;
+  std::map<ir::ValueId, at::Tensor> sums;
+  buckets_->finish(sums);  // every bucket, from .grad (zeros where undefined)
+  for (const auto& [v, sum] : sums) {
+    at::Tensor& grad = own_.at(v).mutable_grad();
+    if (grad.defined()) {
+      grad.copy_(sum);
+    } else {
+      grad = sum.clone();
+    }
+  }
 }
 
 std::vector<at::Tensor> PipelineEngine::stepGradList() const {

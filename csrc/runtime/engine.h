@@ -138,6 +138,12 @@ class PipelineEngine {
   // call each (a per-tensor loop cost 0.2 ms per step on a 150-tensor model).
   void applyStepGrads(const at::Tensor& scale);
   void applyStepGrads(double scale);
+  // [Note: unsynced steps] Whether the steps that follow sum their gradients over each
+  // gradient group (default). Off (RaNNCModule.no_sync, as DistributedDataParallel's),
+  // each rank keeps its own share of the gradients; syncHeldGrads() then sums what .grad
+  // accumulated, once, before the next summed step's gradients are added.
+  void setGradSync(bool sync) { grad_sync_ = sync; }
+  void syncHeldGrads();
   // After a step with backwards: the gradients of the arguments setInputGrads() named.
   const std::map<ir::ValueId, at::Tensor>& inputGrads() const { return input_grads_; }
   // The model's mean losses over a count the data decides ([Note: token-mean losses]).
@@ -234,6 +240,7 @@ class PipelineEngine {
   BatchConfig* config_ = nullptr;
   std::set<ir::ValueId> input_grad_ids_;
   bool input_grads_known_ = false;
+  bool grad_sync_ = true;  // [Note: unsynced steps]
 
   // per step
   Seeds seeds_;

@@ -178,6 +178,7 @@ class _Deployed:
         self.loss_scale = 1.0  # the last training step's seed factor ([Note: scaled seeds])
         # fill-drain: forwards so far, and whether the last one's backward ran
         self.fill_drain_forwards, self.fill_drain_backward_done = 0, False
+        self.call_sync = True  # whether the last training call summed its gradients
         if rank == 0 and plan_from is None:
             print(deployment.report(), flush=True)
             print(self.times.line(), flush=True)
@@ -350,6 +351,9 @@ class _Deployed:
         self.grad_input_ids = sorted(grad_inputs)
         self.grad_inputs = [grad_inputs[vid] for vid in self.grad_input_ids]
         self.engine.set_input_grads(set(self.grad_input_ids))
+        if training:  # read when the step's backwards run ([Note: unsynced steps])
+            self.call_sync = self.owner._grad_sync
+            self.engine.set_grad_sync(self.call_sync)
         if training and self.fill_drain:
             produced, batch_outputs = self.engine.forward_for_backward(local)
             self.fill_drain_forwards += 1
@@ -492,6 +496,11 @@ class _Deployed:
         unit = unit and float(scale) == 1.0
         if not unit and isinstance(scale, torch.Tensor) and scale.device.type != "cpu":
             scale = scale.to(self.owner.device)  # the loss may be on another GPU than the stage
+        # [Note: unsynced steps] in csrc/runtime/engine.h: what calls under no_sync() left
+        # in .grad is each rank's own share until a summed step comes
+        if self.call_sync and self.owner._held_unsynced:
+            self.engine.sync_held_grads()
+        self.owner._held_unsynced = not self.call_sync
         self.engine.apply_step_grads(None if unit else scale)
 
     def _outputs(self, produced, batch_outputs, schedule):
@@ -657,6 +666,9 @@ class RaNNCModule(torch.nn.Module):
             self.profile_cache.load(self.options.profile_cache)
         self._deployed = {}
         self._anchor = torch.zeros((), requires_grad=True)
+        # [Note: unsynced steps] in csrc/runtime/engine.h
+        self._grad_sync = True  # False inside no_sync()
+        self._held_unsynced = False  # .grad holds shares that calls under no_sync() left
         self.optimizer_share = OptimizerShare(optimizer)
         registry.register(self)  # [Note: torch's clip_grad_norm_], [Note: agreed steps]
         # Callers that read the model's argument names from forward's signature (transformers'
@@ -809,6 +821,20 @@ class RaNNCModule(torch.nn.Module):
         full_state.load_optimizer_state."""
         _checkpoint().forget_pending(self, weights=False, optimizer=True)
         full_state.load_optimizer_state(self, state_dict)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """As DistributedDataParallel.no_sync(), for gradient accumulation: the training
+        calls inside keep each rank's gradients to itself instead of summing them over the
+        ranks that share each parameter, and the first training call after it sums what
+        they left in .grad together with its own. Every rank must run the same calls in it.
+        Step the optimizer (or clip) only after a summed call, as with DDP."""
+        before = self._grad_sync
+        self._grad_sync = False
+        try:
+            yield
+        finally:
+            self._grad_sync = before
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0,
                        scaler: torch.amp.GradScaler | None = None) -> torch.Tensor:

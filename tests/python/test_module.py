@@ -195,15 +195,22 @@ def test_a_mean_over_the_targets_that_count_equals_pytorch(ranks, case, stages, 
         assert "is a sum over the batch" in res.stdout, res.stdout[-4000:]
 
 
-@pytest.mark.parametrize("mode,ranks,model,stages,micro", [
-    ("accum", 4, "gpt", 2, 2),      # gradient accumulation over 2 calls
-    ("scale2", 2, "mlp", 2, 2),     # (2 * loss).backward()
+@pytest.mark.parametrize("mode,ranks,model,stages,micro,extra", [
+    ("accum", 4, "gpt", 2, 2, []),      # gradient accumulation over 2 calls
+    ("scale2", 2, "mlp", 2, 2, []),     # (2 * loss).backward()
+    # the first call under no_sync() keeps each replica's share; the second sums both
+    # ([Note: unsynced steps] in csrc/runtime/engine.h)
+    ("accum_no_sync", 4, "gpt", 2, 2, ["--opt", "replicas=2,2"]),
+    ("accum_no_sync", 4, "gpt", 1, 2, ["--opt", "replicas=4", "schedule=zb_h1"]),
+    ("accum_no_sync", 2, "gpt", 2, 2, []),  # no replicas: nothing to hold back
+    ("outside_accum_no_sync", 3, "transformer", 2, 2, ["--opt", "replicas=1,2"]),  # fill-drain
 ])
-def test_backward_semantics(mode, ranks, model, stages, micro):
+def test_backward_semantics(mode, ranks, model, stages, micro, extra):
     res = mpirun("train_check.py", ranks, model, "--stages", stages, "--micro", micro,
-                 "--steps", 3, "--mode", mode, timeout=300, env={"RANNC_COMM_TIMEOUT": "60"})
+                 "--steps", 3, "--mode", mode, *extra, timeout=300, env={"RANNC_COMM_TIMEOUT": "60"})
     assert res.returncode == 0, res.stdout[-4000:]
-    assert "OK rank 0" in res.stdout
+    for r in range(ranks):
+        assert f"OK rank {r}" in res.stdout, res.stdout[-4000:]
 
 
 @pytest.mark.parametrize("ranks,model,stages,micro,extra", [

@@ -11,6 +11,10 @@ eval()/no_grad outputs. Exits non-zero on the first mismatch (on every rank).
     outside: the loss is computed outside the model from its outputs (fill-drain with
              gradients from outside; the reference is the same loss on the global batch)
     outside_accum: both
+    accum_no_sync, outside_accum_no_sync: the first call of each step inside
+             wrapped.no_sync() (DDP's gradient accumulation idiom): its gradients stay each
+             rank's own share (checked where a stage has replicas), and the second call sums
+             them with its own
     --rows: the local batch of each step (cycled; default 4), e.g. 4,4,2 for the short last
             batch of an epoch
     --lengths: the sequence length of each step (cycled), e.g. 8,5,12 for dynamic padding
@@ -44,7 +48,7 @@ ap.add_argument("model")
 ap.add_argument("--stages", type=int, default=0)
 ap.add_argument("--micro", type=int, default=0)
 ap.add_argument("--steps", type=int, default=5)
-ap.add_argument("--mode", default="plain", choices=["plain", "accum", "scale2", "outside", "outside_accum"])
+ap.add_argument("--mode", default="plain", choices=["plain", "accum", "scale2", "outside", "outside_accum", "accum_no_sync", "outside_accum_no_sync"])
 ap.add_argument("--eval", action="store_true")
 ap.add_argument("--opt", nargs="*", default=[])
 ap.add_argument("--rows", default="4", help="local batch per step, cycled")
@@ -175,6 +179,17 @@ def check_input_grads(mine, ref, step):
     assert checked, "no argument requires grad"
 
 
+def unsynced_share(o):
+    """After a call under no_sync(), a stage with replicas holds its own share of the
+    gradients, not the sum (the reference's)."""
+    groups = wrapped._deployed[True].engine.grad_groups()
+    if not any(rank in ranks and len(ranks) > 1 for ranks, _ in groups):
+        return
+    own = [p for g in o.param_groups for p in g["params"] if p.grad is not None]
+    assert any(not torch.allclose(p.grad, ref_params[names[id(p)]].grad, rtol=1e-4, atol=1e-5)
+               for p in own), f"rank {rank}: the gradients were summed under no_sync()"
+
+
 def inputs_of_later_stages():
     """Whether a later stage than the first takes an argument of the model directly."""
     engine = wrapped._deployed[True].engine
@@ -185,7 +200,8 @@ def inputs_of_later_stages():
 names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}  # frozen: nobody updates them
 ref_params = dict(reference.named_parameters())
 scale = 2.0 if a.mode == "scale2" else 1.0
-calls = 2 if a.mode.endswith("accum") else 1
+calls = 2 if "accum" in a.mode else 1
+no_sync = a.mode.endswith("no_sync")
 outside = a.mode.startswith("outside")
 for step in range(a.steps):
     opt.zero_grad()
@@ -194,21 +210,28 @@ for step in range(a.steps):
     length = step_lengths[step % len(step_lengths)] if step_lengths else None
     for call in range(calls):
         (g_args, g_kwargs), (l_args, l_kwargs) = batches(100 + 10 * step + call, n, a.input_grad, length)
-        with autocast_for_rannc():
+        unsynced = no_sync and call < calls - 1
+        with autocast_for_rannc(), wrapped.no_sync() if unsynced else contextlib.nullcontext():
             out = wrapped(*l_args, **l_kwargs)
         with autocast():
             ref_out = reference(*g_args, **g_kwargs)
+        if unsynced:
+            check_unsynced = lambda: unsynced_share(opt)  # noqa: E731 (after the backwards)
         if outside:
             seed = 100 + 10 * step + call
             mine = slice(rank * n, (rank + 1) * n)
             outside_loss(out, labels(seed, mine, n * world)).backward()
             outside_loss(ref_out, labels(seed, slice(None), n * world)).backward()
+            if unsynced:
+                check_unsynced()
             if not isinstance(out, dict):
                 same_output(out, ref_out, f"output rows at step {step}")
                 continue
         else:
             backward(scale * loss_of(out), scaler)
             backward(scale * loss_of(ref_out), ref_scaler)
+            if unsynced:
+                check_unsynced()
         close(loss_of(out).detach(), loss_of(ref_out).detach(), f"loss at step {step}")
         if a.show_stages and step == 0 and call == 0 and rank == 0:
             deployed = wrapped._deployed[True]
