@@ -16,7 +16,7 @@ from ._C import (  # noqa: F401
     get_world_size,
     set_log_level,
 )
-from . import amp, clipping, failure
+from . import amp, clipping, failure, optimizer_share
 from .amp import GradScaler  # noqa: F401
 from .empty_weights import empty_weights  # noqa: F401
 from .graph import SplitGraph, TracedGraph, load_ir, trace  # noqa: F401
@@ -28,6 +28,7 @@ from .planning import Plan, ProfileCache, plan  # noqa: F401
 failure.install()  # [Note: failure notices]
 clipping.install()  # [Note: torch's clip_grad_norm_]
 amp.install()  # [Note: agreed steps]
+optimizer_share.install()  # [Note: optimizers made after wrapping]
 
 __all__ = [
     "RaNNCModule", "Options", "option_docs", "GradScaler", "empty_weights", "pad_to_same_length", "trace", "plan", "Plan", "ProfileCache", "load_ir", "TracedGraph", "SplitGraph", "set_log_level",

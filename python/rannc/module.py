@@ -822,6 +822,24 @@ class RaNNCModule(torch.nn.Module):
         _checkpoint().forget_pending(self, weights=False, optimizer=True)
         full_state.load_optimizer_state(self, state_dict)
 
+    def adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Makes `optimizer`, built after wrapping over the model's parameters, this module's,
+        as if passed to it ([Note: optimizers made after wrapping] in optimizer_share.py)."""
+        deployed = self._deployed[True]
+        self.optimizer = self.placement.optimizer = optimizer
+        self.optimizer_share = OptimizerShare(optimizer)
+        self.optimizer_share.keep_only({id(t) for t in deployed.own.values()})
+        planned = self.options.optimizer_kind or _optimizer_kind(None)
+        kind = _optimizer_kind(optimizer)
+        if _C.get_rank() == 0 and kind != planned:
+            _C.log_warn(
+                f"{type(optimizer).__name__} was built after RaNNCModule and steps its "
+                f"parameters: it is now the module's optimizer (checkpoints and "
+                f"optimizer_state_dict() hold its state), but the plan was made for {planned} "
+                f"and did not count the {kind} state in each stage's memory; pass the "
+                f"optimizer to RaNNCModule (or the option optimizer_kind=\"{kind}\") for a "
+                "plan that counts it")
+
     @contextlib.contextmanager
     def no_sync(self):
         """As DistributedDataParallel.no_sync(), for gradient accumulation: the training

@@ -5,10 +5,29 @@ work as before); once training is deployed its param groups hold only this rank'
 parameters (the same tensor objects) and the state of the others is dropped. The groups as
 the user built them are remembered: checkpoints and optimizer_state_dict() name and number
 parameters as the original optimizer did.
+
+[Note: optimizers made after wrapping] DistributedDataParallel's habit is to wrap first and
+build the optimizer over the wrapper's parameters:
+
+    model = rannc.RaNNCModule(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+Training is right either way (a freed parameter has no gradient, and torch's optimizers skip
+it), but a RaNNCModule without its optimizer cannot save or gather the optimizer's state, and
+the optimizer would keep its groups whole. So `import rannc` registers a global step
+pre-hook (torch.optim.optimizer.register_optimizer_step_pre_hook): the first step of an
+optimizer that holds a trained RaNNCModule's parameters, when that module has none, makes it
+the module's optimizer, as if it had been passed (its groups are cut to this rank's share
+before its first state exists). The plan was made before it was known, counting no optimizer
+state; rank 0 warns where the optimizer keeps state (Adam: two values per parameter), since
+the plan's memory did not count it.
 """
 from __future__ import annotations
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from . import registry
 
 
 class OptimizerShare:
@@ -44,3 +63,16 @@ class OptimizerShare:
             for p, k in zip(params, keep):
                 if not k:
                     self.optimizer.state.pop(p, None)
+
+
+def _adopt_on_first_step(optimizer, args, kwargs):
+    """[Note: optimizers made after wrapping]"""
+    for module in registry.modules():
+        if (module.optimizer is None and module._deployed.get(True) is not None
+                and registry.holds(optimizer, module)):
+            module.adopt_optimizer(optimizer)
+    return None
+
+
+def install() -> None:
+    register_optimizer_step_pre_hook(_adopt_on_first_step)

@@ -16,10 +16,15 @@ def modules() -> list:
     return list(_MODULES.values())
 
 
+def holds(optimizer, module) -> bool:
+    """Whether `optimizer`'s groups hold any of `module`'s parameters (freed ones too: the
+    same answer on every rank)."""
+    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    return any(id(p) in held for p in module.module.parameters())
+
+
 def steps_share(optimizer) -> bool:
     """Whether `optimizer` steps parameters of a RaNNCModule: the one passed to it (which
     holds this rank's share) or one over the model's parameters (whose freed ones have no
     gradient here). The same answer on every rank."""
-    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    return any(m.optimizer is optimizer or any(id(p) in held for p in m.module.parameters())
-               for m in modules())
+    return any(m.optimizer is optimizer or holds(optimizer, m) for m in modules())

@@ -510,7 +510,7 @@ def test_a_failure_while_tracing_new_shapes_says_so_with_both_shapes():
 
 @pytest.mark.parametrize("probe", ["mismatched_rows", "data_branch", "different_models",
                                    "length_branch", "padded_lengths", "eval_after_new_length",
-                                   "num_items_in_batch", "uneven_selection"])
+                                   "num_items_in_batch", "uneven_selection", "late_optimizer"])
 def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
     """Ranks with different batch sizes in one call (on every such call), control flow on
     data that differs between ranks, different models, a sequence length for which the
@@ -521,11 +521,16 @@ def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
     leaves the weights of eval's ranks current (it had marked them so before the step).
     num_items_in_batch: transformers' sum over a count passed in adds up over the shares.
     uneven_selection: x[keep] selecting as many tokens from every row of the first batch
-    does not make later, uneven batches fail ([Note: data-sized values])."""
+    does not make later, uneven batches fail ([Note: data-sized values]). late_optimizer:
+    an optimizer built after wrapping becomes the module's at its first step, and rank 0
+    says the plan did not count its state ([Note: optimizers made after wrapping])."""
     res = mpirun("loop_probes.py", 2, probe, timeout=300, env={"RANNC_COMM_TIMEOUT": "60"})
     assert res.returncode == 0, res.stdout[-4000:]
     for r in range(2):
         assert f"OK rank {r}" in res.stdout, res.stdout[-4000:]
+    if probe == "late_optimizer":
+        assert ("AdamW was built after RaNNCModule and steps its parameters: it is now the "
+                "module's optimizer" in res.stdout), res.stdout[-3000:]
 
 
 @pytest.mark.parametrize("ranks,model,stages,micro,rows,extra", [

@@ -24,6 +24,11 @@ behaviour and prints "OK rank r", or fails the way the test expects.
                                        (x[keep], no padding yet), later ones do not: the
                                        selected tokens stay in one task ([Note: data-sized
                                        values]) and every step equals PyTorch
+    loop_probes.py late_optimizer      DDP's habit: RaNNCModule(model) first, then AdamW over
+                                       its parameters; its first step makes it the module's
+                                       ([Note: optimizers made after wrapping]): training and
+                                       optimizer_state_dict() equal PyTorch's, its groups hold
+                                       this rank's share
 """
 import copy
 import sys
@@ -309,6 +314,29 @@ elif probe == "uneven_selection":
                                    msg=lambda m: f"rank {rank}: loss at step {step}: {m}")
         step_both(loss, ref_loss, opt, ref_opt)
         same_stage_parameters(model, reference, rtol=1e-10)
+    print(f"OK rank {rank}", flush=True)
+elif probe == "late_optimizer":
+    model, args, _ = zoo.make("gpt", batch=4, seed=0)
+    zoo.no_dropout(model)
+    reference = copy.deepcopy(model)
+    wrapped = rannc.RaNNCModule(model, num_stages=2, num_microbatches=2)
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2, eps=1e-5)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, eps=1e-5)
+    everything = len(opt.param_groups[0]["params"])
+    for step in range(3):
+        loss, ref_loss = wrapped(*args), reference(*args)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        step_both(loss, ref_loss, opt, ref_opt)
+        same_stage_parameters(model, reference, rtol=1e-4)
+    assert wrapped.optimizer is opt, f"rank {rank}: not adopted"
+    mine = len(opt.param_groups[0]["params"])
+    assert 0 < mine < everything, f"rank {rank}: {mine} of {everything} parameters in the group"
+    gathered, ref_state = wrapped.optimizer_state_dict(), ref_opt.state_dict()
+    assert gathered["state"].keys() == ref_state["state"].keys()
+    for i, s in ref_state["state"].items():
+        for k in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(gathered["state"][i][k], s[k], rtol=1e-4, atol=1e-6,
+                                       msg=lambda m: f"rank {rank}: state {i} {k}: {m}")
     print(f"OK rank {rank}", flush=True)
 else:
     raise SystemExit(f"unknown probe {probe}")
