@@ -31,7 +31,7 @@ import weakref
 
 import torch
 
-from . import _C, registry
+from . import _C, handshake, registry
 
 # The GradScalers made since `import rannc` and alive, oldest first (a dict keeps insertion
 # order; one collected leaves it, and a new one that reuses its id goes to the end).
@@ -56,7 +56,7 @@ def _agreed_unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
         return per_device
     flags = torch.tensor([sum(float(v.item()) for v in per_device.values())],
                          dtype=torch.float64)
-    _C.Communicator.world_cpu().all_reduce(flags).wait()
+    flags = handshake.exchange("GradScaler.unscale_()", flags).sum()  # [Note: named collectives]
     if not per_device:  # no gradient here: the verdict still counts for update()
         per_device = {found_inf.device: found_inf}
     for v in per_device.values():

@@ -25,7 +25,7 @@ import sys
 
 import torch
 
-from . import _C, registry
+from . import _C, handshake, registry
 
 _TORCH_CLIP = torch.nn.utils.clip_grad.clip_grad_norm_
 
@@ -87,10 +87,9 @@ def global_norm(counted: list[torch.Tensor], local: list[torch.Tensor],
                 norm_type: float) -> torch.Tensor:
     """The norm over `counted` on every rank (a collective) and `local` on this rank."""
     infinite = math.isinf(norm_type)
-    term = _local_term(counted, norm_type)
-    if _C.mpi_initialized() and _C.get_world_size() > 1:
-        _C.Communicator.world_cpu().all_reduce(term, _C.ReduceOp.MAX if infinite
-                                               else _C.ReduceOp.SUM).wait()
+    # one all-gather that also checks every rank is here ([Note: named collectives])
+    terms = handshake.exchange("clip_grad_norm", _local_term(counted, norm_type).view(1))[:, 0]
+    term = terms.max() if infinite else terms.sum()
     mine = _local_term(local, norm_type)
     if infinite:
         return torch.maximum(term, mine)

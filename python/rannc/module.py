@@ -26,7 +26,7 @@ import zlib
 
 import torch
 
-from . import _C, clipping, failure, full_state, registry
+from . import _C, clipping, failure, full_state, handshake, registry
 from .graph import TracedGraph
 from ._trace import autocast_dtype
 from .amp import forward_loss_scale
@@ -682,6 +682,7 @@ class RaNNCModule(torch.nn.Module):
         mode = self.module.training
         deployed = self._deployed.get(mode)
         try:
+            handshake.enter("a training call" if mode else "an eval call")  # [Note: named collectives]
             amp = self._precision()
             if deployed is not None and deployed.amp != amp:
                 raise _C.Error(
@@ -783,18 +784,21 @@ class RaNNCModule(torch.nn.Module):
         once, with the random generators, the plans and `extra` (anything torch.save takes,
         such as an LR scheduler's state_dict); a collective. Sharded safetensors that
         transformers and safetensors read; see checkpoint.py."""
+        handshake.enter("save_checkpoint()")  # [Note: named collectives]
         _checkpoint().save_checkpoint(self, directory, extra)
 
     def load_checkpoint(self, path: str, strict: bool = True):
         """Loads a checkpoint saved by save_checkpoint in any world size or plan (each rank
         reads only its stages' tensors), or the weights of a Hugging Face checkpoint
         directory or a state_dict file; a collective. Returns the saved `extra`."""
+        handshake.enter("load_checkpoint()")
         return _checkpoint().load_checkpoint(self, path, strict)
 
     def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
         """The full model state under the original names on every rank (a collective that
         gathers the whole model on every rank: for small models; large ones use
         save_checkpoint); see full_state.gather_state_dict."""
+        handshake.enter("state_dict()")
         self.placement.require_values("state_dict()")
         _checkpoint().apply_pending(self, everything=True)
         return full_state.gather_state_dict(self, *args, destination=destination, prefix=prefix,
@@ -804,6 +808,7 @@ class RaNNCModule(torch.nn.Module):
         """Loads a full model state into the tensors this rank keeps; see
         full_state.load_state_dict. Before the first call of a model built on the meta
         device, read at that call, as a checkpoint loaded then is."""
+        handshake.enter("load_state_dict()")
         if self.placement.without_values():
             return _checkpoint().load_state_dict_later(self, state_dict, strict)
         _checkpoint().forget_pending(self, weights=True, optimizer=False)
@@ -812,6 +817,7 @@ class RaNNCModule(torch.nn.Module):
     def optimizer_state_dict(self) -> dict:
         """The optimizer's full state in the original optimizer's format, on every rank (a
         collective that gathers it whole); see full_state.gather_optimizer_state."""
+        handshake.enter("optimizer_state_dict()")
         self.placement.require_values("optimizer_state_dict()")
         _checkpoint().apply_pending(self, everything=True)
         return full_state.gather_optimizer_state(self)
@@ -819,6 +825,7 @@ class RaNNCModule(torch.nn.Module):
     def load_optimizer_state_dict(self, state_dict: dict) -> None:
         """Loads an optimizer state in the original optimizer's format; see
         full_state.load_optimizer_state."""
+        handshake.enter("load_optimizer_state_dict()")
         _checkpoint().forget_pending(self, weights=False, optimizer=True)
         full_state.load_optimizer_state(self, state_dict)
 

@@ -510,7 +510,8 @@ def test_a_failure_while_tracing_new_shapes_says_so_with_both_shapes():
 
 @pytest.mark.parametrize("probe", ["mismatched_rows", "data_branch", "different_models",
                                    "length_branch", "padded_lengths", "eval_after_new_length",
-                                   "num_items_in_batch", "uneven_selection", "late_optimizer"])
+                                   "num_items_in_batch", "uneven_selection", "late_optimizer",
+                                   "rank0_only"])
 def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
     """Ranks with different batch sizes in one call (on every such call), control flow on
     data that differs between ranks, different models, a sequence length for which the
@@ -523,7 +524,10 @@ def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
     uneven_selection: x[keep] selecting as many tokens from every row of the first batch
     does not make later, uneven batches fail ([Note: data-sized values]). late_optimizer:
     an optimizer built after wrapping becomes the module's at its first step, and rank 0
-    says the plan did not count its state ([Note: optimizers made after wrapping])."""
+    says the plan did not count its state ([Note: optimizers made after wrapping]).
+    rank0_only: state_dict() or an eval call on rank 0 alone is an error on every rank
+    naming what each called ([Note: named collectives]); before, the ranks' collectives
+    were mismatched."""
     res = mpirun("loop_probes.py", 2, probe, timeout=300, env={"RANNC_COMM_TIMEOUT": "60"})
     assert res.returncode == 0, res.stdout[-4000:]
     for r in range(2):

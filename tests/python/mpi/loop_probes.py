@@ -24,6 +24,10 @@ behaviour and prints "OK rank r", or fails the way the test expects.
                                        (x[keep], no padding yet), later ones do not: the
                                        selected tokens stay in one task ([Note: data-sized
                                        values]) and every step equals PyTorch
+    loop_probes.py rank0_only          DDP's habits `if rank == 0: torch.save(model.state_dict())`
+                                       and an evaluation on rank 0 alone: every rank raises an
+                                       error naming what each rank called ([Note: named
+                                       collectives]), and training goes on
     loop_probes.py late_optimizer      DDP's habit: RaNNCModule(model) first, then AdamW over
                                        its parameters; its first step makes it the module's
                                        ([Note: optimizers made after wrapping]): training and
@@ -314,6 +318,33 @@ elif probe == "uneven_selection":
                                    msg=lambda m: f"rank {rank}: loss at step {step}: {m}")
         step_both(loss, ref_loss, opt, ref_opt)
         same_stage_parameters(model, reference, rtol=1e-10)
+    print(f"OK rank {rank}", flush=True)
+elif probe == "rank0_only":
+    model, args, _ = zoo.make("gpt", batch=4, seed=0)
+    zoo.no_dropout(model)
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    wrapped = rannc.RaNNCModule(model, opt, num_stages=2, num_microbatches=2)
+    step_both(wrapped(*args), reference(*args), opt, ref_opt)
+    said = ("state_dict() on rank 0; a training call on rank 1", "not under `if rank == 0:`")
+    if rank == 0:
+        expect_error(lambda: torch.save(wrapped.state_dict(), "/dev/null"), *said)
+    else:
+        expect_error(lambda: wrapped(*args), *said)
+    said = ("an eval call on rank 0; a training call on rank 1", "evaluate on every rank")
+    if rank == 0:
+        wrapped.eval()
+        with torch.no_grad():
+            expect_error(lambda: wrapped(*args), *said)
+        wrapped.train()
+    else:
+        expect_error(lambda: wrapped(*args), *said)
+    state = wrapped.state_dict()  # on every rank: the whole model's, as after one step
+    for k, v in reference.state_dict().items():
+        torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+    step_both(wrapped(*args), reference(*args), opt, ref_opt)
+    same_stage_parameters(model, reference, rtol=1e-5)
     print(f"OK rank {rank}", flush=True)
 elif probe == "late_optimizer":
     model, args, _ = zoo.make("gpt", batch=4, seed=0)
