@@ -23,6 +23,7 @@ from .graph import SplitGraph, TracedGraph, load_ir, trace  # noqa: F401
 from .module import RaNNCModule  # noqa: F401
 from .options import Options, option_docs  # noqa: F401
 from .padding import pad_to_same_length  # noqa: F401
+from .process_group import init_process_group  # noqa: F401
 from .planning import Plan, ProfileCache, plan  # noqa: F401
 
 failure.install()  # [Note: failure notices]
@@ -31,7 +32,7 @@ amp.install()  # [Note: agreed steps]
 optimizer_share.install()  # [Note: optimizers made after wrapping]
 
 __all__ = [
-    "RaNNCModule", "Options", "option_docs", "GradScaler", "empty_weights", "pad_to_same_length", "trace", "plan", "Plan", "ProfileCache", "load_ir", "TracedGraph", "SplitGraph", "set_log_level",
+    "RaNNCModule", "Options", "option_docs", "GradScaler", "empty_weights", "pad_to_same_length", "init_process_group", "trace", "plan", "Plan", "ProfileCache", "load_ir", "TracedGraph", "SplitGraph", "set_log_level",
     "Error", "TraceError", "InvalidGraphError", "SerializationError", "InfeasiblePlanError",
     "InternalError", "CommError", "CommTimeoutError",
     "get_rank", "get_world_size", "get_local_rank", "barrier",

@@ -28,6 +28,9 @@ behaviour and prints "OK rank r", or fails the way the test expects.
                                        and an evaluation on rank 0 alone: every rank raises an
                                        error naming what each rank called ([Note: named
                                        collectives]), and training goes on
+    loop_probes.py process_group       rannc.init_process_group(): torch.distributed over the
+                                       MPI ranks (DistributedSampler shards, all_reduce sums),
+                                       beside a RaNNCModule trained equal to PyTorch
     loop_probes.py late_optimizer      DDP's habit: RaNNCModule(model) first, then AdamW over
                                        its parameters; its first step makes it the module's
                                        ([Note: optimizers made after wrapping]): training and
@@ -345,6 +348,46 @@ elif probe == "rank0_only":
         torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
     step_both(wrapped(*args), reference(*args), opt, ref_opt)
     same_stage_parameters(model, reference, rtol=1e-5)
+    print(f"OK rank {rank}", flush=True)
+elif probe == "process_group":
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.utils.data import DistributedSampler
+
+    rannc.init_process_group()
+    assert (dist.get_rank(), dist.get_world_size()) == (rank, rannc.get_world_size())
+    shard = list(DistributedSampler(range(16), shuffle=False))
+    assert shard == list(range(rank, 16, 2)), shard
+    total = torch.tensor([rank + 1.0])
+    dist.all_reduce(total)
+    assert total.item() == 3.0, total
+
+    class Regression(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 1)
+
+        def forward(self, x, y):
+            return F.mse_loss(self.b(torch.tanh(self.a(x))), y)
+
+    torch.manual_seed(0)
+    model = Regression()
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    wrapped = rannc.RaNNCModule(model, opt, num_stages=2, num_microbatches=2)
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+    order = list(range(0, 16, 2)) + list(range(1, 16, 2))  # rank 0's rows, then rank 1's
+    for step in range(3):
+        loss, ref_loss = wrapped(x[shard], y[shard]), reference(x[order], y[order])
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)  # a metric averaged as DDP scripts do
+        torch.testing.assert_close(mean / 2, ref_loss.detach(), rtol=1e-5, atol=1e-6)
+        step_both(loss, ref_loss, opt, ref_opt)
+        same_stage_parameters(model, reference, rtol=1e-5)
+    dist.barrier()
+    dist.destroy_process_group()
     print(f"OK rank {rank}", flush=True)
 elif probe == "late_optimizer":
     model, args, _ = zoo.make("gpt", batch=4, seed=0)

@@ -1,0 +1,50 @@
+"""torch.distributed over the ranks mpirun started, for the rest of a DDP training script.
+
+Scripts written for DistributedDataParallel use torch.distributed beside the model: a
+DistributedSampler to shard the data, all_reduce to average a metric, barrier. Under
+mpirun nothing sets the MASTER_ADDR and MASTER_PORT that torch's env:// rendezvous reads,
+so `dist.init_process_group()` fails there. `rannc.init_process_group()` makes the same
+default group from the MPI world: rank 0 names an address and a free port, every rank
+learns them over MPI, and torch's TCP rendezvous does the rest. rannc itself does not use
+the group (its collectives are its own, over MPI or NCCL).
+"""
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+from . import _C
+from .transport import all_gather_objects
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def init_process_group(backend: str | None = None, **kwargs) -> None:
+    """torch.distributed.init_process_group over this job's MPI ranks (a collective; nothing
+    to do when the default group exists). `backend`: torch's default for the devices
+    (NCCL with CUDA, else gloo) unless given; `kwargs` go to torch (timeout, device_id...).
+    MASTER_ADDR and MASTER_PORT, where set, are used as torch would use them."""
+    if dist.is_initialized():
+        return
+    rank, world = _C.get_rank(), _C.get_world_size()
+    host = socket.gethostname()
+    hosts = all_gather_objects(host)
+    if rank == 0:
+        # one host: the loopback, which needs no name resolution; else rank 0's name
+        addr = os.environ.get("MASTER_ADDR") or ("127.0.0.1" if len(set(hosts)) == 1 else host)
+        port = int(os.environ.get("MASTER_PORT") or _free_port())
+        found = (addr, port)
+    else:
+        found = None
+    addr, port = all_gather_objects(found)[0]
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank,
+                            world_size=world, **kwargs)
