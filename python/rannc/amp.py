@@ -31,7 +31,7 @@ import weakref
 
 import torch
 
-from . import _C, handshake, registry
+from . import handshake, registry
 
 # The GradScalers made since `import rannc` and alive, oldest first (a dict keeps insertion
 # order; one collected leaves it, and a new one that reuses its id goes to the end).
@@ -51,8 +51,7 @@ def _agreed_unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
     """torch's _unscale_grads_, whose found-inf verdict every rank shares when `optimizer`
     holds a RaNNCModule's parameters ([Note: agreed steps])."""
     per_device = _TORCH_UNSCALE(self, optimizer, inv_scale, found_inf, allow_fp16)
-    if not (registry.steps_share(optimizer) and _C.mpi_initialized()
-            and _C.get_world_size() > 1):
+    if not (handshake.active() and registry.steps_share(optimizer)):
         return per_device
     flags = torch.tensor([sum(float(v.item()) for v in per_device.values())],
                          dtype=torch.float64)

@@ -28,31 +28,28 @@ from . import _C, failure
 NAMES = ("a training call", "an eval call", "state_dict()", "load_state_dict()",
          "optimizer_state_dict()", "load_optimizer_state_dict()", "save_checkpoint()",
          "load_checkpoint()", "clip_grad_norm", "GradScaler.unscale_()")
-_CODES = {zlib.crc32(n.encode()): n for n in NAMES}
+_CODES = {n: zlib.crc32(n.encode()) for n in NAMES}
+_NAMES = {c: n for n, c in _CODES.items()}
 
 
-def code(what: str) -> int:
-    assert what in NAMES, what
-    return zlib.crc32(what.encode())
-
-
-def _active() -> bool:
+def active() -> bool:
+    """Whether there are other ranks to agree with."""
     return _C.mpi_initialized() and _C.get_world_size() > 1
 
 
 def enter(what: str) -> None:
     """Every rank is in `what` (a collective), or every rank raises saying who is where."""
-    if _active():
+    if active():
         exchange(what, torch.zeros(0, dtype=torch.float64))
 
 
 def exchange(what: str, mine: torch.Tensor) -> torch.Tensor:
     """Every rank's `mine` (a 1-D float64 tensor of the same size everywhere), row r from
     rank r, after checking that every rank is in `what`. One all-gather."""
-    if not _active():
+    if not active():
         return mine.view(1, -1)
     comm = _C.Communicator.world_cpu()
-    row = torch.cat([torch.tensor([float(code(what))], dtype=torch.float64), mine.double().view(-1)])
+    row = torch.cat([torch.tensor([float(_CODES[what])], dtype=torch.float64), mine.double().view(-1)])
     everyone = torch.empty(comm.size * row.numel(), dtype=torch.float64)
     comm.all_gather(row, everyone).wait()
     everyone = everyone.view(comm.size, row.numel())
@@ -65,7 +62,7 @@ def exchange(what: str, mine: torch.Tensor) -> torch.Tensor:
 def _mismatch(codes: list[int]) -> str:
     calls = {}
     for rank, c in enumerate(codes):
-        calls.setdefault(_CODES.get(c, "another collective"), []).append(rank)
+        calls.setdefault(_NAMES.get(c, "another collective"), []).append(rank)
     where = "; ".join(f"{what} on rank{'s' if len(r) > 1 else ''} {_ranks(r)}"
                       for what, r in calls.items())
     message = (f"the ranks are in different RaNNCModule collectives: {where}. Every rank must "

@@ -1,5 +1,6 @@
 """The RaNNCModules alive, for the torch functions that rannc makes see every stage
-(clipping.py, amp.py). Oldest first, so every rank walks them in the same order."""
+(clipping.py, amp.py) and for optimizers built after wrapping (optimizer_share.py). Oldest
+first, so every rank walks them in the same order."""
 from __future__ import annotations
 
 import weakref
