@@ -161,10 +161,15 @@ class NcclCommunicator : public Communicator {
   NcclCommunicator(std::shared_ptr<Communicator> bootstrap, int device)
       : bootstrap_(std::move(bootstrap)), device_(device), stream_(ownStream(device)),
         handle_(std::make_shared<NcclHandle>()) {
+    // Rank 0's id reaches the others in an all-reduce (max over zeros elsewhere), not a
+    // broadcast: it completes on no rank until every member has arrived, within the world's
+    // deadline and failure checks, so no rank enters ncclCommInitRank (which has no deadline)
+    // while a peer is stuck or gone before it.
     ncclUniqueId id;
+    std::memset(&id, 0, sizeof id);
     if (bootstrap_->rank() == 0) check(ncclGetUniqueId(&id), "ncclGetUniqueId");
     at::Tensor buf = at::from_blob(&id, {static_cast<int64_t>(sizeof id)}, at::kByte).clone();
-    bootstrap_->broadcast(buf, 0)->wait();
+    bootstrap_->allReduce(buf, ReduceOp::Max)->wait();
     std::memcpy(&id, buf.data_ptr(), sizeof id);
     c10::cuda::CUDAGuard guard(device_);
     check(ncclCommInitRank(&handle_->comm, bootstrap_->size(), id, bootstrap_->rank()), "ncclCommInitRank");
