@@ -122,6 +122,29 @@ CASES = {
               state_size=4, expand=2, conv_kernel=4, use_cache=False), causal),
     "rwkv": ("RwkvConfig", "RwkvForCausalLM", dict(num_hidden_layers=2, hidden_size=32, vocab_size=V,
              context_length=64, attention_hidden_size=32, intermediate_size=64, use_cache=False), causal),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(DECODER, num_key_value_heads=2, head_dim=8,
+               sliding_window=8), causal),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", DECODER, causal),
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(DECODER, num_key_value_heads=2, pad_token_id=0),
+                causal),
+    "glm4": ("Glm4Config", "Glm4ForCausalLM", dict(DECODER, num_key_value_heads=2, head_dim=8,
+             pad_token_id=0), causal),
+    "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", dict(DECODER, num_key_value_heads=2, sliding_window=8),
+                causal),
+    "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", dict(DECODER, num_key_value_heads=2, head_dim=8),
+                 causal),
+    "mamba2": ("Mamba2Config", "Mamba2ForCausalLM", dict(num_hidden_layers=2, hidden_size=32, vocab_size=V,
+               state_size=8, expand=2, head_dim=8, num_heads=8, n_groups=1, chunk_size=8, use_cache=False),
+               causal),
+    "jamba": ("JambaConfig", "JambaForCausalLM", dict(
+        DECODER, num_key_value_heads=2, num_experts=2, num_experts_per_tok=1, attn_layer_period=2,
+        attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, mamba_d_state=4, mamba_expand=2,
+        mamba_dt_rank=4, use_mamba_kernels=False), causal),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
+        DECODER, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=16, shared_expert_intermediate_size=16, linear_num_value_heads=2,
+        linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+        layer_types=["linear_attention", "full_attention"]), causal),
     "recurrent_gemma": ("RecurrentGemmaConfig", "RecurrentGemmaForCausalLM", dict(
         DECODER, num_key_value_heads=2, lru_width=32, attention_window_size=8,
         block_types=["recurrent", "attention"]), causal),
@@ -137,6 +160,21 @@ CASES = {
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(
         DECODER, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
         experts_implementation="batched_mm"), causal),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        DECODER, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=16, experts_implementation="batched_mm"), causal),
+    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", dict(
+        DECODER, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2), causal),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(  # attention sinks; default experts (grouped_mm)
+        DECODER, num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=8, layer_types=["sliding_attention", "full_attention"]), causal),
+    "llama4": ("Llama4TextConfig", "Llama4ForCausalLM", dict(
+        DECODER, num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=1,
+        intermediate_size_mlp=64), causal),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(  # latent attention
+        DECODER, num_key_value_heads=4, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
+        n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=8,
+        qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, experts_implementation="batched_mm"), causal),
     "switch_transformers": ("SwitchTransformersConfig", "SwitchTransformersForConditionalGeneration", dict(
         T5_LIKE, num_experts=4, expert_capacity=8, num_sparse_encoder_layers=1,
         num_sparse_decoder_layers=1), seq2seq),
@@ -148,6 +186,12 @@ CASES = {
     "albert": ("AlbertConfig", "AlbertForMaskedLM", dict(ENCODER, embedding_size=16), masked),
     "deberta": ("DebertaConfig", "DebertaForMaskedLM", ENCODER, masked),
     "deberta_v2": ("DebertaV2Config", "DebertaV2ForMaskedLM", ENCODER, masked),
+    "modernbert": ("ModernBertConfig", "ModernBertForMaskedLM", dict(
+        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4, vocab_size=V,
+        max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2, sep_token_id=2,
+        cls_token_id=1), masked),
+    "longformer": ("LongformerConfig", "LongformerForMaskedLM", dict(ENCODER, attention_window=4,
+                   pad_token_id=1), masked),
     "distilbert": ("DistilBertConfig", "DistilBertForMaskedLM", dict(n_layers=2, dim=32, hidden_dim=64,
                    n_heads=4, vocab_size=V, max_position_embeddings=64, dropout=0.0,
                    attention_dropout=0.0), masked),
@@ -224,6 +268,8 @@ EXPECTED = {
                "decides in Python on a random number"),
     "led": ("Longformer's sliding windows call as_strided with sizes the trace fixes",
             "batch size is baked into a shape"),
+    "longformer": ("its sliding windows call as_strided with sizes the trace fixes",
+                   "batch size is baked into a shape"),
     "switch_transformers": ("its experts loop over the experts the batch hits; it has no fixed-shape "
                             "form (Mixtral, Qwen2-MoE and OLMoE do: experts_implementation)",
                             "running op aten::unbind"),

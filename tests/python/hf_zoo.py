@@ -1,6 +1,8 @@
 """Hugging Face transformers models with small configs and random weights, as a user
 would build them (no weights are downloaded): BERT, GPT-2, Llama, T5, ViT, Swin, ConvBERT,
-Mixtral and wav2vec2 with its CTC head.
+Mixtral, gpt-oss (attention sinks, sliding windows, experts), DeepSeek-V3 (latent attention,
+routed and shared experts), Qwen3-Next (gated linear attention beside full attention) and
+wav2vec2 with its CTC head.
 
     model, args, kwargs = hf_zoo.make("hf_gpt2", batch=4)
 """
@@ -77,6 +79,30 @@ def make(name, batch=4, seed=0, length=None):
                                experts_implementation="batched_mm")
         ids = _lm_batch(batch, g, seq)
         return tf.MixtralForCausalLM(cfg), (), {"input_ids": ids, "labels": ids}
+    decoder = dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                   vocab_size=VOCAB, max_position_embeddings=32, use_cache=False)
+    if name == "hf_gpt_oss":  # attention sinks; a sliding layer and a full one; grouped_mm experts
+        cfg = tf.GptOssConfig(**decoder, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                              num_experts_per_tok=2, sliding_window=8,
+                              layer_types=["sliding_attention", "full_attention"])
+        ids = _lm_batch(batch, g, seq)
+        return tf.GptOssForCausalLM(cfg), (), {"input_ids": ids, "labels": ids}
+    if name == "hf_deepseek_v3":  # low-rank latent attention, a dense layer then routed experts
+        cfg = tf.DeepseekV3Config(**decoder, num_key_value_heads=4, moe_intermediate_size=16,
+                                  n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+                                  first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=8,
+                                  qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8)
+        ids = _lm_batch(batch, g, seq)
+        return tf.DeepseekV3ForCausalLM(cfg), (), {"input_ids": ids, "labels": ids}
+    if name == "hf_qwen3_next":  # gated delta-rule linear attention, then full attention; experts
+        cfg = tf.Qwen3NextConfig(**decoder, num_key_value_heads=2, head_dim=8, num_experts=4,
+                                 num_experts_per_tok=2, moe_intermediate_size=16,
+                                 shared_expert_intermediate_size=16, linear_num_value_heads=2,
+                                 linear_num_key_heads=2, linear_key_head_dim=8,
+                                 linear_value_head_dim=8,
+                                 layer_types=["linear_attention", "full_attention"])
+        ids = _lm_batch(batch, g, seq)
+        return tf.Qwen3NextForCausalLM(cfg), (), {"input_ids": ids, "labels": ids}
     if name == "hf_wav2vec2_ctc":  # speech recognition: CTC over labels padded with -100
         cfg = tf.Wav2Vec2Config(num_hidden_layers=2, hidden_size=32, intermediate_size=64,
                                 num_attention_heads=4, conv_dim=[16, 16], conv_stride=[5, 2],
@@ -94,4 +120,4 @@ def make(name, batch=4, seed=0, length=None):
 
 
 NAMES = ["hf_bert", "hf_gpt2", "hf_llama", "hf_t5", "hf_vit", "hf_swin", "hf_convbert", "hf_mixtral",
-         "hf_wav2vec2_ctc"]
+         "hf_gpt_oss", "hf_deepseek_v3", "hf_qwen3_next", "hf_wav2vec2_ctc"]

@@ -45,6 +45,9 @@ HF_LAYOUTS = [
     (2, "hf_swin", 2, 2, []),                                # shifted windows, x * x
     (2, "hf_convbert", 2, 2, []),                            # x += bias: in-place writes
     (2, "hf_mixtral", 2, 2, []),                             # mixture of experts (batched_mm)
+    (2, "hf_gpt_oss", 2, 2, []),                             # sinks, sliding windows, grouped_mm
+    (2, "hf_deepseek_v3", 1, 2, ["--opt", "replicas=2"]),    # latent attention, experts, replicas
+    (2, "hf_qwen3_next", 2, 2, ["--lengths", "16,12,20"]),   # linear attention at new lengths
     (2, "hf_wav2vec2_ctc", 2, 2, []),                        # CTC over masked labels, a sum
     (2, "hf_t5", 2, 2, ["--lengths", "16,12,20"]),           # dynamic padding: new lengths
     (2, "hf_llama", 2, 2, ["--lengths", "16,9,20"]),
