@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import itertools
 import os
+import sys
 import traceback
 import warnings
 from dataclasses import dataclass
@@ -287,6 +288,40 @@ def _fresh_buffers(state: ModelState, state_tensors: list) -> list[torch.Tensor]
     return state_tensors[:n_params] + [b.clone() for b in state_tensors[n_params:]]
 
 
+def compiled_parts(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The (name, module) of `model` and its submodules that torch.compile or
+    Module.compile() compiled ("" for the model itself; names as in the uncompiled model)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # imported once compile was used
+    optimized = eval_frame.OptimizedModule if eval_frame is not None else ()
+    return [(name.replace("_orig_mod.", "").removesuffix("_orig_mod"), m)
+            for name, m in model.named_modules()
+            if m.__dict__.get("_compiled_call_impl") is not None
+            or (optimized and isinstance(m, optimized) and "forward" in m.__dict__)]
+
+
+@contextlib.contextmanager
+def compiled_parts_eager(model: torch.nn.Module):
+    """[Note: compiled models] torch.compile(model), or submodules compiled with
+    torch.compile or Module.compile(), run eagerly while traced: torch.jit.trace refuses
+    dynamo-optimized code, and rannc runs the traced graph in its own stages, so what dynamo
+    would compile never runs anyway. nanoGPT-style scripts compile the model before
+    wrapping it for DistributedDataParallel, and run unchanged. The module tree stays as the
+    user built it: parameters keep their names (`_orig_mod.` included), as DDP keeps them."""
+    saved = []
+    for _, m in compiled_parts(model):
+        if m.__dict__.get("_compiled_call_impl") is not None:  # Module.compile()
+            saved.append((m, "_compiled_call_impl", m.__dict__["_compiled_call_impl"]))
+            m._compiled_call_impl = None
+        if hasattr(m, "_orig_mod") and "forward" in m.__dict__:  # torch.compile(module)
+            saved.append((m, "forward", m.__dict__["forward"]))
+            m.forward = m._orig_mod.__call__
+    try:
+        yield
+    finally:
+        for m, name, value in reversed(saved):
+            setattr(m, name, value)
+
+
 def _trace_once(model, state: ModelState, state_tensors: list, flat: FlatArgs, tensors,
                 tracer_notes: list, watch_random: bool = False):
     n_state = len(state.names)
@@ -308,7 +343,8 @@ def _trace_once(model, state: ModelState, state_tensors: list, flat: FlatArgs, t
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", torch.jit.TracerWarning)
             warnings.filterwarnings("ignore", message=".*torch.jit.trace. is deprecated")
-            with _WatchRandomDecisions() if watch_random else contextlib.nullcontext():
+            with (_WatchRandomDecisions() if watch_random else contextlib.nullcontext(),
+                  compiled_parts_eager(model)):
                 traced = torch.jit.trace(fn, example, check_trace=False, strict=False)
     except _RandomDecision as e:
         raise TraceError(

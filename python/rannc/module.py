@@ -28,7 +28,7 @@ import torch
 
 from . import _C, clipping, failure, full_state, handshake, registry
 from .graph import TracedGraph
-from ._trace import autocast_dtype
+from ._trace import autocast_dtype, compiled_parts
 from .amp import forward_loss_scale
 from .options import PRECISIONS, Options, format_bytes
 from .pipeline import Engine
@@ -673,10 +673,17 @@ class RaNNCModule(torch.nn.Module):
         registry.register(self)  # [Note: torch's clip_grad_norm_], [Note: agreed steps]
         # Callers that read the model's argument names from forward's signature (transformers'
         # Trainer drops the dataset's columns that forward does not name) see the model's.
-        forward = functools.partial(type(self).forward, self)
+        # torch.compile(RaNNCModule(...)): dynamo leaves the call to rannc's stages instead of
+        # tracing through the runtime ([Note: compiled models] in _trace.py)
+        forward = functools.partial(torch.compiler.disable(type(self).forward), self)
         forward.__signature__ = inspect.signature(model.forward)
         self.forward = forward
         clipping.warn_early_imports()
+        compiled = [name or "the model" for name, _ in compiled_parts(model)]
+        if compiled and _C.get_rank() == 0:  # [Note: compiled models] in _trace.py
+            _C.log_warn(f"torch.compile was applied to {', '.join(compiled[:3])}"
+                        f"{' and others' if len(compiled) > 3 else ''}: rannc traces the model "
+                        "eagerly and runs its own stages, which are not compiled")
 
     def forward(self, *args, **kwargs):
         mode = self.module.training

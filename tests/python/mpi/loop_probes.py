@@ -36,6 +36,10 @@ behaviour and prints "OK rank r", or fails the way the test expects.
                                        ([Note: optimizers made after wrapping]): training and
                                        optimizer_state_dict() equal PyTorch's, its groups hold
                                        this rank's share
+    loop_probes.py compiled            nanoGPT's habit: torch.compile(model) before wrapping
+                                       (a block compiled with Module.compile() inside, the
+                                       wrapper compiled too): traced eagerly, trained equal
+                                       to PyTorch, state_dict() names as the compiled model's
 """
 import copy
 import sys
@@ -411,6 +415,29 @@ elif probe == "late_optimizer":
         for k in ("exp_avg", "exp_avg_sq"):
             torch.testing.assert_close(gathered["state"][i][k], s[k], rtol=1e-4, atol=1e-6,
                                        msg=lambda m: f"rank {rank}: state {i} {k}: {m}")
+    print(f"OK rank {rank}", flush=True)
+elif probe == "compiled":  # [Note: compiled models] in _trace.py
+    model, args, _ = zoo.make("gpt", batch=4, seed=0)
+    zoo.no_dropout(model)
+    reference = copy.deepcopy(model)
+    model.blocks[1].compile()
+    compiled = torch.compile(model)
+    names = list(compiled.state_dict())
+    assert names[0].startswith("_orig_mod."), names[0]
+    opt = torch.optim.AdamW(compiled.parameters(), lr=1e-2, eps=1e-5)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, eps=1e-5)
+    module = rannc.RaNNCModule(compiled, opt, num_stages=2, num_microbatches=2)
+    wrapped = torch.compile(module)  # its state_dict() adds torch's "_orig_mod." in front
+    for step in range(3):
+        loss, ref_loss = wrapped(*args), reference(*args)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        step_both(loss, ref_loss, opt, ref_opt)
+        same_stage_parameters(model, reference, rtol=1e-4)
+    gathered = module.state_dict()
+    assert list(gathered) == names, f"rank {rank}: {list(gathered)[:3]} against {names[:3]}"
+    for name, t in reference.state_dict().items():
+        torch.testing.assert_close(gathered["_orig_mod." + name], t, rtol=1e-4, atol=1e-6)
+    assert model.blocks[1]._compiled_call_impl is not None, "the user's compiled block was changed"
     print(f"OK rank {rank}", flush=True)
 else:
     raise SystemExit(f"unknown probe {probe}")
