@@ -19,6 +19,7 @@ import itertools
 import os
 import sys
 import traceback
+import types
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -299,14 +300,29 @@ def compiled_parts(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
             or (optimized and isinstance(m, optimized) and "forward" in m.__dict__)]
 
 
+def sync_batch_norms(model: torch.nn.Module) -> list[str]:
+    """The names of `model`'s SyncBatchNorm modules."""
+    return [name for name, m in model.named_modules() if isinstance(m, torch.nn.SyncBatchNorm)]
+
+
 @contextlib.contextmanager
-def compiled_parts_eager(model: torch.nn.Module):
-    """[Note: compiled models] torch.compile(model), or submodules compiled with
-    torch.compile or Module.compile(), run eagerly while traced: torch.jit.trace refuses
-    dynamo-optimized code, and rannc runs the traced graph in its own stages, so what dynamo
-    would compile never runs anyway. nanoGPT-style scripts compile the model before
-    wrapping it for DistributedDataParallel, and run unchanged. The module tree stays as the
-    user built it: parameters keep their names (`_orig_mod.` included), as DDP keeps them."""
+def traceable_parts(model: torch.nn.Module):
+    """Parts of the model that cannot be traced as written run as rannc runs them, while
+    traced; the module tree stays as the user built it, and everything is restored after.
+
+    [Note: compiled models] torch.compile(model), or submodules compiled with torch.compile
+    or Module.compile(), run eagerly: torch.jit.trace refuses dynamo-optimized code, and
+    rannc runs the traced graph in its own stages, so what dynamo would compile never runs
+    anyway. nanoGPT-style scripts compile the model before wrapping it for
+    DistributedDataParallel, and run unchanged. Parameters keep their names (`_orig_mod.`
+    included), as DDP keeps them.
+
+    [Note: SyncBatchNorm] A SyncBatchNorm runs as the BatchNorm it extends: statistics over
+    each micro-batch share, as every batch norm under rannc (docs/api.md). Its own forward,
+    once torch.distributed is initialised (rannc.init_process_group(), accelerate), would
+    record an all-gather over the world into the trace, which the stages, each on a few
+    ranks, would run out of step (on the CPU it refuses outright).
+    """
     saved = []
     for _, m in compiled_parts(model):
         if m.__dict__.get("_compiled_call_impl") is not None:  # Module.compile()
@@ -315,11 +331,18 @@ def compiled_parts_eager(model: torch.nn.Module):
         if hasattr(m, "_orig_mod") and "forward" in m.__dict__:  # torch.compile(module)
             saved.append((m, "forward", m.__dict__["forward"]))
             m.forward = m._orig_mod.__call__
+    for m in model.modules():
+        if isinstance(m, torch.nn.SyncBatchNorm):
+            saved.append((m, "forward", m.__dict__.get("forward")))
+            m.forward = types.MethodType(torch.nn.modules.batchnorm._BatchNorm.forward, m)
     try:
         yield
     finally:
         for m, name, value in reversed(saved):
-            setattr(m, name, value)
+            if value is None:
+                delattr(m, name)  # the class's method again
+            else:
+                setattr(m, name, value)
 
 
 def _trace_once(model, state: ModelState, state_tensors: list, flat: FlatArgs, tensors,
@@ -344,7 +367,7 @@ def _trace_once(model, state: ModelState, state_tensors: list, flat: FlatArgs, t
             warnings.simplefilter("always", torch.jit.TracerWarning)
             warnings.filterwarnings("ignore", message=".*torch.jit.trace. is deprecated")
             with (_WatchRandomDecisions() if watch_random else contextlib.nullcontext(),
-                  compiled_parts_eager(model)):
+                  traceable_parts(model)):
                 traced = torch.jit.trace(fn, example, check_trace=False, strict=False)
     except _RandomDecision as e:
         raise TraceError(

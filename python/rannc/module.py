@@ -28,7 +28,7 @@ import torch
 
 from . import _C, clipping, failure, full_state, handshake, registry
 from .graph import TracedGraph
-from ._trace import autocast_dtype, compiled_parts
+from ._trace import autocast_dtype, compiled_parts, sync_batch_norms
 from .amp import forward_loss_scale
 from .options import PRECISIONS, Options, format_bytes
 from .pipeline import Engine
@@ -684,6 +684,12 @@ class RaNNCModule(torch.nn.Module):
             _C.log_warn(f"torch.compile was applied to {', '.join(compiled[:3])}"
                         f"{' and others' if len(compiled) > 3 else ''}: rannc traces the model "
                         "eagerly and runs its own stages, which are not compiled")
+        synced = sync_batch_norms(model)
+        if synced and _C.get_rank() == 0:  # [Note: SyncBatchNorm] in _trace.py
+            _C.log_warn(f"SyncBatchNorm in {', '.join(synced[:3])}"
+                        f"{f' and {len(synced) - 3} more' if len(synced) > 3 else ''}: rannc "
+                        "computes batch-norm statistics over each micro-batch share, as for "
+                        "BatchNorm, not synchronised over the ranks")
 
     def forward(self, *args, **kwargs):
         mode = self.module.training

@@ -511,7 +511,7 @@ def test_a_failure_while_tracing_new_shapes_says_so_with_both_shapes():
 @pytest.mark.parametrize("probe", ["mismatched_rows", "data_branch", "different_models",
                                    "length_branch", "padded_lengths", "eval_after_new_length",
                                    "num_items_in_batch", "uneven_selection", "late_optimizer",
-                                   "rank0_only", "process_group", "compiled"])
+                                   "rank0_only", "process_group", "compiled", "sync_batch_norm"])
 def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
     """Ranks with different batch sizes in one call (on every such call), control flow on
     data that differs between ranks, different models, a sequence length for which the
@@ -529,7 +529,9 @@ def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
     naming what each called ([Note: named collectives]); before, the ranks' collectives
     were mismatched. process_group: rannc.init_process_group() gives a DDP script's
     torch.distributed (sampler, metrics) over the MPI ranks. compiled: a model compiled before
-    wrapping, and the wrapper compiled, train as PyTorch ([Note: compiled models])."""
+    wrapping, and the wrapper compiled, train as PyTorch ([Note: compiled models]).
+    sync_batch_norm: SyncBatchNorm with torch.distributed initialised runs as BatchNorm
+    ([Note: SyncBatchNorm]); before, tracing failed (CPU) or recorded an all-gather (GPU)."""
     res = mpirun("loop_probes.py", 2, probe, timeout=300, env={"RANNC_COMM_TIMEOUT": "60"})
     assert res.returncode == 0, res.stdout[-4000:]
     for r in range(2):
@@ -537,6 +539,8 @@ def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
     if probe == "late_optimizer":
         assert ("AdamW was built after RaNNCModule and steps its parameters: it is now the "
                 "module's optimizer" in res.stdout), res.stdout[-3000:]
+    if probe == "sync_batch_norm":
+        assert "SyncBatchNorm in stem.1, blocks.0.bn1, blocks.0.bn2 and 2 more: rannc" in res.stdout, res.stdout[-3000:]
     if probe == "compiled":
         assert ("torch.compile was applied to the model, blocks.1: rannc traces the model eagerly"
                 in res.stdout), res.stdout[-3000:]

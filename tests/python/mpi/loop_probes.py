@@ -40,6 +40,10 @@ behaviour and prints "OK rank r", or fails the way the test expects.
                                        (a block compiled with Module.compile() inside, the
                                        wrapper compiled too): traced eagerly, trained equal
                                        to PyTorch, state_dict() names as the compiled model's
+    loop_probes.py sync_batch_norm     DDP's habit: convert_sync_batchnorm, with
+                                       torch.distributed initialised: each SyncBatchNorm runs
+                                       as BatchNorm over its share; with one share of the
+                                       global batch per stage, equal to PyTorch's BatchNorm
 """
 import copy
 import sys
@@ -438,6 +442,28 @@ elif probe == "compiled":  # [Note: compiled models] in _trace.py
     for name, t in reference.state_dict().items():
         torch.testing.assert_close(gathered["_orig_mod." + name], t, rtol=1e-4, atol=1e-6)
     assert model.blocks[1]._compiled_call_impl is not None, "the user's compiled block was changed"
+    print(f"OK rank {rank}", flush=True)
+elif probe == "sync_batch_norm":  # [Note: SyncBatchNorm] in _trace.py
+    model, _, _ = zoo.make("resnet", batch=4, seed=0)
+    reference = copy.deepcopy(model)  # BatchNorm2d, on the global batch
+    model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    rannc.init_process_group()  # SyncBatchNorm would all-gather over it
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    wrapped = rannc.RaNNCModule(model, opt, num_stages=2, num_microbatches=1)
+    for step in range(3):
+        shares = [zoo.make("resnet", batch=4, seed=10 * step + r)[1] for r in range(2)]
+        mine = shares[rank]
+        everyone = tuple(torch.cat([s[i] for s in shares]) for i in range(len(mine)))
+        loss, ref_loss = wrapped(*mine), reference(*everyone)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        step_both(loss, ref_loss, opt, ref_opt)
+    gathered = wrapped.state_dict()  # the running statistics too
+    for name, t in reference.state_dict().items():
+        torch.testing.assert_close(gathered[name], t, rtol=1e-4, atol=1e-6,
+                                   msg=lambda m: f"rank {rank}: {name}: {m}")
+    assert "forward" not in vars(model.stem[1]), "the SyncBatchNorm was left changed"
+    torch.distributed.destroy_process_group()
     print(f"OK rank {rank}", flush=True)
 else:
     raise SystemExit(f"unknown probe {probe}")
