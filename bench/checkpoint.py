@@ -35,7 +35,8 @@ def worker(a):
                           cost_model="analytic")
     w(torch.randn(2, a.width)).square().mean().backward()
     opt.step()
-    share = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    held = [*model.parameters(), *model.buffers()]  # this rank's share: the rest is empty
+    share = sum(t.numel() * t.element_size() for t in held)
     share += sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
                  if isinstance(v, torch.Tensor))
     total = a.layers * (a.width + 1) * a.width * 4 * 3
@@ -55,7 +56,7 @@ def worker(a):
         if os.path.exists(f"{base}.raw{rank}"):
             os.remove(f"{base}.raw{rank}")
         with open(f"{base}.raw{rank}", "wb") as f:
-            for t in list(model.state_dict().values()) + [
+            for t in [t.detach() for t in held] + [
                     v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]:
                 if t.numel():
                     f.write(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))

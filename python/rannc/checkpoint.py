@@ -97,7 +97,7 @@ def _entries(wrapped) -> list[_Entry]:
     world = list(range(_C.get_world_size()))
     placement = wrapped.placement.holders()
     entries, by_id = [], {}
-    for name, t in wrapped.module.state_dict(keep_vars=True).items():
+    for name, t in wrapped.placement.module_state_dict(keep_vars=True).items():
         if not isinstance(t, torch.Tensor):
             continue
         if id(t) in by_id:
@@ -270,7 +270,7 @@ def _write_metadata(wrapped, tmp: str, entries: list[_Entry], reports: list[dict
         "format": FORMAT, "version": VERSION, "world_size": _C.get_world_size(),
         "model": type(wrapped.module).__qualname__,
         "optimizer_step": max(steps) if steps else None,
-        "names": list(wrapped.module.state_dict(keep_vars=True)),
+        "names": list(wrapped.placement.module_state_dict(keep_vars=True)),
         "tensors": tensors,
         "aliases": {alias: e.name for e in entries for alias in e.aliases},
         "optimizer": {"groups": OPTIMIZER, "state": optimizer} if has_optimizer else None,

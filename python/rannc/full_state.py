@@ -21,8 +21,8 @@ def gather_state_dict(wrapped, *args, destination=None, prefix="", keep_vars=Fal
     need not fit on one device); the model keeps only its stage's state."""
     placement = wrapped.placement
     if not placement.deployed:
-        return wrapped.module.state_dict(*args, destination=destination, prefix=prefix,
-                                      keep_vars=keep_vars)
+        return placement.module_state_dict(*args, destination=destination, prefix=prefix,
+                                           keep_vars=keep_vars)
     comm, rank = _C.Communicator.world_cpu(), _C.get_rank()
     world = set(range(_C.get_world_size()))
     gathered = {}
@@ -35,7 +35,8 @@ def gather_state_dict(wrapped, *args, destination=None, prefix="", keep_vars=Fal
                      else torch.empty(placement.full_shape(i, t), dtype=t.dtype))
             comm.broadcast(value, owner).wait()
         gathered[id(t)] = value
-    out = wrapped.module.state_dict(*args, destination=destination, prefix=prefix, keep_vars=True)
+    out = placement.module_state_dict(*args, destination=destination, prefix=prefix,
+                                      keep_vars=True)
     for k, v in out.items():
         if isinstance(v, torch.Tensor) and id(v) in gathered:
             out[k] = gathered[id(v)]
@@ -51,12 +52,13 @@ def load_state_dict(wrapped, state_dict, strict: bool = True, assign: bool = Fal
                        "stages run with; load with assign=False (the default)")
     freed_here = wrapped.placement.freed()
     if not freed_here:
-        result = wrapped.module.load_state_dict(state_dict, strict=strict, assign=assign)
+        result = wrapped.placement.module_load_state_dict(state_dict, strict=strict, assign=assign)
         wrapped.placement.loaded(_loaded(wrapped, state_dict))
         return result
     tensors = wrapped.placement.tensors()
     freed = {id(tensors[i]): shape for i, shape in freed_here.items()}
-    shapes = {k: freed[id(v)] for k, v in wrapped.module.state_dict(keep_vars=True).items()
+    own = wrapped.placement.module_state_dict(keep_vars=True)
+    shapes = {k: freed[id(v)] for k, v in own.items()
               if isinstance(v, torch.Tensor) and id(v) in freed}  # the freed tensors' keys
     errors = [f"size mismatch for {k}: copying a param with shape {state_dict[k].shape} from "
               f"checkpoint, the shape in current model is {shapes[k]}."
@@ -68,7 +70,7 @@ def load_state_dict(wrapped, state_dict, strict: bool = True, assign: bool = Fal
     kept = collections.OrderedDict((k, v) for k, v in state_dict.items() if k not in shapes)
     if getattr(state_dict, "_metadata", None) is not None:
         kept._metadata = state_dict._metadata
-    result = wrapped.module.load_state_dict(kept, strict=False)
+    result = wrapped.placement.module_load_state_dict(kept, strict=False)
     wrapped.placement.loaded(_loaded(wrapped, kept))
     missing = [k for k in result.missing_keys if k not in state_dict]
     unexpected = list(result.unexpected_keys)
@@ -87,7 +89,7 @@ def load_state_dict(wrapped, state_dict, strict: bool = True, assign: bool = Fal
 
 def _loaded(wrapped, state_dict) -> list[torch.Tensor]:
     """The module's tensors that `state_dict` gave values to."""
-    own = wrapped.module.state_dict(keep_vars=True)
+    own = wrapped.placement.module_state_dict(keep_vars=True)
     return [own[k] for k in state_dict if isinstance(own.get(k), torch.Tensor)]
 
 

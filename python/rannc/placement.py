@@ -30,6 +30,8 @@ the optimizer's references stay valid).
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import zlib
 
 import torch
@@ -40,6 +42,19 @@ from .transport import all_gather_objects, recv_staged, send_staged
 
 # Tag of the point-to-point copies of parameters and buffers between ranks.
 _STATE_TAG = 7
+
+# rannc's own reads and loads of the module's state, which know what each rank holds
+# ([Note: the module's own state_dict]).
+_OWN_ACCESS = contextvars.ContextVar("rannc_own_state_access", default=False)
+
+
+@contextlib.contextmanager
+def _own_access():
+    token = _OWN_ACCESS.set(True)
+    try:
+        yield
+    finally:
+        _OWN_ACCESS.reset(token)
 
 
 class StatePlacement:
@@ -57,6 +72,64 @@ class StatePlacement:
         # the state's names in trace order, resolved on the module (the trace's once deployed)
         self._trace_state = ModelState.of(module)
         self._meta_built = self._empty_meta_parameters()
+        # (functions, not bound methods: torch marks its hooks with an attribute)
+        self._hooks = [
+            module.register_state_dict_post_hook(lambda *_: self._check_users_state_dict()),
+            module.register_load_state_dict_pre_hook(lambda *_: self._check_users_load())]
+
+    # ---- the module's own state_dict ------------------------------------------------------
+    # [Note: the module's own state_dict] DistributedDataParallel's habits
+    #     if rank == 0: torch.save(model.module.state_dict(), path)
+    #     model.module.load_state_dict(torch.load(path))       # resuming
+    # (and transformers' model.module.save_pretrained) read and write the user's module
+    # directly. Under rannc a rank holds only its stages' tensors: the others are empty
+    # (numel 0) or stale, so the first wrote a checkpoint of empty tensors without a word
+    # and the second failed on a size of 0. Both are refused, naming what this rank lacks
+    # and the wrapper's calls that gather or scatter; rannc's own reads pass (_own_access).
+    def module_state_dict(self, *args, **kwargs) -> dict:
+        """The module's own state_dict() (what this rank holds), for rannc's use."""
+        with _own_access():
+            return self.module.state_dict(*args, **kwargs)
+
+    def module_load_state_dict(self, *args, **kwargs):
+        with _own_access():
+            return self.module.load_state_dict(*args, **kwargs)
+
+    def not_current_here(self) -> list[str]:
+        """The state tensors whose current value this rank lacks (freed, stale, or, for a
+        model built on the meta device, without a value anywhere yet)."""
+        if not self._users:
+            return self.without_values()
+        rank, names = _C.get_rank(), self._trace_state.names
+        return [names[i] for i, (_, current) in enumerate(self.sources())
+                if rank not in current or i in self._freed]
+
+    def _check_users_state_dict(self):
+        if not _OWN_ACCESS.get():
+            self._refuse_partial("state_dict()", "state_dict() or save_checkpoint(dir)")
+
+    def _check_users_load(self):
+        if not _OWN_ACCESS.get() and self._users:
+            self._refuse_partial("load_state_dict()", "load_state_dict(state) or "
+                                 "load_checkpoint(path)", loading=True)
+
+    def _refuse_partial(self, what: str, instead: str, loading: bool = False):
+        lacking = self._freed_names() if loading else self.not_current_here()
+        if not lacking:
+            return
+        more = f" and {len(lacking) - 3} more" if len(lacking) > 3 else ""
+        holds = ("has no storage for" if loading else "does not hold the current values of")
+        how = ("every rank passes the whole state and keeps its share" if loading else
+               "they gather from every rank; write the file on rank 0 only")
+        raise _C.Error(
+            f"{type(self.module).__name__}.{what} of the model inside a RaNNCModule on rank "
+            f"{_C.get_rank()}: this rank keeps only its stages' parameters and buffers and "
+            f"{holds} {', '.join(lacking[:3])}{more}. Call the RaNNCModule's {instead} on every "
+            f"rank instead ({how}), not model.module's as with DistributedDataParallel")
+
+    def _freed_names(self) -> list[str]:
+        names = self._trace_state.names
+        return [names[i] for i in sorted(self._freed)]
 
     def _empty_meta_parameters(self) -> set[int]:
         """Swaps the parameters built on the meta device for empty ones at home, freed on

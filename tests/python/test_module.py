@@ -511,7 +511,8 @@ def test_a_failure_while_tracing_new_shapes_says_so_with_both_shapes():
 @pytest.mark.parametrize("probe", ["mismatched_rows", "data_branch", "different_models",
                                    "length_branch", "padded_lengths", "eval_after_new_length",
                                    "num_items_in_batch", "uneven_selection", "late_optimizer",
-                                   "rank0_only", "process_group", "compiled", "sync_batch_norm"])
+                                   "rank0_only", "process_group", "compiled", "sync_batch_norm",
+                                   "module_state_dict"])
 def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
     """Ranks with different batch sizes in one call (on every such call), control flow on
     data that differs between ranks, different models, a sequence length for which the
@@ -531,7 +532,9 @@ def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
     torch.distributed (sampler, metrics) over the MPI ranks. compiled: a model compiled before
     wrapping, and the wrapper compiled, train as PyTorch ([Note: compiled models]).
     sync_batch_norm: SyncBatchNorm with torch.distributed initialised runs as BatchNorm
-    ([Note: SyncBatchNorm]); before, tracing failed (CPU) or recorded an all-gather (GPU)."""
+    ([Note: SyncBatchNorm]); before, tracing failed (CPU) or recorded an all-gather (GPU).
+    module_state_dict: model.module.state_dict() on a rank that lacks tensors is an error
+    naming them (it returned empty tensors), as is model.module.load_state_dict()."""
     res = mpirun("loop_probes.py", 2, probe, timeout=300, env={"RANNC_COMM_TIMEOUT": "60"})
     assert res.returncode == 0, res.stdout[-4000:]
     for r in range(2):

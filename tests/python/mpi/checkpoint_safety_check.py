@@ -152,7 +152,7 @@ elif a.phase == "memory":
         return w, opt
 
     w, opt = build(0)
-    own = sum(t.numel() * t.element_size() for t in w.module.state_dict().values())
+    own = sum(t.numel() * t.element_size() for t in [*w.module.parameters(), *w.module.buffers()])
     own += sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
                if isinstance(v, torch.Tensor))
     largest = WIDTH * WIDTH * 4

@@ -44,6 +44,11 @@ behaviour and prints "OK rank r", or fails the way the test expects.
                                        torch.distributed initialised: each SyncBatchNorm runs
                                        as BatchNorm over its share; with one share of the
                                        global batch per stage, equal to PyTorch's BatchNorm
+    loop_probes.py module_state_dict   DDP's habits model.module.state_dict() on rank 0 and
+                                       model.module.load_state_dict(sd): an error naming what
+                                       this rank lacks ([Note: the module's own state_dict]);
+                                       with one stage replicated, the module's own state_dict()
+                                       is whole and current, as under DDP
 """
 import copy
 import sys
@@ -464,6 +469,39 @@ elif probe == "sync_batch_norm":  # [Note: SyncBatchNorm] in _trace.py
                                    msg=lambda m: f"rank {rank}: {name}: {m}")
     assert "forward" not in vars(model.stem[1]), "the SyncBatchNorm was left changed"
     torch.distributed.destroy_process_group()
+    print(f"OK rank {rank}", flush=True)
+elif probe == "module_state_dict":  # [Note: the module's own state_dict] in placement.py
+    model, args, _ = zoo.make("gpt", batch=4, seed=0)
+    zoo.no_dropout(model)
+    reference = copy.deepcopy(model)
+    full = copy.deepcopy(model.state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    wrapped = rannc.RaNNCModule(model, opt, num_stages=2)
+    wrapped(*args).backward()
+    opt.step()
+    opt.zero_grad()
+    expect_error(lambda: wrapped.module.state_dict(), f"GPT.state_dict() of the model inside a "
+                 f"RaNNCModule on rank {rank}: this rank keeps only its stages'",
+                 "Call the RaNNCModule's state_dict() or save_checkpoint(dir) on every rank")
+    expect_error(lambda: wrapped.module.load_state_dict(full), "GPT.load_state_dict() of the model",
+                 "has no storage for", "load_state_dict(state) or load_checkpoint(path)")
+    wrapped.load_state_dict(full)  # the wrapper's own calls still work
+    gathered = wrapped.state_dict()
+    for name, t in reference.state_dict().items():
+        torch.testing.assert_close(gathered[name], t, msg=lambda m: f"rank {rank}: {name}: {m}")
+    # one stage on both ranks (replicas): every rank holds everything, current, as under DDP
+    model, args, _ = zoo.make("gpt", batch=4, seed=0)
+    zoo.no_dropout(model)
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    wrapped = rannc.RaNNCModule(model, opt, num_stages=1)
+    step_both(wrapped(*args), reference(*args), opt, ref_opt)
+    own = wrapped.module.state_dict()
+    for name, t in reference.state_dict().items():
+        torch.testing.assert_close(own[name], t, rtol=1e-4, atol=1e-6,
+                                   msg=lambda m: f"rank {rank}: {name}: {m}")
+    wrapped.module.load_state_dict(own)
     print(f"OK rank {rank}", flush=True)
 else:
     raise SystemExit(f"unknown probe {probe}")
