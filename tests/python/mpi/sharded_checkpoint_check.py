@@ -92,7 +92,7 @@ elif a.phase == "save":
     w.save_checkpoint(a.dir, extra={"losses": losses, "next": N})
     meta = json.load(open(os.path.join(a.dir, "rannc_checkpoint.json")))
     index = json.load(open(os.path.join(a.dir, "model.safetensors.index.json")))
-    state = w.module.state_dict(keep_vars=True)
+    state = w.placement.module_state_dict(keep_vars=True)  # what this rank holds
     first = {}
     for name, t in state.items():
         first.setdefault(id(t), name)
