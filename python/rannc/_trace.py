@@ -283,6 +283,52 @@ class _WatchRandomDecisions(torch.overrides.TorchFunctionMode):
         return out
 
 
+# [Note: hooks] A trace records the ops a forward runs, not the hooks autograd would call:
+# - a gradient hook registered on a tensor inside forward (`y.register_hook(fn)`) would be
+#   dropped without a word, and the gradients it changes (a gradient reversal, a clip)
+#   would train another model: a TraceError names its source line;
+# - modules' backward hooks (register_full_backward_hook and pre-hooks) likewise: a
+#   TraceError names the modules (before, tracing failed on a cast of their tuple);
+# - forward hooks and pre-hooks run while the model is traced, so what they return is in
+#   the graph, but the steps run the graph: their side effects (storing activations,
+#   logging) happen at tracing only, and RaNNCModule warns on rank 0 naming the modules.
+class _TensorHook(Exception):
+    pass
+
+
+class _RefuseTensorHooks(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.register_hook and args and args[0].requires_grad:
+            raise _TensorHook()
+        return func(*args, **(kwargs or {}))
+
+
+def module_hooks(model: torch.nn.Module, backward: bool) -> list[str]:
+    """The names of `model`'s modules with forward hooks or pre-hooks (`backward`: backward
+    hooks or pre-hooks), "every module" for hooks registered on all modules."""
+    mm = torch.nn.modules.module
+    if backward:
+        kinds = ("_backward_hooks", "_backward_pre_hooks")
+        everywhere = mm._global_backward_hooks or mm._global_backward_pre_hooks
+    else:
+        kinds = ("_forward_hooks", "_forward_pre_hooks")
+        everywhere = mm._global_forward_hooks or mm._global_forward_pre_hooks
+    names = ["every module (a global hook)"] if everywhere else []
+    return names + [name or "the model" for name, m in model.named_modules()
+                    if any(getattr(m, k, None) for k in kinds)]
+
+
+def _refuse_backward_hooks(model: torch.nn.Module):
+    hooked = module_hooks(model, backward=True)
+    if hooked:
+        more = f" and {len(hooked) - 3} more" if len(hooked) > 3 else ""
+        raise TraceError(
+            f"backward hooks on {', '.join(hooked[:3])}{more} (register_full_backward_hook or "
+            "register_full_backward_pre_hook): a trace records the forward's ops, not the hooks "
+            "autograd would call, so rannc cannot run them. Remove them, or hook the parameters "
+            "(param.register_hook) outside the model")
+
+
 def _fresh_buffers(state: ModelState, state_tensors: list) -> list[torch.Tensor]:
     """`state_tensors` with the buffers copied: a run may write into them."""
     n_params = len(state.param_names)
@@ -367,7 +413,7 @@ def _trace_once(model, state: ModelState, state_tensors: list, flat: FlatArgs, t
             warnings.simplefilter("always", torch.jit.TracerWarning)
             warnings.filterwarnings("ignore", message=".*torch.jit.trace. is deprecated")
             with (_WatchRandomDecisions() if watch_random else contextlib.nullcontext(),
-                  traceable_parts(model)):
+                  _RefuseTensorHooks(), traceable_parts(model)):
                 traced = torch.jit.trace(fn, example, check_trace=False, strict=False)
     except _RandomDecision as e:
         raise TraceError(
@@ -375,6 +421,13 @@ def _trace_once(model, state: ModelState, state_tensors: list, flat: FlatArgs, t
             "LayerDrop does (if torch.rand([]) < p: skip a layer); a trace fixes one draw for "
             "every step. Draw with tensor ops instead (torch.where), or set the probability to 0 "
             "(transformers: layerdrop=0.0, encoder_layerdrop=0.0, decoder_layerdrop=0.0)") from None
+    except _TensorHook as e:
+        raise TraceError(
+            f"the model registers a gradient hook on a tensor in its forward (register_hook at "
+            f"{_user_frame(e)}): a trace records the forward's ops, not the hooks autograd would "
+            "call, so the gradients it changes would be lost. Write the change as an op "
+            "(a torch.autograd.Function is recorded too), or hook the parameters outside "
+            "the model ([Note: hooks] in _trace.py)") from None
     finally:
         torch.jit._trace._trace_module_map = old_map
     for w in caught:
@@ -407,6 +460,7 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
         raise TraceError(f"expected an nn.Module, got {type(model).__qualname__}")
     if not isinstance(args, tuple):
         args = (args,)
+    _refuse_backward_hooks(model)  # [Note: hooks]
     flat = flatten_args(args, kwargs or {})
     # [Note: home device] The model runs where its parameters and buffers are; arguments
     # on another device (inputs on the GPU, the model still on the CPU, or the reverse)

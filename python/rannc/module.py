@@ -28,7 +28,7 @@ import torch
 
 from . import _C, clipping, failure, full_state, handshake, registry
 from .graph import TracedGraph
-from ._trace import autocast_dtype, compiled_parts, sync_batch_norms
+from ._trace import autocast_dtype, compiled_parts, module_hooks, sync_batch_norms
 from .amp import forward_loss_scale
 from .options import PRECISIONS, Options, format_bytes
 from .pipeline import Engine
@@ -684,6 +684,13 @@ class RaNNCModule(torch.nn.Module):
             _C.log_warn(f"torch.compile was applied to {', '.join(compiled[:3])}"
                         f"{' and others' if len(compiled) > 3 else ''}: rannc traces the model "
                         "eagerly and runs its own stages, which are not compiled")
+        hooked = module_hooks(model, backward=False)
+        if hooked and _C.get_rank() == 0:  # [Note: hooks] in _trace.py
+            _C.log_warn(f"forward hooks on {', '.join(hooked[:3])}"
+                        f"{f' and {len(hooked) - 3} more' if len(hooked) > 3 else ''} run while "
+                        "rannc traces the model, not in each step: what they return is traced "
+                        "into the graph, but their side effects (storing activations, logging) "
+                        "happen at tracing only")
         synced = sync_batch_norms(model)
         if synced and _C.get_rank() == 0:  # [Note: SyncBatchNorm] in _trace.py
             _C.log_warn(f"SyncBatchNorm in {', '.join(synced[:3])}"

@@ -392,6 +392,52 @@ def test_a_python_decision_on_a_random_number_is_an_error_naming_the_line():
     assert g.ir.num_tasks > 0
 
 
+class Reversal(nn.Module):
+    """A domain-adversarial gradient reversal, written as a hook or as a Function."""
+
+    class _Negate(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            return -g
+
+    def __init__(self, how):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 1)
+        self.how = how
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.how == "tensor_hook":
+            h.register_hook(lambda g: -g)
+        elif self.how == "function":
+            h = Reversal._Negate.apply(h)
+        return self.b(h).square().mean()
+
+
+def test_hooks_a_trace_cannot_record_are_errors_naming_them():
+    """[Note: hooks] in _trace.py: a gradient hook on a tensor in forward, or a module's
+    backward hook, would be lost from the trace (the tensor hook without a word); an
+    autograd Function doing the same is recorded and runs."""
+    x = torch.randn(8, 4)
+    with pytest.raises(rannc.TraceError, match=r"gradient hook on a tensor in its forward "
+                                               r"\(register_hook at .*test_frontend.py:\d+\)"):
+        rannc.trace(Reversal("tensor_hook"), (x,))
+    hooked = Reversal("function")
+    hooked.a.register_full_backward_hook(lambda m, gi, go: None)
+    with pytest.raises(rannc.TraceError, match=r"backward hooks on a \(register_full_backward_hook"):
+        rannc.trace(hooked, (x,))
+    model = Reversal("function")
+    reference = copy.deepcopy(model)
+    rannc.trace(model, (x,))(x).backward()
+    reference(x).backward()
+    torch.testing.assert_close(model.a.weight.grad, reference.a.weight.grad, rtol=0, atol=0)
+    assert model.a.weight.grad.abs().sum() > 0
+
+
 def test_tracing_leaves_model_and_rng_untouched():
     model, args, kwargs = zoo.make("resnet")
     before = copy.deepcopy(model.state_dict())

@@ -49,6 +49,9 @@ behaviour and prints "OK rank r", or fails the way the test expects.
                                        this rank lacks ([Note: the module's own state_dict]);
                                        with one stage replicated, the module's own state_dict()
                                        is whole and current, as under DDP
+    loop_probes.py forward_hook        a forward hook that scales a block's output: traced
+                                       into the graph, equal to PyTorch with the same hook;
+                                       rank 0 warns that its side effects happen at tracing
 """
 import copy
 import sys
@@ -502,6 +505,21 @@ elif probe == "module_state_dict":  # [Note: the module's own state_dict] in pla
         torch.testing.assert_close(own[name], t, rtol=1e-4, atol=1e-6,
                                    msg=lambda m: f"rank {rank}: {name}: {m}")
     wrapped.module.load_state_dict(own)
+    print(f"OK rank {rank}", flush=True)
+elif probe == "forward_hook":  # [Note: hooks] in _trace.py
+    model, args, _ = zoo.make("gpt", batch=4, seed=0)
+    zoo.no_dropout(model)
+    reference = copy.deepcopy(model)
+    for m in (model, reference):
+        m.blocks[1].register_forward_hook(lambda mod, inputs, out: out * 0.5)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-5)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, eps=1e-5)
+    wrapped = rannc.RaNNCModule(model, opt, num_stages=2, num_microbatches=2)
+    for step in range(3):
+        loss, ref_loss = wrapped(*args), reference(*args)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        step_both(loss, ref_loss, opt, ref_opt)
+        same_stage_parameters(model, reference, rtol=1e-4)
     print(f"OK rank {rank}", flush=True)
 else:
     raise SystemExit(f"unknown probe {probe}")
