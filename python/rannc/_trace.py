@@ -315,7 +315,8 @@ def module_hooks(model: torch.nn.Module, backward: bool) -> list[str]:
         everywhere = mm._global_forward_hooks or mm._global_forward_pre_hooks
     names = ["every module (a global hook)"] if everywhere else []
     return names + [name or "the model" for name, m in model.named_modules()
-                    if any(getattr(m, k, None) for k in kinds)]
+                    if any(not getattr(h, "__rannc__", False)  # rannc's own checks
+                           for k in kinds for h in getattr(m, k, {}).values())]
 
 
 def _refuse_backward_hooks(model: torch.nn.Module):

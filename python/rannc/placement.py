@@ -73,19 +73,25 @@ class StatePlacement:
         self._trace_state = ModelState.of(module)
         self._meta_built = self._empty_meta_parameters()
         # (functions, not bound methods: torch marks its hooks with an attribute)
+        def check_call(*_):
+            self._check_users_call()
+        check_call.__rannc__ = True  # not the user's hook ([Note: hooks] in _trace.py)
         self._hooks = [
             module.register_state_dict_post_hook(lambda *_: self._check_users_state_dict()),
-            module.register_load_state_dict_pre_hook(lambda *_: self._check_users_load())]
+            module.register_load_state_dict_pre_hook(lambda *_: self._check_users_load()),
+            module.register_forward_pre_hook(check_call)]
 
     # ---- the module's own state_dict ------------------------------------------------------
     # [Note: the module's own state_dict] DistributedDataParallel's habits
     #     if rank == 0: torch.save(model.module.state_dict(), path)
     #     model.module.load_state_dict(torch.load(path))       # resuming
-    # (and transformers' model.module.save_pretrained) read and write the user's module
-    # directly. Under rannc a rank holds only its stages' tensors: the others are empty
-    # (numel 0) or stale, so the first wrote a checkpoint of empty tensors without a word
-    # and the second failed on a size of 0. Both are refused, naming what this rank lacks
-    # and the wrapper's calls that gather or scatter; rannc's own reads pass (_own_access).
+    #     model.module(x), model.module.generate(ids)          # a local forward, sampling
+    # (and transformers' model.module.save_pretrained) use the user's module directly.
+    # Under rannc a rank holds only its stages' tensors: the others are empty (numel 0) or
+    # stale, so the first wrote a checkpoint of empty tensors without a word, and the others
+    # failed on a size of 0 in some op. Each is refused on a rank that lacks tensors, naming
+    # them and the wrapper's calls to use instead; rannc's own reads pass (_own_access), and
+    # so does its tracing. Where every rank holds everything, they work as under DDP.
     def module_state_dict(self, *args, **kwargs) -> dict:
         """The module's own state_dict() (what this rank holds), for rannc's use."""
         with _own_access():
@@ -107,6 +113,19 @@ class StatePlacement:
     def _check_users_state_dict(self):
         if not _OWN_ACCESS.get():
             self._refuse_partial("state_dict()", "state_dict() or save_checkpoint(dir)")
+
+    def _check_users_call(self):
+        if _OWN_ACCESS.get() or torch.jit.is_tracing():
+            return
+        lacking = self.not_current_here()
+        if lacking:
+            more = f" and {len(lacking) - 3} more" if len(lacking) > 3 else ""
+            raise _C.Error(
+                f"{type(self.module).__name__} called directly on rank {_C.get_rank()} (as "
+                "model.module(...) or transformers' generate): inside a RaNNCModule this rank "
+                f"keeps only its stages' parameters and buffers and does not hold the current "
+                f"values of {', '.join(lacking[:3])}{more}. Call the RaNNCModule itself, on "
+                "every rank (in eval mode for an evaluation)")
 
     def _check_users_load(self):
         if not _OWN_ACCESS.get() and self._users:

@@ -534,7 +534,8 @@ def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
     sync_batch_norm: SyncBatchNorm with torch.distributed initialised runs as BatchNorm
     ([Note: SyncBatchNorm]); before, tracing failed (CPU) or recorded an all-gather (GPU).
     module_state_dict: model.module.state_dict() on a rank that lacks tensors is an error
-    naming them (it returned empty tensors), as is model.module.load_state_dict().
+    naming them (it returned empty tensors), as are model.module.load_state_dict() and
+    model.module(x) (they failed in some op on a size of 0).
     forward_hook: a hook's returned value is traced; rank 0 warns of its side effects."""
     res = mpirun("loop_probes.py", 2, probe, timeout=300, env={"RANNC_COMM_TIMEOUT": "60"})
     assert res.returncode == 0, res.stdout[-4000:]

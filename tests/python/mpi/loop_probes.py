@@ -44,11 +44,11 @@ behaviour and prints "OK rank r", or fails the way the test expects.
                                        torch.distributed initialised: each SyncBatchNorm runs
                                        as BatchNorm over its share; with one share of the
                                        global batch per stage, equal to PyTorch's BatchNorm
-    loop_probes.py module_state_dict   DDP's habits model.module.state_dict() on rank 0 and
-                                       model.module.load_state_dict(sd): an error naming what
-                                       this rank lacks ([Note: the module's own state_dict]);
-                                       with one stage replicated, the module's own state_dict()
-                                       is whole and current, as under DDP
+    loop_probes.py module_state_dict   DDP's habits model.module.state_dict() on rank 0,
+                                       model.module.load_state_dict(sd) and model.module(x):
+                                       an error naming what this rank lacks ([Note: the
+                                       module's own state_dict]); with one stage replicated,
+                                       each works on the whole current model, as under DDP
     loop_probes.py forward_hook        a forward hook that scales a block's output: traced
                                        into the graph, equal to PyTorch with the same hook;
                                        rank 0 warns that its side effects happen at tracing
@@ -488,6 +488,8 @@ elif probe == "module_state_dict":  # [Note: the module's own state_dict] in pla
                  "Call the RaNNCModule's state_dict() or save_checkpoint(dir) on every rank")
     expect_error(lambda: wrapped.module.load_state_dict(full), "GPT.load_state_dict() of the model",
                  "has no storage for", "load_state_dict(state) or load_checkpoint(path)")
+    expect_error(lambda: wrapped.module(*args), f"GPT called directly on rank {rank} (as "
+                 "model.module(...) or transformers' generate)", "Call the RaNNCModule itself")
     wrapped.load_state_dict(full)  # the wrapper's own calls still work
     gathered = wrapped.state_dict()
     for name, t in reference.state_dict().items():
@@ -505,6 +507,8 @@ elif probe == "module_state_dict":  # [Note: the module's own state_dict] in pla
         torch.testing.assert_close(own[name], t, rtol=1e-4, atol=1e-6,
                                    msg=lambda m: f"rank {rank}: {name}: {m}")
     wrapped.module.load_state_dict(own)
+    with torch.no_grad():  # a local forward, as DDP's model.module(x)
+        torch.testing.assert_close(wrapped.module(*args), reference(*args), rtol=1e-5, atol=1e-6)
     print(f"OK rank {rank}", flush=True)
 elif probe == "forward_hook":  # [Note: hooks] in _trace.py
     model, args, _ = zoo.make("gpt", batch=4, seed=0)
