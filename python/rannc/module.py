@@ -867,6 +867,15 @@ class RaNNCModule(torch.nn.Module):
                 f"optimizer to RaNNCModule (or the option optimizer_kind=\"{kind}\") for a "
                 "plan that counts it")
 
+    def __getstate__(self):
+        # copy.deepcopy and pickle (torch.save(model), torch.optim.swa_utils.AveragedModel,
+        # timm's ModelEma) end here: say what to do instead of failing on a pybind object
+        raise _C.Error(
+            "a RaNNCModule cannot be copied or pickled (copy.deepcopy, torch.save(model), "
+            "AveragedModel): it holds this rank's share of a model spread over the ranks, "
+            "with their communicators. Save its weights with state_dict() or "
+            "save_checkpoint(dir) on every rank; copy the model before wrapping it")
+
     @contextlib.contextmanager
     def no_sync(self):
         """As DistributedDataParallel.no_sync(), for gradient accumulation: the training

@@ -435,6 +435,27 @@ print("signature", inspect.signature(module.forward), inspect.signature(model.fo
     assert mine + ")" == "(" + theirs and "scale" in mine, line
 
 
+def test_copies_and_pickles_of_a_wrapped_model_are_an_error_saying_what_to_do():
+    """copy.deepcopy (AveragedModel, timm's ModelEma) and torch.save(model) of a RaNNCModule
+    failed on "cannot pickle 'rannc._C.ProfileCache' object"; they name the cause now."""
+    res = _single_process("""
+import copy, io, torch, rannc, zoo
+model, args, kwargs = zoo.make("mlp")
+module = rannc.RaNNCModule(model, torch.optim.SGD(model.parameters(), lr=0.1))
+module(*args).backward()
+for attempt in (lambda: copy.deepcopy(module), lambda: torch.save(module, io.BytesIO()),
+                lambda: torch.optim.swa_utils.AveragedModel(module)):
+    try:
+        attempt()
+    except rannc.Error as e:
+        print("refused:", e)
+""")
+    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
+    refused = [l for l in res.stdout.splitlines() if l.startswith("refused: a RaNNCModule cannot "
+                                                                  "be copied or pickled")]
+    assert len(refused) == 3 and "save_checkpoint(dir)" in refused[0], res.stdout[-3000:]
+
+
 def test_one_rank_is_planned_without_profiling():
     """A single rank's plan can only be one stage: nothing to search, so its first step
     costs no profiling run (74.6 s -> 10.2 s for a 12-layer GPT-2 on this CPU), as with
