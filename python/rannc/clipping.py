@@ -54,7 +54,7 @@ def counted_grads(module, selected: set[int] | None = None) -> list[torch.Tensor
     """The gradients this rank counts in the norm over every stage: each trained parameter
     on the first rank of its gradient group (replicas and stages sharing it hold the same
     sum), restricted to the parameter objects in `selected` when given."""
-    deployed = module._deployed.get(True)
+    deployed = module._deployed.get(True).last_trained  # [Note: frozen parameters]
     rank = _C.get_rank()
     counted = {}
     for ranks, vids in deployed.engine.grad_groups():
@@ -69,7 +69,7 @@ def counted_grads(module, selected: set[int] | None = None) -> list[torch.Tensor
 
 def held_grads(module, selected: set[int] | None = None) -> list[torch.Tensor]:
     """The gradients of the trained parameters this rank holds (each once)."""
-    held = {id(t): t.grad for t in module._deployed[True].own.values()
+    held = {id(t): t.grad for t in module._deployed[True].last_trained.own.values()
             if t.grad is not None and (selected is None or id(t) in selected)}
     return list(held.values())
 

@@ -171,8 +171,12 @@ class _Deployed:
         # scalar outputs that are sums over the batch: added up, not weighted by rows
         self.summed = {vid for vid in ir.outputs if _summed(ir, vid, opts.loss_reduction)}
         self.engine.set_summed_outputs(self.summed)
-        self.variants = {self.shapes: self}
-        self.unrunnable = {}  # input shapes -> why the plan cannot run them (agreed)
+        # [Note: frozen parameters] which parameters require grad, as traced (training)
+        self.params = state_tensors[:len(self.graph._trace.state.param_names)]
+        self.trainable = self._trainable()
+        self.variants = {(self.shapes, self.trainable): self}
+        self.last_trained = self  # the variant the last training call ran (its gradients)
+        self.unrunnable = {}  # (input shapes, trainable) -> why the plan cannot run them
         self.own = self.engine.own  # the parameters this rank updates
         self.grad_input_ids, self.grad_inputs = [], []  # arguments that require grad
         self.loss_scale = 1.0  # the last training step's seed factor ([Note: scaled seeds])
@@ -315,29 +319,45 @@ class _Deployed:
         shapes, deployed first if they are new ([Note: new input shapes])."""
         flat = self.graph._flat_args(args, kwargs)
         local = dict(zip(self.input_ids, flat))
-        rows, shapes = self._local_rows(local), self._shapes(local)
-        self._agree(rows, shapes)
-        target = self.variants.get(shapes)
+        rows, shapes, trainable = self._local_rows(local), self._shapes(local), self._trainable()
+        self._agree(rows, shapes, trainable)
+        key = (shapes, trainable)
+        target = self.variants.get(key)
         if target is None:
-            if shapes in self.unrunnable:  # the same error without tracing again
-                raise failure.agreed(self.unrunnable[shapes])
+            if key in self.unrunnable:  # the same error without tracing again
+                raise failure.agreed(self.unrunnable[key])
+            what = (f"new input shapes {self.describe_shapes(shapes)} (planned at "
+                    f"{self.describe_shapes()})" if shapes != self.shapes
+                    else f"{sum(trainable)} of {len(trainable)} parameters now require grad "
+                         f"({sum(self.trainable)} when planned)")
             try:
-                target = self.variants[shapes] = self.owner._deploy_shapes(self, args, kwargs)
+                target = self.variants[key] = self.owner._deploy_shapes(self, args, kwargs)
             except Exception as e:
                 if getattr(e, "on_every_rank", False):
-                    self.unrunnable[shapes] = str(e)
+                    self.unrunnable[key] = str(e)
                 else:  # say which step failed: the whole model runs to trace it again
-                    e.add_note(f"rannc: while tracing the model again at new input shapes "
-                               f"{self.describe_shapes(shapes)} (planned at {self.describe_shapes()})")
+                    e.add_note(f"rannc: while tracing the model again for {what}")
                 raise
             if _C.get_rank() == 0:
                 _C.log_info(
-                    f"new input shapes {target.describe_shapes()} (planned at "
-                    f"{self.describe_shapes()}): traced again in {target.times.tracing:.2f} s, "
-                    f"running plan {self.deployment.hash} made at the first shapes "
-                    f"({len(self.variants)} shapes so far){target._micro_batch_note()}")
+                    f"{what}: traced again in "
+                    f"{target.times.tracing:.2f} s, running plan {self.deployment.hash} made at "
+                    f"the first call ({len(self.variants)} variants so far)"
+                    f"{target._micro_batch_note()}")
                 target._warn_over_memory()
+        if trainable is not None:
+            self.last_trained = target
         return target._run(local, flat, rows)
+
+    def _trainable(self) -> tuple | None:
+        """[Note: frozen parameters] Which parameters require grad now, in a training mode
+        (None in eval). A trace bakes in which values carry gradients (the transfers between
+        stages, the gradient buckets, what a stage updates), so unfreezing a layer between
+        steps, as fine-tuning schedules do, or freezing one, traces again under the same
+        plan, as new input shapes do; before, the change was ignored without a word."""
+        if not self.owner.module.training:
+            return None
+        return tuple(p.requires_grad for p in self.params)
 
     def _run(self, local: dict, flat: list, rows: int):
         # Outputs go where the user's inputs are (the stage's device without tensor inputs).
@@ -393,20 +413,24 @@ class _Deployed:
         traced ones; * is the batch)."""
         return _describe_shapes(self.graph._trace.inputs, shapes or self.shapes)
 
-    def _agree(self, rows: int, shapes: tuple):
-        """Every rank's local batch must have the same rows and its arguments the same shapes
-        in each call (checked on every call: a rank with other sizes would desynchronise the
-        transfers), agreed by all ranks so that all raise together or deploy new shapes
-        together."""
+    def _agree(self, rows: int, shapes: tuple, trainable: tuple | None):
+        """Every rank's local batch must have the same rows, its arguments the same shapes
+        and its model the same parameters requiring grad in each call (checked on every
+        call: a rank with other sizes would desynchronise the transfers), agreed by all
+        ranks so that all raise together or deploy new shapes together."""
         if self.engine.world_size == 1:
             return
         comm = _C.Communicator.world_cpu()
-        everyone = torch.empty(2 * comm.size, dtype=torch.int64)
-        mine = zlib.crc32(repr(shapes).encode())
-        comm.all_gather(torch.tensor([rows, mine], dtype=torch.int64), everyone).wait()
-        sizes, signatures = everyone[0::2].tolist(), everyone[1::2].tolist()
+        everyone = torch.empty(3 * comm.size, dtype=torch.int64)
+        mine = [rows, zlib.crc32(repr(shapes).encode()), zlib.crc32(repr(trainable).encode())]
+        comm.all_gather(torch.tensor(mine, dtype=torch.int64), everyone).wait()
+        sizes, signatures, flags = (everyone[i::3].tolist() for i in range(3))
         if len(set(signatures)) > 1:
             raise _shapes_differ(signatures, self.graph._trace.inputs, shapes)
+        if len(set(flags)) > 1:
+            raise failure.agreed(
+                f"the ranks' models differ in which parameters require grad ({sum(trainable)} "
+                f"on rank {_C.get_rank()}): freeze or unfreeze parameters on every rank alike")
         if len(set(sizes)) > 1:
             raise failure.agreed(f"local batches must have the same size on every rank in "
                                  f"each call; got {dict(enumerate(sizes))} (rank: rows)")
@@ -780,9 +804,9 @@ class RaNNCModule(torch.nn.Module):
         if plan_from is not None:
             return deployed  # the mode's plan: each tensor's ranks are as before
         self._deployed[mode] = deployed
-        if mode:
-            self.optimizer_share.keep_only({id(t) for t in deployed.own.values()})
         self.placement.add_mode(mode, deployed)
+        if mode:
+            self.optimizer_share.keep_only(self.placement.trained_here())
         _checkpoint().apply_pending(self)  # a checkpoint loaded before the plan was known
         self.placement.initialize()  # parameters built on meta that it did not fill
         return deployed
@@ -852,10 +876,9 @@ class RaNNCModule(torch.nn.Module):
     def adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Makes `optimizer`, built after wrapping over the model's parameters, this module's,
         as if passed to it ([Note: optimizers made after wrapping] in optimizer_share.py)."""
-        deployed = self._deployed[True]
         self.optimizer = self.placement.optimizer = optimizer
         self.optimizer_share = OptimizerShare(optimizer)
-        self.optimizer_share.keep_only({id(t) for t in deployed.own.values()})
+        self.optimizer_share.keep_only(self.placement.trained_here())
         planned = self.options.optimizer_kind or _optimizer_kind(None)
         kind = _optimizer_kind(optimizer)
         if _C.get_rank() == 0 and kind != planned:

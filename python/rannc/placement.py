@@ -219,6 +219,14 @@ class StatePlacement:
                                trained if trained and self._stale else keepers))
         return result
 
+    def trained_here(self) -> set[int]:
+        """id() of the parameters this rank's training stages use, frozen ones included (an
+        optimizer keeps them: a step after unfreezing updates them, as in PyTorch)."""
+        users, rank = self._users.get(True), _C.get_rank()
+        n_params = len(self._trace_state.param_names)
+        return {id(t) for i, t in enumerate(self.tensors()[:n_params])
+                if users is not None and rank in users[i]}
+
     def holders(self) -> dict[int, tuple[torch.Size, list[int], bool]]:
         """For checkpoints: id(state tensor) -> (its full shape, the ranks holding its current
         value and, once training is deployed, a parameter's optimizer state; whether this

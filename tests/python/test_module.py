@@ -533,7 +533,7 @@ def test_a_failure_while_tracing_new_shapes_says_so_with_both_shapes():
                                    "length_branch", "padded_lengths", "eval_after_new_length",
                                    "num_items_in_batch", "uneven_selection", "late_optimizer",
                                    "rank0_only", "process_group", "compiled", "sync_batch_norm",
-                                   "module_state_dict", "forward_hook"])
+                                   "module_state_dict", "forward_hook", "unfreeze"])
 def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
     """Ranks with different batch sizes in one call (on every such call), control flow on
     data that differs between ranks, different models, a sequence length for which the
@@ -557,7 +557,9 @@ def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
     module_state_dict: model.module.state_dict() on a rank that lacks tensors is an error
     naming them (it returned empty tensors), as are model.module.load_state_dict() and
     model.module(x) (they failed in some op on a size of 0).
-    forward_hook: a hook's returned value is traced; rank 0 warns of its side effects."""
+    forward_hook: a hook's returned value is traced; rank 0 warns of its side effects.
+    unfreeze: parameters unfrozen or frozen between steps train as in PyTorch (the change
+    was ignored: an unfrozen block never trained) ([Note: frozen parameters])."""
     res = mpirun("loop_probes.py", 2, probe, timeout=300, env={"RANNC_COMM_TIMEOUT": "60"})
     assert res.returncode == 0, res.stdout[-4000:]
     for r in range(2):
@@ -565,6 +567,9 @@ def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
     if probe == "late_optimizer":
         assert ("AdamW was built after RaNNCModule and steps its parameters: it is now the "
                 "module's optimizer" in res.stdout), res.stdout[-3000:]
+    if probe == "unfreeze":
+        assert "28 of 28 parameters now require grad (16 when planned): traced again" in \
+            res.stdout, res.stdout[-3000:]
     if probe == "forward_hook":
         assert "forward hooks on blocks.1 run while rannc traces the model" in res.stdout, \
             res.stdout[-3000:]

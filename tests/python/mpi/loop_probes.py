@@ -52,6 +52,10 @@ behaviour and prints "OK rank r", or fails the way the test expects.
     loop_probes.py forward_hook        a forward hook that scales a block's output: traced
                                        into the graph, equal to PyTorch with the same hook;
                                        rank 0 warns that its side effects happen at tracing
+    loop_probes.py unfreeze            fine-tuning's schedule: a block frozen when wrapped is
+                                       unfrozen after 2 steps, another frozen after 4; every
+                                       step, the weights and AdamW's state equal PyTorch's
+                                       ([Note: frozen parameters])
 """
 import copy
 import sys
@@ -524,6 +528,32 @@ elif probe == "forward_hook":  # [Note: hooks] in _trace.py
         torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
         step_both(loss, ref_loss, opt, ref_opt)
         same_stage_parameters(model, reference, rtol=1e-4)
+    print(f"OK rank {rank}", flush=True)
+elif probe == "unfreeze":  # [Note: frozen parameters] in module.py
+    model, args, _ = zoo.make("gpt", batch=4, seed=0)
+    zoo.no_dropout(model)
+    model.blocks[0].requires_grad_(False)
+    reference = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-5)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, eps=1e-5)
+    wrapped = rannc.RaNNCModule(model, opt, num_stages=2, num_microbatches=2)
+    for step in range(6):
+        if step == 2:
+            for m in (model, reference):
+                m.blocks[0].requires_grad_(True)
+        if step == 4:
+            for m in (model, reference):
+                m.blocks[1].requires_grad_(False)
+        loss, ref_loss = wrapped(*args), reference(*args)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        step_both(loss, ref_loss, opt, ref_opt)
+        same_stage_parameters(model, reference, rtol=1e-4)
+    gathered, ref_state = wrapped.optimizer_state_dict(), ref_opt.state_dict()
+    assert gathered["state"].keys() == ref_state["state"].keys(), \
+        f"rank {rank}: {sorted(gathered['state'])} against {sorted(ref_state['state'])}"
+    for i, s in ref_state["state"].items():
+        torch.testing.assert_close(gathered["state"][i]["exp_avg"], s["exp_avg"], rtol=1e-4,
+                                   atol=1e-6, msg=lambda m: f"rank {rank}: state {i}: {m}")
     print(f"OK rank {rank}", flush=True)
 else:
     raise SystemExit(f"unknown probe {probe}")
