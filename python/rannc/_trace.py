@@ -28,7 +28,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.nn.utils.stateless import _reparametrize_module
 
-from . import _C
+from . import _C, failure
 
 TraceError = _C.TraceError
 
@@ -322,9 +322,8 @@ def module_hooks(model: torch.nn.Module, backward: bool) -> list[str]:
 def _refuse_backward_hooks(model: torch.nn.Module):
     hooked = module_hooks(model, backward=True)
     if hooked:
-        more = f" and {len(hooked) - 3} more" if len(hooked) > 3 else ""
         raise TraceError(
-            f"backward hooks on {', '.join(hooked[:3])}{more} (register_full_backward_hook or "
+            f"backward hooks on {failure.some_of(hooked)} (register_full_backward_hook or "
             "register_full_backward_pre_hook): a trace records the forward's ops, not the hooks "
             "autograd would call, so rannc cannot run them. Remove them, or hook the parameters "
             "(param.register_hook) outside the model")

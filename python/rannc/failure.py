@@ -31,6 +31,12 @@ def agreed(message: str) -> _C.Error:
     return error
 
 
+def some_of(names: list[str], shown: int = 3) -> str:
+    """"a, b, c and 4 more": the first names of a list, for a message."""
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
 def describe(error: BaseException) -> str:
     """'ValueError: boom (at train.py:42)': the exception and the innermost frame."""
     frames = traceback.extract_tb(error.__traceback__)

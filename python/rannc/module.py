@@ -705,20 +705,18 @@ class RaNNCModule(torch.nn.Module):
         clipping.warn_early_imports()
         compiled = [name or "the model" for name, _ in compiled_parts(model)]
         if compiled and _C.get_rank() == 0:  # [Note: compiled models] in _trace.py
-            _C.log_warn(f"torch.compile was applied to {', '.join(compiled[:3])}"
-                        f"{' and others' if len(compiled) > 3 else ''}: rannc traces the model "
+            _C.log_warn(f"torch.compile was applied to {failure.some_of(compiled)}: rannc "
+                        "traces the model "
                         "eagerly and runs its own stages, which are not compiled")
         hooked = module_hooks(model, backward=False)
         if hooked and _C.get_rank() == 0:  # [Note: hooks] in _trace.py
-            _C.log_warn(f"forward hooks on {', '.join(hooked[:3])}"
-                        f"{f' and {len(hooked) - 3} more' if len(hooked) > 3 else ''} run while "
+            _C.log_warn(f"forward hooks on {failure.some_of(hooked)} run while "
                         "rannc traces the model, not in each step: what they return is traced "
                         "into the graph, but their side effects (storing activations, logging) "
                         "happen at tracing only")
         synced = sync_batch_norms(model)
         if synced and _C.get_rank() == 0:  # [Note: SyncBatchNorm] in _trace.py
-            _C.log_warn(f"SyncBatchNorm in {', '.join(synced[:3])}"
-                        f"{f' and {len(synced) - 3} more' if len(synced) > 3 else ''}: rannc "
+            _C.log_warn(f"SyncBatchNorm in {failure.some_of(synced)}: rannc "
                         "computes batch-norm statistics over each micro-batch share, as for "
                         "BatchNorm, not synchronised over the ranks")
 

@@ -119,12 +119,11 @@ class StatePlacement:
             return
         lacking = self.not_current_here()
         if lacking:
-            more = f" and {len(lacking) - 3} more" if len(lacking) > 3 else ""
             raise _C.Error(
                 f"{type(self.module).__name__} called directly on rank {_C.get_rank()} (as "
                 "model.module(...) or transformers' generate): inside a RaNNCModule this rank "
                 f"keeps only its stages' parameters and buffers and does not hold the current "
-                f"values of {', '.join(lacking[:3])}{more}. Call the RaNNCModule itself, on "
+                f"values of {failure.some_of(lacking)}. Call the RaNNCModule itself, on "
                 "every rank (in eval mode for an evaluation)")
 
     def _check_users_load(self):
@@ -136,14 +135,13 @@ class StatePlacement:
         lacking = self._freed_names() if loading else self.not_current_here()
         if not lacking:
             return
-        more = f" and {len(lacking) - 3} more" if len(lacking) > 3 else ""
         holds = ("has no storage for" if loading else "does not hold the current values of")
         how = ("every rank passes the whole state and keeps its share" if loading else
                "they gather from every rank; write the file on rank 0 only")
         raise _C.Error(
             f"{type(self.module).__name__}.{what} of the model inside a RaNNCModule on rank "
             f"{_C.get_rank()}: this rank keeps only its stages' parameters and buffers and "
-            f"{holds} {', '.join(lacking[:3])}{more}. Call the RaNNCModule's {instead} on every "
+            f"{holds} {failure.some_of(lacking)}. Call the RaNNCModule's {instead} on every "
             f"rank instead ({how}), not model.module's as with DistributedDataParallel")
 
     def _freed_names(self) -> list[str]:
@@ -183,10 +181,9 @@ class StatePlacement:
         the meta device have no values anywhere yet (the same on every rank)."""
         names = self.without_values()
         if names:
-            more = f" and {len(names) - 3} more" if len(names) > 3 else ""
             raise _C.Error(
                 f"{what} before the first call of a model built on the meta device: its "
-                f"parameters ({', '.join(names[:3])}{more}) have no values yet. They get them "
+                f"parameters ({failure.some_of(names)}) have no values yet. They get them "
                 "at the first call, once the plan says which ranks keep them: from "
                 "load_checkpoint or load_state_dict called before it, else from their "
                 "modules' reset_parameters()")
