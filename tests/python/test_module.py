@@ -524,7 +524,7 @@ def test_a_failure_while_tracing_new_shapes_says_so_with_both_shapes():
     res = mpirun("loop_probes.py", 2, "new_length_fails", timeout=300)
     assert res.returncode != 0, res.stdout[-3000:]
     assert ("ValueError: sequences longer than 6 are not supported" in res.stdout
-            and "rannc: while tracing the model again at new input shapes args[0] float32 "
+            and "rannc: while tracing the model again for new input shapes args[0] float32 "
             "[*, 8, 8] (planned at args[0] float32 [*, 4, 8])" in res.stdout), res.stdout[-3000:]
     assert "finished though tracing failed" not in res.stdout
 

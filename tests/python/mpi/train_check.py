@@ -272,7 +272,7 @@ for step in range(a.steps):
         check_input_grads((l_args, l_kwargs), (g_args, g_kwargs), step)
         if step == 0 and rank == 0 and inputs_of_later_stages():
             print("a later stage takes an argument directly", flush=True)
-    own = [p for g in opt.param_groups for p in g["params"]]
+    own = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]  # frozen: kept
     for p in own:
         close(p.grad, ref_params[names[id(p)]].grad, f"gradient of {names[id(p)]} at step {step}")
     if step == a.inject_inf:  # one stage's gradient overflows (its ranks only)
