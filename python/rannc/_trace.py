@@ -346,9 +346,28 @@ def compiled_parts(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
             or (optimized and isinstance(m, optimized) and "forward" in m.__dict__)]
 
 
-def sync_batch_norms(model: torch.nn.Module) -> list[str]:
-    """The names of `model`'s SyncBatchNorm modules."""
-    return [name for name, m in model.named_modules() if isinstance(m, torch.nn.SyncBatchNorm)]
+def traced_differently(model: torch.nn.Module) -> list[str]:
+    """Warnings for the parts of `model` that rannc runs otherwise than PyTorch would, though
+    they train the same model: compiled parts ([Note: compiled models]), forward hooks
+    ([Note: hooks]) and SyncBatchNorm ([Note: SyncBatchNorm])."""
+    compiled = [name or "the model" for name, _ in compiled_parts(model)]
+    hooked = module_hooks(model, backward=False)
+    synced = [name for name, m in model.named_modules() if isinstance(m, torch.nn.SyncBatchNorm)]
+    found = []
+    if compiled:
+        found.append(f"torch.compile was applied to {failure.some_of(compiled)}: rannc "
+                         "traces the model eagerly and runs its own stages, which are not "
+                         "compiled")
+    if hooked:
+        found.append(f"forward hooks on {failure.some_of(hooked)} run while rannc traces "
+                         "the model, not in each step: what they return is traced into the "
+                         "graph, but their side effects (storing activations, logging) happen "
+                         "at tracing only")
+    if synced:
+        found.append(f"SyncBatchNorm in {failure.some_of(synced)}: rannc computes "
+                         "batch-norm statistics over each micro-batch share, as for BatchNorm, "
+                         "not synchronised over the ranks")
+    return found
 
 
 @contextlib.contextmanager

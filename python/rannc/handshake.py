@@ -43,20 +43,28 @@ def enter(what: str) -> None:
         exchange(what, torch.zeros(0, dtype=torch.float64))
 
 
+# Values a collective may send with its code. Every collective's row has this width, so
+# that ranks in different collectives still exchange messages of one size (and learn so).
+PAYLOAD = 3
+
+
 def exchange(what: str, mine: torch.Tensor) -> torch.Tensor:
-    """Every rank's `mine` (a 1-D float64 tensor of the same size everywhere), row r from
-    rank r, after checking that every rank is in `what`. One all-gather."""
+    """Every rank's `mine` (at most PAYLOAD values, as many on every rank in `what`), row r
+    from rank r, after checking that every rank is in `what`. One all-gather."""
+    mine = mine.double().view(-1)
+    if mine.numel() > PAYLOAD:
+        raise ValueError(f"{what} sends {mine.numel()} values; the handshake carries {PAYLOAD}")
     if not active():
         return mine.view(1, -1)
     comm = _C.Communicator.world_cpu()
-    row = torch.cat([torch.tensor([float(_CODES[what])], dtype=torch.float64), mine.double().view(-1)])
-    everyone = torch.empty(comm.size * row.numel(), dtype=torch.float64)
-    comm.all_gather(row, everyone).wait()
-    everyone = everyone.view(comm.size, row.numel())
+    row = torch.zeros(1 + PAYLOAD, dtype=torch.float64)
+    row[0], row[1:1 + mine.numel()] = float(_CODES[what]), mine
+    everyone = torch.empty(comm.size, row.numel(), dtype=torch.float64)
+    comm.all_gather(row, everyone.view(-1)).wait()
     codes = [int(c) for c in everyone[:, 0].tolist()]
     if len(set(codes)) > 1:
         raise failure.agreed(_mismatch(codes))
-    return everyone[:, 1:]
+    return everyone[:, 1:1 + mine.numel()]
 
 
 def _mismatch(codes: list[int]) -> str:

@@ -28,7 +28,7 @@ import torch
 
 from . import _C, clipping, failure, full_state, handshake, registry
 from .graph import TracedGraph
-from ._trace import autocast_dtype, compiled_parts, module_hooks, sync_batch_norms
+from ._trace import autocast_dtype, traced_differently
 from .amp import forward_loss_scale
 from .options import PRECISIONS, Options, format_bytes
 from .pipeline import Engine
@@ -112,6 +112,16 @@ class _FillDrainOutputs(torch.autograd.Function):
         input_grads = tuple(computed[vid].to(like.device if like is not None else deployed.out_device)
                             for vid in deployed.grad_input_ids)
         return (None, None, None) + (None,) * len(grads) + input_grads
+
+
+@dataclasses.dataclass
+class _Call:
+    """One call's arguments on this rank: flat, by input value, and what the ranks agree on."""
+    flat: list
+    local: dict
+    rows: int
+    shapes: tuple
+    trainable: tuple | None
 
 
 class _Deployed:
@@ -314,13 +324,37 @@ class _Deployed:
         return deployment
 
     # ---- running ------------------------------------------------------------------------
-    def run(self, args, kwargs):
-        """Runs one call: on this deployment, or on the one of this mode for the call's input
-        shapes, deployed first if they are new ([Note: new input shapes])."""
+    def agree(self, args, kwargs, what: str) -> _Call:
+        """This call's arguments, agreed by every rank in one all-gather: all ranks are in
+        `what` (a training or an eval call, [Note: named collectives]), with local batches of
+        the same rows, arguments of the same shapes (checked on every call: a rank with
+        other sizes would desynchronise the transfers) and the same parameters requiring
+        grad, so that all raise together or deploy new shapes together."""
         flat = self.graph._flat_args(args, kwargs)
         local = dict(zip(self.input_ids, flat))
-        rows, shapes, trainable = self._local_rows(local), self._shapes(local), self._trainable()
-        self._agree(rows, shapes, trainable)
+        call = _Call(flat, local, self._local_rows(local), self._shapes(local), self._trainable())
+        if not handshake.active():
+            return call
+        mine = torch.tensor([call.rows, zlib.crc32(repr(call.shapes).encode()),
+                             zlib.crc32(bytes(call.trainable or ()))], dtype=torch.float64)
+        everyone = handshake.exchange(what, mine).long()
+        sizes, signatures, flags = (everyone[:, i].tolist() for i in range(3))
+        if len(set(signatures)) > 1:
+            raise _shapes_differ(signatures, self.graph._trace.inputs, call.shapes)
+        if len(set(flags)) > 1:
+            raise failure.agreed(
+                f"the ranks' models differ in which parameters require grad "
+                f"({sum(call.trainable)} on rank {_C.get_rank()}): freeze or unfreeze "
+                "parameters on every rank alike")
+        if len(set(sizes)) > 1:
+            raise failure.agreed(f"local batches must have the same size on every rank in "
+                                 f"each call; got {dict(enumerate(sizes))} (rank: rows)")
+        return call
+
+    def run(self, call: _Call, args, kwargs):
+        """Runs one agreed call: on this deployment, or on the one of this mode for the
+        call's input shapes, deployed first if they are new ([Note: new input shapes])."""
+        shapes, trainable = call.shapes, call.trainable
         key = (shapes, trainable)
         target = self.variants.get(key)
         if target is None:
@@ -347,7 +381,7 @@ class _Deployed:
                 target._warn_over_memory()
         if trainable is not None:
             self.last_trained = target
-        return target._run(local, flat, rows)
+        return target._run(call.local, call.flat, call.rows)
 
     def _trainable(self) -> tuple | None:
         """[Note: frozen parameters] Which parameters require grad now, in a training mode
@@ -412,28 +446,6 @@ class _Deployed:
         """"kwargs['input_ids'] int64 [*, 16], ..." for `shapes` (default: this deployment's
         traced ones; * is the batch)."""
         return _describe_shapes(self.graph._trace.inputs, shapes or self.shapes)
-
-    def _agree(self, rows: int, shapes: tuple, trainable: tuple | None):
-        """Every rank's local batch must have the same rows, its arguments the same shapes
-        and its model the same parameters requiring grad in each call (checked on every
-        call: a rank with other sizes would desynchronise the transfers), agreed by all
-        ranks so that all raise together or deploy new shapes together."""
-        if self.engine.world_size == 1:
-            return
-        comm = _C.Communicator.world_cpu()
-        everyone = torch.empty(3 * comm.size, dtype=torch.int64)
-        mine = [rows, zlib.crc32(repr(shapes).encode()), zlib.crc32(repr(trainable).encode())]
-        comm.all_gather(torch.tensor(mine, dtype=torch.int64), everyone).wait()
-        sizes, signatures, flags = (everyone[i::3].tolist() for i in range(3))
-        if len(set(signatures)) > 1:
-            raise _shapes_differ(signatures, self.graph._trace.inputs, shapes)
-        if len(set(flags)) > 1:
-            raise failure.agreed(
-                f"the ranks' models differ in which parameters require grad ({sum(trainable)} "
-                f"on rank {_C.get_rank()}): freeze or unfreeze parameters on every rank alike")
-        if len(set(sizes)) > 1:
-            raise failure.agreed(f"local batches must have the same size on every rank in "
-                                 f"each call; got {dict(enumerate(sizes))} (rank: rows)")
 
     def _use_batch(self, rows: int):
         if self.engine.use_batch(rows) and _C.get_rank() == 0:
@@ -703,28 +715,15 @@ class RaNNCModule(torch.nn.Module):
         forward.__signature__ = inspect.signature(model.forward)
         self.forward = forward
         clipping.warn_early_imports()
-        compiled = [name or "the model" for name, _ in compiled_parts(model)]
-        if compiled and _C.get_rank() == 0:  # [Note: compiled models] in _trace.py
-            _C.log_warn(f"torch.compile was applied to {failure.some_of(compiled)}: rannc "
-                        "traces the model "
-                        "eagerly and runs its own stages, which are not compiled")
-        hooked = module_hooks(model, backward=False)
-        if hooked and _C.get_rank() == 0:  # [Note: hooks] in _trace.py
-            _C.log_warn(f"forward hooks on {failure.some_of(hooked)} run while "
-                        "rannc traces the model, not in each step: what they return is traced "
-                        "into the graph, but their side effects (storing activations, logging) "
-                        "happen at tracing only")
-        synced = sync_batch_norms(model)
-        if synced and _C.get_rank() == 0:  # [Note: SyncBatchNorm] in _trace.py
-            _C.log_warn(f"SyncBatchNorm in {failure.some_of(synced)}: rannc "
-                        "computes batch-norm statistics over each micro-batch share, as for "
-                        "BatchNorm, not synchronised over the ranks")
+        if _C.get_rank() == 0:
+            for warning in traced_differently(model):
+                _C.log_warn(warning)
 
     def forward(self, *args, **kwargs):
         mode = self.module.training
         deployed = self._deployed.get(mode)
+        what = "a training call" if mode else "an eval call"  # [Note: named collectives]
         try:
-            handshake.enter("a training call" if mode else "an eval call")  # [Note: named collectives]
             amp = self._precision()
             if deployed is not None and deployed.amp != amp:
                 raise _C.Error(
@@ -739,10 +738,14 @@ class RaNNCModule(torch.nn.Module):
                 # Training updates each parameter on the ranks of its stage only; before a
                 # mode whose plan may place it elsewhere runs, the owners share the weights.
                 if deployed is None:
+                    handshake.enter(what)
                     deployed = self._deploy(mode, args, kwargs, amp)
-                elif not mode:
-                    self.placement.before_eval()
-                out = deployed.run(args, kwargs)
+                    call = deployed.agree(args, kwargs, what)
+                else:  # the collective's name travels with the call's sizes: one all-gather
+                    call = deployed.agree(args, kwargs, what)
+                    if not mode:
+                        self.placement.before_eval()
+                out = deployed.run(call, args, kwargs)
                 # after the call: deploying new input shapes in it gathers current weights
                 if mode:
                     self.placement.trained()
