@@ -25,7 +25,7 @@ from . import _C, failure
 
 # What the codes name, for the message; a code's value is a hash of its name, so every
 # rank computes the same one without agreeing on a table.
-NAMES = ("a training call", "an eval call", "state_dict()", "load_state_dict()",
+NAMES = ("a training call", "an eval call", "a copy's call", "state_dict()", "load_state_dict()",
          "optimizer_state_dict()", "load_optimizer_state_dict()", "save_checkpoint()",
          "load_checkpoint()", "clip_grad_norm", "GradScaler.unscale_()")
 _CODES = {n: zlib.crc32(n.encode()) for n in NAMES}
@@ -45,7 +45,7 @@ def enter(what: str) -> None:
 
 # Values a collective may send with its code. Every collective's row has this width, so
 # that ranks in different collectives still exchange messages of one size (and learn so).
-PAYLOAD = 3
+PAYLOAD = 4
 
 
 def exchange(what: str, mine: torch.Tensor) -> torch.Tensor:

@@ -122,6 +122,7 @@ class _Call:
     rows: int
     shapes: tuple
     trainable: tuple | None
+    flagged: bool = False  # some rank passed flag=True
 
 
 class _Deployed:
@@ -324,21 +325,24 @@ class _Deployed:
         return deployment
 
     # ---- running ------------------------------------------------------------------------
-    def agree(self, args, kwargs, what: str) -> _Call:
+    def agree(self, args, kwargs, what: str, flag: bool = False) -> _Call:
         """This call's arguments, agreed by every rank in one all-gather: all ranks are in
         `what` (a training or an eval call, [Note: named collectives]), with local batches of
         the same rows, arguments of the same shapes (checked on every call: a rank with
         other sizes would desynchronise the transfers) and the same parameters requiring
-        grad, so that all raise together or deploy new shapes together."""
+        grad, so that all raise together or deploy new shapes together; and whether any
+        rank raised `flag`."""
         flat = self.graph._flat_args(args, kwargs)
         local = dict(zip(self.input_ids, flat))
-        call = _Call(flat, local, self._local_rows(local), self._shapes(local), self._trainable())
+        call = _Call(flat, local, self._local_rows(local), self._shapes(local), self._trainable(),
+                     flag)
         if not handshake.active():
             return call
         mine = torch.tensor([call.rows, zlib.crc32(repr(call.shapes).encode()),
-                             zlib.crc32(bytes(call.trainable or ()))], dtype=torch.float64)
+                             zlib.crc32(bytes(call.trainable or ())), flag], dtype=torch.float64)
         everyone = handshake.exchange(what, mine).long()
-        sizes, signatures, flags = (everyone[:, i].tolist() for i in range(3))
+        sizes, signatures, flags, raised = (everyone[:, i].tolist() for i in range(4))
+        call.flagged = any(raised)
         if len(set(signatures)) > 1:
             raise _shapes_differ(signatures, self.graph._trace.inputs, call.shapes)
         if len(set(flags)) > 1:
@@ -352,8 +356,12 @@ class _Deployed:
         return call
 
     def run(self, call: _Call, args, kwargs):
-        """Runs one agreed call: on this deployment, or on the one of this mode for the
-        call's input shapes, deployed first if they are new ([Note: new input shapes])."""
+        """Runs one agreed call on variant()."""
+        return self.variant(call, args, kwargs)._run(call.local, call.flat, call.rows)
+
+    def variant(self, call: _Call, args, kwargs) -> "_Deployed":
+        """The deployment that runs `call`: this one, or the one of this mode for the call's
+        input shapes, deployed first if they are new ([Note: new input shapes])."""
         shapes, trainable = call.shapes, call.trainable
         key = (shapes, trainable)
         target = self.variants.get(key)
@@ -381,7 +389,7 @@ class _Deployed:
                 target._warn_over_memory()
         if trainable is not None:
             self.last_trained = target
-        return target._run(call.local, call.flat, call.rows)
+        return target
 
     def _trainable(self) -> tuple | None:
         """[Note: frozen parameters] Which parameters require grad now, in a training mode
@@ -721,8 +729,14 @@ class RaNNCModule(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         mode = self.module.training
+        # [Note: named collectives]
+        return self._call(mode, "a training call" if mode else "an eval call", args, kwargs)
+
+    def _call(self, mode: bool, what: str, args, kwargs, copy=None):
+        """Runs a call of `mode` (a collective named `what`); with `copy` (a
+        PlanSharingCopy), on the copy's tensors ([Note: copies of a wrapped model] in
+        copies.py)."""
         deployed = self._deployed.get(mode)
-        what = "a training call" if mode else "an eval call"  # [Note: named collectives]
         try:
             amp = self._precision()
             if deployed is not None and deployed.amp != amp:
@@ -737,14 +751,17 @@ class RaNNCModule(torch.nn.Module):
             with _autocast_off():
                 # Training updates each parameter on the ranks of its stage only; before a
                 # mode whose plan may place it elsewhere runs, the owners share the weights.
+                changed = copy is not None and copy.changed()
                 if deployed is None:
                     handshake.enter(what)
                     deployed = self._deploy(mode, args, kwargs, amp)
-                    call = deployed.agree(args, kwargs, what)
+                    call = deployed.agree(args, kwargs, what, changed)
                 else:  # the collective's name travels with the call's sizes: one all-gather
-                    call = deployed.agree(args, kwargs, what)
-                    if not mode:
+                    call = deployed.agree(args, kwargs, what, changed)
+                    if not mode and copy is None:
                         self.placement.before_eval()
+                if copy is not None:
+                    return copy.run(deployed, call, args, kwargs)
                 out = deployed.run(call, args, kwargs)
                 # after the call: deploying new input shapes in it gathers current weights
                 if mode:
@@ -891,14 +908,20 @@ class RaNNCModule(torch.nn.Module):
                 f"optimizer to RaNNCModule (or the option optimizer_kind=\"{kind}\") for a "
                 "plan that counts it")
 
+    def __deepcopy__(self, memo):
+        """A copy that runs on this module's plan with weights of its own, for eval calls:
+        an EMA (torch.optim.swa_utils.AveragedModel, timm's ModelEmaV3), a frozen reference
+        model ([Note: copies of a wrapped model] in copies.py). Every rank copies alike."""
+        from .copies import PlanSharingCopy
+        return PlanSharingCopy(self, self.module, memo)
+
     def __getstate__(self):
-        # copy.deepcopy and pickle (torch.save(model), torch.optim.swa_utils.AveragedModel,
-        # timm's ModelEma) end here: say what to do instead of failing on a pybind object
+        # pickle (torch.save(model)) ends here: say what to do instead of failing on a
+        # pybind object
         raise _C.Error(
-            "a RaNNCModule cannot be copied or pickled (copy.deepcopy, torch.save(model), "
-            "AveragedModel): it holds this rank's share of a model spread over the ranks, "
-            "with their communicators. Save its weights with state_dict() or "
-            "save_checkpoint(dir) on every rank; copy the model before wrapping it")
+            "a RaNNCModule cannot be pickled (torch.save(model)): it holds this rank's share "
+            "of a model spread over the ranks, with their communicators. Save its weights "
+            "with state_dict() or save_checkpoint(dir) on every rank")
 
     @contextlib.contextmanager
     def no_sync(self):

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import weakref
 import zlib
 
 import torch
@@ -69,6 +70,8 @@ class StatePlacement:
         self._freed = {}      # state tensor position -> its full shape, for tensors freed here
         self._unset = set()   # positions allocated here without a value yet (built on meta)
         self._stale = False   # trained since the ranks that only evaluate a tensor got it
+        self._copies = []     # weak references to the PlanSharingCopy objects of the module
+        self._copy_view = False  # reading a copy's values: current only where trained
         # the state's names in trace order, resolved on the module (the trace's once deployed)
         self._trace_state = ModelState.of(module)
         self._meta_built = self._empty_meta_parameters()
@@ -80,6 +83,17 @@ class StatePlacement:
             module.register_state_dict_post_hook(lambda *_: self._check_users_state_dict()),
             module.register_load_state_dict_pre_hook(lambda *_: self._check_users_load()),
             module.register_forward_pre_hook(check_call)]
+
+    def strip_hooks(self, module: torch.nn.Module):
+        """Removes the hooks above from `module`, a deep copy of the user's module (which
+        copied them), whose own state has other holders ([Note: copies of a wrapped
+        model] in copies.py)."""
+        for handle in self._hooks:
+            for hooks in (module._state_dict_hooks, module._load_state_dict_pre_hooks,
+                          module._forward_pre_hooks):
+                hooks.pop(handle.id, None)
+
+    own_access = staticmethod(_own_access)
 
     # ---- the module's own state_dict ------------------------------------------------------
     # [Note: the module's own state_dict] DistributedDataParallel's habits
@@ -202,8 +216,11 @@ class StatePlacement:
 
     def sources(self) -> list[tuple]:
         """Per state tensor: (owner, ranks whose copy is current). A tensor no stage uses is
-        kept everywhere and never changes: (None, all ranks)."""
+        kept everywhere and never changes: (None, all ranks). Viewing a copy's values, only
+        the ranks that train a tensor hold its current value ([Note: copies of a wrapped
+        model] in copies.py)."""
         world = set(range(_C.get_world_size()))
+        stale = self._stale or self._copy_view
         train = self._users.get(True)
         result = []
         for i in range(len(next(iter(self._users.values())))):
@@ -213,7 +230,7 @@ class StatePlacement:
                 result.append((None, world))
             else:  # after training, only the ranks that trained it are up to date
                 result.append((min(trained or keepers),
-                               trained if trained and self._stale else keepers))
+                               trained if trained and stale else keepers))
         return result
 
     def trained_here(self) -> set[int]:
@@ -252,8 +269,9 @@ class StatePlacement:
 
     def before_eval(self):
         """Before an eval call after training: each tensor that training updated goes from
-        its owner to the ranks whose eval stage uses it and whose copy is stale."""
-        if not self._stale:
+        its owner to the ranks whose eval stage uses it and whose copy is stale. Under
+        viewing_copy(), each tensor the ranks that train it do not all evaluate."""
+        if not (self._stale or self._copy_view):
             return
         users = self._users.get(False)
         if users is not None and True in self._users:
@@ -262,7 +280,43 @@ class StatePlacement:
                 if owner is not None and eval_users - current:
                     copies.append((owner, eval_users - current, t.data))
             _transfer(copies)
-        self._stale = False
+        if not self._copy_view:
+            self._stale = False
+
+    @contextlib.contextmanager
+    def viewing_copy(self):
+        """What runs inside reads and writes a copy's tensors (swapped into the module's):
+        their current values are where training updates them ([Note: copies of a wrapped
+        model] in copies.py), and the module's own staleness is left as it was."""
+        before = self._copy_view
+        self._copy_view = True
+        try:
+            yield
+        finally:
+            self._copy_view = before
+
+    # ---- copies of the module ([Note: copies of a wrapped model] in copies.py) --------------
+    def add_copy(self, copy):
+        """`copy` (a PlanSharingCopy) holds its tensors where the module holds its own, and
+        follows it as modes are deployed."""
+        self._copies = [r for r in self._copies if r() is not None] + [weakref.ref(copy)]
+
+    def tensors_of(self, module: torch.nn.Module) -> list[torch.Tensor]:
+        """The state tensors of `module`, a copy of the user's module, in trace order."""
+        return self._trace_state.tensors(module)
+
+    def _copies_state(self) -> list[list[torch.Tensor]]:
+        """Each live copy's state tensors, in the order of copying (a collective: the ranks
+        must have made the same copies, or their transfers would not match)."""
+        copies = [c for c in (r() for r in self._copies) if c is not None]
+        if _C.get_world_size() > 1:
+            counts = all_gather_objects(len(copies))
+            if len(set(counts)) > 1:
+                raise failure.agreed(
+                    f"the ranks hold different numbers of copies of the model ({dict(enumerate(counts))} "
+                    "(rank: copies)): copy.deepcopy of a RaNNCModule (AveragedModel, an EMA) "
+                    "must be made on every rank alike")
+        return [self.tensors_of(c.module) for c in copies]
 
     def trace_tensors(self) -> list[torch.Tensor]:
         """What to trace (and profile) the module's state with at `home`, in trace order: once
@@ -317,51 +371,71 @@ class StatePlacement:
         holding = ([set() if i in self._meta_built else world for i in range(len(tensors))]
                    if first else [self._keepers(i) or world for i in range(len(tensors))])
         sources = None if first else self.sources()
+        copies = self._copies_state()
+        with self.viewing_copy():
+            copy_sources = None if first else self.sources()
         self._users[mode] = users
-        self._fill(tensors, holding, sources)
-        self._release()
-        self._place()
+        self._fill(tensors, holding, sources, copies, copy_sources)
+        self._release(tensors)
+        self._place(tensors)
+        for state in copies:
+            self._release(state, own=False)
+            self._place(state, own=False)
 
     def _keepers(self, i: int) -> set:
         """The ranks whose deployed stages use state tensor `i`."""
         return set().union(*(users[i] for users in self._users.values()))
 
-    def _fill(self, tensors, holding, sources):
+    def _fill(self, tensors, holding, sources, copies=(), copy_sources=None):
         """Storage on this rank's device for the tensors its stages now use and it does not
-        hold, with the owner's value where some rank holds one (a collective)."""
+        hold, with the owner's value where some rank holds one (a collective); the same for
+        each copy's tensors (`copies`), with its values' owners (`copy_sources`)."""
         rank, world = _C.get_rank(), set(range(_C.get_world_size()))
-        copies = []
+        transfers = []
         for i, t in enumerate(tensors):
             # what no stage uses is kept everywhere, as a parameter built with a value is
             newly = (self._keepers(i) or world) - holding[i]
             if not newly:
                 continue
+            shape = self.full_shape(i, t)
             if rank in newly:
-                t.data = torch.empty(self.full_shape(i, t), dtype=t.dtype, device=self.device)
+                t.data = torch.empty(shape, dtype=t.dtype, device=self.device)
+                for state in copies:
+                    state[i].data = torch.empty(shape, dtype=state[i].dtype, device=self.device)
                 self._freed.pop(i, None)
             if sources is not None and sources[i][0] is not None:
-                copies.append((sources[i][0], newly, t.data))
+                transfers.append((sources[i][0], newly, t.data))
+                transfers += [(copy_sources[i][0], newly, state[i].data) for state in copies]
             elif rank in newly:
                 self._unset.add(i)  # built on meta: a checkpoint or initialize() fills it
-        _transfer(copies)
+        _transfer(transfers)
 
-    def _release(self):
-        """Frees the storage of the state tensors that no deployed stage on this rank uses."""
+    def _release(self, tensors, own: bool = True):
+        """Frees the storage of the state tensors that no deployed stage on this rank uses:
+        the module's (`own`), or a copy's where the module's are freed."""
         rank = _C.get_rank()
-        for i, t in enumerate(self.tensors()):
-            keepers = self._keepers(i)
-            if keepers and rank not in keepers and i not in self._freed:
+        for i, t in enumerate(tensors):
+            if own:
+                keepers = self._keepers(i)
+                if not (keepers and rank not in keepers and i not in self._freed):
+                    continue
                 self._freed[i] = t.shape
-                t.grad = None
-                t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+            elif i not in self._freed or t.shape == (0,):
+                continue
+            t.grad = None
+            t.data = torch.empty(0, dtype=t.dtype, device=t.device)
 
-    def _place(self):
-        """Moves the state tensors this rank keeps to its device ([Note: placement])."""
+    def _place(self, tensors, own: bool = True):
+        """Moves the state tensors this rank keeps to its device ([Note: placement]): the
+        module's, or a copy's that are where the module's were (not where the user moved
+        them)."""
         if self.device == self.home:
             return
-        for i, t in enumerate(self.tensors()):
-            if i not in self._freed and t.device != self.device:
-                t.data = t.data.to(self.device)
+        for i, t in enumerate(tensors):
+            if i in self._freed or t.device == self.device or (not own and t.device != self.home):
+                continue
+            t.data = t.data.to(self.device)
+            if own:
                 self._place_optimizer_state(t)
 
     # ---- values of parameters built on the meta device --------------------------------------

@@ -56,6 +56,12 @@ behaviour and prints "OK rank r", or fails the way the test expects.
                                        unfrozen after 2 steps, another frozen after 4; every
                                        step, the weights and AdamW's state equal PyTorch's
                                        ([Note: frozen parameters])
+    loop_probes.py averaged_model      AveragedModel of a RaNNCModule (an EMA, made before
+                                       the first call) and a frozen deepcopy: their calls
+                                       (eval, train mode), state_dict() and load_state_dict()
+                                       equal PyTorch's copies of the plain model, with layers
+                                       evaluated on other ranks than they train on ([Note:
+                                       copies of a wrapped model])
 """
 import copy
 import sys
@@ -104,6 +110,26 @@ def train(wrapped, opt, args):
     loss.backward()
     opt.step()
     opt.zero_grad()
+
+
+class FrozenFirst(nn.Module):
+    """Frozen layers first: training (no backward there) puts trainable layer 8 on the
+    first stage, evaluation on the second, so eval's rank needs training's weights."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(512, 512) for _ in range(12)])
+        for layer in self.layers[:8]:
+            layer.requires_grad_(False)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x.pow(2).mean()
+
+
+def first_stage_tasks(wrapped, mode: str) -> int:
+    return len(wrapped.deployments[mode].stages[0].tasks)
 
 
 if probe == "user_error":
@@ -261,21 +287,6 @@ elif probe == "num_items_in_batch":
 elif probe == "eval_after_new_length":
     import copy
 
-    class FrozenFirst(nn.Module):
-        """Frozen layers first: training (no backward there) puts trainable layer 8 on the
-        first stage, evaluation on the second, so eval's rank needs training's weights."""
-
-        def __init__(self):
-            super().__init__()
-            self.layers = nn.ModuleList([nn.Linear(512, 512) for _ in range(12)])
-            for layer in self.layers[:8]:
-                layer.requires_grad_(False)
-
-        def forward(self, x):
-            for layer in self.layers:
-                x = torch.tanh(layer(x))
-            return x.pow(2).mean()
-
     world = rannc.get_world_size()
     torch.manual_seed(0)
     model = FrozenFirst()
@@ -304,10 +315,8 @@ elif probe == "eval_after_new_length":
             if p.numel():
                 torch.testing.assert_close(p.detach(), ref_p.detach(), rtol=1e-5, atol=1e-7,
                                            msg=lambda m: f"rank {rank}: {name} after step {step}: {m}")
-    train_first = [len(s.tasks) for s in wrapped.deployments["train"].stages][0]
-    eval_first = [len(s.tasks) for s in wrapped.deployments["eval"].stages][0]
     # the case this probe is for (profiled plans: checked, not assumed)
-    assert train_first > eval_first, (train_first, eval_first)
+    assert first_stage_tasks(wrapped, "train") > first_stage_tasks(wrapped, "eval")
     print(f"OK rank {rank}", flush=True)
 elif probe == "uneven_selection":
     class Packed(nn.Module):
@@ -554,6 +563,56 @@ elif probe == "unfreeze":  # [Note: frozen parameters] in module.py
     for i, s in ref_state["state"].items():
         torch.testing.assert_close(gathered["state"][i]["exp_avg"], s["exp_avg"], rtol=1e-4,
                                    atol=1e-6, msg=lambda m: f"rank {rank}: state {i}: {m}")
+    print(f"OK rank {rank}", flush=True)
+elif probe == "averaged_model":  # [Note: copies of a wrapped model] in copies.py
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+    world = rannc.get_world_size()
+    torch.manual_seed(0)
+    model = FrozenFirst()
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    ref_opt = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=0.5)
+    wrapped = rannc.RaNNCModule(model, opt, num_stages=2)
+    # made before the first call, as training scripts make their EMA
+    ema = AveragedModel(wrapped, multi_avg_fn=get_ema_multi_avg_fn(0.8))
+    ref_ema = AveragedModel(reference, multi_avg_fn=get_ema_multi_avg_fn(0.8))
+    rows = slice(32 * rank, 32 * (rank + 1))
+    x_eval = torch.randn(32 * world, 2, 512, generator=torch.Generator().manual_seed(99))
+
+    def same_eval(mine, theirs, what):
+        mine.eval()
+        theirs.eval()
+        with torch.no_grad():
+            torch.testing.assert_close(mine(x_eval[rows]), theirs(x_eval), rtol=1e-4, atol=1e-6,
+                                       msg=lambda m: f"rank {rank}: {what}: {m}")
+
+    for step in range(4):
+        x = torch.randn(32 * world, 2, 512, generator=torch.Generator().manual_seed(step))
+        for m in (wrapped, reference, ema, ref_ema):
+            m.train()
+        step_both(wrapped(x[rows]), reference(x), opt, ref_opt)
+        ema.update_parameters(wrapped)
+        ref_ema.update_parameters(reference)
+        if step == 0:  # a frozen copy (a reference model, a teacher)
+            frozen, ref_frozen = copy.deepcopy(wrapped), copy.deepcopy(reference)
+        if step == 1:  # the copy in train mode, forward only; the first eval is the copy's
+            with torch.no_grad():
+                torch.testing.assert_close(ema(x[rows]), ref_ema(x), rtol=1e-4, atol=1e-6)
+        if step >= 1:
+            same_eval(ema, ref_ema, f"the average after step {step}")
+            # each value of the average this rank holds is current after an eval call
+            # (those of the ranks that only evaluate a tensor came from its owner)
+            same_stage_parameters(ema.module.module, ref_ema.module, rtol=1e-5)
+            same_eval(wrapped, reference, f"the model after step {step}")  # its own weights
+    same_eval(frozen, ref_frozen, "the copy made after step 0")
+    assert first_stage_tasks(wrapped, "train") > first_stage_tasks(wrapped, "eval")
+    state, ref_state = ema.state_dict(), ref_ema.state_dict()
+    assert state.keys() == ref_state.keys(), (sorted(state), sorted(ref_state))
+    for k, v in ref_state.items():
+        torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-7, msg=lambda m: f"{k}: {m}")
+    resumed = AveragedModel(wrapped, multi_avg_fn=get_ema_multi_avg_fn(0.8))
+    resumed.load_state_dict(ref_state)  # every rank passes the whole state
+    same_eval(resumed, ref_ema, "an average loaded from a state_dict")
     print(f"OK rank {rank}", flush=True)
 else:
     raise SystemExit(f"unknown probe {probe}")

@@ -1,0 +1,203 @@
+"""Copies of a wrapped model that run on its plan: an EMA, SWA, a frozen reference model.
+
+[Note: copies of a wrapped model] Training scripts copy the model they train:
+torch.optim.swa_utils.AveragedModel and timm's ModelEmaV3 deep-copy it and average its
+parameters into the copy after each step (zip over `parameters()`), RLHF keeps a frozen
+reference copy, distillation a teacher. `copy.deepcopy` of a RaNNCModule gives a
+PlanSharingCopy: the user's module copied on each rank as this rank holds it (the tensors
+freed here stay empty: [Note: freed state] in placement.py), so an average updated from the
+RaNNCModule's parameters is updated where each tensor lives, with no communication and no
+memory beyond the copy of this rank's share. A call of the copy runs the RaNNCModule's
+deployments with the copy's tensors swapped in for the call (`.data`: the stages hold the
+same tensor objects, so nothing is copied), in the copy's mode (train, eval) and forward
+only, as under torch.no_grad(): nobody backpropagates through an average, and its
+parameters are not the optimizer's. A mode neither has run yet is deployed from the
+RaNNCModule's own tensors first, as its own first call would.
+
+Where a copy's value is current: on the ranks that train a tensor. The RaNNCModule's tensors on
+the ranks that only evaluate them are stale between steps (before_eval refreshes them), so
+an average updated there is wrong there; placement.viewing_copy() reads the copy as current
+only where training updates it. Before an eval call after the copy changed (its tensors'
+version counters, agreed over the ranks in the call's own all-gather), each such tensor goes
+from its owner to the ranks that evaluate it, as the RaNNCModule's own before_eval does.
+state_dict() gathers the copy's values from those owners; load_state_dict() (directly, or
+through AveragedModel's) loads each rank's share of the whole state it is passed.
+
+The copies follow the RaNNCModule's placement when a later mode is deployed (storage where
+its new stages need it, with the owner's value; freed where no stage does); this is a
+collective, so every rank must make the same copies, as every DDP rank keeps its own EMA
+(checked there). The plan did not count a copy's memory: rank 0 logs its size.
+"""
+from __future__ import annotations
+
+import copy as _copy
+import contextlib
+import weakref
+
+import torch
+
+from . import _C, failure, handshake
+from .options import format_bytes
+
+_COPY_CALL = "a copy's call"  # [Note: named collectives] in handshake.py
+
+
+class PlanSharingCopy(torch.nn.Module):
+    """copy.deepcopy of a RaNNCModule: `module` holds the copy's tensors (this rank's share)
+    and its calls run on the RaNNCModule's plan ([Note: copies of a wrapped model])."""
+
+    def __init__(self, source, module: torch.nn.Module, memo: dict):
+        super().__init__()
+        placement = source.placement
+        lacking = placement.without_values()
+        if lacking:
+            raise _C.Error(
+                f"copy.deepcopy of a RaNNCModule whose parameters have no values yet "
+                f"({failure.some_of(lacking)}, built on the meta device): copy it after its "
+                "first call or load_checkpoint, once every parameter has a value")
+        from .module import _checkpoint
+        _checkpoint().apply_pending(source)  # a checkpoint loaded before the first call
+        with placement.own_access():
+            self.module = _copy.deepcopy(module, memo)
+        placement.strip_hooks(self.module)
+        for t in self._tensors(placement):
+            t.grad = None  # the copy is never trained
+        object.__setattr__(self, "_source", source)  # not a submodule: not our parameters
+        self._seen = None  # the tensors' versions when the ranks last shared them
+        self._forward_runs = 0  # calls in train mode change buffers behind the versions
+        placement.add_copy(self)
+        # hooks without a reference cycle: a copy is freed when its last user lets go, at
+        # the same point on every rank (the ranks must agree on the copies that live)
+        this = weakref.ref(self)
+        self.module.register_forward_pre_hook(lambda m, _: this()._refuse_direct_call(m))
+        self.register_load_state_dict_pre_hook(_load_share)
+        self.register_load_state_dict_post_hook(_forget_freed_keys)
+        if _C.get_rank() == 0:
+            held = sum(t.numel() * t.element_size() for t in self._tensors(placement))
+            _C.log_info(f"a copy of the model (copy.deepcopy: AveragedModel, an EMA): rank 0 "
+                        f"keeps {format_bytes(held)} more for it, which the plan did not count")
+
+    def __deepcopy__(self, memo):
+        return PlanSharingCopy(self._source, self.module, memo)
+
+    def __getstate__(self):
+        raise _C.Error("a copy of a RaNNCModule cannot be pickled (torch.save(model)): save "
+                       "its weights with state_dict() on every rank")
+
+    # ---- calls ------------------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        mode = self.module.training
+        with _modes_from(self.module, self._source.module):
+            return self._source._call(mode, _COPY_CALL, args, kwargs, copy=self)
+
+    def changed(self) -> bool:
+        """Whether this rank's tensors of the copy changed since the ranks last shared them
+        (an average updated, a load, a call in train mode)."""
+        return self._versions() != self._seen
+
+    def run(self, deployed, call, args, kwargs):
+        """Runs the agreed `call` on `deployed` (the RaNNCModule's, of this copy's mode) with
+        the copy's tensors, forward only."""
+        placement = self._source.placement
+        # new shapes are traced as the module's own call would (a variant that training
+        # runs later is traced with gradients)
+        target = deployed.variant(call, args, kwargs)
+        writes = call.flagged or self.module.training  # a share, batch-norm statistics
+        with self._swapped_in(placement, writes), placement.viewing_copy(), torch.no_grad():
+            if call.flagged and not self.module.training:
+                placement.before_eval()  # the owners' values to the ranks that evaluate
+            if call.flagged:
+                self._seen = self._versions()
+            out = target._run(call.local, call.flat, call.rows)
+        if self.module.training:
+            self._forward_runs += 1  # batch-norm statistics, updated behind the versions
+        return out
+
+    # ---- state ------------------------------------------------------------------------------
+    def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
+        """The copy's full state under the model's names on every rank (a collective), as
+        the RaNNCModule's state_dict() gathers its own."""
+        from . import full_state
+        source = self._source
+        handshake.enter("state_dict()")
+        with self._swapped_in(source.placement, writes=False), source.placement.viewing_copy():
+            return full_state.gather_state_dict(source, *args, destination=destination,
+                                                prefix=prefix, keep_vars=keep_vars)
+
+    def _refuse_direct_call(self, module):
+        freed = self._freed_keys()
+        if freed:
+            raise _C.Error(
+                f"{type(module).__name__} inside a copy of a RaNNCModule called directly on "
+                f"rank {_C.get_rank()}: this rank keeps only its stages' share of the copy "
+                f"(not {failure.some_of(freed)}). Call the copy itself (AveragedModel's "
+                "forward does), on every rank")
+
+    # ---- helpers ----------------------------------------------------------------------------
+    def _tensors(self, placement=None) -> list[torch.Tensor]:
+        return (placement or self._source.placement).tensors_of(self.module)
+
+    def _freed_keys(self) -> list[str]:
+        """The names in the copied module's state_dict of the tensors freed on this rank
+        (every name of a tied one)."""
+        freed = self._source.placement.freed()
+        ids = {id(t) for i, t in enumerate(self._tensors()) if i in freed}
+        return [k for k, v in self.module.state_dict(keep_vars=True).items() if id(v) in ids]
+
+    def _versions(self) -> tuple:
+        return (self._forward_runs,) + tuple(t._version for t in self._tensors())
+
+    @contextlib.contextmanager
+    def _swapped_in(self, placement, writes: bool):
+        """The RaNNCModule's state tensors hold the copy's storage (on their device) while
+        the block runs; what the block `writes` there stays the copy's (a copy the user
+        moved to another device, as AveragedModel(model, device="cpu") does, is copied to
+        the stages' device and, if the block `writes`, back)."""
+        own, mine = placement.tensors(), self._tensors(placement)
+        kept = [t.data for t in own]
+        for t, c in zip(own, mine):
+            t.data = c.data if c.device == t.device else c.data.to(t.device)
+        try:
+            yield
+        finally:
+            for t, c, before in zip(own, mine, kept):
+                if c.device == t.device:
+                    c.data = t.data
+                elif writes:
+                    c.data = t.data.to(c.device)
+                t.data = before
+
+
+def _load_share(copy: PlanSharingCopy, state_dict, prefix, *_):
+    """Load pre-hook (also under AveragedModel's load_state_dict): every rank is passed the
+    whole state under the model's names, as state_dict() gives it, and loads what it holds;
+    the tensors freed here are left out."""
+    for key in copy.module.state_dict(keep_vars=True):
+        if prefix + key in state_dict and prefix + "module." + key not in state_dict:
+            state_dict[prefix + "module." + key] = state_dict.pop(prefix + key)
+    freed = {prefix + "module." + k for k in copy._freed_keys()}
+    for key in freed:
+        state_dict.pop(key, None)
+    copy._loading_freed = freed
+
+
+def _forget_freed_keys(copy: PlanSharingCopy, incompatible):
+    """Load post-hook: the keys left out above are not missing."""
+    for key in copy.__dict__.pop("_loading_freed", ()):
+        if key in incompatible.missing_keys:
+            incompatible.missing_keys.remove(key)
+
+
+@contextlib.contextmanager
+def _modes_from(copy: torch.nn.Module, module: torch.nn.Module):
+    """`module`'s submodules in the train/eval mode of the copy's, for the block: its traces
+    and runs of the copy's calls see the copy's modes (each submodule's own)."""
+    pairs = list(zip(module.modules(), copy.modules()))
+    before = [m.training for m, _ in pairs]
+    for m, c in pairs:
+        m.training = c.training
+    try:
+        yield
+    finally:
+        for (m, _), flag in zip(pairs, before):
+            m.training = flag
