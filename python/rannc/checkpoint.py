@@ -576,6 +576,28 @@ def _match(entries, source: Source, strict: bool, model: str) -> tuple[dict, lis
     return matched, missing, unexpected
 
 
+def load_weights(wrapped, path: str, strict: bool = True) -> None:
+    """Reads the weights of a checkpoint (or of a Hugging Face directory or a state_dict
+    file) into the tensors this rank keeps, now (a collective): nothing else (no optimizer
+    state, generators or extra). For copies of a model ([Note: copies of a wrapped model] in
+    copies.py), whose tensors are swapped into `wrapped`'s."""
+    opened = []
+
+    def read():
+        opened.append(Source(path))
+        entries = _entries(wrapped)
+        matched, _, _ = _match(entries, opened[0], strict, type(wrapped.module).__name__)
+        for e in entries:
+            if e.here and e.name in matched:
+                opened[0].read(matched[e.name], e.tensor)
+
+    try:
+        _agree(f"load_checkpoint({path})", read)
+    finally:
+        for s in opened:
+            s.close()
+
+
 def forget_pending(wrapped, weights: bool = True, optimizer: bool = True) -> None:
     """A later load replaces what an earlier load_checkpoint left to read."""
     pending = _PENDING.get(wrapped)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import copy as _copy
 import contextlib
+import types
 import weakref
 
 import torch
@@ -39,7 +40,12 @@ import torch
 from . import _C, failure, handshake
 from .options import format_bytes
 
-_COPY_CALL = "a copy's call"  # [Note: named collectives] in handshake.py
+_COPY_CALL = "a copy's call"
+
+
+def _checkpoint():
+    from .module import _checkpoint as checkpoint_module  # imported on first use there
+    return checkpoint_module()  # [Note: named collectives] in handshake.py
 
 
 class PlanSharingCopy(torch.nn.Module):
@@ -55,7 +61,6 @@ class PlanSharingCopy(torch.nn.Module):
                 f"copy.deepcopy of a RaNNCModule whose parameters have no values yet "
                 f"({failure.some_of(lacking)}, built on the meta device): copy it after its "
                 "first call or load_checkpoint, once every parameter has a value")
-        from .module import _checkpoint
         _checkpoint().apply_pending(source)  # a checkpoint loaded before the first call
         with placement.own_access():
             self.module = _copy.deepcopy(module, memo)
@@ -64,7 +69,7 @@ class PlanSharingCopy(torch.nn.Module):
             t.grad = None  # the copy is never trained
         object.__setattr__(self, "_source", source)  # not a submodule: not our parameters
         self._seen = None  # the tensors' versions when the ranks last shared them
-        self._forward_runs = 0  # calls in train mode change buffers behind the versions
+        self._writes = 0  # train-mode calls and loads change tensors behind the versions
         placement.add_copy(self)
         # hooks without a reference cycle: a copy is freed when its last user lets go, at
         # the same point on every rank (the ranks must agree on the copies that live)
@@ -110,7 +115,7 @@ class PlanSharingCopy(torch.nn.Module):
                 self._seen = self._versions()
             out = target._run(call.local, call.flat, call.rows)
         if self.module.training:
-            self._forward_runs += 1  # batch-norm statistics, updated behind the versions
+            self._writes += 1  # batch-norm statistics, updated behind the versions
         return out
 
     # ---- state ------------------------------------------------------------------------------
@@ -123,6 +128,26 @@ class PlanSharingCopy(torch.nn.Module):
         with self._swapped_in(source.placement, writes=False), source.placement.viewing_copy():
             return full_state.gather_state_dict(source, *args, destination=destination,
                                                 prefix=prefix, keep_vars=keep_vars)
+
+    def save_checkpoint(self, directory: str, extra=None) -> None:
+        """The copy's weights as a sharded checkpoint in `directory` (a collective), as the
+        RaNNCModule's save_checkpoint writes its own but without optimizer state: the
+        average of a model is a model checkpoint (transformers' from_pretrained reads it)."""
+        source = self._source
+        handshake.enter("save_checkpoint()")  # [Note: named collectives]
+        weights_only = types.SimpleNamespace(placement=source.placement, module=source.module,
+                                             optimizer=None, deployments=source.deployments)
+        with self._swapped_in(source.placement, writes=False), source.placement.viewing_copy():
+            _checkpoint().save_checkpoint(weights_only, directory, extra)
+
+    def load_checkpoint(self, path: str, strict: bool = True) -> None:
+        """Reads the weights of a checkpoint (save_checkpoint's, a Hugging Face directory or
+        a state_dict file) into the copy; each rank reads its share (a collective)."""
+        source = self._source
+        handshake.enter("load_checkpoint()")
+        with self._swapped_in(source.placement, writes=True), source.placement.viewing_copy():
+            _checkpoint().load_weights(source, path, strict)
+        self._writes += 1
 
     def _refuse_direct_call(self, module):
         freed = self._freed_keys()
@@ -145,7 +170,7 @@ class PlanSharingCopy(torch.nn.Module):
         return [k for k, v in self.module.state_dict(keep_vars=True).items() if id(v) in ids]
 
     def _versions(self) -> tuple:
-        return (self._forward_runs,) + tuple(t._version for t in self._tensors())
+        return (self._writes,) + tuple(t._version for t in self._tensors())
 
     @contextlib.contextmanager
     def _swapped_in(self, placement, writes: bool):

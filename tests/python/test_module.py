@@ -583,8 +583,9 @@ def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
     unfreeze: parameters unfrozen or frozen between steps train as in PyTorch (the change
     was ignored: an unfrozen block never trained) ([Note: frozen parameters]).
     averaged_model: AveragedModel (an EMA made before the first call) and a frozen
-    copy.deepcopy of a RaNNCModule evaluate, in eval and train mode, and give state_dict()
-    and load_state_dict() as PyTorch's copies of the plain model, where evaluation places
+    copy.deepcopy of a RaNNCModule evaluate, in eval and train mode, and give state_dict(),
+    load_state_dict() and a checkpoint of the average (save_checkpoint, load_checkpoint) as
+    PyTorch's copies of the plain model, where evaluation places
     layers on other ranks than training ([Note: copies of a wrapped model])."""
     res = mpirun("loop_probes.py", 2, probe, timeout=300, env={"RANNC_COMM_TIMEOUT": "60"})
     assert res.returncode == 0, res.stdout[-4000:]

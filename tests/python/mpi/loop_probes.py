@@ -58,8 +58,9 @@ behaviour and prints "OK rank r", or fails the way the test expects.
                                        ([Note: frozen parameters])
     loop_probes.py averaged_model      AveragedModel of a RaNNCModule (an EMA, made before
                                        the first call) and a frozen deepcopy: their calls
-                                       (eval, train mode), state_dict() and load_state_dict()
-                                       equal PyTorch's copies of the plain model, with layers
+                                       (eval, train mode), state_dict(), load_state_dict() and
+                                       a checkpoint of the average equal PyTorch's copies of
+                                       the plain model, with layers
                                        evaluated on other ranks than they train on ([Note:
                                        copies of a wrapped model])
 """
@@ -613,6 +614,19 @@ elif probe == "averaged_model":  # [Note: copies of a wrapped model] in copies.p
     resumed = AveragedModel(wrapped, multi_avg_fn=get_ema_multi_avg_fn(0.8))
     resumed.load_state_dict(ref_state)  # every rank passes the whole state
     same_eval(resumed, ref_ema, "an average loaded from a state_dict")
+    # the average as a sharded checkpoint of the model, each rank reading its share back
+    import shutil
+    import tempfile
+
+    from rannc.transport import all_gather_objects
+    directory = all_gather_objects(tempfile.mkdtemp() if rank == 0 else None)[0]
+    ema.module.save_checkpoint(directory)
+    loaded = copy.deepcopy(wrapped)
+    loaded.load_checkpoint(directory)
+    same_eval(loaded, ref_ema.module, "an average saved and loaded as a checkpoint")
+    same_stage_parameters(loaded.module, ref_ema.module, rtol=1e-6)
+    if rank == 0:
+        shutil.rmtree(directory)
     print(f"OK rank {rank}", flush=True)
 else:
     raise SystemExit(f"unknown probe {probe}")
