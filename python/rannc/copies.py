@@ -92,8 +92,22 @@ class PlanSharingCopy(torch.nn.Module):
     # ---- calls ------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         mode = self.module.training
+        self._check_traced_attributes()
         with _modes_from(self.module, self._source.module):
             return self._source._call(mode, _COPY_CALL, args, kwargs, copy=self)
+
+    def _check_traced_attributes(self):
+        """The copy runs the model's traces, which baked in its modules' attributes: a
+        batch norm's momentum set otherwise on the copy (torch.optim.swa_utils.update_bn
+        sets None, a cumulative average) would be ignored without a word."""
+        for (name, m), c in zip(self._source.module.named_modules(), self.module.modules()):
+            if (isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+                    and getattr(c, "momentum", None) != m.momentum):
+                raise _C.Error(
+                    f"the copy's batch norm {name} has momentum {c.momentum}, the model's "
+                    f"{m.momentum}: a copy runs the model's traced graph, which holds the "
+                    "model's momentum (torch.optim.swa_utils.update_bn on a copy is not "
+                    "supported: recompute the statistics with the model's own calls)")
 
     def changed(self) -> bool:
         """Whether this rank's tensors of the copy changed since the ranks last shared them

@@ -440,7 +440,8 @@ def test_copies_of_a_wrapped_model_run_on_its_plan_and_pickles_are_an_error():
     'rannc._C.ProfileCache' object"; it is a copy run on the module's plan with weights of
     its own, equal to PyTorch's AveragedModel of the plain model ([Note: copies of a wrapped
     model] in copies.py; several ranks: test_errors_every_rank..[averaged_model]).
-    torch.save(model) names the cause."""
+    torch.save(model) names the cause, and so does update_bn on a copy (the trace holds the
+    model's batch-norm momentum)."""
     res = _single_process("""
 import copy, io, torch, rannc
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
@@ -469,12 +470,20 @@ try:
     torch.save(module, io.BytesIO())
 except rannc.Error as e:
     print("refused:", e)
+normed = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8))
+normed_module = rannc.RaNNCModule(normed, torch.optim.SGD(normed.parameters(), lr=0.1))
+normed_module(x).pow(2).mean().backward()
+try:  # its momentum None would be ignored: the trace holds the model's
+    torch.optim.swa_utils.update_bn([x], AveragedModel(normed_module))
+except rannc.Error as e:
+    print("update_bn:", e)
 """)
     assert res.returncode == 0, res.stdout + res.stderr[-3000:]
     assert "averaged as PyTorch" in res.stdout, res.stdout[-3000:]
     refused = [l for l in res.stdout.splitlines() if l.startswith("refused: a RaNNCModule cannot "
                                                                   "be pickled")]
     assert len(refused) == 1 and "save_checkpoint(dir)" in refused[0], res.stdout[-3000:]
+    assert "update_bn: the copy's batch norm 1 has momentum None" in res.stdout, res.stdout[-3000:]
 
 
 def test_one_rank_is_planned_without_profiling():
