@@ -129,6 +129,17 @@ class FrozenFirst(nn.Module):
         return x.pow(2).mean()
 
 
+def frozen_first_pair():
+    """FrozenFirst and its plain copy, each with SGD over its trainable parameters; the
+    first wrapped in 2 stages."""
+    torch.manual_seed(0)
+    model = FrozenFirst()
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    ref_opt = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=0.5)
+    return model, reference, opt, ref_opt, rannc.RaNNCModule(model, opt, num_stages=2)
+
+
 def first_stage_tasks(wrapped, mode: str) -> int:
     return len(wrapped.deployments[mode].stages[0].tasks)
 
@@ -289,12 +300,7 @@ elif probe == "eval_after_new_length":
     import copy
 
     world = rannc.get_world_size()
-    torch.manual_seed(0)
-    model = FrozenFirst()
-    reference = copy.deepcopy(model)
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
-    ref_opt = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=0.5)
-    wrapped = rannc.RaNNCModule(model, opt, num_stages=2)
+    model, reference, opt, ref_opt, wrapped = frozen_first_pair()
     rows = slice(32 * rank, 32 * (rank + 1))
     # evaluated at the first length: eval deploys no new shape (which would gather weights)
     x_eval = torch.randn(32 * world, 2, 512, generator=torch.Generator().manual_seed(99))
@@ -568,12 +574,7 @@ elif probe == "unfreeze":  # [Note: frozen parameters] in module.py
 elif probe == "averaged_model":  # [Note: copies of a wrapped model] in copies.py
     from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
     world = rannc.get_world_size()
-    torch.manual_seed(0)
-    model = FrozenFirst()
-    reference = copy.deepcopy(model)
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
-    ref_opt = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=0.5)
-    wrapped = rannc.RaNNCModule(model, opt, num_stages=2)
+    model, reference, opt, ref_opt, wrapped = frozen_first_pair()
     # made before the first call, as training scripts make their EMA
     ema = AveragedModel(wrapped, multi_avg_fn=get_ema_multi_avg_fn(0.8))
     ref_ema = AveragedModel(reference, multi_avg_fn=get_ema_multi_avg_fn(0.8))
