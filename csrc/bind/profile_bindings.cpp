@@ -99,6 +99,7 @@ void bindProfiler(py::module& m) {
       .def_readwrite("verify_finalists", &partition::PlannerOptions::verify_finalists)
       .def_readwrite("plan_tolerance", &partition::PlannerOptions::plan_tolerance)
       .def_readwrite("chunks", &partition::PlannerOptions::chunks)
+      .def_readwrite("model_copies", &partition::PlannerOptions::model_copies)
       .def_property(
           "optimizer",
           [](const partition::PlannerOptions& o) { return std::string(partition::optimizerName(o.optimizer)); },

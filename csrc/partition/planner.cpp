@@ -26,6 +26,7 @@ void checkOptions(const PlannerOptions& o) {
   auto str = [](auto v) { return std::to_string(v); };
   if (o.world_size < 1) badOption("world_size", str(o.world_size), "at least 1");
   if (o.num_blocks < 1) badOption("num_blocks", str(o.num_blocks), "at least 1");
+  if (o.model_copies < 0) badOption("model_copies", str(o.model_copies), "at least 0");
   if (!(o.memory_margin >= 0.0 && o.memory_margin < 1.0)) {
     badOption("memory_margin", str(o.memory_margin), "a fraction in [0, 1) of device_memory");
   }
@@ -83,6 +84,7 @@ PlanContext planContext(const ir::Graph& graph, const CostModel& costs, const Pl
                          : static_cast<int64_t>(static_cast<double>(costs.device().memory_bytes) *
                                                 (1.0 - o.memory_margin));
   ctx.optimizer = o.optimizer;
+  ctx.model_copies = o.model_copies;
   ctx.schedule = o.schedule;
   ctx.recompute = o.recompute;
   ctx.update_seconds_per_byte = o.update_seconds_per_byte;
@@ -156,6 +158,7 @@ void planSchedule(PlanTrace& trace, CostModel& costs, const PlanContext& ctx, co
   bo.memory_rows = std::max<int64_t>(1, (bo.rows + max_mb - 1) / max_mb);
   bo.memory_limit = ctx.memory_limit;
   bo.optimizer = ctx.optimizer;
+  bo.model_copies = ctx.model_copies;
   StageSearchOptions so;
   so.num_stages = options.num_stages;
   so.num_microbatches = options.num_microbatches;

@@ -22,6 +22,9 @@ struct PlannerOptions {
   double memory_margin = 0.1;     // keep this fraction of device memory free
   int64_t memory_limit = 0;       // usable bytes per device; 0: device memory x (1 - margin)
   Optimizer optimizer = Optimizer::Adam;
+  // Copies of the parameters and buffers kept beside the model (an EMA, a reference model):
+  // memory only.
+  int model_copies = 0;
   ScheduleKind schedule = ScheduleKind::OneFOneB;
   int chunks = 2;  // schedule interleaved: stages per device ([Note: interleaved search])
   Recompute recompute = Recompute::Auto;  // recompute activations where memory needs it, never, always

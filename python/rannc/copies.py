@@ -77,10 +77,15 @@ class PlanSharingCopy(torch.nn.Module):
         self.module.register_forward_pre_hook(lambda m, _: this()._refuse_direct_call(m))
         self.register_load_state_dict_pre_hook(_load_share)
         self.register_load_state_dict_post_hook(_forget_freed_keys)
-        if _C.get_rank() == 0:
+        counted = min((getattr(d, "model_copies", 0) for d in source._deployed.values()),
+                      default=None)
+        if _C.get_rank() == 0 and counted is not None and placement.copy_count() > counted:
             held = sum(t.numel() * t.element_size() for t in self._tensors(placement))
-            _C.log_info(f"a copy of the model (copy.deepcopy: AveragedModel, an EMA): rank 0 "
-                        f"keeps {format_bytes(held)} more for it, which the plan did not count")
+            _C.log_warn(
+                f"a copy of the model (copy.deepcopy: AveragedModel, an EMA) made after the "
+                f"first call: rank 0 keeps {format_bytes(held)} more for it, which the plan did "
+                f"not count; make copies before the first call, or pass the option "
+                f"model_copies={placement.copy_count()}, for a plan that counts them")
 
     def __deepcopy__(self, memo):
         return PlanSharingCopy(self._source, self.module, memo)

@@ -296,8 +296,13 @@ class _Deployed:
         where = str(self.owner.device)
         # The probe times MPI through host memory: the link of CPU stages and of GPUs that
         # talk over MPI, not NCCL's (NVLink, InfiniBand): there the DeviceSpec figures stand.
+        # copies made before the first call (an EMA): [Note: copies of a wrapped model]
+        copies = self.model_copies = max(opts.model_copies, self.owner.placement.copy_count())
+        if copies and _C.get_rank() == 0:
+            _C.log_info(f"the plan counts {copies} cop{'y' if copies == 1 else 'ies'} of the "
+                        "parameters and buffers beside the model (an EMA) in each stage's memory")
         plan_opts = dataclasses.replace(opts, training=training, schedule=self.schedule,
-                                        profile_device=where,
+                                        model_copies=copies, profile_device=where,
                                         probe_bandwidth=opts.probe_bandwidth and not self.owner.nccl,
                                         cost_model="profile" if profiled else "analytic")
         device = _C.DeviceSpec()

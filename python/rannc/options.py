@@ -83,6 +83,10 @@ class Options:
                                  "0: a GPU's memory shared by the ranks on it, 8GiB on the CPU",
                                  convert=parse_bytes)
     memory_margin: float = _option(0.1, "fraction of device_memory kept free")
+    model_copies: int = _option(0, "copies of the parameters and buffers kept beside the model "
+                                "(an EMA, a reference model) that each stage's memory counts; "
+                                "RaNNCModule counts at least the copies made before its first "
+                                "call")
     # the search
     num_blocks: int = _option(32, "k of block partitioning")
     num_stages: int = _option(0, "> 0: fix the number of pipeline stages")
@@ -207,6 +211,7 @@ class Options:
         p.num_blocks = self.num_blocks
         p.memory_margin = self.memory_margin
         p.optimizer = optimizer
+        p.model_copies = self.model_copies
         p.schedule = self.schedule
         p.chunks = self.chunks
         p.recompute = self.recompute

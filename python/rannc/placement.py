@@ -301,6 +301,10 @@ class StatePlacement:
         follows it as modes are deployed."""
         self._copies = [r for r in self._copies if r() is not None] + [weakref.ref(copy)]
 
+    def copy_count(self) -> int:
+        """How many copies of the module live on this rank."""
+        return sum(r() is not None for r in self._copies)
+
     def tensors_of(self, module: torch.nn.Module) -> list[torch.Tensor]:
         """The state tensors of `module`, a copy of the user's module, in trace order."""
         return self._trace_state.tensors(module)

@@ -486,6 +486,31 @@ except rannc.Error as e:
     assert "update_bn: the copy's batch norm 1 has momentum None" in res.stdout, res.stdout[-3000:]
 
 
+def test_the_plan_counts_copies_of_the_model_made_before_its_first_call():
+    """An EMA made before the first call takes one more copy of each stage's parameters and
+    buffers, which the plan's memory counts (the option model_copies for later ones); a
+    copy made after it draws a warning naming the option."""
+    res = _single_process("""
+import torch, rannc
+from torch.optim.swa_utils import AveragedModel
+x = torch.randn(8, 64)
+def planned_bytes(copy_first):
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+    module = rannc.RaNNCModule(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    if copy_first:
+        ema = AveragedModel(module)
+    module(x).pow(2).mean().backward()
+    if not copy_first:
+        ema = AveragedModel(module)
+    return module.deployments["train"].stages[0].memory_bytes
+print("counted", planned_bytes(True) - planned_bytes(False))
+""")
+    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
+    parameters = (64 * 64 + 64 + 64 + 1) * 4
+    assert f"counted {parameters}" in res.stdout, res.stdout[-2000:]
+    assert "pass the option model_copies=1" in res.stdout + res.stderr, res.stderr[-2000:]
+
+
 def test_one_rank_is_planned_without_profiling():
     """A single rank's plan can only be one stage: nothing to search, so its first step
     costs no profiling run (74.6 s -> 10.2 s for a 12-layer GPT-2 on this CPU), as with

@@ -65,7 +65,7 @@ class BlockPartitioner {
     const PieceCost c = costs_.unionCost(parts, options_.rows);
     const int64_t mem_rows = memoryRows();
     const PieceCost m = mem_rows == options_.rows ? c : costs_.unionCost(parts, mem_rows);
-    return {c.forward_time + c.backward_time, replicaMemory(m, options_.optimizer, 1, false)};
+    return {c.forward_time + c.backward_time, replicaMemory(m, options_.optimizer, 1, false, options_.model_copies)};
   }
   std::pair<double, int64_t> evaluateAtoms(std::vector<int> atoms) {
     std::sort(atoms.begin(), atoms.end());  // atoms are numbered in a topological order

@@ -17,6 +17,7 @@ struct BlockOptions {
   int64_t memory_rows = 0;         // rows at which a block must fit memory (0: rows)
   int64_t memory_limit = INT64_MAX;  // a block (one micro-batch in flight) must fit this
   Optimizer optimizer = Optimizer::Adam;
+  int model_copies = 0;            // copies of the parameters and buffers beside the model
   bool uncoarsen = true;           // off: skip the communication refinement
   bool compact = true;             // off: stop after coarsening/uncoarsening
 };

@@ -7,12 +7,20 @@
 
 namespace rannc::partition {
 
+// Bytes of a replica's state: parameters, their gradients and optimizer state, buffers,
+// and `model_copies` copies of the parameters and buffers kept beside the model (an EMA,
+// a reference model: [Note: copies of a wrapped model] in python/rannc/copies.py).
+inline int64_t stateMemory(const PieceCost& cost, Optimizer optimizer, int model_copies = 0) {
+  return cost.param_bytes * (2 + optimizerStateFactor(optimizer) + model_copies) +
+         cost.buffer_bytes * (1 + model_copies);
+}
+
 // Peak bytes of a replica of a piece costing `cost` that keeps `in_flight` micro-batches
 // stashed. With `recompute` only the inputs of each in-flight micro-batch are stashed and
 // one micro-batch's activations are rebuilt at a time during its backward.
 inline int64_t replicaMemory(const PieceCost& cost, Optimizer optimizer, int in_flight,
-                             bool recompute) {
-  const int64_t state = cost.param_bytes * (2 + optimizerStateFactor(optimizer)) + cost.buffer_bytes;
+                             bool recompute, int model_copies = 0) {
+  const int64_t state = stateMemory(cost, optimizer, model_copies);
   const int64_t stash = recompute ? in_flight * cost.input_bytes + cost.activation_bytes
                                   : in_flight * cost.activation_bytes;
   return state + stash;

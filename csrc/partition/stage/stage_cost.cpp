@@ -73,12 +73,12 @@ StageEstimate estimateStage(const CostModel& costs, const PieceCost& cost, const
   e.update_time = updateTime(costs, ctx, cost.param_bytes);
 
   const int in_flight = maxInFlight(ctx.schedule, slot.index, slot.num_stages, slot.micro_batches);
-  const int64_t plain = replicaMemory(cost, ctx.optimizer, in_flight, false);
-  const int64_t again = replicaMemory(cost, ctx.optimizer, in_flight, true);
+  const int64_t plain = replicaMemory(cost, ctx.optimizer, in_flight, false, ctx.model_copies);
+  const int64_t again = replicaMemory(cost, ctx.optimizer, in_flight, true, ctx.model_copies);
   e.min_memory_bytes = ctx.recompute == Recompute::Never    ? plain
                        : ctx.recompute == Recompute::Always ? again
                                                             : std::min(plain, again);
-  e.static_bytes = cost.param_bytes * (2 + optimizerStateFactor(ctx.optimizer)) + cost.buffer_bytes;
+  e.static_bytes = stateMemory(cost, ctx.optimizer, ctx.model_copies);
   // Recompute only where memory needs it (or asked to): one more forward per micro-batch.
   if (ctx.recompute != Recompute::Always && plain <= ctx.memory_limit) {
     e.feasible = true;

@@ -35,6 +35,7 @@ struct PlanContext {
   int devices_per_node = 8;     // node boundaries for links (see effectiveDevicesPerNode)
   int64_t memory_limit = std::numeric_limits<int64_t>::max();  // usable bytes per device
   Optimizer optimizer = Optimizer::Adam;
+  int model_copies = 0;         // copies of the parameters and buffers kept beside the model
   ScheduleKind schedule = ScheduleKind::OneFOneB;
   Recompute recompute = Recompute::Auto;
   // Seconds of the optimizer step per parameter byte, measured (RaNNCModule times the

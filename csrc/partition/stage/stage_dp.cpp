@@ -393,9 +393,15 @@ class ShapeSearch {
                                ? std::vector<int>{options_.num_microbatches}
                                : microBatchCandidates(rows_per_copy, options_.max_microbatches);
     if (mbs.empty()) return best_s;
-    // The largest count tried per shape: memory only falls as it grows, so the memory
-    // search for an infeasible request needs no other.
-    tried_.emplace_back(S, D, R, mbs.back());
+    // The largest count tried per shape (unless fixed, one that leaves a row for each
+    // replica of the widest stage): memory only falls as it grows, so the memory search
+    // for an infeasible request needs no other (with more, no stage had rows, and a model
+    // too large for one stage read as a batch with too few rows).
+    int widest = (D + S - 1) / S;
+    for (int r : options_.replicas) widest = std::max(widest, r);
+    const int64_t with_rows = options_.num_microbatches > 0 ? mbs.back()
+                                                            : std::max<int64_t>(1, rows_per_copy / widest);
+    tried_.emplace_back(S, D, R, static_cast<int>(std::min<int64_t>(mbs.back(), with_rows)));
     int best_m = 0, stale = 0;
     for (int M : mbs) {
       // Rounding rows up to whole micro-batches makes the time jagged in M, so a run of

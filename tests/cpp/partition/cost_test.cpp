@@ -115,6 +115,9 @@ TEST(AReplicaMemory, AddsOptimizerStateAndInFlightActivations) {
   EXPECT_EQ(replicaMemory(c, Optimizer::SgdMomentum, 3, false), 300 + 30);
   EXPECT_EQ(replicaMemory(c, Optimizer::Sgd, 3, false), 200 + 30);
   EXPECT_EQ(replicaMemory(c, Optimizer::Sgd, 3, true), 200 + 6 + 10);
+  c.buffer_bytes = 5;  // a copy of the model beside it: its parameters and buffers
+  EXPECT_EQ(replicaMemory(c, Optimizer::Adam, 3, false, 1), 500 + 10 + 30);
+  EXPECT_EQ(stateMemory(c, Optimizer::Sgd, 2), 400 + 15);
 }
 
 }  // namespace

@@ -142,6 +142,40 @@ TEST(AStagePlanner, SplitsAChainOfEqualLayersInHalfWhenOneDeviceIsTooSmall) {
   for (const StagePlan& s : d.stages) EXPECT_LE(s.memory_bytes, o.memory_limit);
 }
 
+TEST(AStagePlanner, CountsCopiesOfTheModelInEachStagesMemory) {
+  // An EMA beside the model ([Note: copies of a wrapped model]): one more copy of each
+  // stage's parameters, so a model that fits one device with SGD no longer does.
+  ir::Graph g = uniformChain(8, 256, /*batch=*/8);
+  AnalyticCostModel m(g, device());
+  PlannerOptions o;
+  o.world_size = 2;
+  o.num_stages = 1;
+  o.num_blocks = 8;
+  o.optimizer = Optimizer::Sgd;
+  o.recompute = Recompute::Never;
+  const int64_t layer_params = 256 * 256 * 4;
+  o.memory_limit = 20 * layer_params;  // parameters and gradients of 8 layers: 16
+  EXPECT_TRUE(plan(g, m, o).feasible);
+  o.model_copies = 1;
+  try {
+    plan(g, m, o);
+    FAIL() << "expected InfeasiblePlanError";
+  } catch (const InfeasiblePlanError& e) {
+    EXPECT_GE(e.bytesNeeded(), 24 * layer_params) << e.what();  // 8 layers x 3 copies
+  }
+  o.num_stages = 0;  // free to split: two stages of 4 layers, each with its copy, fit
+  const Deployment split = plan(g, m, o);
+  ASSERT_EQ(split.numStages(), 2);
+  for (const StagePlan& s : split.stages) EXPECT_LE(s.memory_bytes, o.memory_limit);
+  o.num_stages = 2;
+  o.model_copies = 0;
+  const Deployment without = plan(g, m, o);
+  ASSERT_EQ(without.numStages(), 2);
+  EXPECT_EQ(split.stages[0].static_bytes * 2, without.stages[0].static_bytes * 3);
+  o.model_copies = -1;
+  EXPECT_THROW(checkOptions(o), Error);
+}
+
 TEST(AStagePlanner, RecomputesOnlyTheStagesThatNeedIt) {
   // Wide activations, few parameters: stashing 4 micro-batches in stage 0 overflows.
   ir::Graph g = uniformChain(4, 512, /*batch=*/64);
@@ -187,6 +221,28 @@ TEST(AStagePlanner, ReportsTheMemoryTheSmallestPlanNeedsWhenNothingFits) {
   o.memory_limit = needed;                   // and that much is indeed enough
   Deployment d = plan(g, m, o);
   for (const StagePlan& s : d.stages) EXPECT_LE(s.memory_bytes, needed);
+}
+
+// num_stages=1 on 2 devices: the micro-batch counts tried go up to the rows, where a
+// replica of the single stage has none; the memory needed was measured there and the
+// error read "the batch has too few rows for the devices".
+TEST(AStagePlanner, ReportsTheMemoryNeededWhenAFixedStageCountDoesNotFit) {
+  ir::Graph g = uniformChain(8, 256, /*batch=*/8);
+  AnalyticCostModel m(g, device());
+  PlannerOptions o;
+  o.world_size = 2;
+  o.num_stages = 1;
+  o.optimizer = Optimizer::Sgd;
+  o.recompute = Recompute::Never;
+  const int64_t layer_params = 256 * 256 * 4;
+  o.memory_limit = 10 * layer_params;  // parameters and gradients of 8 layers: 16
+  try {
+    plan(g, m, o);
+    FAIL() << "expected InfeasiblePlanError";
+  } catch (const InfeasiblePlanError& e) {
+    EXPECT_GE(e.bytesNeeded(), 16 * layer_params) << e.what();
+    EXPECT_NE(std::string(e.what()).find("smallest plan needs"), std::string::npos) << e.what();
+  }
 }
 
 // Every stage, and every prefix of stages, is convex over its non-constant tasks.
