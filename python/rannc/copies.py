@@ -65,9 +65,15 @@ class PlanSharingCopy(torch.nn.Module):
         with placement.own_access():
             self.module = _copy.deepcopy(module, memo)
         placement.strip_hooks(self.module)
+        object.__setattr__(self, "_source", source)  # not a submodule: not our parameters
+        # what each call walks, resolved once: the modules paired with the model's, the
+        # batch norms among them, and (per trace) the state tensors paired with the model's
+        self._module_pairs = list(zip(source.module.named_modules(), self.module.modules()))
+        self._norms = [(name, m, c) for (name, m), c in self._module_pairs
+                       if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+        self._resolved = None
         for t in self._tensors(placement):
             t.grad = None  # the copy is never trained
-        object.__setattr__(self, "_source", source)  # not a submodule: not our parameters
         self._seen = None  # the tensors' versions when the ranks last shared them
         self._writes = 0  # train-mode calls and loads change tensors behind the versions
         placement.add_copy(self)
@@ -98,16 +104,15 @@ class PlanSharingCopy(torch.nn.Module):
     def forward(self, *args, **kwargs):
         mode = self.module.training
         self._check_traced_attributes()
-        with _modes_from(self.module, self._source.module):
+        with _modes_from(self._module_pairs):
             return self._source._call(mode, _COPY_CALL, args, kwargs, copy=self)
 
     def _check_traced_attributes(self):
         """The copy runs the model's traces, which baked in its modules' attributes: a
         batch norm's momentum set otherwise on the copy (torch.optim.swa_utils.update_bn
         sets None, a cumulative average) would be ignored without a word."""
-        for (name, m), c in zip(self._source.module.named_modules(), self.module.modules()):
-            if (isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
-                    and getattr(c, "momentum", None) != m.momentum):
+        for name, m, c in self._norms:
+            if getattr(c, "momentum", None) != m.momentum:
                 raise _C.Error(
                     f"the copy's batch norm {name} has momentum {c.momentum}, the model's "
                     f"{m.momentum}: a copy runs the model's traced graph, which holds the "
@@ -179,7 +184,15 @@ class PlanSharingCopy(torch.nn.Module):
 
     # ---- helpers ----------------------------------------------------------------------------
     def _tensors(self, placement=None) -> list[torch.Tensor]:
-        return (placement or self._source.placement).tensors_of(self.module)
+        return self._state_pairs(placement or self._source.placement)[1]
+
+    def _state_pairs(self, placement) -> tuple[list, list]:
+        """The model's state tensors and the copy's, in trace order (resolved by name once
+        per trace state: the same objects until a mode is deployed)."""
+        if self._resolved is None or self._resolved[0] is not placement._trace_state:
+            self._resolved = (placement._trace_state, placement.tensors(),
+                              placement.tensors_of(self.module))
+        return self._resolved[1], self._resolved[2]
 
     def _freed_keys(self) -> list[str]:
         """The names in the copied module's state_dict of the tensors freed on this rank
@@ -197,7 +210,7 @@ class PlanSharingCopy(torch.nn.Module):
         the block runs; what the block `writes` there stays the copy's (a copy the user
         moved to another device, as AveragedModel(model, device="cpu") does, is copied to
         the stages' device and, if the block `writes`, back)."""
-        own, mine = placement.tensors(), self._tensors(placement)
+        own, mine = self._state_pairs(placement)
         kept = [t.data for t in own]
         for t, c in zip(own, mine):
             t.data = c.data if c.device == t.device else c.data.to(t.device)
@@ -205,9 +218,9 @@ class PlanSharingCopy(torch.nn.Module):
             yield
         finally:
             for t, c, before in zip(own, mine, kept):
-                if c.device == t.device:
-                    c.data = t.data
-                elif writes:
+                # on the same device the block wrote into the copy's storage itself (the
+                # stages and the transfers write in place)
+                if writes and c.device != t.device:
                     c.data = t.data.to(c.device)
                 t.data = before
 
@@ -233,15 +246,15 @@ def _forget_freed_keys(copy: PlanSharingCopy, incompatible):
 
 
 @contextlib.contextmanager
-def _modes_from(copy: torch.nn.Module, module: torch.nn.Module):
-    """`module`'s submodules in the train/eval mode of the copy's, for the block: its traces
-    and runs of the copy's calls see the copy's modes (each submodule's own)."""
-    pairs = list(zip(module.modules(), copy.modules()))
-    before = [m.training for m, _ in pairs]
-    for m, c in pairs:
-        m.training = c.training
+def _modes_from(pairs):
+    """The model's submodules in the train/eval mode of the copy's (`pairs`: ((name,
+    model's), copy's)) for the block: its traces and runs of the copy's calls see the
+    copy's modes (each submodule's own)."""
+    changed = [m for (_, m), c in pairs if m.training != c.training]
+    for m in changed:
+        m.training = not m.training
     try:
         yield
     finally:
-        for (m, _), flag in zip(pairs, before):
-            m.training = flag
+        for m in changed:
+            m.training = not m.training
