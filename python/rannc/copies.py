@@ -26,7 +26,9 @@ through AveragedModel's) loads each rank's share of the whole state it is passed
 The copies follow the RaNNCModule's placement when a later mode is deployed (storage where
 its new stages need it, with the owner's value; freed where no stage does); this is a
 collective, so every rank must make the same copies, as every DDP rank keeps its own EMA
-(checked there). The plan did not count a copy's memory: rank 0 logs its size.
+(checked there). The plan counts the copies made before the first call (one more copy of
+each stage's parameters and buffers each, partition/cost/memory.h) and the option
+model_copies; rank 0 warns of a copy made later beyond them.
 """
 from __future__ import annotations
 
