@@ -42,12 +42,12 @@ import torch
 from . import _C, failure, handshake
 from .options import format_bytes
 
-_COPY_CALL = "a copy's call"
+_COPY_CALL = "a copy's call"  # [Note: named collectives] in handshake.py
 
 
 def _checkpoint():
     from .module import _checkpoint as checkpoint_module  # imported on first use there
-    return checkpoint_module()  # [Note: named collectives] in handshake.py
+    return checkpoint_module()
 
 
 class PlanSharingCopy(torch.nn.Module):
@@ -74,7 +74,7 @@ class PlanSharingCopy(torch.nn.Module):
         self._norms = [(name, m, c) for (name, m), c in self._module_pairs
                        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
         self._resolved = None
-        for t in self._tensors(placement):
+        for t in self._tensors():
             t.grad = None  # the copy is never trained
         self._seen = None  # the tensors' versions when the ranks last shared them
         self._writes = 0  # train-mode calls and loads change tensors behind the versions
@@ -88,7 +88,7 @@ class PlanSharingCopy(torch.nn.Module):
         counted = min((getattr(d, "model_copies", 0) for d in source._deployed.values()),
                       default=None)
         if _C.get_rank() == 0 and counted is not None and placement.copy_count() > counted:
-            held = sum(t.numel() * t.element_size() for t in self._tensors(placement))
+            held = sum(t.numel() * t.element_size() for t in self._tensors())
             _C.log_warn(
                 f"a copy of the model (copy.deepcopy: AveragedModel, an EMA) made after the "
                 f"first call: rank 0 keeps {format_bytes(held)} more for it, which the plan did "
@@ -129,14 +129,14 @@ class PlanSharingCopy(torch.nn.Module):
     def run(self, deployed, call, args, kwargs):
         """Runs the agreed `call` on `deployed` (the RaNNCModule's, of this copy's mode) with
         the copy's tensors, forward only."""
-        placement = self._source.placement
         # new shapes are traced as the module's own call would (a variant that training
         # runs later is traced with gradients)
         target = deployed.variant(call, args, kwargs)
         writes = call.flagged or self.module.training  # a share, batch-norm statistics
-        with self._swapped_in(placement, writes), placement.viewing_copy(), torch.no_grad():
+        with self._as_model(writes), torch.no_grad():
             if call.flagged and not self.module.training:
-                placement.before_eval()  # the owners' values to the ranks that evaluate
+                # the owners' values to the ranks that evaluate
+                self._source.placement.before_eval()
             if call.flagged:
                 self._seen = self._versions()
             out = target._run(call.local, call.flat, call.rows)
@@ -151,7 +151,7 @@ class PlanSharingCopy(torch.nn.Module):
         from . import full_state
         source = self._source
         handshake.enter("state_dict()")
-        with self._swapped_in(source.placement, writes=False), source.placement.viewing_copy():
+        with self._as_model(writes=False):
             return full_state.gather_state_dict(source, *args, destination=destination,
                                                 prefix=prefix, keep_vars=keep_vars)
 
@@ -163,16 +163,15 @@ class PlanSharingCopy(torch.nn.Module):
         handshake.enter("save_checkpoint()")  # [Note: named collectives]
         weights_only = types.SimpleNamespace(placement=source.placement, module=source.module,
                                              optimizer=None, deployments=source.deployments)
-        with self._swapped_in(source.placement, writes=False), source.placement.viewing_copy():
+        with self._as_model(writes=False):
             _checkpoint().save_checkpoint(weights_only, directory, extra)
 
     def load_checkpoint(self, path: str, strict: bool = True) -> None:
         """Reads the weights of a checkpoint (save_checkpoint's, a Hugging Face directory or
         a state_dict file) into the copy; each rank reads its share (a collective)."""
-        source = self._source
         handshake.enter("load_checkpoint()")
-        with self._swapped_in(source.placement, writes=True), source.placement.viewing_copy():
-            _checkpoint().load_weights(source, path, strict)
+        with self._as_model(writes=True):
+            _checkpoint().load_weights(self._source, path, strict)
         self._writes += 1
 
     def _refuse_direct_call(self, module):
@@ -185,12 +184,13 @@ class PlanSharingCopy(torch.nn.Module):
                 "forward does), on every rank")
 
     # ---- helpers ----------------------------------------------------------------------------
-    def _tensors(self, placement=None) -> list[torch.Tensor]:
-        return self._state_pairs(placement or self._source.placement)[1]
+    def _tensors(self) -> list[torch.Tensor]:
+        return self._state_pairs()[1]
 
-    def _state_pairs(self, placement) -> tuple[list, list]:
+    def _state_pairs(self) -> tuple[list, list]:
         """The model's state tensors and the copy's, in trace order (resolved by name once
         per trace state: the same objects until a mode is deployed)."""
+        placement = self._source.placement
         if self._resolved is None or self._resolved[0] is not placement._trace_state:
             self._resolved = (placement._trace_state, placement.tensors(),
                               placement.tensors_of(self.module))
@@ -207,17 +207,19 @@ class PlanSharingCopy(torch.nn.Module):
         return (self._writes,) + tuple(t._version for t in self._tensors())
 
     @contextlib.contextmanager
-    def _swapped_in(self, placement, writes: bool):
+    def _as_model(self, writes: bool):
         """The RaNNCModule's state tensors hold the copy's storage (on their device) while
-        the block runs; what the block `writes` there stays the copy's (a copy the user
-        moved to another device, as AveragedModel(model, device="cpu") does, is copied to
-        the stages' device and, if the block `writes`, back)."""
-        own, mine = self._state_pairs(placement)
+        the block runs, and the placement reads them as a copy's (current where trained);
+        what the block `writes` there stays the copy's (a copy the user moved to another
+        device, as AveragedModel(model, device="cpu") does, is copied to the stages' device
+        and, if the block `writes`, back)."""
+        own, mine = self._state_pairs()
         kept = [t.data for t in own]
         for t, c in zip(own, mine):
             t.data = c.data if c.device == t.device else c.data.to(t.device)
         try:
-            yield
+            with self._source.placement.viewing_copy():
+                yield
         finally:
             for t, c, before in zip(own, mine, kept):
                 # on the same device the block wrote into the copy's storage itself (the

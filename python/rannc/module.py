@@ -756,15 +756,15 @@ class RaNNCModule(torch.nn.Module):
             with _autocast_off():
                 # Training updates each parameter on the ranks of its stage only; before a
                 # mode whose plan may place it elsewhere runs, the owners share the weights.
-                changed = copy is not None and copy.changed()
-                if deployed is None:
+                fresh = deployed is None
+                if fresh:
                     handshake.enter(what)
                     deployed = self._deploy(mode, args, kwargs, amp)
-                    call = deployed.agree(args, kwargs, what, changed)
-                else:  # the collective's name travels with the call's sizes: one all-gather
-                    call = deployed.agree(args, kwargs, what, changed)
-                    if not mode and copy is None:
-                        self.placement.before_eval()
+                # after the first call the collective's name travels with the call's sizes
+                # in one all-gather
+                call = deployed.agree(args, kwargs, what, copy is not None and copy.changed())
+                if not (fresh or mode or copy is not None):
+                    self.placement.before_eval()
                 if copy is not None:
                     return copy.run(deployed, call, args, kwargs)
                 out = deployed.run(call, args, kwargs)

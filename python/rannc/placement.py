@@ -376,10 +376,8 @@ class StatePlacement:
                    if first else [self._keepers(i) or world for i in range(len(tensors))])
         sources = None if first else self.sources()
         copies = self._copies_state()
-        with self.viewing_copy():
-            copy_sources = None if first else self.sources()
         self._users[mode] = users
-        self._fill(tensors, holding, sources, copies, copy_sources)
+        self._fill(tensors, holding, sources, copies)
         self._release(tensors)
         self._place(tensors)
         for state in copies:
@@ -390,10 +388,11 @@ class StatePlacement:
         """The ranks whose deployed stages use state tensor `i`."""
         return set().union(*(users[i] for users in self._users.values()))
 
-    def _fill(self, tensors, holding, sources, copies=(), copy_sources=None):
+    def _fill(self, tensors, holding, sources, copies=()):
         """Storage on this rank's device for the tensors its stages now use and it does not
         hold, with the owner's value where some rank holds one (a collective); the same for
-        each copy's tensors (`copies`), with its values' owners (`copy_sources`)."""
+        each copy's tensors (`copies`), from the same owner (whose copy is current: it
+        trains the tensor, [Note: copies of a wrapped model] in copies.py)."""
         rank, world = _C.get_rank(), set(range(_C.get_world_size()))
         transfers = []
         for i, t in enumerate(tensors):
@@ -409,7 +408,7 @@ class StatePlacement:
                 self._freed.pop(i, None)
             if sources is not None and sources[i][0] is not None:
                 transfers.append((sources[i][0], newly, t.data))
-                transfers += [(copy_sources[i][0], newly, state[i].data) for state in copies]
+                transfers += [(sources[i][0], newly, state[i].data) for state in copies]
             elif rank in newly:
                 self._unset.add(i)  # built on meta: a checkpoint or initialize() fills it
         _transfer(transfers)

@@ -142,26 +142,36 @@ TEST(AStagePlanner, SplitsAChainOfEqualLayersInHalfWhenOneDeviceIsTooSmall) {
   for (const StagePlan& s : d.stages) EXPECT_LE(s.memory_bytes, o.memory_limit);
 }
 
-TEST(AStagePlanner, CountsCopiesOfTheModelInEachStagesMemory) {
-  // An EMA beside the model ([Note: copies of a wrapped model]): one more copy of each
-  // stage's parameters, so a model that fits one device with SGD no longer does.
-  ir::Graph g = uniformChain(8, 256, /*batch=*/8);
-  AnalyticCostModel m(g, device());
+// A chain of 8 layers of kLayerBytes parameters each, planned for 2 devices in one stage
+// with SGD and no recomputation (parameters and gradients of the 8 layers: 16 x
+// kLayerBytes), within `layers` x kLayerBytes per device.
+constexpr int64_t kLayerBytes = 256 * 256 * 4;
+ir::Graph sgdChain() { return uniformChain(8, 256, /*batch=*/8); }
+
+PlannerOptions oneSgdStage(int64_t layers) {
   PlannerOptions o;
   o.world_size = 2;
   o.num_stages = 1;
   o.num_blocks = 8;
   o.optimizer = Optimizer::Sgd;
   o.recompute = Recompute::Never;
-  const int64_t layer_params = 256 * 256 * 4;
-  o.memory_limit = 20 * layer_params;  // parameters and gradients of 8 layers: 16
+  o.memory_limit = layers * kLayerBytes;
+  return o;
+}
+
+TEST(AStagePlanner, CountsCopiesOfTheModelInEachStagesMemory) {
+  // An EMA beside the model ([Note: copies of a wrapped model]): one more copy of each
+  // stage's parameters, so a model that fits one device with SGD no longer does.
+  const ir::Graph g = sgdChain();
+  AnalyticCostModel m(g, device());
+  PlannerOptions o = oneSgdStage(20);
   EXPECT_TRUE(plan(g, m, o).feasible);
   o.model_copies = 1;
   try {
     plan(g, m, o);
     FAIL() << "expected InfeasiblePlanError";
   } catch (const InfeasiblePlanError& e) {
-    EXPECT_GE(e.bytesNeeded(), 24 * layer_params) << e.what();  // 8 layers x 3 copies
+    EXPECT_GE(e.bytesNeeded(), 24 * kLayerBytes) << e.what();  // 8 layers x 3 copies
   }
   o.num_stages = 0;  // free to split: two stages of 4 layers, each with its copy, fit
   const Deployment split = plan(g, m, o);
@@ -227,20 +237,14 @@ TEST(AStagePlanner, ReportsTheMemoryTheSmallestPlanNeedsWhenNothingFits) {
 // replica of the single stage has none; the memory needed was measured there and the
 // error read "the batch has too few rows for the devices".
 TEST(AStagePlanner, ReportsTheMemoryNeededWhenAFixedStageCountDoesNotFit) {
-  ir::Graph g = uniformChain(8, 256, /*batch=*/8);
+  const ir::Graph g = sgdChain();
   AnalyticCostModel m(g, device());
-  PlannerOptions o;
-  o.world_size = 2;
-  o.num_stages = 1;
-  o.optimizer = Optimizer::Sgd;
-  o.recompute = Recompute::Never;
-  const int64_t layer_params = 256 * 256 * 4;
-  o.memory_limit = 10 * layer_params;  // parameters and gradients of 8 layers: 16
+  const PlannerOptions o = oneSgdStage(10);
   try {
     plan(g, m, o);
     FAIL() << "expected InfeasiblePlanError";
   } catch (const InfeasiblePlanError& e) {
-    EXPECT_GE(e.bytesNeeded(), 16 * layer_params) << e.what();
+    EXPECT_GE(e.bytesNeeded(), 16 * kLayerBytes) << e.what();
     EXPECT_NE(std::string(e.what()).find("smallest plan needs"), std::string::npos) << e.what();
   }
 }
