@@ -122,6 +122,7 @@ PYBIND11_MODULE(_C, m) {
   }, "Whether MPI is initialised in this process (without initialising it).");
   m.def("report_failure", [](const std::string& msg) { comm::World::get().reportFailure(msg); });
   m.def("check_peers", [] { comm::World::get().checkPeers(); });
+  m.def("failure_reported", [] { return comm::World::get().failing(); });
   m.def("set_comm_timeout", [](double s) {
     comm::World::get().setDefaultTimeout(std::chrono::milliseconds(static_cast<int64_t>(s * 1000)));
   });

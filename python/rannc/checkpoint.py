@@ -666,7 +666,8 @@ def _load_optimizer(wrapped, pending: _Pending, entries) -> None:
             mine["params"].append(index)
             index += 1
         local["param_groups"].append(mine)
-    optimizer.load_state_dict(local)
+    with wrapped.optimizer_share.loading_share():  # [Note: the optimizer's own state_dict]
+        optimizer.load_state_dict(local)
 
 
 # ---- consolidation (no MPI) ---------------------------------------------------------------

@@ -79,6 +79,7 @@ class PlanSharingCopy(torch.nn.Module):
         self._seen = None  # the tensors' versions when the ranks last shared them
         self._writes = 0  # train-mode calls and loads change tensors behind the versions
         placement.add_copy(self)
+        self.gather_serial = handshake.register_source(self)  # [Note: gathers asked by some ranks]
         # hooks without a reference cycle: a copy is freed when its last user lets go, at
         # the same point on every rank (the ranks must agree on the copies that live)
         this = weakref.ref(self)
@@ -148,12 +149,19 @@ class PlanSharingCopy(torch.nn.Module):
     def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
         """The copy's full state under the model's names on every rank (a collective), as
         the RaNNCModule's state_dict() gathers its own."""
+        handshake.gather("state_dict()", self)
+        return self._gather_state(*args, destination=destination, prefix=prefix,
+                                  keep_vars=keep_vars)
+
+    def _gather_state(self, *args, keep=True, **kwargs):
         from . import full_state
-        source = self._source
-        handshake.enter("state_dict()")
         with self._as_model(writes=False):
-            return full_state.gather_state_dict(source, *args, destination=destination,
-                                                prefix=prefix, keep_vars=keep_vars)
+            return full_state.gather_state_dict(self._source, *args, keep=keep, **kwargs)
+
+    def serve_gather(self, what: str) -> None:
+        """Takes part in a gather of the copy's state that other ranks asked for
+        ([Note: gathers asked by some ranks] in handshake.py)."""
+        self._gather_state(keep=False)
 
     def save_checkpoint(self, directory: str, extra=None) -> None:
         """The copy's weights as a sharded checkpoint in `directory` (a collective), as the

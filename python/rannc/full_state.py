@@ -14,13 +14,19 @@ from . import _C
 from .transport import all_gather_objects
 
 
-def gather_state_dict(wrapped, *args, destination=None, prefix="", keep_vars=False):
+def gather_state_dict(wrapped, *args, destination=None, prefix="", keep_vars=False, keep=True,
+                      untied=False):
     """The full model state (parameters and persistent buffers) under the original names,
     as `module.state_dict()` of plain PyTorch gives it, on every rank (a collective:
     every rank must call it). The tensors are fresh copies on the CPU (the whole model
-    need not fit on one device); the model keeps only its stage's state."""
+    need not fit on one device); the model keeps only its stage's state. A rank that
+    only serves the gather (`keep=False`) keeps no tensor past its broadcast and gets None.
+    With `untied`, the names of one tied tensor get copies of their own (safetensors' save_file
+    refuses tensors that share memory)."""
     placement = wrapped.placement
     if not placement.deployed:
+        if not keep:
+            return None
         return placement.module_state_dict(*args, destination=destination, prefix=prefix,
                                            keep_vars=keep_vars)
     comm, rank = _C.Communicator.world_cpu(), _C.get_rank()
@@ -28,18 +34,28 @@ def gather_state_dict(wrapped, *args, destination=None, prefix="", keep_vars=Fal
     gathered = {}
     for i, (t, (owner, current)) in enumerate(zip(placement.tensors(), placement.sources())):
         if current == world:
+            if not keep:
+                continue
             value = t.detach().to("cpu", copy=True)
         else:
             value = (t.detach().to("cpu", copy=True, memory_format=torch.contiguous_format)
                      if rank == owner
                      else torch.empty(placement.full_shape(i, t), dtype=t.dtype))
             comm.broadcast(value, owner).wait()
-        gathered[id(t)] = value
+        if keep:
+            gathered[id(t)] = value
+    if not keep:
+        return None
     out = placement.module_state_dict(*args, destination=destination, prefix=prefix,
                                       keep_vars=True)
+    given = set()
     for k, v in out.items():
         if isinstance(v, torch.Tensor) and id(v) in gathered:
             out[k] = gathered[id(v)]
+            if untied:  # a tied weight's second name gets a copy of its own
+                if id(out[k]) in given:
+                    out[k] = out[k].clone()
+                given.add(id(out[k]))
     return out
 
 
@@ -133,11 +149,17 @@ def load_optimizer_state(wrapped, state_dict: dict) -> None:
     if wrapped.optimizer is None:
         raise _C.Error("load_optimizer_state_dict: this RaNNCModule was built without an "
                        "optimizer")
+    local = optimizer_state_share(wrapped, state_dict)
+    with wrapped.optimizer_share.loading_share():
+        wrapped.optimizer.load_state_dict(local)
+
+
+def optimizer_state_share(wrapped, state_dict: dict) -> dict:
+    """This rank's share of an optimizer state in the original optimizer's format, in the
+    format of the optimizer as cut (see load_optimizer_state)."""
     share = wrapped.optimizer_share
     if not share.patched:
-        wrapped.optimizer.load_state_dict({**state_dict,
-                                        "state": copy.deepcopy(state_dict["state"])})
-        return
+        return {**state_dict, "state": copy.deepcopy(state_dict["state"])}
     saved_groups = state_dict["param_groups"]
     if len(saved_groups) != len(share.original_groups()):
         raise ValueError("loaded state dict has a different number of parameter groups")
@@ -160,4 +182,4 @@ def load_optimizer_state(wrapped, state_dict: dict) -> None:
     # torch keeps Adam's `step` tensors of the dict it loads; a copy keeps the caller's
     # dict (perhaps another optimizer's live state) apart from this optimizer's.
     local["state"] = copy.deepcopy(local["state"])
-    wrapped.optimizer.load_state_dict(local)
+    return local

@@ -14,9 +14,27 @@ rank raises an error naming what each rank called, before anything else is excha
 rank that is in no collective at all leaves the others waiting until the option
 comm_timeout). Where the operation already begins with a small exchange (a norm's sum, a
 found-inf flag), the code travels in it: no extra round trip.
+
+[Note: gathers asked by some ranks] DDP's habit of saving on rank 0 alone is also
+transformers' Trainer's: its checkpoints call `model.state_dict()` and
+`optimizer.state_dict()` on rank 0 only, then every rank goes on training. Those two are
+gathers: the ranks other than the askers send and receive nothing they keep. So where the
+codes differ because some ranks are in one gather (of one module, named by its serial
+number in the row) and the others in any other collective, the others serve it: they take
+part in the gather, drop what it gives them, and then meet again in their own collective.
+At the end of the script every rank enters a last collective, "the end of the script",
+which serves the same way, so a rank-0 save after training (Trainer.save_model) completes
+and a rank that stops early meets a named error instead of a peer's timeout. The values a
+rank serves are those its program order gives at its next collective, as the asker's are.
+A rank waiting outside rannc (torch.distributed.barrier) cannot serve: the asker waits
+until comm_timeout and fails naming the gather.
 """
 from __future__ import annotations
 
+import atexit
+import itertools
+import sys
+import weakref
 import zlib
 
 import torch
@@ -27,9 +45,25 @@ from . import _C, failure
 # rank computes the same one without agreeing on a table.
 NAMES = ("a training call", "an eval call", "a copy's call", "state_dict()", "load_state_dict()",
          "optimizer_state_dict()", "load_optimizer_state_dict()", "save_checkpoint()",
-         "load_checkpoint()", "clip_grad_norm", "GradScaler.unscale_()")
+         "load_checkpoint()", "clip_grad_norm", "GradScaler.unscale_()", "the end of the script")
+# torch.distributed's collectives on the world, which agree with rannc's once a RaNNCModule
+# exists ([Note: torch.distributed agrees with rannc] in process_group.py)
+TORCH_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object",
+                     "broadcast", "broadcast_object_list", "barrier", "monitored_barrier",
+                     "gather", "gather_object", "scatter", "scatter_object_list", "reduce",
+                     "reduce_scatter", "reduce_scatter_tensor", "all_to_all",
+                     "all_to_all_single")
+NAMES += tuple(f"torch.distributed.{n}" for n in TORCH_COLLECTIVES)
+# The collectives that gather to the ranks that call them ([Note: gathers asked by some ranks])
+GATHERS = ("state_dict()", "optimizer_state_dict()")
 _CODES = {n: zlib.crc32(n.encode()) for n in NAMES}
 _NAMES = {c: n for n, c in _CODES.items()}
+_GATHER_CODES = {_CODES[n] for n in GATHERS}
+
+# What a gather's serial number names: the objects whose state the ranks gather (RaNNCModules
+# and their copies, made in the same order on every rank), with a serve_gather(what) method.
+_SOURCES: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+_serials = itertools.count(1)
 
 
 def active() -> bool:
@@ -41,6 +75,35 @@ def enter(what: str) -> None:
     """Every rank is in `what` (a collective), or every rank raises saying who is where."""
     if active():
         exchange(what, torch.zeros(0, dtype=torch.float64))
+
+
+def sources_made() -> bool:
+    """Whether a RaNNCModule (or a copy) was ever made here: the same on every rank, unlike
+    whether one is still alive (the garbage collector frees cycles when it runs)."""
+    return _made
+
+
+_made = False
+
+
+def register_source(source) -> int:
+    """A serial number naming `source` in the gathers of its state, the same on every rank
+    (sources are made in the same order everywhere). The first one makes the end of the
+    script a collective ([Note: gathers asked by some ranks])."""
+    global _made
+    if not _made:
+        _made = True
+        atexit.register(_at_exit)
+    serial = next(_serials)
+    _SOURCES[serial] = source
+    return serial
+
+
+def gather(what: str, source) -> None:
+    """Enter gather `what` of `source`'s state: with every rank, or with the ranks that are
+    elsewhere serving it ([Note: gathers asked by some ranks])."""
+    if active():
+        exchange(what, torch.tensor([float(source.gather_serial)], dtype=torch.float64))
 
 
 # Values a collective may send with its code. Every collective's row has this width, so
@@ -60,11 +123,45 @@ def exchange(what: str, mine: torch.Tensor) -> torch.Tensor:
     row = torch.zeros(1 + PAYLOAD, dtype=torch.float64)
     row[0], row[1:1 + mine.numel()] = float(_CODES[what]), mine
     everyone = torch.empty(comm.size, row.numel(), dtype=torch.float64)
-    comm.all_gather(row, everyone.view(-1)).wait()
-    codes = [int(c) for c in everyone[:, 0].tolist()]
-    if len(set(codes)) > 1:
-        raise failure.agreed(_mismatch(codes))
-    return everyone[:, 1:1 + mine.numel()]
+    while True:
+        comm.all_gather(row, everyone.view(-1)).wait()
+        codes = [int(c) for c in everyone[:, 0].tolist()]
+        # a gather names its source: two ranks gathering different modules differ too
+        keys = [(c, int(s) if c in _GATHER_CODES else 0)
+                for c, s in zip(codes, everyone[:, 1].tolist())]
+        if len(set(keys)) == 1:
+            return everyone[:, 1:1 + mine.numel()]
+        asked = {k for k in keys if k[0] in _GATHER_CODES}
+        if len(asked) != 1:
+            raise failure.agreed(_mismatch(codes))
+        (code, serial), = asked
+        if keys[comm.rank] == (code, serial):
+            return everyone[:, 1:1 + mine.numel()]  # the askers go on with their gather
+        _serve(_NAMES[code], serial)
+
+
+def _serve(what: str, serial: int) -> None:
+    """Take part in gather `what` that other ranks asked for, dropping what it gives."""
+    source = _SOURCES.get(serial)
+    if source is None:
+        raise failure.agreed(f"rank {_C.get_rank()} has no model numbered {serial}, whose "
+                             f"{what} other ranks gather: build the same models on every rank")
+    source.serve_gather(what)
+
+
+def _at_exit() -> None:
+    """The end of the script as a last collective ([Note: gathers asked by some ranks]):
+    serves a gather that other ranks still wait in. It waits without a time limit, as
+    MPI's own shutdown would; a rank that failed has already told its peers and skips it."""
+    if not active() or _C.failure_reported():
+        return
+    try:
+        _C.set_comm_timeout(1e8)  # no limit
+        enter("the end of the script")
+    except Exception as e:  # at exit: say why, and let the peers' errors end the job
+        print(f"rannc: rank {_C.get_rank()} at the end of the script: {e}", file=sys.stderr,
+              flush=True)
+        _C.report_failure(f"rank {_C.get_rank()}: {e}")
 
 
 def _mismatch(codes: list[int]) -> str:

@@ -662,6 +662,15 @@ def _autocast_off():
     return stack
 
 
+def _accelerate_mixed_precision():
+    """The autocast dtype of the running accelerate (None: fp32 or no accelerate)."""
+    accelerate = sys.modules.get("accelerate.state")
+    if accelerate is None or not accelerate.AcceleratorState._shared_state:
+        return None
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
+        accelerate.AcceleratorState().mixed_precision)
+
+
 def _precision_name(amp) -> str:
     return "fp32 (no autocast)" if amp is None else f"autocast {str(amp).replace('torch.', '')}"
 
@@ -720,6 +729,7 @@ class RaNNCModule(torch.nn.Module):
         self._held_unsynced = False  # .grad holds shares that calls under no_sync() left
         self.optimizer_share = OptimizerShare(optimizer)
         registry.register(self)  # [Note: torch's clip_grad_norm_], [Note: agreed steps]
+        self.gather_serial = handshake.register_source(self)  # [Note: gathers asked by some ranks]
         # Callers that read the model's argument names from forward's signature (transformers'
         # Trainer drops the dataset's columns that forward does not name) see the model's.
         # torch.compile(RaNNCModule(...)): dynamo leaves the call to rannc's stages instead of
@@ -735,7 +745,11 @@ class RaNNCModule(torch.nn.Module):
     def forward(self, *args, **kwargs):
         mode = self.module.training
         # [Note: named collectives]
-        return self._call(mode, "a training call" if mode else "an eval call", args, kwargs)
+        out = self._call(mode, "a training call" if mode else "an eval call", args, kwargs)
+        if self._accelerate_precision is not None:  # [Note: accelerate]
+            from accelerate.utils import convert_to_fp32
+            out = convert_to_fp32(out)
+        return out
 
     def _call(self, mode: bool, what: str, args, kwargs, copy=None):
         """Runs a call of `mode` (a collective named `what`); with `copy` (a
@@ -788,11 +802,12 @@ class RaNNCModule(torch.nn.Module):
     # ---- deployment ([Note: freed state] in placement.py) ------------------------------------
     def _precision(self):
         """The autocast dtype this call computes in (None: fp32): the option precision, else
-        the caller's torch.autocast state for the device the stages run on."""
+        the caller's torch.autocast state for the device the stages run on, else the mixed
+        precision of the accelerate run that prepared the module ([Note: accelerate])."""
         forced = PRECISIONS[self.options.precision]
         if forced is not None:
             return getattr(torch, forced)
-        return autocast_dtype(self.device.type)
+        return autocast_dtype(self.device.type) or self._accelerate_precision
 
     def _deploy(self, mode, args, kwargs, amp, plan_from=None):
         """Traces, plans and deploys `mode` (a collective) in precision `amp`, then frees the
@@ -865,11 +880,16 @@ class RaNNCModule(torch.nn.Module):
         """The full model state under the original names on every rank (a collective that
         gathers the whole model on every rank: for small models; large ones use
         save_checkpoint); see full_state.gather_state_dict."""
-        handshake.enter("state_dict()")
+        handshake.gather("state_dict()", self)
+        return self._gather_state(*args, destination=destination, prefix=prefix,
+                                  keep_vars=keep_vars)
+
+    def _gather_state(self, *args, keep=True, **kwargs):
         self.placement.require_values("state_dict()")
         _checkpoint().apply_pending(self, everything=True)
-        return full_state.gather_state_dict(self, *args, destination=destination, prefix=prefix,
-                                            keep_vars=keep_vars)
+        # [Note: accelerate]: Trainer writes it with safetensors' save_file
+        return full_state.gather_state_dict(self, *args, keep=keep,
+                                            untied=self._prepared_by_accelerate, **kwargs)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Loads a full model state into the tensors this rank keeps; see
@@ -884,10 +904,21 @@ class RaNNCModule(torch.nn.Module):
     def optimizer_state_dict(self) -> dict:
         """The optimizer's full state in the original optimizer's format, on every rank (a
         collective that gathers it whole); see full_state.gather_optimizer_state."""
-        handshake.enter("optimizer_state_dict()")
+        handshake.gather("optimizer_state_dict()", self)
+        return self._gather_optimizer_state()
+
+    def _gather_optimizer_state(self) -> dict:
         self.placement.require_values("optimizer_state_dict()")
         _checkpoint().apply_pending(self, everything=True)
         return full_state.gather_optimizer_state(self)
+
+    def serve_gather(self, what: str) -> None:
+        """Takes part in gather `what` of this module that other ranks asked for, keeping
+        nothing ([Note: gathers asked by some ranks] in handshake.py)."""
+        if what == "state_dict()":
+            self._gather_state(keep=False)
+        else:
+            self._gather_optimizer_state()
 
     def load_optimizer_state_dict(self, state_dict: dict) -> None:
         """Loads an optimizer state in the original optimizer's format; see
@@ -895,6 +926,13 @@ class RaNNCModule(torch.nn.Module):
         handshake.enter("load_optimizer_state_dict()")
         _checkpoint().forget_pending(self, weights=False, optimizer=True)
         full_state.load_optimizer_state(self, state_dict)
+
+    def share_of_optimizer_state(self, state_dict: dict) -> dict:
+        """What the optimizer's own load_state_dict(state_dict) loads here: this rank's
+        share of a whole state ([Note: the optimizer's own state_dict] in optimizer_share.py)."""
+        handshake.enter("load_optimizer_state_dict()")
+        _checkpoint().forget_pending(self, weights=False, optimizer=True)
+        return full_state.optimizer_state_share(self, state_dict)
 
     def adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Makes `optimizer`, built after wrapping over the model's parameters, this module's,
@@ -912,6 +950,48 @@ class RaNNCModule(torch.nn.Module):
                 f"and did not count the {kind} state in each stage's memory; pass the "
                 f"optimizer to RaNNCModule (or the option optimizer_kind=\"{kind}\") for a "
                 "plan that counts it")
+
+    # ---- transformers' Trainer and accelerate ------------------------------------------------
+    # [Note: accelerate] transformers' Trainer hands the model to accelerate, which on
+    # several processes wraps it in DistributedDataParallel: a second data parallelism over
+    # rannc's own, whose first act broadcasts every parameter from rank 0 (each rank holds
+    # another share). accelerate leaves alone a model that says it is already prepared, so a
+    # RaNNCModule says so; what accelerate would then not do is done here: a run in bf16 or
+    # fp16 (TrainingArguments(bf16=True)) computes in that precision, and its outputs come
+    # back in fp32, as accelerate's autocast wrapper gives them. Trainer saves a model that
+    # is not a PreTrainedModel with safetensors' save_file, which refuses tensors sharing
+    # memory: so the state_dict() of a prepared module gives a tied weight's second name a
+    # copy of its own (the file loads as usual; no config.json, as for any such model).
+    # Trainer saves it on rank 0 alone ([Note: gathers asked by some ranks] in
+    # handshake.py). Trainer also multiplies a
+    # loss given `num_items_in_batch` by the number of processes, since a DDP rank's loss
+    # is its own rows' share; a RaNNCModule's loss is already the whole batch's, so on
+    # several ranks the module says it takes no loss kwargs, and the model's loss is its
+    # own mean over the whole batch (exact: [Note: token-mean losses] in
+    # csrc/frontend/token_means.h).
+    @property
+    def _is_accelerate_prepared(self) -> bool:
+        return True
+
+    @_is_accelerate_prepared.setter
+    def _is_accelerate_prepared(self, prepared: bool) -> None:
+        if prepared:
+            self._prepared_by_accelerate = True
+            self._accelerate_precision = _accelerate_mixed_precision()
+
+    _prepared_by_accelerate = False
+    _accelerate_precision = None
+
+    @property
+    def accepts_loss_kwargs(self) -> bool:
+        """Whether Trainer may pass num_items_in_batch ([Note: accelerate])."""
+        if _C.get_world_size() > 1:
+            return False
+        own = getattr(self.module, "accepts_loss_kwargs", None)
+        if own is not None:
+            return own
+        return any(p.kind == inspect.Parameter.VAR_KEYWORD
+                   for p in inspect.signature(self.module.forward).parameters.values())
 
     def __deepcopy__(self, memo):
         """A copy that runs on this module's plan with weights of its own, for eval calls:

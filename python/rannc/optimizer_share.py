@@ -21,8 +21,20 @@ the module's optimizer, as if it had been passed (its groups are cut to this ran
 before its first state exists). The plan was made before it was known, counting no optimizer
 state; rank 0 warns where the optimizer keeps state (Adam: two values per parameter), since
 the plan's memory did not count it.
+
+[Note: the optimizer's own state_dict] Once its groups are cut, the optimizer's own
+state_dict() would number this rank's share from 0: a file that loads into nothing (DDP's
+`torch.save(optimizer.state_dict(), p)` on rank 0, transformers' Trainer checkpoints and
+accelerate's save_state all write it). So a module's optimizer gets two torch hooks: its
+state_dict() gives the whole optimizer's state as the user built it (the module's
+optimizer_state_dict(): a gather, which rank 0 may ask alone, [Note: gathers asked by some
+ranks] in handshake.py), and its load_state_dict() takes such a whole state (from any world
+size, or a plain optimizer) and loads this rank's share of it. rannc's own loads of a share
+pass under `loading_share()`.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -34,6 +46,20 @@ class OptimizerShare:
     def __init__(self, optimizer: torch.optim.Optimizer | None):
         self.optimizer = optimizer
         self._original = None  # per group: (params, param_names or None), before patching
+        self._loading_share = False
+        if optimizer is not None and not getattr(optimizer, "_rannc_whole_state", False):
+            optimizer._rannc_whole_state = True  # [Note: the optimizer's own state_dict]
+            optimizer.register_state_dict_post_hook(_whole_state)
+            optimizer.register_load_state_dict_pre_hook(_share_of_whole_state)
+
+    @contextlib.contextmanager
+    def loading_share(self):
+        """optimizer.load_state_dict() inside loads this rank's share as given."""
+        self._loading_share = True
+        try:
+            yield
+        finally:
+            self._loading_share = False
 
     @property
     def patched(self) -> bool:
@@ -63,6 +89,28 @@ class OptimizerShare:
             for p, k in zip(params, keep):
                 if not k:
                     self.optimizer.state.pop(p, None)
+
+
+def _owner(optimizer):
+    """The module whose cut optimizer this is, or None (not yet cut: torch's own state)."""
+    for module in registry.modules():
+        if module.optimizer is optimizer and module.optimizer_share.patched:
+            return module
+    return None
+
+
+def _whole_state(optimizer, state_dict):
+    """[Note: the optimizer's own state_dict]"""
+    module = _owner(optimizer)
+    return None if module is None else module.optimizer_state_dict()
+
+
+def _share_of_whole_state(optimizer, state_dict):
+    """[Note: the optimizer's own state_dict]"""
+    module = _owner(optimizer)
+    if module is None or module.optimizer_share._loading_share:
+        return None
+    return module.share_of_optimizer_state(state_dict)
 
 
 def _adopt_on_first_step(optimizer, args, kwargs):

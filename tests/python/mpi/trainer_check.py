@@ -1,0 +1,132 @@
+"""transformers' Trainer training a RaNNCModule on several ranks, against Trainer training
+the plain model in one process on the same global batches.
+
+    python trainer_check.py reference OUT [--bf16]       # one process, the plain model
+    mpirun -np N python trainer_check.py rannc OUT STAGES [--bf16]
+
+The rannc run trains 4 steps with a checkpoint every 2 and an evaluation every 2, saves the
+model, then trains again from checkpoint-2 in a new Trainer over a differently initialised
+model. Both must log the reference's losses, gradient norms and evaluation losses, and end
+with its weights: Trainer saves each checkpoint on rank 0 alone (model and optimizer
+state_dict(), which the other ranks serve) and reads it back on every rank.
+"""
+import json
+import os
+import sys
+
+import torch
+
+torch.set_num_threads(1)
+
+import rannc  # noqa: E402
+
+mode, out = sys.argv[1], sys.argv[2]
+stages = int(sys.argv[3]) if mode == "rannc" else 1
+bf16 = "--bf16" in sys.argv
+if mode == "rannc":
+    rannc.init_process_group()  # before TrainingArguments: accelerate reads the group
+
+import safetensors.torch  # noqa: E402
+import transformers as tf  # noqa: E402
+
+import hf_zoo  # noqa: E402
+
+GLOBAL_BATCH, STEPS = 8, 4
+world = rannc.get_world_size() if mode == "rannc" else 1
+
+
+class Texts(torch.utils.data.Dataset):
+    """Token rows; a third of the labels ignored (-100), as padding gives them."""
+
+    def __init__(self, n, offset=0):
+        self.n, self.offset = n, offset
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(self.offset + i)
+        ids = torch.randint(0, hf_zoo.VOCAB, (16,), generator=g)
+        labels = ids.masked_fill(torch.rand(16, generator=g) < 0.3, -100)
+        return {"input_ids": ids, "labels": labels}
+
+
+def make_model(seed):
+    model, _, _ = hf_zoo.make("hf_gpt2", batch=GLOBAL_BATCH, seed=seed)
+    return model
+
+
+def trainer(model, directory):
+    args = tf.TrainingArguments(
+        output_dir=directory, per_device_train_batch_size=GLOBAL_BATCH // world,
+        per_device_eval_batch_size=GLOBAL_BATCH // world, max_steps=STEPS, logging_steps=1,
+        eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2,
+        learning_rate=1e-3, max_grad_norm=1.0, warmup_steps=1, report_to=[], use_cpu=True,
+        dataloader_drop_last=True, bf16=bf16, disable_tqdm=True)
+    return tf.Trainer(model=model, args=args, train_dataset=Texts(64),
+                      eval_dataset=Texts(16, offset=1000))
+
+
+def logs(t):
+    """Per step: (loss, grad_norm) of training, and the evaluation losses."""
+    train = [(h["loss"], h["grad_norm"]) for h in t.state.log_history if "loss" in h]
+    evals = [h["eval_loss"] for h in t.state.log_history if "eval_loss" in h]
+    return train, evals
+
+
+if mode == "reference":
+    t = trainer(make_model(0), os.path.join(out, "reference"))
+    t.train()
+    train, evals = logs(t)
+    with open(os.path.join(out, "reference.json"), "w") as f:
+        json.dump({"train": train, "evals": evals}, f)
+    safetensors.torch.save_model(t.model, os.path.join(out, "reference.safetensors"))
+    sys.exit(0)
+
+rank = rannc.get_rank()
+with open(os.path.join(out, "reference.json")) as f:
+    reference = json.load(f)
+expected = safetensors.torch.load_file(os.path.join(out, "reference.safetensors"))
+tolerance = dict(rtol=2e-2, atol=2e-2) if bf16 else dict(rtol=1e-4, atol=1e-5)
+
+
+def same_logs(t, first_step, what):
+    train, evals = logs(t)
+    want = reference["train"][first_step:]
+    if rank == 0:
+        print(what, train, evals, flush=True)
+    assert len(train) == len(want), (what, train, want)
+    for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(train, want)):
+        torch.testing.assert_close(torch.tensor([loss, norm]), torch.tensor([ref_loss, ref_norm]),
+                                   **tolerance, msg=lambda m: f"{what}, step {step}: {m}")
+    ref_evals = reference["evals"][len(reference["evals"]) - len(evals):]
+    torch.testing.assert_close(torch.tensor(evals), torch.tensor(ref_evals), **tolerance)
+
+
+def same_weights(path, what):
+    saved = safetensors.torch.load_file(path)  # written by Trainer on rank 0
+    model = make_model(7)
+    missing, unexpected = model.load_state_dict(saved, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (what, missing, unexpected)
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, expected[name], **tolerance,
+                                   msg=lambda m: f"{what}, {name}: {m}")
+
+
+directory = os.path.join(out, "rannc")
+t = trainer(rannc.RaNNCModule(make_model(0), num_stages=stages), directory)
+t.train()
+same_logs(t, 0, "trained")
+t.save_model(os.path.join(out, "final"))  # rank 0 alone gathers and writes
+same_weights(os.path.join(out, "final", "model.safetensors"), "the saved model")
+optimizer = torch.load(os.path.join(directory, "checkpoint-2", "optimizer.pt"))
+count = sum(len(g["params"]) for g in optimizer["param_groups"])
+assert count == len(list(make_model(0).parameters())) and len(optimizer["state"]) == count, \
+    "the checkpoint's optimizer state is not the whole optimizer's"
+# resumed: a new model (other weights) and Trainer read checkpoint-2 on every rank
+t = trainer(rannc.RaNNCModule(make_model(5), num_stages=stages), directory)
+t.train(resume_from_checkpoint=os.path.join(directory, "checkpoint-2"))
+same_logs(t, 2, "resumed")
+t.save_model(os.path.join(out, "resumed"))
+same_weights(os.path.join(out, "resumed", "model.safetensors"), "the resumed model")
+print(f"OK rank {rank}", flush=True)
