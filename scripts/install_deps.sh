@@ -35,4 +35,9 @@ if ! "$PYTHON" -c "import transformers, sys; sys.exit(transformers.__version__ !
   echo "[install_deps] pip: transformers==5.23.0"
   "$PYTHON" -m pip install -q transformers==5.23.0 torch==2.13.0
 fi
+# transformers' Trainer (tests/python/mpi/trainer_check.py) runs on accelerate
+if ! "$PYTHON" -c "import accelerate, sys; sys.exit(accelerate.__version__ != '1.15.0')" 2>/dev/null; then
+  echo "[install_deps] pip: accelerate==1.15.0"
+  "$PYTHON" -m pip install -q accelerate==1.15.0 torch==2.13.0
+fi
 "$PYTHON" -c "import numpy" 2>/dev/null || "$PYTHON" -m pip install -q numpy

@@ -64,3 +64,37 @@ def test_hf_training_equals_pytorch(ranks, model, stages, micro, extra):
     assert res.returncode == 0, res.stdout[-4000:]
     for r in range(ranks):
         assert f"OK rank {r}" in res.stdout, res.stdout[-4000:]
+
+
+# (ranks, stages, precision): 2 stages; 2 stages x 2 replicas; bf16 through TrainingArguments
+TRAINER_LAYOUTS = [(2, 2, "fp32"), (4, 2, "fp32"), (2, 2, "bf16")]
+
+
+@pytest.mark.parametrize("ranks,stages,precision", TRAINER_LAYOUTS,
+                         ids=[f"{r}ranks-{s}st-{p}" for r, s, p in TRAINER_LAYOUTS])
+def test_transformers_trainer_on_several_ranks_equals_one_process(tmp_path, ranks, stages,
+                                                                  precision):
+    """transformers' Trainer over a RaNNCModule under mpirun logs the losses, gradient norms
+    and evaluation losses of Trainer over the plain model in one process, saves checkpoints
+    on rank 0 alone that hold the whole model and optimizer, and resumes from one to the same
+    end (mpi/trainer_check.py)."""
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    flags = ["--bf16"] if precision == "bf16" else []
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+        [here, os.path.join(here, "..", "..", "python"), os.environ.get("PYTHONPATH", "")]))
+    # the reference: one process, no MPI launcher (Trainer sees one process)
+    for key in [k for k in env if k.startswith(("OMPI_", "PMI", "PMIX"))]:
+        del env[key]
+    ref = subprocess.run([sys.executable, os.path.join(here, "mpi", "trainer_check.py"),
+                          "reference", str(tmp_path), *flags], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert ref.returncode == 0, (ref.stdout + ref.stderr)[-4000:]
+    res = mpirun("trainer_check.py", ranks, "rannc", str(tmp_path), stages, *flags,
+                 timeout=400, env={"RANNC_COMM_TIMEOUT": "60"})
+    assert res.returncode == 0, res.stdout[-4000:]
+    for r in range(ranks):
+        assert f"OK rank {r}" in res.stdout, res.stdout[-4000:]
