@@ -603,10 +603,14 @@ def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
     does not make later, uneven batches fail ([Note: data-sized values]). late_optimizer:
     an optimizer built after wrapping becomes the module's at its first step, and rank 0
     says the plan did not count its state ([Note: optimizers made after wrapping]).
-    rank0_only: state_dict() or an eval call on rank 0 alone is an error on every rank
-    naming what each called ([Note: named collectives]); before, the ranks' collectives
-    were mismatched. process_group: rannc.init_process_group() gives a DDP script's
-    torch.distributed (sampler, metrics) over the MPI ranks. compiled: a model compiled before
+    rank0_only: DDP's `if rank == 0: torch.save({model.state_dict(), optimizer.state_dict()})`
+    writes the whole model and optimizer, which the other ranks serve from their next call
+    or the end of their script ([Note: gathers asked by some ranks]), and every rank resumes
+    from it; two different gathers, or an eval call on rank 0 alone, are an error on every
+    rank naming what each called ([Note: named collectives]). process_group: rannc.init_process_group() gives a DDP script's
+    torch.distributed (sampler, metrics) over the MPI ranks; its world collectives serve a
+    gather that rank 0 asks alone, and beside a RaNNCModule call are a named error ([Note:
+    torch.distributed agrees with rannc]). compiled: a model compiled before
     wrapping, and the wrapper compiled, train as PyTorch ([Note: compiled models]).
     sync_batch_norm: SyncBatchNorm with torch.distributed initialised runs as BatchNorm
     ([Note: SyncBatchNorm]); before, tracing failed (CPU) or recorded an all-gather (GPU).

@@ -359,18 +359,46 @@ elif probe == "uneven_selection":
         same_stage_parameters(model, reference, rtol=1e-10)
     print(f"OK rank {rank}", flush=True)
 elif probe == "rank0_only":
+    import os
+    import tempfile
+
     model, args, _ = zoo.make("gpt", batch=4, seed=0)
     zoo.no_dropout(model)
     reference = copy.deepcopy(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # a state per parameter
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     wrapped = rannc.RaNNCModule(model, opt, num_stages=2, num_microbatches=2)
     step_both(wrapped(*args), reference(*args), opt, ref_opt)
-    said = ("state_dict() on rank 0; a training call on rank 1", "not under `if rank == 0:`")
+    # DDP's habit: rank 0 alone saves the model and the optimizer, the others train on and
+    # serve both gathers from their next call ([Note: gathers asked by some ranks])
+    path = os.path.join(tempfile.gettempdir(), f"rank0_only_{os.getppid()}.pt")
     if rank == 0:
-        expect_error(lambda: torch.save(wrapped.state_dict(), "/dev/null"), *said)
+        torch.save({"model": wrapped.state_dict(), "optimizer": opt.state_dict()}, path)
+    saved_ref = copy.deepcopy({"model": reference.state_dict(), "optimizer": ref_opt.state_dict()})
+    step_both(wrapped(*args), reference(*args), opt, ref_opt)
+    saved = torch.load(path)  # written: rank 0 saved before this call of every rank
+    for k, v in saved_ref["model"].items():
+        torch.testing.assert_close(saved["model"][k], v, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"{k}: {m}")
+    assert saved["optimizer"]["param_groups"] == saved_ref["optimizer"]["param_groups"]
+    assert saved["optimizer"]["state"].keys() == saved_ref["optimizer"]["state"].keys()
+    for i, state in saved_ref["optimizer"]["state"].items():
+        torch.testing.assert_close(saved["optimizer"]["state"][i]["momentum_buffer"],
+                                   state["momentum_buffer"], rtol=1e-5, atol=1e-6)
+    # every rank resumes from rank 0's file, the reference from its own state then
+    wrapped.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["optimizer"])  # the whole optimizer's: this rank takes its share
+    reference.load_state_dict(saved_ref["model"])
+    ref_opt.load_state_dict(saved_ref["optimizer"])
+    for _ in range(2):
+        step_both(wrapped(*args), reference(*args), opt, ref_opt)
+    same_stage_parameters(model, reference, rtol=1e-5)
+    # two ranks gathering different things, an eval beside a training call: named errors
+    said = ("state_dict() on rank 0; optimizer_state_dict() on rank 1",)
+    if rank == 0:
+        expect_error(lambda: wrapped.state_dict(), *said)
     else:
-        expect_error(lambda: wrapped(*args), *said)
+        expect_error(lambda: opt.state_dict(), *said)
     said = ("an eval call on rank 0; a training call on rank 1", "evaluate on every rank")
     if rank == 0:
         wrapped.eval()
@@ -379,11 +407,14 @@ elif probe == "rank0_only":
         wrapped.train()
     else:
         expect_error(lambda: wrapped(*args), *said)
-    state = wrapped.state_dict()  # on every rank: the whole model's, as after one step
-    for k, v in reference.state_dict().items():
-        torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
     step_both(wrapped(*args), reference(*args), opt, ref_opt)
     same_stage_parameters(model, reference, rtol=1e-5)
+    if rank == 0:
+        os.remove(path)
+        # the last word: rank 0 saves after the others ended their script, which serves it
+        state = wrapped.state_dict()
+        for k, v in reference.state_dict().items():
+            torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6)
     print(f"OK rank {rank}", flush=True)
 elif probe == "process_group":
     import torch.distributed as dist
@@ -422,6 +453,19 @@ elif probe == "process_group":
         torch.testing.assert_close(mean / 2, ref_loss.detach(), rtol=1e-5, atol=1e-6)
         step_both(loss, ref_loss, opt, ref_opt)
         same_stage_parameters(model, reference, rtol=1e-5)
+    # rank 0 saves alone while rank 1 waits in torch's barrier, which serves the gather
+    # first ([Note: torch.distributed agrees with rannc]); Trainer's end of training
+    if rank == 0:
+        state = wrapped.state_dict()
+        for k, v in reference.state_dict().items():
+            torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6)
+    dist.barrier()
+    # a torch collective beside a RaNNCModule call: a named error, not a hang
+    said = ("a training call on rank 0; torch.distributed.all_reduce on rank 1",)
+    if rank == 0:
+        expect_error(lambda: wrapped(x[shard], y[shard]), *said)
+    else:
+        expect_error(lambda: dist.all_reduce(torch.ones(1)), *said)
     dist.barrier()
     dist.destroy_process_group()
     print(f"OK rank {rank}", flush=True)
