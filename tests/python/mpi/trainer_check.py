@@ -4,8 +4,8 @@ the plain model in one process on the same global batches.
     python trainer_check.py reference OUT [--bf16]       # one process, the plain model
     mpirun -np N python trainer_check.py rannc OUT STAGES [--bf16]
 
-The rannc run trains 4 steps with a checkpoint every 2 and an evaluation every 2, saves the
-model, then trains again from checkpoint-2 in a new Trainer over a differently initialised
+The rannc run trains 4 steps with a checkpoint every 2 and an evaluation every 2, loads the
+best checkpoint at the end, saves the model, then trains again from checkpoint-2 in a new Trainer over a differently initialised
 model. Both must log the reference's losses, gradient norms and evaluation losses, and end
 with its weights: Trainer saves each checkpoint on rank 0 alone (model and optimizer
 state_dict(), which the other ranks serve) and reads it back on every rank.
@@ -65,6 +65,7 @@ def trainer(model, directory):
         output_dir=directory, per_device_train_batch_size=GLOBAL_BATCH // world,
         per_device_eval_batch_size=GLOBAL_BATCH // world, max_steps=STEPS, logging_steps=1,
         eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2,
+        load_best_model_at_end=True, metric_for_best_model="eval_loss",  # a barrier, a load
         learning_rate=1e-3, max_grad_norm=1.0, warmup_steps=1, report_to=[], use_cpu=True,
         dataloader_drop_last=True, bf16=bf16, disable_tqdm=True,
         label_names=["labels"])  # Trainer reads them from forward's signature in the class
