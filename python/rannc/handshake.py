@@ -26,8 +26,9 @@ At the end of the script every rank enters a last collective, "the end of the sc
 which serves the same way, so a rank-0 save after training (Trainer.save_model) completes
 and a rank that stops early meets a named error instead of a peer's timeout. The values a
 rank serves are those its program order gives at its next collective, as the asker's are.
-A rank waiting outside rannc (torch.distributed.barrier) cannot serve: the asker waits
-until comm_timeout and fails naming the gather.
+A rank waiting in a world collective of torch.distributed serves too ([Note:
+torch.distributed agrees with rannc] in process_group.py); one waiting elsewhere (a
+subgroup, another library) cannot, and the asker fails after comm_timeout.
 """
 from __future__ import annotations
 
@@ -133,7 +134,7 @@ def exchange(what: str, mine: torch.Tensor) -> torch.Tensor:
             return everyone[:, 1:1 + mine.numel()]
         asked = {k for k in keys if k[0] in _GATHER_CODES}
         if len(asked) != 1:
-            raise failure.agreed(_mismatch(codes))
+            raise failure.agreed(_mismatch(keys))
         (code, serial), = asked
         if keys[comm.rank] == (code, serial):
             return everyone[:, 1:1 + mine.numel()]  # the askers go on with their gather
@@ -143,9 +144,9 @@ def exchange(what: str, mine: torch.Tensor) -> torch.Tensor:
 def _serve(what: str, serial: int) -> None:
     """Take part in gather `what` that other ranks asked for, dropping what it gives."""
     source = _SOURCES.get(serial)
-    if source is None:
-        raise failure.agreed(f"rank {_C.get_rank()} has no model numbered {serial}, whose "
-                             f"{what} other ranks gather: build the same models on every rank")
+    if source is None:  # this rank alone knows: not an agreed error, its peers are told
+        raise _C.Error(f"rank {_C.get_rank()} has no model numbered {serial}, whose {what} "
+                       "other ranks gather: build the same models on every rank")
     source.serve_gather(what)
 
 
@@ -164,18 +165,28 @@ def _at_exit() -> None:
         _C.report_failure(f"rank {_C.get_rank()}: {e}")
 
 
-def _mismatch(codes: list[int]) -> str:
+def _mismatch(keys: list[tuple[int, int]]) -> str:
+    """The error for ranks in different collectives; `keys`: per rank, (code, serial of the
+    gathered model or 0)."""
+    serials = sorted({s for c, s in keys if c in _GATHER_CODES})
     calls = {}
-    for rank, c in enumerate(codes):
-        calls.setdefault(_NAMES.get(c, "another collective"), []).append(rank)
+    for rank, (c, s) in enumerate(keys):
+        name = _NAMES.get(c, "another collective")
+        if c in _GATHER_CODES and len(serials) > 1:
+            name += f" of model #{serials.index(s) + 1}"
+        calls.setdefault(name, []).append(rank)
     where = "; ".join(f"{what} on rank{'s' if len(r) > 1 else ''} {_ranks(r)}"
                       for what, r in calls.items())
     message = (f"the ranks are in different RaNNCModule collectives: {where}. Every rank must "
                "make the same calls in the same order")
-    if calls.keys() & {"state_dict()", "optimizer_state_dict()", "save_checkpoint()"}:
-        message += (": state_dict(), optimizer_state_dict() and save_checkpoint() gather from "
-                    "or write on every rank, so call them on every rank and write the file on "
-                    "rank 0 only (not under `if rank == 0:` as with DistributedDataParallel)")
+    gathers = {c for c, _ in keys if c in _GATHER_CODES}
+    if len(gathers) > 1 or len(serials) > 1:
+        message += (": some ranks may gather state_dict() or optimizer_state_dict() while the "
+                    "others go on, but the ranks that gather must gather the same one of the "
+                    "same model")
+    elif "save_checkpoint()" in calls:
+        message += (": save_checkpoint() writes on every rank, so call it on every rank (not "
+                    "under `if rank == 0:` as with DistributedDataParallel)")
     elif {"a training call", "an eval call"} <= calls.keys():
         message += (": evaluate on every rank, each with its share of the evaluation data "
                     "(not on rank 0 alone)")

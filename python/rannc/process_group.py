@@ -40,10 +40,10 @@ def _free_port() -> int:
 
 
 def init_process_group(backend: str | None = None, **kwargs) -> None:
-    """torch.distributed.init_process_group over this job's MPI ranks (a collective; nothing
-    to do when the default group exists, but the agreement below). Its world collectives
-    agree with rannc's ([Note: torch.distributed agrees with rannc]). `backend`: torch's default for the devices
-    (NCCL with CUDA, else gloo) unless given; `kwargs` go to torch (timeout, device_id...).
+    """torch.distributed.init_process_group over this job's MPI ranks (a collective; when
+    the default group exists, only what follows). Its world collectives agree with rannc's
+    ([Note: torch.distributed agrees with rannc]). `backend`: torch's default for the
+    devices (NCCL with CUDA, else gloo) unless given; `kwargs` go to torch (timeout...).
     MASTER_ADDR and MASTER_PORT, where set, are used as torch would use them."""
     if dist.is_initialized():
         if dist.get_world_size() == _C.get_world_size():

@@ -394,11 +394,18 @@ elif probe == "rank0_only":
         step_both(wrapped(*args), reference(*args), opt, ref_opt)
     same_stage_parameters(model, reference, rtol=1e-5)
     # two ranks gathering different things, an eval beside a training call: named errors
-    said = ("state_dict() on rank 0; optimizer_state_dict() on rank 1",)
+    said = ("state_dict() on rank 0; optimizer_state_dict() on rank 1",
+            "must gather the same one of the same model")
     if rank == 0:
         expect_error(lambda: wrapped.state_dict(), *said)
     else:
         expect_error(lambda: opt.state_dict(), *said)
+    # a checkpoint is written by every rank: not served
+    said = ("save_checkpoint() on rank 0; a training call on rank 1", "call it on every rank")
+    if rank == 0:
+        expect_error(lambda: wrapped.save_checkpoint(tempfile.mkdtemp()), *said)
+    else:
+        expect_error(lambda: wrapped(*args), *said)
     said = ("an eval call on rank 0; a training call on rank 1", "evaluate on every rank")
     if rank == 0:
         wrapped.eval()
