@@ -343,13 +343,17 @@ class _Deployed:
                      flag)
         if not handshake.active():
             return call
+        scalars = self._scalar_arguments(local)
         mine = torch.tensor([call.rows, zlib.crc32(repr(call.shapes).encode()),
-                             zlib.crc32(bytes(call.trainable or ())), flag], dtype=torch.float64)
+                             zlib.crc32(bytes(call.trainable or ())), flag,
+                             zlib.crc32(repr(scalars).encode())], dtype=torch.float64)
         everyone = handshake.exchange(what, mine).long()
-        sizes, signatures, flags, raised = (everyone[:, i].tolist() for i in range(4))
+        sizes, signatures, flags, raised, values = (everyone[:, i].tolist() for i in range(5))
         call.flagged = any(raised)
         if len(set(signatures)) > 1:
             raise _shapes_differ(signatures, self.graph._trace.inputs, call.shapes)
+        if len(set(values)) > 1:
+            raise _scalars_differ(values, scalars)
         if len(set(flags)) > 1:
             raise failure.agreed(
                 f"the ranks' models differ in which parameters require grad "
@@ -445,6 +449,14 @@ class _Deployed:
         if len(set(rows.values())) > 1:
             raise _C.Error(f"the arguments that carry the batch disagree on its size: {rows}")
         return next(iter(rows.values()), self.graph.batch_size)
+
+    def _scalar_arguments(self, local: dict) -> tuple:
+        """(path, value) of each 0-dim tensor argument: not rows of the batch, so every
+        stage must see one value (a count passed in, as transformers' num_items_in_batch)."""
+        example = self.graph._trace.inputs
+        tensors = [t for t in local.values() if isinstance(t, torch.Tensor)]
+        return tuple((example.paths[slot], t.item()) for slot, t in zip(example.tensor_slots, tensors)
+                     if t.dim() == 0)
 
     def _shapes(self, local: dict) -> tuple:
         """[Note: new input shapes] The arguments' dtypes and shapes but the batch dimension
@@ -646,6 +658,21 @@ def _shapes_differ(signatures, example, shapes) -> Exception:
         "padding=\"max_length\")")
 
 
+def _scalars_differ(signatures, scalars) -> Exception:
+    """The agreed error for ranks that pass different values of a 0-dim tensor argument
+    (`signatures`: one crc per rank; `scalars`: this rank's (path, value) pairs)."""
+    differ = [r for r, sig in enumerate(signatures) if sig != signatures[0]]
+    passed = ", ".join(f"{path} = {value}" for path, value in scalars)
+    hint = ""
+    if any("num_items_in_batch" in path for path, _ in scalars):
+        hint = (" (transformers' Trainer counts the global batch's items on every rank with "
+                "TrainingArguments(average_tokens_across_devices=True), its default)")
+    return failure.agreed(
+        f"the ranks pass different values of the 0-dim tensor arguments (ranks {differ} differ "
+        f"from rank 0; this rank passed {passed}): such an argument is not rows of the batch, "
+        f"so the stages that read it must all see one value; pass the same on every rank{hint}")
+
+
 def _checkpoint():
     """checkpoint.py, imported on first use: `python -m rannc.checkpoint` runs it as
     __main__, which must not have been imported with the package."""
@@ -744,6 +771,10 @@ class RaNNCModule(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         mode = self.module.training
+        world = _C.get_world_size()
+        if self._prepared_by_accelerate and world > 1 and \
+                kwargs.get("num_items_in_batch") is not None:  # [Note: accelerate]
+            kwargs["num_items_in_batch"] = kwargs["num_items_in_batch"] * world
         # [Note: named collectives]
         out = self._call(mode, "a training call" if mode else "an eval call", args, kwargs)
         if self._accelerate_precision is not None:  # [Note: accelerate]
@@ -963,12 +994,16 @@ class RaNNCModule(torch.nn.Module):
     # memory: so the state_dict() of a prepared module gives a tied weight's second name a
     # copy of its own (the file loads as usual; no config.json, as for any such model).
     # Trainer saves it on rank 0 alone ([Note: gathers asked by some ranks] in
-    # handshake.py). Trainer also multiplies a
-    # loss given `num_items_in_batch` by the number of processes, since a DDP rank's loss
-    # is its own rows' share; a RaNNCModule's loss is already the whole batch's, so on
-    # several ranks the module says it takes no loss kwargs, and the model's loss is its
-    # own mean over the whole batch (exact: [Note: token-mean losses] in
-    # csrc/frontend/token_means.h).
+    # handshake.py). With gradient accumulation Trainer weights each accumulated batch by
+    # its tokens: it counts the items of all of them over all ranks and passes the count as
+    # `num_items_in_batch`, which the model divides its sum by; rannc adds such a sum up
+    # over the shares (csrc/ir/reduction.h), so the module's loss is the whole batch's
+    # share of the step. Trainer then multiplies it by the number of processes, as a DDP
+    # rank's loss is its own rows' share and DDP averages the ranks' gradients: a module
+    # prepared by accelerate hands the model the count times the number of processes, and
+    # Trainer's product is the step's share again, as in one process. The count must be
+    # the same on every rank (average_tokens_across_devices=True, Trainer's default): a
+    # 0-dim argument that differs between ranks is an agreed error (_scalars_differ).
     @property
     def _is_accelerate_prepared(self) -> bool:
         return True
@@ -982,11 +1017,33 @@ class RaNNCModule(torch.nn.Module):
     _prepared_by_accelerate = False
     _accelerate_precision = None
 
+    # What transformers' Trainer reads of the model it is given (its RaNNCModule): the
+    # config (Trainer sets config.use_cache, aligns the special tokens), the loss type
+    # (whether it counts a causal loss's items without each row's first label) and the
+    # class name (whether its label smoother shifts a causal LM's labels). The wrapped
+    # model's, so that Trainer does what it does for the model in one process.
+    _MODEL_ATTRIBUTES = frozenset({"config", "generation_config", "loss_type"})
+
+    def _get_name(self) -> str:
+        return self.module._get_name()
+
+    def __repr__(self) -> str:
+        # nn.Module's repr would open with _get_name(): the model's
+        body = torch.nn.modules.module._addindent(repr(self.module), 2)
+        return f"RaNNCModule(\n  (module): {body}\n)"
+
+    def __getattr__(self, name: str):
+        if name in RaNNCModule._MODEL_ATTRIBUTES:
+            model = self.__dict__["_modules"]["module"]
+            if not hasattr(model, name):
+                raise AttributeError(f"'RaNNCModule' object has no attribute '{name}' (nor "
+                                     f"has its model, a {type(model).__name__})")
+            return getattr(model, name)
+        return super().__getattr__(name)
+
     @property
     def accepts_loss_kwargs(self) -> bool:
         """Whether Trainer may pass num_items_in_batch ([Note: accelerate])."""
-        if _C.get_world_size() > 1:
-            return False
         own = getattr(self.module, "accepts_loss_kwargs", None)
         if own is not None:
             return own

@@ -66,8 +66,9 @@ def test_hf_training_equals_pytorch(ranks, model, stages, micro, extra):
         assert f"OK rank {r}" in res.stdout, res.stdout[-4000:]
 
 
-# (ranks, stages, precision): 2 stages; 2 stages x 2 replicas; bf16 through TrainingArguments
-TRAINER_LAYOUTS = [(2, 2, "fp32"), (4, 2, "fp32"), (2, 2, "bf16")]
+# (ranks, stages, precision): 2 stages with Trainer's label smoothing; 2 stages x 2
+# replicas with 2 accumulated batches per step; bf16 through TrainingArguments
+TRAINER_LAYOUTS = [(2, 2, "fp32-smooth"), (4, 2, "fp32-accumulate"), (2, 2, "bf16")]
 
 
 @pytest.mark.parametrize("ranks,stages,precision", TRAINER_LAYOUTS,
@@ -77,13 +78,16 @@ def test_transformers_trainer_on_several_ranks_equals_one_process(tmp_path, rank
     """transformers' Trainer over a RaNNCModule under mpirun logs the losses, gradient norms
     and evaluation losses of Trainer over the plain model in one process, saves checkpoints
     on rank 0 alone that hold the whole model and optimizer, and resumes from one to the same
-    end (mpi/trainer_check.py)."""
+    end (mpi/trainer_check.py). With gradient accumulation Trainer weighs the accumulated
+    batches by their tokens (num_items_in_batch) and its label smoother shifts the causal
+    LM's labels, as in one process ([Note: accelerate])."""
     import os
     import subprocess
     import sys
 
     here = os.path.dirname(os.path.abspath(__file__))
-    flags = ["--bf16"] if precision == "bf16" else []
+    flags = {"fp32": [], "bf16": ["--bf16"], "fp32-accumulate": ["--accumulate"],
+             "fp32-smooth": ["--smooth"]}[precision]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
         [here, os.path.join(here, "..", "..", "python"), os.environ.get("PYTHONPATH", "")]))
     # the reference: one process, no MPI launcher (Trainer sees one process)

@@ -295,6 +295,17 @@ elif probe == "num_items_in_batch":
         torch.testing.assert_close(out.loss.detach(), ref.loss.detach(), rtol=1e-5, atol=1e-6)
         step_both(out.loss, ref.loss, opt, ref_opt)
     same_stage_parameters(model, reference, rtol=1e-5)
+    # a count of this rank's own items (Trainer's average_tokens_across_devices=False):
+    # the stages would divide by different counts
+    own = (labels[mine, 1:] != -100).sum() + rank
+    expect_error(lambda: wrapped(input_ids=ids[mine], labels=labels[mine],
+                                 num_items_in_batch=own),
+                 "the ranks pass different values of the 0-dim tensor arguments (ranks [1]",
+                 f"kwargs['num_items_in_batch'] = {own.item()}",
+                 "average_tokens_across_devices=True")
+    out = wrapped(input_ids=ids[mine], labels=labels[mine], num_items_in_batch=items)
+    ref = reference(input_ids=ids, labels=labels, num_items_in_batch=items)
+    torch.testing.assert_close(out.loss.detach(), ref.loss.detach(), rtol=1e-5, atol=1e-6)
     print(f"OK rank {rank}", flush=True)
 elif probe == "eval_after_new_length":
     import copy

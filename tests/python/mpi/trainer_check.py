@@ -1,8 +1,13 @@
 """transformers' Trainer training a RaNNCModule on several ranks, against Trainer training
 the plain model in one process on the same global batches.
 
-    python trainer_check.py reference OUT [--bf16]       # one process, the plain model
-    mpirun -np N python trainer_check.py rannc OUT STAGES [--bf16]
+    python trainer_check.py reference OUT [--bf16] [--accumulate] [--smooth]  # one process
+    mpirun -np N python trainer_check.py rannc OUT STAGES [--bf16] [--accumulate] [--smooth]
+
+--accumulate: 2 accumulated batches per step, whose tokens Trainer counts over all of them
+(num_items_in_batch); a third of the labels are -100, so the batches weigh unlike.
+--smooth: Trainer's label smoother makes the loss from the logits (rannc's fill-drain,
+gradients from outside), shifting a causal LM's labels.
 
 The rannc run trains 4 steps with a checkpoint every 2 and an evaluation every 2, loads the
 best checkpoint at the end, saves the model, then trains again from checkpoint-2 in a new Trainer over a differently initialised
@@ -23,6 +28,8 @@ import rannc  # noqa: E402
 mode, out = sys.argv[1], sys.argv[2]
 stages = int(sys.argv[3]) if mode == "rannc" else 1
 bf16 = "--bf16" in sys.argv
+accumulate = 2 if "--accumulate" in sys.argv else 1
+smoothing = 0.1 if "--smooth" in sys.argv else 0.0
 if mode == "rannc":
     rannc.init_process_group()  # before TrainingArguments: accelerate reads the group
 
@@ -53,10 +60,6 @@ class Texts(torch.utils.data.Dataset):
 
 def make_model(seed):
     model, _, _ = hf_zoo.make("hf_gpt2", batch=GLOBAL_BATCH, seed=seed)
-    # Trainer counts the labels a causal loss uses (all but the first of each row) only
-    # for a model whose loss_type says so; else its one-process sum over that count is not
-    # the mean. A RaNNCModule on several ranks takes the model's own mean.
-    model.loss_type = "ForCausalLM"
     return model
 
 
@@ -64,6 +67,7 @@ def trainer(model, directory):
     args = tf.TrainingArguments(
         output_dir=directory, per_device_train_batch_size=GLOBAL_BATCH // world,
         per_device_eval_batch_size=GLOBAL_BATCH // world, max_steps=STEPS, logging_steps=1,
+        gradient_accumulation_steps=accumulate, label_smoothing_factor=smoothing,
         eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2,
         load_best_model_at_end=True, metric_for_best_model="eval_loss",  # a barrier, a load
         learning_rate=1e-3, max_grad_norm=1.0, warmup_steps=1, report_to=[], use_cpu=True,
