@@ -943,6 +943,23 @@ class RaNNCModule(torch.nn.Module):
         _checkpoint().apply_pending(self, everything=True)
         return full_state.gather_optimizer_state(self)
 
+    def save_pretrained(self, save_directory, *args, **kwargs) -> None:
+        """transformers' save_pretrained of the wrapped model with its whole weights:
+        config.json and the weights, which from_pretrained loads. Called on every rank, or on
+        rank 0 alone (the other ranks serve the gather, as for state_dict()); the rank with
+        `is_main_process` (default: rank 0) writes. Under DDP scripts write
+        model.module.save_pretrained, which here would save the empty tensors of the
+        layers on other ranks and is refused."""
+        save = getattr(self.module, "save_pretrained", None)
+        if save is None:
+            raise AttributeError(f"'RaNNCModule' object has no attribute 'save_pretrained' (nor "
+                                 f"has its model, a {type(self.module).__name__})")
+        state = kwargs.pop("state_dict", None)
+        if state is None:
+            state = self.state_dict()
+        kwargs.setdefault("is_main_process", _C.get_rank() == 0)
+        save(save_directory, *args, state_dict=state, **kwargs)
+
     def serve_gather(self, what: str) -> None:
         """Takes part in gather `what` of this module that other ranks asked for, keeping
         nothing ([Note: gathers asked by some ranks] in handshake.py)."""

@@ -101,6 +101,7 @@ class StatePlacement:
     #     model.module.load_state_dict(torch.load(path))       # resuming
     #     model.module(x), model.module.generate(ids)          # a local forward, sampling
     # (and transformers' model.module.save_pretrained) use the user's module directly.
+    # (RaNNCModule.save_pretrained saves the gathered weights.)
     # Under rannc a rank holds only its stages' tensors: the others are empty (numel 0) or
     # stale, so the first wrote a checkpoint of empty tensors without a word, and the others
     # failed on a size of 0 in some op. Each is refused on a rank that lacks tensors, naming
@@ -126,7 +127,9 @@ class StatePlacement:
 
     def _check_users_state_dict(self):
         if not _OWN_ACCESS.get():
-            self._refuse_partial("state_dict()", "state_dict() or save_checkpoint(dir)")
+            extra = (", save_pretrained(dir)" if hasattr(self.module, "save_pretrained")
+                     else "")  # transformers' model.module.save_pretrained ends here
+            self._refuse_partial("state_dict()", f"state_dict(){extra} or save_checkpoint(dir)")
 
     def _check_users_call(self):
         if _OWN_ACCESS.get() or torch.jit.is_tracing():

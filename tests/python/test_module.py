@@ -589,7 +589,7 @@ def test_a_failure_while_tracing_new_shapes_says_so_with_both_shapes():
                                    "num_items_in_batch", "uneven_selection", "late_optimizer",
                                    "rank0_only", "process_group", "compiled", "sync_batch_norm",
                                    "module_state_dict", "forward_hook", "unfreeze",
-                                   "averaged_model"])
+                                   "averaged_model", "save_pretrained"])
 def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
     """Ranks with different batch sizes in one call (on every such call), control flow on
     data that differs between ranks, different models, a sequence length for which the
@@ -624,7 +624,9 @@ def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
     copy.deepcopy of a RaNNCModule evaluate, in eval and train mode, and give state_dict(),
     load_state_dict() and a checkpoint of the average (save_checkpoint, load_checkpoint) as
     PyTorch's copies of the plain model, where evaluation places
-    layers on other ranks than training ([Note: copies of a wrapped model])."""
+    layers on other ranks than training ([Note: copies of a wrapped model]).
+    save_pretrained: transformers' model.save_pretrained(dir) on the wrapper, on every rank
+    or rank 0 alone, writes config.json and the whole weights, loaded equal to PyTorch's."""
     res = mpirun("loop_probes.py", 2, probe, timeout=300, env={"RANNC_COMM_TIMEOUT": "60"})
     assert res.returncode == 0, res.stdout[-4000:]
     for r in range(2):

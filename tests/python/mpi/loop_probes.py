@@ -63,6 +63,11 @@ behaviour and prints "OK rank r", or fails the way the test expects.
                                        the plain model, with layers
                                        evaluated on other ranks than they train on ([Note:
                                        copies of a wrapped model])
+    loop_probes.py save_pretrained     transformers' model.save_pretrained(dir) on the wrapper,
+                                       on every rank and on rank 0 alone: config.json and the
+                                       whole trained weights, which from_pretrained loads
+                                       equal to PyTorch's, tied as the model ties them;
+                                       model.module.save_pretrained is an error naming it
 """
 import copy
 import sys
@@ -306,6 +311,38 @@ elif probe == "num_items_in_batch":
     out = wrapped(input_ids=ids[mine], labels=labels[mine], num_items_in_batch=items)
     ref = reference(input_ids=ids, labels=labels, num_items_in_batch=items)
     torch.testing.assert_close(out.loss.detach(), ref.loss.detach(), rtol=1e-5, atol=1e-6)
+    print(f"OK rank {rank}", flush=True)
+elif probe == "save_pretrained":
+    import os
+    import tempfile
+
+    import hf_zoo
+    import transformers as tf
+    model, _, kwargs = hf_zoo.make("hf_gpt2", batch=8)
+    reference = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference))
+    wrapped = rannc.RaNNCModule(model, opt, num_stages=2)
+    mine = slice(4 * rank, 4 * (rank + 1))
+    step_both(wrapped(input_ids=kwargs["input_ids"][mine], labels=kwargs["labels"][mine]).loss,
+              reference(**kwargs).loss, opt, ref_opt)
+    for who in ("every rank", "rank 0"):
+        directory = os.path.join(tempfile.gettempdir(),
+                                 f"save_pretrained_{os.getppid()}_{who.replace(' ', '_')}")
+        if who == "every rank" or rank == 0:
+            wrapped.save_pretrained(directory)  # rank 0 writes; the others serve it alone
+        wrapped(input_ids=kwargs["input_ids"][mine], labels=kwargs["labels"][mine])  # agreed
+        assert os.path.exists(os.path.join(directory, "config.json")), who
+        loaded = tf.AutoModelForCausalLM.from_pretrained(directory)
+        for name, value in reference.state_dict().items():
+            torch.testing.assert_close(loaded.state_dict()[name], value, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"{who}, {name}: {m}")
+        assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()
+    # DDP's habit saves model.module: refused on a rank that lacks some weights (the plan
+    # may give one stage every layer but the embeddings, whose rank then lacks nothing)
+    if wrapped.placement.not_current_here():
+        expect_error(lambda: model.save_pretrained(directory + "_module"),
+                     "Call the RaNNCModule's state_dict(), save_pretrained(dir) or "
+                     "save_checkpoint")
     print(f"OK rank {rank}", flush=True)
 elif probe == "eval_after_new_length":
     import copy
