@@ -71,8 +71,7 @@ def trainer(model, directory):
         eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2,
         load_best_model_at_end=True, metric_for_best_model="eval_loss",  # a barrier, a load
         learning_rate=1e-3, max_grad_norm=1.0, warmup_steps=1, report_to=[], use_cpu=True,
-        dataloader_drop_last=True, bf16=bf16, disable_tqdm=True,
-        label_names=["labels"])  # Trainer reads them from forward's signature in the class
+        dataloader_drop_last=True, bf16=bf16, disable_tqdm=True)
     return tf.Trainer(model=model, args=args, train_dataset=Texts(64),
                       eval_dataset=Texts(16, offset=1000))
 
