@@ -20,6 +20,7 @@ import functools
 import inspect
 import itertools
 import math
+import os
 import sys
 import time
 import zlib
@@ -778,6 +779,9 @@ class RaNNCModule(torch.nn.Module):
         # Trainer reads the label names from the class's forward (transformers' find_labels)
         self.__class__ = _with_forward_signature(type(self), forward.__signature__)
         clipping.warn_early_imports()
+        self._recompute_given = "recompute" in options or "RANNC_RECOMPUTE" in os.environ
+        if getattr(model, "is_gradient_checkpointing", False):
+            self._recompute_everywhere("the model's gradient checkpointing is on")
         if _C.get_rank() == 0:
             for warning in traced_differently(model):
                 _C.log_warn(warning)
@@ -955,6 +959,39 @@ class RaNNCModule(torch.nn.Module):
         self.placement.require_values("optimizer_state_dict()")
         _checkpoint().apply_pending(self, everything=True)
         return full_state.gather_optimizer_state(self)
+
+    # [Note: activation checkpointing] transformers' gradient checkpointing recomputes each
+    # layer's forward in the backward (torch.utils.checkpoint). Traced, those are plain
+    # ops: rannc's stages keep their activations unless the plan recomputes the stage. A
+    # request for checkpointing (the model's flag when wrapped; Trainer's
+    # gradient_checkpointing=True, which calls the methods below) becomes the plan's
+    # recompute="always", every stage recomputed, as the user asked for that memory
+    # rather than speed; an explicit recompute option wins. Without a request the plan
+    # recomputes only the stages whose memory needs it (recompute="auto").
+    def activation_checkpointing_enable(self, *args, **kwargs) -> None:
+        """Trainer's activation_checkpointing=True: every stage recomputes its forward in
+        the backward ([Note: activation checkpointing])."""
+        self._recompute_everywhere("activation checkpointing was enabled")
+
+    def gradient_checkpointing_enable(self, *args, **kwargs) -> None:
+        """transformers' older name of activation_checkpointing_enable."""
+        self._recompute_everywhere("gradient checkpointing was enabled")
+
+    def _recompute_everywhere(self, why: str) -> None:
+        if self._recompute_given:
+            if _C.get_rank() == 0:
+                _C.log_info(f"{why}; the option recompute={self.options.recompute!r} decides "
+                            "which stages recompute")
+            return
+        if True in self._deployed and self.options.recompute != "always":
+            raise _C.Error(f"{why} after the first training call, which planned the stages "
+                           f"(recompute={self.options.recompute!r}): enable it before that "
+                           "call, or pass the option recompute=\"always\" to RaNNCModule")
+        self.options.recompute = "always"
+        if _C.get_rank() == 0:
+            _C.log_info(f"{why}: every stage recomputes its forward in the backward "
+                        "(recompute=\"always\"; recompute=\"auto\" recomputes only where memory "
+                        "needs it)")
 
     def save_pretrained(self, save_directory, *args, **kwargs) -> None:
         """transformers' save_pretrained of the wrapped model with its whole weights:

@@ -67,8 +67,10 @@ def test_hf_training_equals_pytorch(ranks, model, stages, micro, extra):
 
 
 # (ranks, stages, precision): 2 stages with Trainer's label smoothing; 2 stages x 2
-# replicas with 2 accumulated batches per step; bf16 through TrainingArguments
-TRAINER_LAYOUTS = [(2, 2, "fp32-smooth"), (4, 2, "fp32-accumulate"), (2, 2, "bf16")]
+# replicas with 2 accumulated batches per step; bf16 through TrainingArguments, with
+# gradient checkpointing
+TRAINER_LAYOUTS = [(2, 2, "fp32-smooth"), (4, 2, "fp32-accumulate"),
+                   (2, 2, "bf16-checkpointing")]
 
 
 @pytest.mark.parametrize("ranks,stages,precision", TRAINER_LAYOUTS,
@@ -80,13 +82,15 @@ def test_transformers_trainer_on_several_ranks_equals_one_process(tmp_path, rank
     on rank 0 alone that hold the whole model and optimizer, and resumes from one to the same
     end (mpi/trainer_check.py). With gradient accumulation Trainer weighs the accumulated
     batches by their tokens (num_items_in_batch) and its label smoother shifts the causal
-    LM's labels, as in one process ([Note: accelerate])."""
+    LM's labels, as in one process ([Note: accelerate]); with gradient_checkpointing=True every
+    stage recomputes ([Note: activation checkpointing])."""
     import os
     import subprocess
     import sys
 
     here = os.path.dirname(os.path.abspath(__file__))
-    flags = {"fp32": [], "bf16": ["--bf16"], "fp32-accumulate": ["--accumulate"],
+    flags = {"bf16-checkpointing": ["--bf16", "--checkpointing"],
+             "fp32-accumulate": ["--accumulate"],
              "fp32-smooth": ["--smooth"]}[precision]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
         [here, os.path.join(here, "..", "..", "python"), os.environ.get("PYTHONPATH", "")]))

@@ -435,6 +435,42 @@ print("signature", inspect.signature(module.forward), inspect.signature(model.fo
     assert mine + ")" == "(" + theirs and "scale" in mine, line
 
 
+def test_the_class_shows_the_signature_and_checkpointing_requests_recompute():
+    """transformers' find_labels reads the class's forward: each RaNNCModule's class shows
+    its model's signature. A model wrapped with its gradient checkpointing on plans every
+    stage recomputed (traced, the checkpoints were plain ops keeping every activation),
+    trained equal to PyTorch; an explicit recompute option wins; a request after the first
+    training call, which planned the stages, is an error saying when to make it ([Note:
+    activation checkpointing])."""
+    res = _single_process("""
+import copy, torch, rannc, hf_zoo
+from transformers.utils.generic import find_labels
+model, _, kwargs = hf_zoo.make("hf_gpt2", batch=4)
+reference = copy.deepcopy(model)
+model.gradient_checkpointing_enable()
+module = rannc.RaNNCModule(model, torch.optim.SGD(model.parameters(), lr=0.1))
+assert isinstance(module, rannc.RaNNCModule) and type(module).__name__ == "RaNNCModule"
+print("labels", find_labels(type(module)))
+loss = module(**kwargs).loss
+torch.testing.assert_close(loss, reference(**kwargs).loss)
+print("recompute", [s.recompute for s in module._deployed[True].deployment.stages])
+try:
+    module.gradient_checkpointing_enable()  # already "always": nothing to change
+    rannc.RaNNCModule(copy.deepcopy(reference), recompute="never").activation_checkpointing_enable()
+    late = rannc.RaNNCModule(copy.deepcopy(reference))
+    late(**kwargs)
+    late.activation_checkpointing_enable()
+except rannc.Error as e:
+    print("late:", e)
+""")
+    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
+    assert "labels ['labels']" in res.stdout, res.stdout
+    assert "recompute [True]" in res.stdout, res.stdout
+    assert ("late: activation checkpointing was enabled after the first training call, which "
+            "planned the stages (recompute='auto'): enable it before that call" in res.stdout), \
+        res.stdout + res.stderr[-3000:]
+
+
 def test_copies_of_a_wrapped_model_run_on_its_plan_and_pickles_are_an_error():
     """copy.deepcopy of a RaNNCModule (AveragedModel, an EMA) failed on "cannot pickle
     'rannc._C.ProfileCache' object"; it is a copy run on the module's plan with weights of

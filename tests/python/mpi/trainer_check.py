@@ -1,13 +1,16 @@
 """transformers' Trainer training a RaNNCModule on several ranks, against Trainer training
 the plain model in one process on the same global batches.
 
-    python trainer_check.py reference OUT [--bf16] [--accumulate] [--smooth]  # one process
-    mpirun -np N python trainer_check.py rannc OUT STAGES [--bf16] [--accumulate] [--smooth]
+    python trainer_check.py reference OUT [FLAGS]       # one process, the plain model
+    mpirun -np N python trainer_check.py rannc OUT STAGES [FLAGS]
+
+FLAGS: --bf16, --accumulate, --smooth, --checkpointing.
 
 --accumulate: 2 accumulated batches per step, whose tokens Trainer counts over all of them
 (num_items_in_batch); a third of the labels are -100, so the batches weigh unlike.
 --smooth: Trainer's label smoother makes the loss from the logits (rannc's fill-drain,
 gradients from outside), shifting a causal LM's labels.
+--checkpointing: gradient_checkpointing=True, which makes every stage recompute.
 
 The rannc run trains 4 steps with a checkpoint every 2 and an evaluation every 2, loads the
 best checkpoint at the end, saves the model, then trains again from checkpoint-2 in a new Trainer over a differently initialised
@@ -30,6 +33,7 @@ stages = int(sys.argv[3]) if mode == "rannc" else 1
 bf16 = "--bf16" in sys.argv
 accumulate = 2 if "--accumulate" in sys.argv else 1
 smoothing = 0.1 if "--smooth" in sys.argv else 0.0
+checkpointing = "--checkpointing" in sys.argv
 if mode == "rannc":
     rannc.init_process_group()  # before TrainingArguments: accelerate reads the group
 
@@ -68,6 +72,7 @@ def trainer(model, directory):
         output_dir=directory, per_device_train_batch_size=GLOBAL_BATCH // world,
         per_device_eval_batch_size=GLOBAL_BATCH // world, max_steps=STEPS, logging_steps=1,
         gradient_accumulation_steps=accumulate, label_smoothing_factor=smoothing,
+        gradient_checkpointing=checkpointing,
         eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2,
         load_best_model_at_end=True, metric_for_best_model="eval_loss",  # a barrier, a load
         learning_rate=1e-3, max_grad_norm=1.0, warmup_steps=1, report_to=[], use_cpu=True,
@@ -125,6 +130,9 @@ t = trainer(rannc.RaNNCModule(make_model(0), num_stages=stages), directory)
 t.train()
 # Trainer's bf16=True reaches the stages through accelerate's state ([Note: accelerate])
 assert (t.model._deployed[True].amp == torch.bfloat16) == bf16
+# Trainer's gradient_checkpointing=True: every stage recomputes ([Note: activation checkpointing])
+recomputed = [s.recompute for s in t.model._deployed[True].deployment.stages]
+assert all(recomputed) if checkpointing else not any(recomputed), recomputed
 same_logs(t, "trained")
 t.save_model(os.path.join(out, "final"))  # rank 0 alone gathers and writes
 # the other ranks serve rank 0's gather from inside torch's barrier
