@@ -40,4 +40,9 @@ if ! "$PYTHON" -c "import accelerate, sys; sys.exit(accelerate.__version__ != '1
   echo "[install_deps] pip: accelerate==1.15.0"
   "$PYTHON" -m pip install -q accelerate==1.15.0 torch==2.13.0
 fi
+# PEFT's LoRA adapters (tests/python/mpi/peft_check.py)
+if ! "$PYTHON" -c "import peft, sys; sys.exit(peft.__version__ != '0.21.2')" 2>/dev/null; then
+  echo "[install_deps] pip: peft==0.21.2"
+  "$PYTHON" -m pip install -q peft==0.21.2 torch==2.13.0 transformers==5.23.0 accelerate==1.15.0
+fi
 "$PYTHON" -c "import numpy" 2>/dev/null || "$PYTHON" -m pip install -q numpy

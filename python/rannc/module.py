@@ -659,6 +659,14 @@ def _shapes_differ(signatures, example, shapes) -> Exception:
         "padding=\"max_length\")")
 
 
+def _checkpointing_on(model) -> bool:
+    """Whether a transformers model's activation (gradient) checkpointing is on."""
+    on = getattr(model, "is_activation_checkpointing", None)  # transformers 5
+    if on is None:
+        on = getattr(model, "is_gradient_checkpointing", False)  # older: deprecated in 5
+    return bool(on)
+
+
 def _with_forward_signature(cls: type, signature: inspect.Signature) -> type:
     """A subclass of `cls` of the same name whose forward shows `signature` (the wrapped
     model's), for callers that inspect the class rather than the instance."""
@@ -780,7 +788,7 @@ class RaNNCModule(torch.nn.Module):
         self.__class__ = _with_forward_signature(type(self), forward.__signature__)
         clipping.warn_early_imports()
         self._recompute_given = "recompute" in options or "RANNC_RECOMPUTE" in os.environ
-        if getattr(model, "is_gradient_checkpointing", False):
+        if _checkpointing_on(model):
             self._recompute_everywhere("the model's gradient checkpointing is on")
         if _C.get_rank() == 0:
             for warning in traced_differently(model):

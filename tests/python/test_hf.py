@@ -106,3 +106,16 @@ def test_transformers_trainer_on_several_ranks_equals_one_process(tmp_path, rank
     assert res.returncode == 0, res.stdout[-4000:]
     for r in range(ranks):
         assert f"OK rank {r}" in res.stdout, res.stdout[-4000:]
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_peft_lora_trains_and_saves_its_adapters(tmp_path, ranks):
+    """PEFT's LoRA over GPT-2 (frozen base, adapters trained by AdamW) equals the same
+    PeftModel in one process, and model.save_pretrained on rank 0 alone writes PEFT's
+    adapter files, which PeftModel.from_pretrained loads to the trained adapters
+    (mpi/peft_check.py)."""
+    res = mpirun("peft_check.py", ranks, str(tmp_path), timeout=300,
+                 env={"RANNC_COMM_TIMEOUT": "60"})
+    assert res.returncode == 0, res.stdout[-4000:]
+    for r in range(ranks):
+        assert f"OK rank {r}" in res.stdout, res.stdout[-4000:]
