@@ -659,6 +659,15 @@ def _shapes_differ(signatures, example, shapes) -> Exception:
         "padding=\"max_length\")")
 
 
+def _model_signature(model) -> inspect.Signature:
+    """The signature of the model's forward; of the base model's for a PEFT model, whose own
+    forward takes *args, **kwargs (as Trainer inspects a PeftModel)."""
+    base = getattr(model, "get_base_model", None)
+    if callable(base) and type(model).__module__.startswith("peft."):
+        return inspect.signature(base().forward)
+    return inspect.signature(model.forward)
+
+
 def _checkpointing_on(model) -> bool:
     """Whether a transformers model's activation (gradient) checkpointing is on."""
     on = getattr(model, "is_activation_checkpointing", None)  # transformers 5
@@ -782,7 +791,7 @@ class RaNNCModule(torch.nn.Module):
         # torch.compile(RaNNCModule(...)): dynamo leaves the call to rannc's stages instead of
         # tracing through the runtime ([Note: compiled models] in _trace.py)
         forward = functools.partial(torch.compiler.disable(type(self).forward), self)
-        forward.__signature__ = inspect.signature(model.forward)
+        forward.__signature__ = _model_signature(model)
         self.forward = forward
         # Trainer reads the label names from the class's forward (transformers' find_labels)
         self.__class__ = _with_forward_signature(type(self), forward.__signature__)

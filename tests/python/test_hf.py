@@ -68,9 +68,9 @@ def test_hf_training_equals_pytorch(ranks, model, stages, micro, extra):
 
 # (ranks, stages, precision): 2 stages with Trainer's label smoothing; 2 stages x 2
 # replicas with 2 accumulated batches per step; bf16 through TrainingArguments, with
-# gradient checkpointing
+# gradient checkpointing; PEFT's LoRA
 TRAINER_LAYOUTS = [(2, 2, "fp32-smooth"), (4, 2, "fp32-accumulate"),
-                   (2, 2, "bf16-checkpointing")]
+                   (2, 2, "bf16-checkpointing"), (2, 2, "fp32-lora")]
 
 
 @pytest.mark.parametrize("ranks,stages,precision", TRAINER_LAYOUTS,
@@ -91,7 +91,7 @@ def test_transformers_trainer_on_several_ranks_equals_one_process(tmp_path, rank
     here = os.path.dirname(os.path.abspath(__file__))
     flags = {"bf16-checkpointing": ["--bf16", "--checkpointing"],
              "fp32-accumulate": ["--accumulate"],
-             "fp32-smooth": ["--smooth"]}[precision]
+             "fp32-smooth": ["--smooth"], "fp32-lora": ["--lora"]}[precision]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
         [here, os.path.join(here, "..", "..", "python"), os.environ.get("PYTHONPATH", "")]))
     # the reference: one process, no MPI launcher (Trainer sees one process)

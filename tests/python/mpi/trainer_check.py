@@ -4,13 +4,15 @@ the plain model in one process on the same global batches.
     python trainer_check.py reference OUT [FLAGS]       # one process, the plain model
     mpirun -np N python trainer_check.py rannc OUT STAGES [FLAGS]
 
-FLAGS: --bf16, --accumulate, --smooth, --checkpointing.
+FLAGS: --bf16, --accumulate, --smooth, --checkpointing, --lora.
 
 --accumulate: 2 accumulated batches per step, whose tokens Trainer counts over all of them
 (num_items_in_batch); a third of the labels are -100, so the batches weigh unlike.
 --smooth: Trainer's label smoother makes the loss from the logits (rannc's fill-drain,
 gradients from outside), shifting a causal LM's labels.
 --checkpointing: gradient_checkpointing=True, which makes every stage recompute.
+--lora: PEFT's LoRA adapters over the frozen GPT-2 (Trainer keeps the columns that the base
+model's forward names; its checkpoints of a RaNNCModule hold the whole model).
 
 The rannc run trains 4 steps with a checkpoint every 2 and an evaluation every 2, loads the
 best checkpoint at the end, saves the model, then trains again from checkpoint-2 in a new Trainer over a differently initialised
@@ -34,6 +36,7 @@ bf16 = "--bf16" in sys.argv
 accumulate = 2 if "--accumulate" in sys.argv else 1
 smoothing = 0.1 if "--smooth" in sys.argv else 0.0
 checkpointing = "--checkpointing" in sys.argv
+lora = "--lora" in sys.argv
 if mode == "rannc":
     rannc.init_process_group()  # before TrainingArguments: accelerate reads the group
 
@@ -64,6 +67,15 @@ class Texts(torch.utils.data.Dataset):
 
 def make_model(seed):
     model, _, _ = hf_zoo.make("hf_gpt2", batch=GLOBAL_BATCH, seed=seed)
+    if lora:
+        import peft
+        torch.manual_seed(seed + 1)
+        model = peft.get_peft_model(model, peft.LoraConfig(
+            r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.0, fan_in_fan_out=True))
+        with torch.no_grad():  # LoRA's B starts at zero: so that the first step moves A too
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.02)
     return model
 
 
@@ -140,7 +152,7 @@ torch.distributed.barrier()
 same_weights(os.path.join(out, "final", "model.safetensors"), "the saved model")
 optimizer = torch.load(os.path.join(directory, "checkpoint-2", "optimizer.pt"))
 count = sum(len(g["params"]) for g in optimizer["param_groups"])
-assert count == len(list(make_model(0).parameters())) and len(optimizer["state"]) == count, \
+assert count == len([p for p in make_model(0).parameters() if p.requires_grad]) and len(optimizer["state"]) == count, \
     "the checkpoint's optimizer state is not the whole optimizer's"
 # resumed: a new model (other weights) and Trainer read checkpoint-2 on every rank
 t = trainer(rannc.RaNNCModule(make_model(5), num_stages=stages), directory)
