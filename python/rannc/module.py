@@ -286,7 +286,7 @@ class _Deployed:
         from . import planning
         # A forward-only (eval) plan keeps no optimizer state.
         training = self.owner.module.training
-        optimizer = ((opts.optimizer_kind or _optimizer_kind(self.owner.optimizer))
+        optimizer = ((opts.optimizer_kind or self.owner.optimizer_kind_to_plan())
                      if training else "sgd")
         profiled = self._profiled(opts, world)
         if opts.cost_model == "profile" and not profiled and _C.get_rank() == 0:
@@ -736,6 +736,9 @@ def _dtype(value):
     return DTYPES[value.dtype]
 
 
+_OPTIMIZER_KINDS = ("sgd", "sgd_momentum", "adam")  # by the state each keeps per parameter
+
+
 def _optimizer_kind(optimizer) -> str:
     if optimizer is None:
         return "sgd"
@@ -1049,22 +1052,40 @@ class RaNNCModule(torch.nn.Module):
         _checkpoint().forget_pending(self, weights=False, optimizer=True)
         return full_state.optimizer_state_share(self, state_dict)
 
+    _planned_optimizer_kind = "sgd"  # what the training plan counted (adopt_optimizer)
+
+    def optimizer_kind_to_plan(self) -> str:
+        """The optimizer state the training plan counts: the module's optimizer's, else the
+        largest of the live optimizers over the model's parameters, which the first step
+        makes the module's ([Note: optimizers made after wrapping] in optimizer_share.py)."""
+        from .optimizer_share import built_over
+        found = [self.optimizer] if self.optimizer is not None else built_over(self)
+        kinds = [_optimizer_kind(o) for o in found] or ["sgd"]
+        kind = max(kinds, key=_OPTIMIZER_KINDS.index)
+        if self.optimizer is None and found and _C.get_rank() == 0:
+            names = sorted({type(o).__name__ for o in found})
+            _C.log_info(f"planned for the state of {' or '.join(names)} ({kind}), built after "
+                        "RaNNCModule over its parameters: its first step makes it the "
+                        "module's optimizer")
+        self._planned_optimizer_kind = kind
+        return kind
+
     def adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Makes `optimizer`, built after wrapping over the model's parameters, this module's,
         as if passed to it ([Note: optimizers made after wrapping] in optimizer_share.py)."""
         self.optimizer = self.placement.optimizer = optimizer
         self.optimizer_share = OptimizerShare(optimizer)
         self.optimizer_share.keep_only(self.placement.trained_here())
-        planned = self.options.optimizer_kind or _optimizer_kind(None)
+        planned = self.options.optimizer_kind or self._planned_optimizer_kind
         kind = _optimizer_kind(optimizer)
-        if _C.get_rank() == 0 and kind != planned:
+        if _C.get_rank() == 0 and _OPTIMIZER_KINDS.index(kind) > _OPTIMIZER_KINDS.index(planned):
             _C.log_warn(
-                f"{type(optimizer).__name__} was built after RaNNCModule and steps its "
-                f"parameters: it is now the module's optimizer (checkpoints and "
-                f"optimizer_state_dict() hold its state), but the plan was made for {planned} "
-                f"and did not count the {kind} state in each stage's memory; pass the "
-                f"optimizer to RaNNCModule (or the option optimizer_kind=\"{kind}\") for a "
-                "plan that counts it")
+                f"{type(optimizer).__name__} was built after RaNNCModule's first training "
+                f"call and steps its parameters: it is now the module's optimizer "
+                f"(checkpoints and optimizer_state_dict() hold its state), but the plan was "
+                f"made for {planned} and did not count the {kind} state in each stage's "
+                f"memory; build it before that call, pass it to RaNNCModule, or pass the "
+                f"option optimizer_kind=\"{kind}\" for a plan that counts it")
 
     # ---- transformers' Trainer and accelerate ------------------------------------------------
     # [Note: accelerate] transformers' Trainer hands the model to accelerate, which on

@@ -18,9 +18,11 @@ the optimizer would keep its groups whole. So `import rannc` registers a global 
 pre-hook (torch.optim.optimizer.register_optimizer_step_pre_hook): the first step of an
 optimizer that holds a trained RaNNCModule's parameters, when that module has none, makes it
 the module's optimizer, as if it had been passed (its groups are cut to this rank's share
-before its first state exists). The plan was made before it was known, counting no optimizer
-state; rank 0 warns where the optimizer keeps state (Adam: two values per parameter), since
-the plan's memory did not count it.
+before its first state exists). Its state must be in the plan's memory (Adam: two values per
+parameter): torch keeps no registry of optimizers, so the first training call, which plans,
+looks for one among the live objects (`built_over`: transformers' Trainer builds its AdamW
+before the first forward) and plans for the largest state found; an optimizer built after
+that call was not counted, and rank 0 warns when it is adopted.
 
 [Note: the optimizer's own state_dict] Once its groups are cut, the optimizer's own
 state_dict() would number this rank's share from 0: a file that loads into nothing (DDP's
@@ -120,6 +122,14 @@ def _adopt_on_first_step(optimizer, args, kwargs):
                 and registry.holds(optimizer, module)):
             module.adopt_optimizer(optimizer)
     return None
+
+
+def built_over(module) -> list[torch.optim.Optimizer]:
+    """The live optimizers that hold any of `module`'s parameters, by a walk over the objects
+    the garbage collector tracks ([Note: optimizers made after wrapping])."""
+    import gc
+    return [o for o in gc.get_objects()
+            if issubclass(type(o), torch.optim.Optimizer) and registry.holds(o, module)]
 
 
 def install() -> None:

@@ -637,7 +637,8 @@ def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
     num_items_in_batch: transformers' sum over a count passed in adds up over the shares.
     uneven_selection: x[keep] selecting as many tokens from every row of the first batch
     does not make later, uneven batches fail ([Note: data-sized values]). late_optimizer:
-    an optimizer built after wrapping becomes the module's at its first step, and rank 0
+    an optimizer built after wrapping becomes the module's at its first step; built before
+    the first call (as Trainer builds it) its state is in the plan, built after it rank 0
     says the plan did not count its state ([Note: optimizers made after wrapping]).
     rank0_only: DDP's `if rank == 0: torch.save({model.state_dict(), optimizer.state_dict()})`
     writes the whole model and optimizer, which the other ranks serve from their next call
@@ -668,8 +669,10 @@ def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
     for r in range(2):
         assert f"OK rank {r}" in res.stdout, res.stdout[-4000:]
     if probe == "late_optimizer":
-        assert ("AdamW was built after RaNNCModule and steps its parameters: it is now the "
-                "module's optimizer" in res.stdout), res.stdout[-3000:]
+        assert ("planned for the state of AdamW (adam), built after RaNNCModule over its "
+                "parameters" in res.stdout), res.stdout[-3000:]
+        assert ("AdamW was built after RaNNCModule's first training call and steps its "
+                "parameters: it is now the module's optimizer" in res.stdout), res.stdout[-3000:]
     if probe == "unfreeze":
         assert "28 of 28 parameters now require grad (16 when planned): traced again" in \
             res.stdout, res.stdout[-3000:]

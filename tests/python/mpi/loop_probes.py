@@ -35,7 +35,8 @@ behaviour and prints "OK rank r", or fails the way the test expects.
                                        its parameters; its first step makes it the module's
                                        ([Note: optimizers made after wrapping]): training and
                                        optimizer_state_dict() equal PyTorch's, its groups hold
-                                       this rank's share
+                                       this rank's share; its state is in the plan, and one
+                                       built after the first call draws a warning
     loop_probes.py compiled            nanoGPT's habit: torch.compile(model) before wrapping
                                        (a block compiled with Module.compile() inside, the
                                        wrapper compiled too): traced eagerly, trained equal
@@ -546,6 +547,16 @@ elif probe == "late_optimizer":
         for k in ("exp_avg", "exp_avg_sq"):
             torch.testing.assert_close(gathered["state"][i][k], s[k], rtol=1e-4, atol=1e-6,
                                        msg=lambda m: f"rank {rank}: state {i} {k}: {m}")
+    # built before the first call, as Trainer builds its AdamW: the plan counted its state
+    assert wrapped._planned_optimizer_kind == "adam", wrapped._planned_optimizer_kind
+    # built after the first call: adopted at its first step, and rank 0 warns
+    late_model = copy.deepcopy(reference)
+    late = rannc.RaNNCModule(late_model, num_stages=2, num_microbatches=2)
+    late(*args)
+    late_opt = torch.optim.AdamW(late.parameters(), lr=1e-2)
+    late(*args).backward()
+    late_opt.step()
+    assert late.optimizer is late_opt and late._planned_optimizer_kind == "sgd"
     print(f"OK rank {rank}", flush=True)
 elif probe == "compiled":  # [Note: compiled models] in _trace.py
     model, args, _ = zoo.make("gpt", batch=4, seed=0)

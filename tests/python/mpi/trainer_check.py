@@ -142,6 +142,8 @@ t = trainer(rannc.RaNNCModule(make_model(0), num_stages=stages), directory)
 t.train()
 # Trainer's bf16=True reaches the stages through accelerate's state ([Note: accelerate])
 assert (t.model._deployed[True].amp == torch.bfloat16) == bf16
+# Trainer builds its AdamW before the first call: the plan counted its state
+assert t.model._planned_optimizer_kind == "adam", t.model._planned_optimizer_kind
 # Trainer's gradient_checkpointing=True: every stage recomputes ([Note: activation checkpointing])
 recomputed = [s.recompute for s in t.model._deployed[True].deployment.stages]
 assert all(recomputed) if checkpointing else not any(recomputed), recomputed
