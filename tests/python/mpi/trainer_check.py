@@ -14,7 +14,8 @@ gradients from outside), shifting a causal LM's labels.
 --lora: PEFT's LoRA adapters over the frozen GPT-2 (Trainer keeps the columns that the base
 model's forward names; its checkpoints of a RaNNCModule hold the whole model).
 
-The rannc run trains 4 steps with a checkpoint every 2 and an evaluation every 2, loads the
+The rannc run trains 4 steps with a checkpoint every 2 and an evaluation (loss, and accuracy
+by compute_metrics over the gathered logits) every 2, loads the
 best checkpoint at the end, saves the model, then trains again from checkpoint-2 in a new Trainer over a differently initialised
 model. Both must log the reference's losses, gradient norms and evaluation losses, and end
 with its weights: Trainer saves each checkpoint on rank 0 alone (model and optimizer
@@ -90,13 +91,23 @@ def trainer(model, directory):
         learning_rate=1e-3, max_grad_norm=1.0, warmup_steps=1, report_to=[], use_cpu=True,
         dataloader_drop_last=True, bf16=bf16, disable_tqdm=True)
     return tf.Trainer(model=model, args=args, train_dataset=Texts(64),
-                      eval_dataset=Texts(16, offset=1000))
+                      eval_dataset=Texts(16, offset=1000), compute_metrics=accuracy)
+
+
+def accuracy(prediction):
+    """compute_metrics: over the logits and labels Trainer gathered from every rank."""
+    guess = prediction.predictions[:, :-1].argmax(-1)
+    labels = prediction.label_ids[:, 1:]
+    counted = labels != -100
+    return {"accuracy": float((guess[counted] == labels[counted]).mean()),
+            "rows": float(len(labels))}
 
 
 def logs(t):
-    """Per step: (loss, grad_norm) of training, and the evaluation losses."""
+    """Per step: (loss, grad_norm) of training; per evaluation: loss, accuracy, rows."""
     train = [(h["loss"], h["grad_norm"]) for h in t.state.log_history if "loss" in h]
-    evals = [h["eval_loss"] for h in t.state.log_history if "eval_loss" in h]
+    evals = [[h["eval_loss"], h["eval_accuracy"], h["eval_rows"]]
+             for h in t.state.log_history if "eval_loss" in h]
     return train, evals
 
 
