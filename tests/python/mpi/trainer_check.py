@@ -14,9 +14,10 @@ gradients from outside), shifting a causal LM's labels.
 --lora: PEFT's LoRA adapters over the frozen GPT-2 (Trainer keeps the columns that the base
 model's forward names; its checkpoints of a RaNNCModule hold the whole model).
 
-The rannc run trains 4 steps with a checkpoint every 2 and an evaluation (loss, and accuracy
-by compute_metrics over the gathered logits) every 2, loads the
-best checkpoint at the end, saves the model, then trains again from checkpoint-2 in a new Trainer over a differently initialised
+The rannc run trains 4 steps with a checkpoint every 2 and an evaluation every 2 (loss,
+and accuracy by compute_metrics over the gathered logits), loads the best checkpoint at the
+end, saves the model, then trains again from checkpoint-2 in a new Trainer over a
+differently initialised
 model. Both must log the reference's losses, gradient norms and evaluation losses, and end
 with its weights: Trainer saves each checkpoint on rank 0 alone (model and optimizer
 state_dict(), which the other ranks serve) and reads it back on every rank.
