@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <limits>
 #include <map>
+#include <set>
 #include <unordered_map>
 
 #include "partition/sim/simulator.h"
@@ -542,15 +543,17 @@ Deployment settleBoundaries(const Deployment& plan, const AtomicPartition& atomi
   std::vector<int> cut(S + 1, 0), devices(S);
   for (int s = 0; s < S; ++s) {
     const StagePlan& st = plan.stages[s];
-    int lo = std::numeric_limits<int>::max(), hi = -1, count = 0;
+    int lo = std::numeric_limits<int>::max(), hi = -1;
+    std::set<int> held;  // a piece of joined tasks ([Note: share scalars]) counts once
     for (ir::TaskId t : st.tasks) {
       const int p = atomic.piece_of[t];
       if (p < 0) continue;
       if (pos[p] < 0) return plan;
       lo = std::min(lo, pos[p]);
       hi = std::max(hi, pos[p]);
-      ++count;
+      held.insert(p);
     }
+    const int count = static_cast<int>(held.size());
     if (count == 0 || hi - lo + 1 != count || lo != cut[s]) return plan;
     cut[s + 1] = hi + 1;
     devices[s] = static_cast<int>(st.ranks.size()) / std::max(1, plan.pipelines);
