@@ -646,10 +646,15 @@ def _describe_shapes(example, shapes) -> str:
         for slot, (dtype, shape) in zip(example.tensor_slots, shapes))
 
 
+def _differing_ranks(signatures) -> list[int]:
+    """The ranks whose signature differs from rank 0's."""
+    return [r for r, sig in enumerate(signatures) if sig != signatures[0]]
+
+
 def _shapes_differ(signatures, example, shapes) -> Exception:
     """The agreed error for ranks whose arguments differ in shape (`signatures`: one crc per
     rank; `shapes`: this rank's)."""
-    differ = [r for r, sig in enumerate(signatures) if sig != signatures[0]]
+    differ = _differing_ranks(signatures)
     return failure.agreed(
         f"the ranks' arguments differ in shape besides the batch dimension (ranks {differ} "
         f"differ from rank 0; this rank passed {_describe_shapes(example, shapes)}): every "
@@ -690,7 +695,7 @@ def _with_forward_signature(cls: type, signature: inspect.Signature) -> type:
 def _scalars_differ(signatures, scalars) -> Exception:
     """The agreed error for ranks that pass different values of a 0-dim tensor argument
     (`signatures`: one crc per rank; `scalars`: this rank's (path, value) pairs)."""
-    differ = [r for r, sig in enumerate(signatures) if sig != signatures[0]]
+    differ = _differing_ranks(signatures)
     passed = ", ".join(f"{path} = {value}" for path, value in scalars)
     hint = ""
     if any("num_items_in_batch" in path for path, _ in scalars):
@@ -1020,10 +1025,7 @@ class RaNNCModule(torch.nn.Module):
         `is_main_process` (default: rank 0) writes. Under DDP scripts write
         model.module.save_pretrained, which here would save the empty tensors of the
         layers on other ranks and is refused."""
-        save = getattr(self.module, "save_pretrained", None)
-        if save is None:
-            raise AttributeError(f"'RaNNCModule' object has no attribute 'save_pretrained' (nor "
-                                 f"has its model, a {type(self.module).__name__})")
+        save = self._model_attribute("save_pretrained")
         state = kwargs.pop("state_dict", None)
         if state is None:
             state = self.state_dict()
@@ -1139,12 +1141,16 @@ class RaNNCModule(torch.nn.Module):
 
     def __getattr__(self, name: str):
         if name in RaNNCModule._MODEL_ATTRIBUTES:
-            model = self.__dict__["_modules"]["module"]
-            if not hasattr(model, name):
-                raise AttributeError(f"'RaNNCModule' object has no attribute '{name}' (nor "
-                                     f"has its model, a {type(model).__name__})")
-            return getattr(model, name)
+            return self._model_attribute(name)
         return super().__getattr__(name)
+
+    def _model_attribute(self, name: str):
+        """The wrapped model's attribute `name`, or an AttributeError naming both."""
+        model = self.__dict__["_modules"]["module"]
+        if not hasattr(model, name):
+            raise AttributeError(f"'RaNNCModule' object has no attribute '{name}' (nor has "
+                                 f"its model, a {type(model).__name__})")
+        return getattr(model, name)
 
     @property
     def accepts_loss_kwargs(self) -> bool:

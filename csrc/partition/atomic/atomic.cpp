@@ -178,6 +178,13 @@ std::vector<int> topologicalGroups(const ir::Graph& graph, const std::vector<cha
                                    const std::vector<ir::TaskId>& anchors,
                                    const std::vector<int>& group, const std::vector<int>& pos) {
   const int n_groups = group.empty() ? 0 : *std::max_element(group.begin(), group.end()) + 1;
+  if (n_groups == static_cast<int>(anchors.size())) {  // nothing joined: the anchors' order
+    std::vector<int> index(anchors.size()), order;
+    for (size_t i = 0; i < index.size(); ++i) index[i] = static_cast<int>(i);
+    std::sort(index.begin(), index.end(), [&](int a, int b) { return pos[anchors[a]] < pos[anchors[b]]; });
+    for (int i : index) order.push_back(group[i]);
+    return order;
+  }
   std::vector<int> owner(graph.numTasks(), -1), first(n_groups, std::numeric_limits<int>::max());
   for (size_t i = 0; i < anchors.size(); ++i) {
     if (!constant[anchors[i]]) owner[anchors[i]] = static_cast<int>(i);
