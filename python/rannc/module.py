@@ -261,6 +261,7 @@ class _Deployed:
         # A plan runs only for the batch and world it was made for: local batch x ranks.
         batch = self.graph.batch_size * world
         if opts.load_plan:
+            self.owner._planned_optimizer_kind = None  # the file's plan counted what it did
             return _C.load_deployment(opts.load_plan, ir, batch_size=batch, world_size=world)
         if _C.get_rank() != 0 and self._profiled(opts, world):
             self._make_plan(ir, world, opts)  # profiles a share of the pieces for rank 0
@@ -1018,6 +1019,72 @@ class RaNNCModule(torch.nn.Module):
                         "(recompute=\"always\"; recompute=\"auto\" recomputes only where memory "
                         "needs it)")
 
+    # [Note: moving a wrapped model] DDP scripts and transformers' Trainer move the model to
+    # the rank's device: `model.cuda()`, `model.to(device)`, Trainer in its __init__. On a
+    # RaNNCModule, nn.Module's would move the whole model onto every rank's GPU (a copy per
+    # rank sharing it: what a model that needs a pipeline does not fit in), and after the
+    # first call it would move the stages' tensors from under the engine. Here the stages'
+    # device is rannc's (option device; each rank moves only its stages' tensors there at
+    # the first call), so a device of that kind is where they are or will be: nothing moves,
+    # except that one rank alone moves the whole model before its first call, as one process
+    # would (and `cuda:N` picks its GPU). Another kind of device is an error naming the
+    # option. A dtype (`.to(torch.bfloat16)`, `.half()`) converts the model before the first
+    # call and is an error after it (the plan, the stages and the optimizer hold the tensors).
+    def to(self, *args, **kwargs):
+        """[Note: moving a wrapped model]"""
+        device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        if dtype is not None or memory_format is not None:
+            self._before_first_call(f"converting its tensors to {dtype or memory_format}")
+            self.module.to(dtype=dtype, non_blocking=non_blocking, memory_format=memory_format)
+        if device is not None:
+            self._move(torch.device(device))
+        return self
+
+    def cuda(self, device=None):
+        """[Note: moving a wrapped model]"""
+        if device is None or isinstance(device, int):
+            return self.to(torch.device("cuda", device))
+        return self.to(torch.device(device))
+
+    def cpu(self):
+        """[Note: moving a wrapped model]"""
+        return self.to(torch.device("cpu"))
+
+    def _apply(self, fn, recurse=True):
+        # .half(), .float(), .bfloat16(), .type(), share_memory(): nn.Module's conversions
+        self._before_first_call("converting its tensors (.half(), .float(), .type()...)")
+        return super()._apply(fn, recurse)
+
+    def _before_first_call(self, what: str) -> None:
+        if self._deployed:
+            raise _C.Error(
+                f"{what} on rank {_C.get_rank()} after a RaNNCModule's first call: its plan, "
+                "its stages and the optimizer hold the tensors as they were. Convert the model "
+                "before wrapping it or before the first call; for mixed precision use "
+                "torch.autocast or the option precision")
+
+    def _move(self, device: torch.device) -> None:
+        """[Note: moving a wrapped model]"""
+        rank = _C.get_rank()
+        if device.type != self.device.type:
+            raise _C.Error(
+                f"RaNNCModule.to({str(device)!r}) on rank {rank}: this rank's stages run on "
+                f"{self.device} (option device={self.options.device!r}), where rannc moves "
+                "each rank's share of the model itself; to run them on "
+                f"{device.type}, pass device={device.type!r} to RaNNCModule")
+        one = _C.get_world_size() == 1
+        if one and device.index is not None and device != self.device:
+            if self._deployed:
+                raise _C.Error(f"RaNNCModule.to({str(device)!r}): its stages run on "
+                               f"{self.device} since its first call; wrap the model again "
+                               "to run it elsewhere")
+            self.device = self.placement.device = device
+            torch.cuda.set_device(device)
+        if one and not self._deployed and self._home != self.device \
+                and not self.placement.not_current_here():
+            self.module.to(self.device)
+            self._home = self.placement.home = self.device
+
     def save_pretrained(self, save_directory, *args, **kwargs) -> None:
         """transformers' save_pretrained of the wrapped model with its whole weights:
         config.json and the weights, which from_pretrained loads. Called on every rank, or on
@@ -1054,7 +1121,8 @@ class RaNNCModule(torch.nn.Module):
         _checkpoint().forget_pending(self, weights=False, optimizer=True)
         return full_state.optimizer_state_share(self, state_dict)
 
-    _planned_optimizer_kind = "sgd"  # what the training plan counted (adopt_optimizer)
+    # what the training plan counted (adopt_optimizer); None: unknown (option load_plan)
+    _planned_optimizer_kind = "sgd"
 
     def optimizer_kind_to_plan(self) -> str:
         """The optimizer state the training plan counts: the module's optimizer's, else the
@@ -1080,7 +1148,8 @@ class RaNNCModule(torch.nn.Module):
         self.optimizer_share.keep_only(self.placement.trained_here())
         planned = self.options.optimizer_kind or self._planned_optimizer_kind
         kind = _optimizer_kind(optimizer)
-        if _C.get_rank() == 0 and _OPTIMIZER_KINDS.index(kind) > _OPTIMIZER_KINDS.index(planned):
+        if _C.get_rank() == 0 and planned is not None and \
+                _OPTIMIZER_KINDS.index(kind) > _OPTIMIZER_KINDS.index(planned):
             _C.log_warn(
                 f"{type(optimizer).__name__} was built after RaNNCModule's first training "
                 f"call and steps its parameters: it is now the module's optimizer "

@@ -8,6 +8,16 @@ default group from the MPI world: rank 0 names an address and a free port, every
 learns them over MPI, and torch's TCP rendezvous does the rest. rannc itself does not use
 the group (its collectives are its own, over MPI or NCCL).
 
+[Note: a DDP script's environment on GPUs] torchrun gives a script RANK, WORLD_SIZE,
+LOCAL_RANK and LOCAL_WORLD_SIZE; mpirun does not. Scripts pick their GPU from LOCAL_RANK,
+and accelerate (so transformers' Trainer) sees a multi-GPU run only where LOCAL_RANK is set:
+without it, each rank of a GPU job trained alone on the whole dataset, with no sampler
+sharding it. So the group sets them from the MPI world, and makes this rank's current CUDA
+device the one rannc runs its stages on (local rank modulo the GPUs it sees). Its backend
+is NCCL for CUDA tensors where every rank has a GPU of its own and gloo for CPU tensors
+beside it, as torch's default; where ranks share a GPU (NCCL runs one rank per GPU) it is
+gloo alone, which moves CUDA tensors through host memory.
+
 [Note: torch.distributed agrees with rannc] A rank waiting in a torch.distributed
 collective cannot serve a gather that another rank asked from a RaNNCModule ([Note:
 gathers asked by some ranks] in handshake.py): transformers' Trainer saves on rank 0 alone
@@ -21,6 +31,7 @@ both instead of a hang. Subgroups' collectives are left alone (not every rank is
 """
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
 import os
@@ -30,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C, handshake
-from .transport import all_gather_objects
+from .transport import all_gather_objects, local_cuda_device
 
 
 def _free_port() -> int:
@@ -42,16 +53,20 @@ def _free_port() -> int:
 def init_process_group(backend: str | None = None, **kwargs) -> None:
     """torch.distributed.init_process_group over this job's MPI ranks (a collective; when
     the default group exists, only what follows). Its world collectives agree with rannc's
-    ([Note: torch.distributed agrees with rannc]). `backend`: torch's default for the
-    devices (NCCL with CUDA, else gloo) unless given; `kwargs` go to torch (timeout...).
-    MASTER_ADDR and MASTER_PORT, where set, are used as torch would use them."""
+    ([Note: torch.distributed agrees with rannc]); it sets torchrun's variables and the
+    current CUDA device ([Note: a DDP script's environment on GPUs]). `backend`: NCCL for
+    CUDA tensors and gloo for CPU ones where every rank has a GPU of its own, else gloo,
+    unless given; `kwargs` go to torch (timeout...). MASTER_ADDR and MASTER_PORT, where
+    set, are used as torch would use them."""
     if dist.is_initialized():
         if dist.get_world_size() == _C.get_world_size():
             _agree_with_rannc()  # a group the script made over the same ranks
         return
     rank, world = _C.get_rank(), _C.get_world_size()
     host = socket.gethostname()
-    hosts = all_gather_objects(host)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    machines = all_gather_objects((host, gpus))
+    hosts = [h for h, _ in machines]
     if rank == 0:
         # one host: the loopback, which needs no name resolution; else rank 0's name
         addr = os.environ.get("MASTER_ADDR") or ("127.0.0.1" if len(set(hosts)) == 1 else host)
@@ -60,11 +75,39 @@ def init_process_group(backend: str | None = None, **kwargs) -> None:
     else:
         found = None
     addr, port = all_gather_objects(found)[0]
+    _torchrun_environment(addr, port)  # [Note: a DDP script's environment on GPUs]
+    if gpus:
+        torch.cuda.set_device(local_cuda_device())
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = backend_for(machines)
+        if rank == 0 and backend == "gloo" and any(g for _, g in machines):
+            _C.log_info("torch.distributed over gloo: ranks share GPUs (NCCL runs one rank "
+                        "per GPU)")
     dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank,
                             world_size=world, **kwargs)
     _agree_with_rannc()
+
+
+def backend_for(machines: list[tuple[str, int]]) -> str:
+    """torch.distributed's backend for ranks on `machines` (per rank: its host, the GPUs it
+    sees): NCCL for CUDA tensors and gloo for CPU ones where every rank has a GPU of its
+    own, else gloo ([Note: a DDP script's environment on GPUs])."""
+    if not all(gpus for _, gpus in machines):
+        return "gloo"
+    ranks = collections.Counter(host for host, _ in machines)
+    if any(ranks[host] > gpus for host, gpus in machines):
+        return "gloo"
+    return "cpu:gloo,cuda:nccl"
+
+
+def _torchrun_environment(addr: str, port: int) -> None:
+    """The variables torchrun sets, from the MPI world ([Note: a DDP script's environment
+    on GPUs]); MASTER_ADDR and MASTER_PORT where unset."""
+    os.environ.update(RANK=str(_C.get_rank()), WORLD_SIZE=str(_C.get_world_size()),
+                      LOCAL_RANK=str(_C.get_local_rank()),
+                      LOCAL_WORLD_SIZE=str(_C.get_local_size()))
+    os.environ.setdefault("MASTER_ADDR", addr)
+    os.environ.setdefault("MASTER_PORT", str(port))
 
 
 def _agree_with_rannc() -> None:

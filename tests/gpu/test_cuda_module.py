@@ -12,6 +12,7 @@ import torch
 import rannc
 from rannc import _C
 from mpirun import mpirun
+from test_hf import run_trainer_check
 from test_runtime_stage import run_pipeline
 import hf_zoo
 import zoo
@@ -178,3 +179,23 @@ def test_inputs_on_another_device_than_the_model(model_on, inputs_on):
     grads = dict(reference.named_parameters())
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad.cpu(), grads[name].grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("ranks,stages,flags", [
+    (1, 1, []), (2, 2, []), (2, 2, ["--bf16", "--checkpointing"])])
+def test_transformers_trainer_on_cuda_equals_one_process(tmp_path, ranks, stages, flags):
+    """transformers' Trainer on the GPU over a RaNNCModule (ranks sharing the GPU) against
+    Trainer over the plain model on the same GPU: Trainer moves the model to its device
+    (one rank: all of it; several: nothing, each rank's stages go to its GPU at the first
+    call, [Note: moving a wrapped model]) and sees a multi-GPU run from the LOCAL_RANK that
+    rannc.init_process_group sets ([Note: a DDP script's environment on GPUs])."""
+    run_trainer_check(tmp_path, ranks, stages, ["--cuda", *flags])
+
+
+def test_a_ddp_script_on_cuda():
+    """rannc.init_process_group on two ranks sharing the GPU (gloo: NCCL runs one rank per
+    GPU) reduces CUDA tensors, the current device is the stages', `wrapped.cuda()` moves
+    nothing before the first call, and training equals PyTorch (loop_probes process_group)."""
+    res = mpirun("loop_probes.py", 2, "process_group", timeout=300,
+                 env={"RANNC_DEVICE": "cuda", "RANNC_COMM_TIMEOUT": "60"})
+    _ok(res, 2)

@@ -84,16 +84,23 @@ def test_transformers_trainer_on_several_ranks_equals_one_process(tmp_path, rank
     batches by their tokens (num_items_in_batch) and its label smoother shifts the causal
     LM's labels, as in one process ([Note: accelerate]); with gradient_checkpointing=True every
     stage recomputes ([Note: activation checkpointing])."""
+    flags = {"bf16-checkpointing": ["--bf16", "--checkpointing"],
+             "fp32-accumulate": ["--accumulate"],
+             "fp32-smooth": ["--smooth"], "fp32-lora": ["--lora"]}[precision]
+    run_trainer_check(tmp_path, ranks, stages, flags)
+
+
+def run_trainer_check(tmp_path, ranks, stages, flags):
+    """mpi/trainer_check.py: the reference in one process, then Trainer over a RaNNCModule
+    on `ranks` ranks (also tests/gpu's, with --cuda)."""
     import os
     import subprocess
     import sys
 
     here = os.path.dirname(os.path.abspath(__file__))
-    flags = {"bf16-checkpointing": ["--bf16", "--checkpointing"],
-             "fp32-accumulate": ["--accumulate"],
-             "fp32-smooth": ["--smooth"], "fp32-lora": ["--lora"]}[precision]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
-        [here, os.path.join(here, "..", "..", "python"), os.environ.get("PYTHONPATH", "")]))
+        [here, os.path.join(here, "..", "..", "python"), os.path.join(here, "..", "..", "examples"),
+         os.environ.get("PYTHONPATH", "")]))
     # the reference: one process, no MPI launcher (Trainer sees one process)
     for key in [k for k in env if k.startswith(("OMPI_", "PMI", "PMIX"))]:
         del env[key]

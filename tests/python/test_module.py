@@ -338,6 +338,20 @@ def test_ranks_map_to_gpus_by_local_rank_modulo_the_devices(monkeypatch, gpus):
         transport.local_cuda_device()
 
 
+def test_torch_distributed_runs_nccl_only_where_each_rank_has_its_own_gpu():
+    """rannc.init_process_group's backend ([Note: a DDP script's environment on GPUs]): NCCL
+    (with gloo for CPU tensors) where every rank has a GPU of its own, gloo where two ranks
+    of a host share one (NCCL refuses them) or some rank has none."""
+    from rannc.process_group import backend_for
+    both = "cpu:gloo,cuda:nccl"
+    assert backend_for([("a", 2), ("a", 2)]) == both
+    assert backend_for([("a", 1), ("b", 1)]) == both  # one GPU per host, one rank each
+    assert backend_for([("a", 1), ("a", 1)]) == "gloo"  # two ranks on one GPU
+    assert backend_for([("a", 2), ("a", 2), ("b", 1), ("b", 1)]) == "gloo"
+    assert backend_for([("a", 0), ("a", 0)]) == "gloo"
+    assert backend_for([("a", 1), ("b", 0)]) == "gloo"
+
+
 def test_several_ranks_take_their_own_gpu_under_auto_even_with_the_model_on_cuda0(monkeypatch):
     """A model moved with .cuda() on every rank without set_device sits on cuda:0 on all of
     them; under device=auto each rank's stages go to its own GPU (where its NCCL
@@ -473,6 +487,47 @@ except rannc.Error as e:
     assert ("late: activation checkpointing was enabled after the first training call, which "
             "planned the stages (recompute='auto'): enable it before that call" in res.stdout), \
         res.stdout + res.stderr[-3000:]
+
+
+def test_moving_a_wrapped_model_leaves_its_placement_to_rannc():
+    """DDP scripts and transformers' Trainer call model.to(device) / .cuda() on the wrapped
+    model. nn.Module's moved the whole model onto every rank's device, and after the first
+    call would have moved the stages' tensors from under the engine ([Note: moving a wrapped
+    model] in module.py): the stages' kind of device is a no-op, another kind an error naming
+    the option device; a dtype converts the model before the first call (trained equal to
+    PyTorch in float64) and is an error after it."""
+    res = _single_process("""
+import copy, torch, rannc
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+reference = copy.deepcopy(model).double()
+module = rannc.RaNNCModule(model, torch.optim.SGD(model.parameters(), lr=0.1))
+assert module.to("cpu") is module and module.cpu() is module
+assert module.to(torch.float64) is module
+print("dtype", next(model.parameters()).dtype)
+x = torch.randn(6, 8, dtype=torch.float64)
+loss = module(x).pow(2).mean()
+loss.backward()
+reference(x).pow(2).mean().backward()
+torch.testing.assert_close(model[0].weight.grad, reference[0].weight.grad)
+assert module.to(torch.device("cpu")) is module
+for what, call in [("cuda", module.cuda), ("half", module.half),
+                   ("float", lambda: module.to("cpu", torch.float32))]:
+    try:
+        call()
+        print(what, "passed")
+    except rannc.Error as e:
+        print(f"{what}: {e}")
+print("after", next(model.parameters()).dtype)
+""")
+    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
+    out = res.stdout
+    assert "dtype torch.float64" in out and "after torch.float64" in out, out
+    assert "cuda: RaNNCModule.to('cuda') on rank 0: this rank's stages run on cpu (option " \
+        "device='auto')" in out and "pass device='cuda' to RaNNCModule" in out, out
+    for what in ("half", "float"):
+        assert f"{what}: converting its tensors" in out, out
+    assert "after a RaNNCModule's first call" in out, out
 
 
 def test_copies_of_a_wrapped_model_run_on_its_plan_and_pickles_are_an_error():
@@ -675,8 +730,9 @@ def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
     if probe == "late_optimizer":
         assert ("planned for the state of AdamW (adam), built after RaNNCModule over its "
                 "parameters" in res.stdout), res.stdout[-3000:]
-        assert ("AdamW was built after RaNNCModule's first training call and steps its "
-                "parameters: it is now the module's optimizer" in res.stdout), res.stdout[-3000:]
+        assert res.stdout.count("AdamW was built after RaNNCModule's first training call and "
+                                "steps its parameters: it is now the module's optimizer") == 1, \
+            res.stdout[-3000:]  # the module with the plan from a file does not warn
     if probe == "unfreeze":
         assert "28 of 28 parameters now require grad (16 when planned): traced again" in \
             res.stdout, res.stdout[-3000:]

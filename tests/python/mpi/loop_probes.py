@@ -71,6 +71,7 @@ behaviour and prints "OK rank r", or fails the way the test expects.
                                        model.module.save_pretrained is an error naming it
 """
 import copy
+import os
 import sys
 import time
 
@@ -82,6 +83,7 @@ import zoo
 
 rank = rannc.get_rank()
 torch.set_num_threads(1)
+zoo.full_fp32()  # tests/gpu runs some probes with stages on the GPU, against the CPU
 probe = sys.argv[1]
 
 
@@ -109,7 +111,8 @@ def same_stage_parameters(model, reference, rtol):
     ref = dict(reference.named_parameters())
     for n, p in model.named_parameters():
         if p.numel():  # the others are freed on this rank
-            torch.testing.assert_close(p, ref[n], rtol=rtol, atol=1e-6, msg=lambda m: f"{n}: {m}")
+            torch.testing.assert_close(p.detach().cpu(), ref[n].detach(), rtol=rtol, atol=1e-6,
+                                       msg=lambda m: f"{n}: {m}")
 
 
 def train(wrapped, opt, args):
@@ -482,6 +485,17 @@ elif probe == "process_group":
 
     rannc.init_process_group()
     assert (dist.get_rank(), dist.get_world_size()) == (rank, rannc.get_world_size())
+    # torchrun's variables, which DDP scripts and accelerate read
+    # ([Note: a DDP script's environment on GPUs])
+    assert [os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")] \
+        == [str(rank), "2", str(rank), "2"], dict(os.environ)
+    assert dist.get_backend() == "gloo", dist.get_backend()  # no GPU, or one for two ranks
+    cuda = torch.cuda.is_available()
+    if cuda:  # tests/gpu: the current device is the stages', which a CUDA tensor reduces on
+        assert torch.cuda.current_device() == rank % torch.cuda.device_count()
+        on_gpu = torch.tensor([rank + 1.0], device="cuda")
+        dist.all_reduce(on_gpu)
+        assert on_gpu.item() == 3.0, on_gpu
     shard = list(DistributedSampler(range(16), shuffle=False))
     assert shard == list(range(rank, 16, 2)), shard
     total = torch.tensor([rank + 1.0])
@@ -502,6 +516,10 @@ elif probe == "process_group":
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     wrapped = rannc.RaNNCModule(model, opt, num_stages=2, num_microbatches=2)
+    # a DDP script's habit: the stages go to each rank's GPU at the first call, and the whole
+    # model does not ([Note: moving a wrapped model])
+    assert (wrapped.cuda() if cuda else wrapped.to("cpu")) is wrapped
+    assert all(p.device.type == "cpu" for p in model.parameters())
     x, y = torch.randn(16, 4), torch.randn(16, 1)
     order = list(range(0, 16, 2)) + list(range(1, 16, 2))  # rank 0's rows, then rank 1's
     for step in range(3):
@@ -553,13 +571,25 @@ elif probe == "late_optimizer":
     # built before the first call, as Trainer builds its AdamW: the plan counted its state
     assert wrapped._planned_optimizer_kind == "adam", wrapped._planned_optimizer_kind
     # built after the first call: adopted at its first step, and rank 0 warns
+    import tempfile
+    from rannc.transport import all_gather_objects
+    plan = all_gather_objects(os.path.join(tempfile.mkdtemp(), "plan.rannc") if rank == 0
+                              else None)[0]
     late_model = copy.deepcopy(reference)
-    late = rannc.RaNNCModule(late_model, num_stages=2, num_microbatches=2)
+    late = rannc.RaNNCModule(late_model, num_stages=2, num_microbatches=2, save_plan=plan)
     late(*args)
     late_opt = torch.optim.AdamW(late.parameters(), lr=1e-2)
     late(*args).backward()
     late_opt.step()
     assert late.optimizer is late_opt and late._planned_optimizer_kind == "sgd"
+    # a plan from a file counted what it counted: no warning ([Note: optimizers made after
+    # wrapping]; it warned, as if the plan had counted no state)
+    loaded = rannc.RaNNCModule(copy.deepcopy(reference), load_plan=plan)
+    loaded(*args)
+    loaded_opt = torch.optim.AdamW(loaded.parameters(), lr=1e-2)
+    loaded(*args).backward()
+    loaded_opt.step()
+    assert loaded.optimizer is loaded_opt and loaded._planned_optimizer_kind is None
     print(f"OK rank {rank}", flush=True)
 elif probe == "compiled":  # [Note: compiled models] in _trace.py
     model, args, _ = zoo.make("gpt", batch=4, seed=0)

@@ -4,7 +4,7 @@ the plain model in one process on the same global batches.
     python trainer_check.py reference OUT [FLAGS]       # one process, the plain model
     mpirun -np N python trainer_check.py rannc OUT STAGES [FLAGS]
 
-FLAGS: --bf16, --accumulate, --smooth, --checkpointing, --lora.
+FLAGS: --bf16, --accumulate, --smooth, --checkpointing, --lora, --cuda.
 
 --accumulate: 2 accumulated batches per step, whose tokens Trainer counts over all of them
 (num_items_in_batch); a third of the labels are -100, so the batches weigh unlike.
@@ -13,6 +13,10 @@ gradients from outside), shifting a causal LM's labels.
 --checkpointing: gradient_checkpointing=True, which makes every stage recompute.
 --lora: PEFT's LoRA adapters over the frozen GPT-2 (Trainer keeps the columns that the base
 model's forward names; its checkpoints of a RaNNCModule hold the whole model).
+--cuda: Trainer on the GPU (tests/gpu), the reference on the same GPU; no TF32 in either.
+Trainer moves the model to its device and the batches there; the stages run on each rank's
+GPU, ranks sharing one ([Note: a DDP script's environment on GPUs] in process_group.py,
+[Note: moving a wrapped model] in module.py).
 
 The rannc run trains 4 steps with a checkpoint every 2 and an evaluation every 2 (loss,
 and accuracy by compute_metrics over the gathered logits), loads the best checkpoint at the
@@ -39,6 +43,7 @@ accumulate = 2 if "--accumulate" in sys.argv else 1
 smoothing = 0.1 if "--smooth" in sys.argv else 0.0
 checkpointing = "--checkpointing" in sys.argv
 lora = "--lora" in sys.argv
+cuda = "--cuda" in sys.argv
 if mode == "rannc":
     rannc.init_process_group()  # before TrainingArguments: accelerate reads the group
 
@@ -46,6 +51,9 @@ import safetensors.torch  # noqa: E402
 import transformers as tf  # noqa: E402
 
 import hf_zoo  # noqa: E402
+import zoo  # noqa: E402
+
+zoo.full_fp32()  # the GPU in full float32 (no TF32), as the reference
 
 GLOBAL_BATCH, STEPS = 8, 4
 world = rannc.get_world_size() if mode == "rannc" else 1
@@ -89,7 +97,7 @@ def trainer(model, directory):
         gradient_checkpointing=checkpointing,
         eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2,
         load_best_model_at_end=True, metric_for_best_model="eval_loss",  # a barrier, a load
-        learning_rate=1e-3, max_grad_norm=1.0, warmup_steps=1, report_to=[], use_cpu=True,
+        learning_rate=1e-3, max_grad_norm=1.0, warmup_steps=1, report_to=[], use_cpu=not cuda,
         dataloader_drop_last=True, bf16=bf16, disable_tqdm=True)
     return tf.Trainer(model=model, args=args, train_dataset=Texts(64),
                       eval_dataset=Texts(16, offset=1000), compute_metrics=accuracy)
@@ -118,7 +126,8 @@ if mode == "reference":
     train, evals = logs(t)
     with open(os.path.join(out, "reference.json"), "w") as f:
         json.dump({"train": train, "evals": evals}, f)
-    safetensors.torch.save_file({k: v.clone() for k, v in t.model.state_dict().items()},
+    safetensors.torch.save_file({k: v.detach().cpu().clone()
+                                 for k, v in t.model.state_dict().items()},
                                 os.path.join(out, "reference.safetensors"))
     sys.exit(0)
 
@@ -152,6 +161,9 @@ def same_weights(path, what):
 directory = os.path.join(out, "rannc")
 t = trainer(rannc.RaNNCModule(make_model(0), num_stages=stages), directory)
 t.train()
+# the stages run on each rank's GPU (local rank modulo the GPUs), as Trainer's batches do
+assert t.model.device == (t.args.device if cuda else torch.device("cpu")), \
+    (t.model.device, t.args.device)
 # Trainer's bf16=True reaches the stages through accelerate's state ([Note: accelerate])
 assert (t.model._deployed[True].amp == torch.bfloat16) == bf16
 # Trainer builds its AdamW before the first call: the plan counted its state
