@@ -315,8 +315,16 @@ def module_hooks(model: torch.nn.Module, backward: bool) -> list[str]:
         everywhere = mm._global_forward_hooks or mm._global_forward_pre_hooks
     names = ["every module (a global hook)"] if everywhere else []
     return names + [name or "the model" for name, m in model.named_modules()
-                    if any(not getattr(h, "__rannc__", False)  # rannc's own checks
+                    if any(not getattr(h, "__rannc__", False) and not _needless_here(h)
                            for k in kinds for h in getattr(m, k, {}).values())]
+
+
+def _needless_here(hook) -> bool:
+    """transformers' enable_input_require_grads hook (gradient checkpointing with frozen
+    embeddings, PEFT): it makes the embeddings' output require grad so that reentrant
+    checkpoints pass gradients; rannc's stages recompute and pass them without it."""
+    return (getattr(hook, "__name__", "") == "make_inputs_require_grads"
+            and getattr(hook, "__module__", "").startswith("transformers."))
 
 
 def _refuse_backward_hooks(model: torch.nn.Module):
