@@ -75,6 +75,10 @@ void bindRuntime(py::module& m) {
            py::arg("replica"))
       .def("owned", &runtime::Layout::owned, py::arg("rank"));
 
+  py::class_<runtime::StepGrads, std::shared_ptr<runtime::StepGrads>>(
+      m, "StepGrads", "One training call's gradients of a rank's parameters (engine.take_step_grads())")
+      .def("__len__", [](const runtime::StepGrads& g) { return g.tensors.size(); });
+
   using runtime::PipelineEngine;
   py::class_<PipelineEngine>(m, "PipelineEngine", "Runs this rank's stage of a deployment, one step per call.")
       .def(py::init([](std::shared_ptr<frontend::TracedModel> model, const partition::Deployment& deployment,
@@ -144,6 +148,10 @@ void bindRuntime(py::module& m) {
              return toPython(outs);
            },
            py::arg("local"))
+      .def_property_readonly("last_forward", &PipelineEngine::lastForward)
+      .def("awaits_backward", &PipelineEngine::awaitsBackward, py::arg("id"))
+      .def("resume_forward", &PipelineEngine::resumeForward, py::arg("id"))
+      .def("drop_forward", &PipelineEngine::dropForward, py::arg("id"))
       .def("backward_from",
            [](PipelineEngine& e, const py::dict& seeds) {
              runtime::Seeds s;
@@ -182,17 +190,20 @@ void bindRuntime(py::module& m) {
            py::arg("grads"))
       .def("set_grad_sync", &PipelineEngine::setGradSync, py::arg("sync"))
       .def("sync_held_grads", &PipelineEngine::syncHeldGrads, py::call_guard<py::gil_scoped_release>())
+      .def("take_step_grads", &PipelineEngine::takeStepGrads,
+           "the last backward's gradients of this rank's parameters, handed over")
       .def("apply_step_grads",
-           [](PipelineEngine& e, const py::object& scale) {
+           [](PipelineEngine& e, const runtime::StepGrads& grads, const py::object& scale) {
              if (scale.is_none()) {
-               e.applyStepGrads(at::Tensor());
+               e.applyStepGrads(grads, at::Tensor());
              } else if (THPVariable_Check(scale.ptr())) {
-               e.applyStepGrads(py::cast<at::Tensor>(scale));
+               e.applyStepGrads(grads, py::cast<at::Tensor>(scale));
              } else {
-               e.applyStepGrads(py::cast<double>(scale));
+               e.applyStepGrads(grads, py::cast<double>(scale));
              }
            },
-           py::arg("scale"), ".grad += scale * the step's gradients (None: 1) of this rank's parameters")
+           py::arg("grads"), py::arg("scale"),
+           ".grad += scale * `grads` (take_step_grads; scale None: 1) of this rank's parameters")
       .def_property_readonly("input_grads", &PipelineEngine::inputGrads)
       .def("output_dtype", [](const PipelineEngine& e, int m, ir::ValueId vid) {
         return py::reinterpret_borrow<py::object>(

@@ -250,6 +250,7 @@ std::string PipelineEngine::program(StepMode mode) { return programFor(mode).str
 StepOutputs PipelineEngine::step(const std::map<ir::ValueId, c10::IValue>& local, bool train,
                                  double loss_scale) {
   seeds_.clear();
+  stash_base_ = 0;  // a step's backwards run in it ([Note: calls awaiting their backward])
   if (train && loss_id_ != ir::kNoId) {
     const std::vector<int> mine = stages();
     if (std::count(mine.begin(), mine.end(), producerOf(loss_id_)) > 0) {
@@ -262,29 +263,72 @@ StepOutputs PipelineEngine::step(const std::map<ir::ValueId, c10::IValue>& local
   return execute(programFor(train ? StepMode::Train : StepMode::Eval), &local, train);
 }
 
-void PipelineEngine::scaleTokenMeans(const std::map<ir::ValueId, c10::IValue>& local) {
-  if (token_means_->exact.empty()) return;
+at::Tensor PipelineEngine::scaleTokenMeans(const std::map<ir::ValueId, c10::IValue>& local) {
+  if (token_means_->exact.empty()) return {};
   const Layout& L = config_->layout;
   bool shared = false;  // the same on every rank: the layout is global
   for (int s : token_mean_stages_) shared |= L.microBatches() * L.pipelines() * L.replicas(s) > 1;
   if (!shared) {  // one share of the global batch: the op's own mean is the global one
     frontend::setShareScales(*token_means_, nullptr);
-    return;
+    return {};
   }
   at::Tensor counts = frontend::localTargetCounts(*model_, *token_means_, local);
   if (world_size_ > 1) comm::worldCpuCommunicator()->allReduce(counts)->wait();
   frontend::setShareScales(*token_means_, &counts, device_);
+  return counts;
 }
 
 StepOutputs PipelineEngine::forwardForBackward(const std::map<ir::ValueId, c10::IValue>& local) {
-  for (Chunk& c : chunks_) c.executor->discard();  // a training forward whose backward never came
-  scaleTokenMeans(local);
-  return execute(programFor(StepMode::FillDrainForward), &local, true);
+  // [Note: calls awaiting their backward]
+  AwaitingForward awaiting;
+  awaiting.token_counts = scaleTokenMeans(local);
+  last_forward_ = resumed_ = last_forward_ + 1;
+  stash_base_ = last_forward_ * kStashKeys;
+  StepOutputs outs;
+  try {
+    outs = execute(programFor(StepMode::FillDrainForward), &local, true);
+  } catch (...) {
+    for (Chunk& c : chunks_) c.executor->discard(stash_base_, stash_base_ + kStashKeys);
+    throw;
+  }
+  awaiting.local_batch = config_->layout.localBatch();
+  awaiting.input_grad_ids = input_grad_ids_;
+  awaiting.shapes = shapes_;
+  awaiting.local_meta = local_meta_;
+  awaiting_[last_forward_] = std::move(awaiting);
+  return outs;
+}
+
+void PipelineEngine::resumeForward(int64_t id) {
+  auto it = awaiting_.find(id);
+  RANNC_CHECK(it != awaiting_.end(), "forward " << id << " awaits no backward");
+  const AwaitingForward& f = it->second;
+  useBatch(f.local_batch);
+  setInputGrads(f.input_grad_ids);
+  shapes_ = f.shapes;
+  local_meta_ = f.local_meta;
+  if (!token_means_->exact.empty()) {  // read again where a stage recomputes
+    frontend::setShareScales(*token_means_, f.token_counts.defined() ? &f.token_counts : nullptr, device_);
+  }
+  resumed_ = id;
+  stash_base_ = id * kStashKeys;
 }
 
 void PipelineEngine::backwardFrom(Seeds seeds) {
+  RANNC_CHECK(awaiting_.count(resumed_), "forward " << resumed_ << " awaits no backward");
   seeds_ = std::move(seeds);
-  execute(programFor(StepMode::FillDrainBackward), nullptr, true);
+  awaiting_.erase(resumed_);  // its stashes are consumed, or dropped if the backward fails
+  try {
+    execute(programFor(StepMode::FillDrainBackward), nullptr, true);
+  } catch (...) {
+    for (Chunk& c : chunks_) c.executor->discard(stash_base_, stash_base_ + kStashKeys);
+    throw;
+  }
+}
+
+void PipelineEngine::dropForward(int64_t id) {
+  if (awaiting_.erase(id) == 0) return;
+  for (Chunk& c : chunks_) c.executor->discard(id * kStashKeys, (id + 1) * kStashKeys);
 }
 
 at::Tensor PipelineEngine::empty(ir::ValueId vid, const Transfer* rows, c10::Device device) const {
@@ -460,7 +504,10 @@ void PipelineEngine::finishInputGrads(std::vector<Posted>& posted) {
     narrow(input_grads_.at(p.transfer->value), p.transfer->value, *p.transfer, mine).add_(p.buffer);
   }
   for (auto& [vid, grad] : input_grads_) {  // every rank, in one order: a collective
-    if (graph_.value(vid).isBatch()) continue;
+    if (graph_.value(vid).isBatch()) {
+      if (world_size_ > 1) grad.mul_(static_cast<double>(world_size_));  // [Note: input gradients]
+      continue;
+    }
     at::Tensor total = grad.to(c10::kCPU, at::kDouble);
     comm::worldCpuCommunicator()->allReduce(total)->wait();
     grad = total.to(device_, grad.scalar_type());
@@ -559,7 +606,7 @@ StepOutputs PipelineEngine::execute(const StepProgram& program,
         for (ir::ValueId vid : chunk.executor->inputIds()) ins.push_back(gather(vid, a.micro_batch, *local, posted));
         auto t0 = Clock::now();
         const auto share = shareScope(chunk.place, a.micro_batch);
-        auto outs = chunk.executor->forward(a.micro_batch, ins, train, chunk.recompute);
+        auto outs = chunk.executor->forward(stash_base_ + a.micro_batch, ins, train, chunk.recompute);
         times_.forward += since(t0);
         const auto& ids = chunk.executor->outputIds();
         auto& shapes = shapes_[a.micro_batch];
@@ -584,15 +631,16 @@ StepOutputs PipelineEngine::execute(const StepProgram& program,
         for (ir::ValueId vid : executor.outputIds()) grads.push_back(outputGrad(vid, a.micro_batch, posted));
         auto t0 = Clock::now();
         const auto share = shareScope(chunks_[a.chunk].place, a.micro_batch);  // recomputation
+        const int64_t key = stash_base_ + a.micro_batch;
         input_grads_of_[{a.chunk, a.micro_batch}] = a.kind == StepActionKind::Backward
-                                                        ? executor.backward(a.micro_batch, grads)
-                                                        : executor.backwardInput(a.micro_batch, grads);
+                                                        ? executor.backward(key, grads)
+                                                        : executor.backwardInput(key, grads);
         times_.backward += since(t0);
         break;
       }
       case StepActionKind::BackwardWeight: {
         auto t0 = Clock::now();
-        chunks_[a.chunk].executor->backwardWeight(a.micro_batch);
+        chunks_[a.chunk].executor->backwardWeight(stash_base_ + a.micro_batch);
         times_.backward += since(t0);
         break;
       }
@@ -682,16 +730,24 @@ Seeds PipelineEngine::scatterOutputGrads(const std::map<ir::ValueId, at::Tensor>
   return seeds;
 }
 
-void PipelineEngine::applyStepGrads(const at::Tensor& scale) {
-  if (own_.empty()) return;
-  auto grads = stepGradList();
-  addToGrads(scale.defined() ? at::_foreach_mul(grads, scale) : grads);
+std::shared_ptr<StepGrads> PipelineEngine::takeStepGrads() {
+  auto grads = std::make_shared<StepGrads>();
+  if (step_grads_.empty()) return grads;  // no backward ran, or taken already
+  for (const auto& [v, _] : own_) grads->tensors.push_back(step_grads_.at(v));
+  step_grads_.clear();
+  return grads;
 }
 
-void PipelineEngine::applyStepGrads(double scale) {
+void PipelineEngine::applyStepGrads(const StepGrads& grads, const at::Tensor& scale) {
   if (own_.empty()) return;
-  auto grads = stepGradList();
-  addToGrads(scale == 1.0 ? grads : at::_foreach_mul(grads, at::Scalar(scale)));
+  RANNC_CHECK(grads.tensors.size() == own_.size(), "step gradients of another engine");
+  addToGrads(scale.defined() ? at::_foreach_mul(grads.tensors, scale) : grads.tensors);
+}
+
+void PipelineEngine::applyStepGrads(const StepGrads& grads, double scale) {
+  if (own_.empty()) return;
+  RANNC_CHECK(grads.tensors.size() == own_.size(), "step gradients of another engine");
+  addToGrads(scale == 1.0 ? grads.tensors : at::_foreach_mul(grads.tensors, at::Scalar(scale)));
 }
 
 void PipelineEngine::syncHeldGrads() {
@@ -706,12 +762,6 @@ void PipelineEngine::syncHeldGrads() {
       grad = sum.clone();
     }
   }
-}
-
-std::vector<at::Tensor> PipelineEngine::stepGradList() const {
-  std::vector<at::Tensor> grads;
-  for (const auto& [v, _] : own_) grads.push_back(step_grads_.at(v));
-  return grads;
 }
 
 void PipelineEngine::addToGrads(const std::vector<at::Tensor>& grads) {

@@ -16,7 +16,15 @@
 // PyTorch: each replica's backward returns the gradient of the rows it received, and sends
 // each row range back to the rank that owns it (the reverse of the input rows' transfer,
 // over MPI like them). A tensor without a batch dimension (every rank passes its own copy)
-// gets the sum over all ranks' rows, as the concatenated batch would.
+// gets the sum over all ranks' rows, as the concatenated batch would. An argument that
+// carries the batch gets W times (W ranks) its rows of the global batch's gradient: for a
+// loss that is a mean over the rows, DistributedDataParallel's, the gradient of this rank's
+// loss over its own rows. So modules compose: a fill-drain module divides the gradients
+// of its outputs by W (the user's loss over this rank's rows is W times its share of the
+// global mean, as under DDP), and a module whose output feeds another (a GAN's generator
+// and discriminator) gets through the other's input gradients, and any loss the user adds
+// on its rows, gradients of that same scale; with the global batch's rows only, the
+// generator of a 2-rank GAN trained at half its gradient.
 //
 // [Note: chunks on a rank] Under an interleaved schedule a rank runs several stages (its
 // chunks: stage c x G + g of the G device groups is chunk c of group g's ranks, which hold
@@ -60,6 +68,11 @@ struct StepOutputs {
   std::map<int, std::map<ir::ValueId, c10::IValue>> produced;
   // This rank's own rows of each batch output, in row order.
   std::map<ir::ValueId, at::Tensor> batch_outputs;
+};
+
+// One step's gradients of the engine's ownParameters(), in its order.
+struct StepGrads {
+  std::vector<at::Tensor> tensors;
 };
 
 // Where one step's time went on this rank (seconds): for bench/pipeline_breakdown.py.
@@ -124,20 +137,40 @@ class PipelineEngine {
   // activation gradients of the backward that runs here, not only the finished gradients),
   // else forwards only. `local`: model argument ids -> this rank's values.
   StepOutputs step(const std::map<ir::ValueId, c10::IValue>& local, bool train, double loss_scale = 1.0);
-  // The forwards of a fill-drain step, stashing for backwardFrom().
+  // The forwards of a fill-drain step, stashing for backwardFrom(); lastForward() names it.
+  // [Note: calls awaiting their backward] Several may await their backward (the user's
+  // loss adds the outputs of several calls: a discriminator on real and fake batches, two
+  // views of an image): each keeps its stashes (under keys of its own), its batch size
+  // and what its backward reads (output shapes, which arguments get gradients, the
+  // token-mean scales), until its backward runs or dropForward() says its outputs are gone.
   StepOutputs forwardForBackward(const std::map<ir::ValueId, c10::IValue>& local);
-  // The backwards of the fill-drain step begun by forwardForBackward().
+  int64_t lastForward() const { return last_forward_; }
+  // Whether forward `id`'s backward has not run (nor was it dropped).
+  bool awaitsBackward(int64_t id) const { return awaiting_.count(id) > 0; }
+  // Makes forward `id` the one that scatterOutputGrads() and backwardFrom() serve: its batch
+  // size, output shapes and argument gradients. Every rank resumes the same forwards in
+  // the same order (autograd's, the same on every rank).
+  void resumeForward(int64_t id);
+  // The backwards of the forward resumeForward() named (else the last one).
   void backwardFrom(Seeds seeds);
+  // Frees forward `id`'s stashes: its outputs are gone without a backward (local, no
+  // communication).
+  void dropForward(int64_t id);
   // Sends the gradients of this rank's rows of the batch outputs (id -> tensor shaped like
   // the local output, undefined for zeros) to the replicas that produced those rows; returns
   // the seeds of the batch outputs this stage produced (the reverse of the outputs' moves).
   Seeds scatterOutputGrads(const std::map<ir::ValueId, at::Tensor>& grads);
 
-  // After a step with backwards: .grad += scale * the step's gradients (summed over each
-  // gradient group) for ownParameters() (undefined scale: 1), one foreach
-  // call each (a per-tensor loop cost 0.2 ms per step on a 150-tensor model).
-  void applyStepGrads(const at::Tensor& scale);
-  void applyStepGrads(double scale);
+  // After a step with backwards: its gradients of ownParameters() (summed over each
+  // gradient group), in its order, handed over: the engine keeps none. [Note: calls
+  // awaiting their backward] Each training call keeps its own until the user's backward
+  // reaches it: `model(a) + model(b)` runs two steps before one backward, and applying the
+  // engine's last gradients there applied the second call's twice.
+  std::shared_ptr<StepGrads> takeStepGrads();
+  // .grad += scale * `grads` for ownParameters() (undefined scale: 1), one foreach call
+  // each (a per-tensor loop cost 0.2 ms per step on a 150-tensor model).
+  void applyStepGrads(const StepGrads& grads, const at::Tensor& scale);
+  void applyStepGrads(const StepGrads& grads, double scale);
   // [Note: unsynced steps] Whether the steps that follow sum their gradients over each
   // gradient group (default). Off (RaNNCModule.no_sync, as DistributedDataParallel's),
   // each rank keeps its own share of the gradients; syncHeldGrads() then sums what .grad
@@ -190,9 +223,9 @@ class PipelineEngine {
   // Before a step's forwards: the token-mean losses' share scales from the global target
   // counts ([Note: token-mean losses] in frontend/token_means.h). Collective when the
   // global batch is cut into several shares of such a loss's stage.
-  void scaleTokenMeans(const std::map<ir::ValueId, c10::IValue>& local);
-  // The step's gradients of ownParameters(), in its order; .grad += each.
-  std::vector<at::Tensor> stepGradList() const;
+  // Returns the global counts set (undefined: the ops' own means), for resumeForward().
+  at::Tensor scaleTokenMeans(const std::map<ir::ValueId, c10::IValue>& local);
+  // .grad += each of `grads` (ownParameters()' order).
   void addToGrads(const std::vector<at::Tensor>& grads);
   // The rows of batch outputs this rank owns, by (micro-batch, value, first row).
   std::vector<const Transfer*> ownedOutputRows() const;
@@ -241,6 +274,19 @@ class PipelineEngine {
   std::set<ir::ValueId> input_grad_ids_;
   bool input_grads_known_ = false;
   bool grad_sync_ = true;  // [Note: unsynced steps]
+
+  // [Note: calls awaiting their backward]
+  struct AwaitingForward {
+    int64_t local_batch = 0;
+    std::set<ir::ValueId> input_grad_ids;
+    std::map<int, std::map<ir::ValueId, std::pair<std::vector<int64_t>, at::ScalarType>>> shapes;
+    std::map<ir::ValueId, std::pair<std::vector<int64_t>, at::ScalarType>> local_meta;
+    at::Tensor token_counts;  // scaleTokenMeans()'s
+  };
+  static constexpr int64_t kStashKeys = 1 << 20;  // micro-batch keys per forward
+  std::map<int64_t, AwaitingForward> awaiting_;
+  int64_t last_forward_ = 0, resumed_ = 0;
+  int64_t stash_base_ = 0;  // added to the micro-batch for the executors' stash keys
 
   // per step
   Seeds seeds_;

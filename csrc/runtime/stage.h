@@ -65,6 +65,11 @@ class StageExecutor {
     stash_.clear();
     pending_weights_.clear();
   }
+  // Drops the stashes of the micro-batch keys in [from, to).
+  void discard(int64_t from, int64_t to) {
+    std::erase_if(stash_, [&](const auto& kv) { return kv.first >= from && kv.first < to; });
+    std::erase_if(pending_weights_, [&](const auto& kv) { return kv.first >= from && kv.first < to; });
+  }
 
   // Number of micro-batches stashed for backward (or waiting for their weight part).
   size_t stashed() const { return stash_.size() + pending_weights_.size(); }

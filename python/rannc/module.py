@@ -14,6 +14,7 @@ behave as in PyTorch.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -45,6 +46,8 @@ class _ApplyStepGrads(torch.autograd.Function):
     @staticmethod
     def forward(ctx, anchor, loss, deployed, *inputs):
         ctx.deployed = deployed
+        # this call's own ([Note: calls awaiting their backward] in csrc/runtime/engine.h)
+        ctx.step_grads, ctx.call_sync = deployed.engine.take_step_grads(), deployed.call_sync
         grads = deployed.engine.input_grads if deployed.grad_input_ids else {}
         ctx.input_grads = [grads[vid] for vid in deployed.grad_input_ids]
         ctx.input_devices = [x.device for x in inputs]  # deployed.grad_inputs, in order
@@ -56,7 +59,7 @@ class _ApplyStepGrads(torch.autograd.Function):
         # the step's gradients were seeded with the loss scale ([Note: scaled seeds])
         if ctx.loss_scale != 1.0:
             grad = grad / ctx.loss_scale
-        ctx.deployed.apply_grads(grad)
+        ctx.deployed.apply_grads(grad, ctx.step_grads, ctx.call_sync)
         # each input's gradient on that input's device (the stage's GPU may be another)
         return (None, None, None) + tuple((grad.to(g.device) * g).to(d)
                                           for g, d in zip(ctx.input_grads, ctx.input_devices))
@@ -83,36 +86,56 @@ class _NoGradientPath(torch.autograd.Function):
 
 class _FillDrainOutputs(torch.autograd.Function):
     """Carries the outputs of a fill-drain forward to the user; its backward gets their
-    gradients (None where an output was not used) and runs the pipeline's backwards."""
+    gradients (None where an output was not used) and runs that forward's backwards.
+    [Note: calls awaiting their backward] in csrc/runtime/engine.h: several forwards may
+    await theirs (a loss over the outputs of several calls)."""
 
     @staticmethod
     def forward(ctx, anchor, deployed, num_outputs, *tensors_and_inputs):
         """`tensors_and_inputs`: the `num_outputs` float outputs, then the inputs that
         require grad (so that autograd hands their gradients to backward)."""
         ctx.deployed = deployed
-        ctx.forward_id = deployed.fill_drain_forwards
+        ctx.awaiting = _AwaitingForward(deployed)
         ctx.set_materialize_grads(False)
         return tuple(t.detach().clone() for t in tensors_and_inputs[:num_outputs])
 
     @staticmethod
     def backward(ctx, *grads):
-        deployed = ctx.deployed
-        if ctx.forward_id != deployed.fill_drain_forwards or deployed.fill_drain_backward_done:
-            # What PyTorch says of a graph whose saved tensors are gone: the stages keep
-            # one forward's activations, and its backward frees them.
+        deployed, awaiting = ctx.deployed, ctx.awaiting
+        deployed.drop_forwards()
+        if not deployed.engine.awaits_backward(awaiting.id):
+            # What PyTorch says of a graph whose saved tensors are gone: the stages keep a
+            # forward's activations until its backward, which frees them.
             raise RuntimeError(
-                "Trying to backward through the outputs of a rannc forward a second time, or "
-                "after a later forward: the pipeline keeps the activations of the last forward "
-                "only, and one backward takes the gradients of all its outputs. Make one loss "
+                "Trying to backward through the outputs of a rannc forward a second time: "
+                "the stages keep a forward's activations until its backward, which frees "
+                "them, and one backward takes the gradients of all its outputs. Make one loss "
                 "of the outputs you need and call backward once per forward.")
-        deployed.fill_drain_backward_done = True
         with _autocast_off():  # a backward called under autocast: the casts are traced
-            deployed.backward_from_outputs(grads)
+            deployed.backward_from_outputs(grads, awaiting)
         like = next((g for g in grads if g is not None), None)
         computed = deployed.engine.input_grads
-        input_grads = tuple(computed[vid].to(like.device if like is not None else deployed.out_device)
-                            for vid in deployed.grad_input_ids)
+        input_grads = tuple(computed[vid].to(like.device if like is not None else awaiting.out_device)
+                            for vid in awaiting.grad_input_ids)
         return (None, None, None) + (None,) * len(grads) + input_grads
+
+
+class _AwaitingForward:
+    """What the backward of a fill-drain forward needs of its call ([Note: calls awaiting
+    their backward] in csrc/runtime/engine.h). When autograd frees the outputs' graph
+    without running its backward, the engine frees the forward's stashes: at its next
+    call, on the thread that runs it (a graph may be freed on autograd's device threads)."""
+
+    def __init__(self, deployed: "_Deployed"):
+        self.deployed = deployed
+        self.id = deployed.engine.last_forward
+        self.float_outputs = deployed._float_outputs
+        self.grad_input_ids = deployed.grad_input_ids
+        self.out_device = deployed.out_device
+        self.call_sync = deployed.call_sync
+
+    def __del__(self):
+        self.deployed.unreferenced_forwards.append(self.id)  # atomic: any thread
 
 
 @dataclasses.dataclass
@@ -193,7 +216,9 @@ class _Deployed:
         self.grad_input_ids, self.grad_inputs = [], []  # arguments that require grad
         self.loss_scale = 1.0  # the last training step's seed factor ([Note: scaled seeds])
         # fill-drain: forwards so far, and whether the last one's backward ran
-        self.fill_drain_forwards, self.fill_drain_backward_done = 0, False
+        # fill-drain forwards whose outputs autograd freed ([Note: calls awaiting their
+        # backward] in csrc/runtime/engine.h)
+        self.unreferenced_forwards = collections.deque()
         self.call_sync = True  # whether the last training call summed its gradients
         if rank == 0 and plan_from is None:
             print(deployment.report(), flush=True)
@@ -428,9 +453,8 @@ class _Deployed:
             self.call_sync = self.owner._grad_sync
             self.engine.set_grad_sync(self.call_sync)
         if training and self.fill_drain:
+            self.drop_forwards()
             produced, batch_outputs = self.engine.forward_for_backward(local)
-            self.fill_drain_forwards += 1
-            self.fill_drain_backward_done = False
             return self._outputs(produced, batch_outputs, "fill_drain")
         train = training and self.engine.loss_vid is not None
         if train:
@@ -507,16 +531,23 @@ class _Deployed:
             "bytes any count gives): it may run out of memory. Make the first call the "
             "largest batch and shapes (its plan fits them), or use more devices")
 
-    def backward_from_outputs(self, grads):
-        """Backward of a fill-drain forward: `grads` are the user's gradients of the float
-        outputs (None where unused). As with DistributedDataParallel, the parameter
+    def drop_forwards(self):
+        """Frees the stashes of the fill-drain forwards whose outputs autograd freed."""
+        while self.unreferenced_forwards:
+            self.engine.drop_forward(self.unreferenced_forwards.popleft())
+
+    def backward_from_outputs(self, grads, awaiting: _AwaitingForward):
+        """Backward of the fill-drain forward `awaiting`: `grads` are the user's gradients of
+        its float outputs (None where unused). As with DistributedDataParallel, the parameter
         gradients are averaged over the ranks: a loss that is a mean over each rank's rows
         gives the gradient of the mean over the global batch."""
-        engine, layout = self.engine, self.engine.layout
+        engine = self.engine
+        engine.resume_forward(awaiting.id)  # its batch size, shapes and argument gradients
+        layout = engine.layout
         comm = _C.Communicator.world_cpu()
         world = float(comm.size)
         by_vid = {}
-        for vid, g in zip(self._float_outputs, grads):  # an output returned twice: add
+        for vid, g in zip(awaiting.float_outputs, grads):  # an output returned twice: add
             if g is not None and by_vid.get(vid) is not None:
                 g = by_vid[vid] + g
             by_vid[vid] = g if g is not None else by_vid.get(vid)
@@ -525,7 +556,7 @@ class _Deployed:
                  if vid in batch_ids}
         seeds = engine.scatter_output_grads(batch)
         # Scalars and other whole outputs: every rank's gradient, averaged over the ranks.
-        whole = [vid for vid in dict.fromkeys(self._float_outputs)
+        whole = [vid for vid in dict.fromkeys(awaiting.float_outputs)
                  if vid not in batch_ids and engine.producer_of(vid) >= 0]
         sums = {}
         for vid in whole:
@@ -548,11 +579,12 @@ class _Deployed:
                     # returned from micro-batch 0 of the first replica: its gradient goes there
                     seeds.setdefault(m, {})[vid] = sums[vid].to(dtype)
         engine.backward_from(seeds)
-        self.apply_grads(1.0)
+        self.apply_grads(1.0, engine.take_step_grads(), awaiting.call_sync)
 
-    def apply_grads(self, scale):
-        """.grad += scale * the step's gradient, for this rank's parameters (in C++, with
-        one foreach call each)."""
+    def apply_grads(self, scale, step_grads, call_sync: bool):
+        """.grad += scale * `step_grads` (a training call's gradients, taken from the engine
+        after its backward), for this rank's parameters (in C++, with one foreach call each);
+        `call_sync`: whether that call summed them over the ranks ([Note: unsynced steps])."""
         # loss.backward() seeds 1: nothing to multiply (read only where reading is free; on
         # a GPU the fused multiply is cheaper than a synchronisation)
         unit = not isinstance(scale, torch.Tensor) or scale.device.type == "cpu"
@@ -561,10 +593,10 @@ class _Deployed:
             scale = scale.to(self.owner.device)  # the loss may be on another GPU than the stage
         # [Note: unsynced steps] in csrc/runtime/engine.h: what calls under no_sync() left
         # in .grad is each rank's own share until a summed step comes
-        if self.call_sync and self.owner._held_unsynced:
+        if call_sync and self.owner._held_unsynced:
             self.engine.sync_held_grads()
-        self.owner._held_unsynced = not self.call_sync
-        self.engine.apply_step_grads(None if unit else scale)
+        self.owner._held_unsynced = not call_sync
+        self.engine.apply_step_grads(step_grads, None if unit else scale)
 
     def _outputs(self, produced, batch_outputs, schedule):
         """The user's outputs from what the stages produced; `schedule` says how training

@@ -686,7 +686,7 @@ def test_a_failure_while_tracing_new_shapes_says_so_with_both_shapes():
                                    "num_items_in_batch", "uneven_selection", "late_optimizer",
                                    "rank0_only", "process_group", "compiled", "sync_batch_norm",
                                    "module_state_dict", "forward_hook", "unfreeze",
-                                   "averaged_model", "save_pretrained"])
+                                   "averaged_model", "save_pretrained", "two_calls"])
 def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
     """Ranks with different batch sizes in one call (on every such call), control flow on
     data that differs between ranks, different models, a sequence length for which the
@@ -724,7 +724,13 @@ def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
     PyTorch's copies of the plain model, where evaluation places
     layers on other ranks than training ([Note: copies of a wrapped model]).
     save_pretrained: transformers' model.save_pretrained(dir) on the wrapper, on every rank
-    or rank 0 alone, writes config.json and the whole weights, loaded equal to PyTorch's."""
+    or rank 0 alone, writes config.json and the whole weights, loaded equal to PyTorch's.
+    two_calls: one backward of a loss over two 1F1B calls applies each call's gradients (it
+    applied the second's twice), and a GAN trains as PyTorch: the discriminator's calls on
+    real and fake rows await one backward under fill-drain (was an error), the generator
+    learns through the discriminator's input gradients (was at half its gradient on 2
+    ranks), a forward dropped without a backward frees its stashes ([Note: calls awaiting
+    their backward] in csrc/runtime/engine.h, [Note: input gradients])."""
     res = mpirun("loop_probes.py", 2, probe, timeout=300, env={"RANNC_COMM_TIMEOUT": "60"})
     assert res.returncode == 0, res.stdout[-4000:]
     for r in range(2):

@@ -546,6 +546,90 @@ elif probe == "process_group":
     dist.barrier()
     dist.destroy_process_group()
     print(f"OK rank {rank}", flush=True)
+elif probe == "two_calls":  # [Note: calls awaiting their backward] in csrc/runtime/engine.h
+    import torch.nn.functional as F
+    from rannc.transport import all_gather_objects
+
+    def global_mean(value):  # the ranks' losses over their own rows: the global batch's
+        return sum(all_gather_objects(float(value))) / rannc.get_world_size()
+
+    # 1F1B: one backward of a loss over two calls (two views, R-Drop) applies each call's
+    # gradients (it applied the second call's twice)
+    class Regression(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 16), nn.Linear(16, 1)
+
+        def forward(self, x, y):
+            return F.mse_loss(self.b(torch.tanh(self.a(x))), y)
+
+    torch.manual_seed(0)
+    model = Regression()
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    wrapped = rannc.RaNNCModule(model, opt, num_stages=2, num_microbatches=2)
+    B, world = 4, rannc.get_world_size()
+    mine = slice(rank * B, (rank + 1) * B)
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        x1, y1, x2, y2 = (torch.randn(B * world, k, generator=g) for k in (4, 1, 4, 1))
+        loss = wrapped(x1[mine], y1[mine]) + 0.5 * wrapped(x2[mine], y2[mine])
+        ref_loss = reference(x1, y1) + 0.5 * reference(x2, y2)
+        step_both(loss, ref_loss, opt, ref_opt)
+        same_stage_parameters(model, reference, rtol=1e-5)
+    # fill-drain: a GAN. The discriminator's two calls (real and fake rows) await one
+    # backward; the generator's output reaches it through the discriminator's input
+    # gradients ([Note: input gradients]: its generator trained at half its gradient on 2 ranks)
+    torch.manual_seed(1)
+    gen = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 8))
+    disc = nn.Sequential(nn.Linear(8, 16), nn.LeakyReLU(0.2), nn.Linear(16, 16), nn.LeakyReLU(0.2),
+                         nn.Linear(16, 1))
+    ref_gen, ref_disc = copy.deepcopy(gen), copy.deepcopy(disc)
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (gen, disc, ref_gen, ref_disc)]
+    G = rannc.RaNNCModule(gen, opts[0], num_stages=2, num_microbatches=2)
+    D = rannc.RaNNCModule(disc, opts[1], num_stages=2, num_microbatches=2)
+    bce = F.binary_cross_entropy_with_logits
+    for step in range(3):
+        g = torch.Generator().manual_seed(10 + step)
+        real, z = torch.randn(B * world, 8, generator=g), torch.randn(B * world, 4, generator=g)
+        ones, zeros = torch.ones(B * world, 1), torch.zeros(B * world, 1)
+        fake, ref_fake = G(z[mine]), ref_gen(z)
+        d_loss = bce(D(real[mine]), ones[mine]) + bce(D(fake.detach()), zeros[mine])
+        ref_d_loss = bce(ref_disc(real), ones) + bce(ref_disc(ref_fake.detach()), zeros)
+        for o in opts:
+            o.zero_grad()
+        d_loss.backward()
+        ref_d_loss.backward()
+        opts[1].step()
+        opts[3].step()
+        g_loss, ref_g_loss = bce(D(fake), ones[mine]), bce(ref_disc(ref_fake), ones)
+        opts[0].zero_grad()
+        opts[2].zero_grad()
+        g_loss.backward()
+        ref_g_loss.backward()
+        opts[0].step()
+        opts[2].step()
+        for mine_loss, ref in ((d_loss, ref_d_loss), (g_loss, ref_g_loss)):
+            torch.testing.assert_close(global_mean(mine_loss), ref.item(), rtol=1e-5, atol=1e-6)
+        same_stage_parameters(gen, ref_gen, rtol=1e-4)
+        same_stage_parameters(disc, ref_disc, rtol=1e-4)
+    # a forward whose outputs are dropped without a backward frees its stashes at the next
+    # call; a second backward through the same outputs is PyTorch's error
+    stashed = lambda: D._deployed[True].engine.executor().stashed  # noqa: E731
+    out = D(real[mine])
+    assert stashed() > 0
+    del out
+    kept = D(real[mine])
+    left = stashed()
+    kept.sum().backward(retain_graph=True)
+    assert stashed() == 0 and left > 0, (left, stashed())
+    try:
+        kept.sum().backward()
+        raise AssertionError(f"rank {rank}: a second backward did not fail")
+    except RuntimeError as e:
+        assert "a second time" in str(e), e
+    print(f"OK rank {rank}", flush=True)
 elif probe == "late_optimizer":
     model, args, _ = zoo.make("gpt", batch=4, seed=0)
     zoo.no_dropout(model)

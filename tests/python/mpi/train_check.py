@@ -19,7 +19,9 @@ eval()/no_grad outputs. Exits non-zero on the first mismatch (on every rank).
             batch of an epoch
     --lengths: the sequence length of each step (cycled), e.g. 8,5,12 for dynamic padding
     --input-grad: the floating arguments require grad; their gradients equal the
-            reference's (this rank's rows, or the whole gradient of a tensor without a batch)
+            reference's (this rank's rows times the ranks, as DDP's for a mean loss over the
+            rank's rows, [Note: input gradients] in csrc/runtime/engine.h; or the whole
+            gradient of a tensor without a batch)
     --amp bf16|fp16: both run under torch.autocast("cpu", dtype) (fp16 with loss scaling:
             rannc.GradScaler, the reference torch's), compared within that precision
     --clip NORM: clip_grad_norm(NORM, scaler=...) against PyTorch's unscale_ + clip_grad_norm_
@@ -168,13 +170,14 @@ def outside_loss(out, y):
 
 
 def check_input_grads(mine, ref, step):
-    """Each floating argument's gradient equals the reference's: this rank's rows of it, or
-    all of it for a tensor without a batch dimension."""
+    """Each floating argument's gradient equals the reference's: this rank's rows of it
+    times the ranks, or all of it for a tensor without a batch dimension."""
     checked = 0
     for t, r, is_batch in zip(pytree.tree_leaves(mine), pytree.tree_leaves(ref), batches.batch_leaves):
         if isinstance(t, torch.Tensor) and t.requires_grad:
             assert t.grad is not None, f"rank {rank}: an input's .grad is None at step {step}"
-            close(t.grad, local(r.grad) if is_batch else r.grad, f"input gradient at step {step}")
+            close(t.grad, world * local(r.grad) if is_batch else r.grad,
+                  f"input gradient at step {step}")
             checked += 1
     assert checked, "no argument requires grad"
 
