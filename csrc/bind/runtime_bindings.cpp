@@ -77,7 +77,16 @@ void bindRuntime(py::module& m) {
 
   py::class_<runtime::StepGrads, std::shared_ptr<runtime::StepGrads>>(
       m, "StepGrads", "One training call's gradients of a rank's parameters (engine.take_step_grads())")
-      .def("__len__", [](const runtime::StepGrads& g) { return g.tensors.size(); });
+      .def("__len__", [](const runtime::StepGrads& g) { return g.tensors.size(); })
+      .def("__getitem__", [](const runtime::StepGrads& g, size_t i) { return g.tensors.at(i); },
+           py::arg("i"), "the i-th gradient (engine.own's order)")
+      .def("without",
+           [](const runtime::StepGrads& g, const std::vector<size_t>& left_out) {
+             auto rest = std::make_shared<runtime::StepGrads>(g);
+             for (size_t i : left_out) rest->tensors.at(i) = at::Tensor();
+             return rest;
+           },
+           py::arg("left_out"), "these gradients without the ones at `left_out`, which apply_step_grads leaves out");
 
   using runtime::PipelineEngine;
   py::class_<PipelineEngine>(m, "PipelineEngine", "Runs this rank's stage of a deployment, one step per call.")

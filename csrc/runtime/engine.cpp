@@ -739,15 +739,30 @@ std::shared_ptr<StepGrads> PipelineEngine::takeStepGrads() {
 }
 
 void PipelineEngine::applyStepGrads(const StepGrads& grads, const at::Tensor& scale) {
-  if (own_.empty()) return;
-  RANNC_CHECK(grads.tensors.size() == own_.size(), "step gradients of another engine");
-  addToGrads(scale.defined() ? at::_foreach_mul(grads.tensors, scale) : grads.tensors);
+  auto [params, add] = definedStepGrads(grads);
+  if (add.empty()) return;
+  addToGrads(params, scale.defined() ? at::_foreach_mul(add, scale) : add);
 }
 
 void PipelineEngine::applyStepGrads(const StepGrads& grads, double scale) {
-  if (own_.empty()) return;
+  auto [params, add] = definedStepGrads(grads);
+  if (add.empty()) return;
+  addToGrads(params, scale == 1.0 ? add : at::_foreach_mul(add, at::Scalar(scale)));
+}
+
+std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> PipelineEngine::definedStepGrads(
+    const StepGrads& grads) const {
+  std::vector<at::Tensor> params, add;
+  if (grads.tensors.empty()) return {params, add};  // no parameters here, or no backward
   RANNC_CHECK(grads.tensors.size() == own_.size(), "step gradients of another engine");
-  addToGrads(scale == 1.0 ? grads.tensors : at::_foreach_mul(grads.tensors, at::Scalar(scale)));
+  size_t i = 0;
+  for (const auto& [_, p] : own_) {
+    const at::Tensor& g = grads.tensors[i++];
+    if (!g.defined()) continue;  // taken out (a parameter with hooks, [Note: parameter hooks])
+    params.push_back(p);
+    add.push_back(g);
+  }
+  return {params, add};
 }
 
 void PipelineEngine::syncHeldGrads() {
@@ -764,17 +779,15 @@ void PipelineEngine::syncHeldGrads() {
   }
 }
 
-void PipelineEngine::addToGrads(const std::vector<at::Tensor>& grads) {
+void PipelineEngine::addToGrads(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads) {
   std::vector<at::Tensor> into, add;
-  size_t i = 0;
-  for (const auto& [_, p] : own_) {
-    if (p.grad().defined()) {
-      into.push_back(p.grad());
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (params[i].grad().defined()) {
+      into.push_back(params[i].grad());
       add.push_back(grads[i]);
     } else {
-      p.mutable_grad() = grads[i];
+      params[i].mutable_grad() = grads[i];
     }
-    ++i;
   }
   if (!into.empty()) at::_foreach_add_(into, add);
 }

@@ -39,6 +39,7 @@
 #include <optional>
 #include <set>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -168,7 +169,8 @@ class PipelineEngine {
   // engine's last gradients there applied the second call's twice.
   std::shared_ptr<StepGrads> takeStepGrads();
   // .grad += scale * `grads` for ownParameters() (undefined scale: 1), one foreach call
-  // each (a per-tensor loop cost 0.2 ms per step on a 150-tensor model).
+  // each (a per-tensor loop cost 0.2 ms per step on a 150-tensor model); gradients taken
+  // out of `grads` (undefined) are left to the caller.
   void applyStepGrads(const StepGrads& grads, const at::Tensor& scale);
   void applyStepGrads(const StepGrads& grads, double scale);
   // [Note: unsynced steps] Whether the steps that follow sum their gradients over each
@@ -225,8 +227,10 @@ class PipelineEngine {
   // global batch is cut into several shares of such a loss's stage.
   // Returns the global counts set (undefined: the ops' own means), for resumeForward().
   at::Tensor scaleTokenMeans(const std::map<ir::ValueId, c10::IValue>& local);
-  // .grad += each of `grads` (ownParameters()' order).
-  void addToGrads(const std::vector<at::Tensor>& grads);
+  // The parameters and step gradients of `grads` that were not taken out.
+  std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> definedStepGrads(const StepGrads& grads) const;
+  // params[i].grad += grads[i].
+  void addToGrads(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads);
   // The rows of batch outputs this rank owns, by (micro-batch, value, first row).
   std::vector<const Transfer*> ownedOutputRows() const;
   const StepProgram& programFor(StepMode mode);

@@ -213,6 +213,7 @@ class _Deployed:
         self.last_trained = self  # the variant the last training call ran (its gradients)
         self.unrunnable = {}  # (input shapes, trainable) -> why the plan cannot run them
         self.own = self.engine.own  # the parameters this rank updates
+        self.own_params = list(self.own.values())  # in the engine's order
         self.grad_input_ids, self.grad_inputs = [], []  # arguments that require grad
         self.loss_scale = 1.0  # the last training step's seed factor ([Note: scaled seeds])
         # fill-drain: forwards so far, and whether the last one's backward ran
@@ -454,12 +455,14 @@ class _Deployed:
             self.engine.set_grad_sync(self.call_sync)
         if training and self.fill_drain:
             self.drop_forwards()
-            produced, batch_outputs = self.engine.forward_for_backward(local)
+            with _hooks_held(self.own_params):  # [Note: parameter hooks]
+                produced, batch_outputs = self.engine.forward_for_backward(local)
             return self._outputs(produced, batch_outputs, "fill_drain")
         train = training and self.engine.loss_vid is not None
         if train:
             self.loss_scale = forward_loss_scale()  # [Note: scaled seeds] in amp.py
-            produced, batch_outputs = self.engine.step(local, True, self.loss_scale)
+            with _hooks_held(self.own_params):
+                produced, batch_outputs = self.engine.step(local, True, self.loss_scale)
         else:
             produced, batch_outputs = self.engine.step(local, False)
         return self._outputs(produced, batch_outputs, "1f1b" if train else None)
@@ -578,7 +581,8 @@ class _Deployed:
                 elif m == 0 and engine.copy == 0 and engine.replica == 0:
                     # returned from micro-batch 0 of the first replica: its gradient goes there
                     seeds.setdefault(m, {})[vid] = sums[vid].to(dtype)
-        engine.backward_from(seeds)
+        with _hooks_held(self.own_params):  # [Note: parameter hooks]
+            engine.backward_from(seeds)
         self.apply_grads(1.0, engine.take_step_grads(), awaiting.call_sync)
 
     def apply_grads(self, scale, step_grads, call_sync: bool):
@@ -596,7 +600,15 @@ class _Deployed:
         if call_sync and self.owner._held_unsynced:
             self.engine.sync_held_grads()
         self.owner._held_unsynced = not call_sync
-        self.engine.apply_step_grads(step_grads, None if unit else scale)
+        hooked = _hooked(self.own_params)  # [Note: parameter hooks]
+        if hooked and len(step_grads):
+            rest = step_grads.without(hooked)
+            self.engine.apply_step_grads(rest, None if unit else scale)
+            for i in hooked:
+                _accumulate_with_hooks(self.own_params[i], step_grads[i] if unit
+                                       else step_grads[i] * scale)
+        else:
+            self.engine.apply_step_grads(step_grads, None if unit else scale)
 
     def _outputs(self, produced, batch_outputs, schedule):
         """The user's outputs from what the stages produced; `schedule` says how training
@@ -622,8 +634,7 @@ class _Deployed:
                     comm.all_reduce(total).wait()
                 value = total.to(self.out_device, _dtype(v))
                 if train and vid == engine.loss_vid:
-                    anchor = next(iter(self.own.values()), self.owner._anchor)
-                    value = _ApplyStepGrads.apply(anchor, value, self, *self.grad_inputs)
+                    value = _ApplyStepGrads.apply(self.owner._anchor, value, self, *self.grad_inputs)
                 tensors.append(value)
             else:
                 producer = engine.producer_of(vid)
@@ -633,7 +644,9 @@ class _Deployed:
                 if comm.size > 1:
                     comm.broadcast(buf, root).wait()
                 tensors.append(buf.to(self.out_device))
-        anchor = next(iter(self.own.values()), self.owner._anchor)
+        # a tensor of rannc's that requires grad links the outputs to the step's gradients
+        # (a parameter of the user's would see its hooks called with None, [Note: parameter hooks])
+        anchor = self.owner._anchor
         if schedule == "fill_drain":
             floats = [i for i, t in enumerate(tensors) if t.is_floating_point()]
             self._float_outputs = [ir.outputs[i] for i in floats]
@@ -646,6 +659,53 @@ class _Deployed:
                 if vid != engine.loss_vid and t.is_floating_point():
                     tensors[i] = _NoGradientPath.apply(anchor, t, f"#{i} ({engine.value(vid).name or vid})")
         return self.graph._rebuild_output(tensors)
+
+
+# [Note: parameter hooks] A hook on a parameter (p.register_hook(fn), which the trace
+# error for a module's backward hooks suggests instead, or register_post_accumulate_grad_hook,
+# with which an optimizer steps inside the backward) runs in PyTorch once per backward, on
+# the parameter's whole gradient of it. The stages' backwards reach a parameter once per
+# micro-batch with its share, before the sum over the replicas (and under 1F1B inside the
+# forward call): a hook clamping the gradient clamped each share, one stepping an optimizer
+# stepped on a share, and a hook on a stage's first weight was called with None. So while
+# the engine runs, the hooks of this rank's parameters are held back, and they run where
+# the call's gradient reaches .grad (apply_grads), on the whole of it, once. A replicated
+# parameter's hooks run on each rank that holds it, as under DDP.
+def _hooked(params) -> list[int]:
+    """The positions of `params` that carry hooks of the user's ([Note: parameter hooks])."""
+    return [i for i, p in enumerate(params)
+            if p._backward_hooks or p._post_accumulate_grad_hooks]
+
+
+@contextlib.contextmanager
+def _hooks_held(params):
+    """[Note: parameter hooks] Holds back the hooks of `params` while the engine runs."""
+    held = []
+    for p in params:
+        for hooks in (p._backward_hooks, p._post_accumulate_grad_hooks):
+            if hooks:
+                held.append((hooks, dict(hooks)))
+                hooks.clear()  # torch calls what the dict holds when a gradient comes
+    try:
+        yield
+    finally:
+        for hooks, saved in held:
+            hooks.update(saved)
+
+
+def _accumulate_with_hooks(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """param.grad += grad, as autograd's accumulation does it: through the parameter's
+    hooks first, its post-accumulate hooks after ([Note: parameter hooks])."""
+    for hook in list((param._backward_hooks or {}).values()):
+        changed = hook(grad)
+        if changed is not None:
+            grad = changed
+    if param.grad is None:
+        param.grad = grad
+    else:
+        param.grad += grad
+    for hook in list((param._post_accumulate_grad_hooks or {}).values()):
+        hook(param)
 
 
 def _summed(ir, vid: int, loss_reduction: str) -> bool:

@@ -686,7 +686,8 @@ def test_a_failure_while_tracing_new_shapes_says_so_with_both_shapes():
                                    "num_items_in_batch", "uneven_selection", "late_optimizer",
                                    "rank0_only", "process_group", "compiled", "sync_batch_norm",
                                    "module_state_dict", "forward_hook", "unfreeze",
-                                   "averaged_model", "save_pretrained", "two_calls"])
+                                   "averaged_model", "save_pretrained", "two_calls",
+                                   "param_hooks"])
 def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
     """Ranks with different batch sizes in one call (on every such call), control flow on
     data that differs between ranks, different models, a sequence length for which the
@@ -730,10 +731,14 @@ def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
     real and fake rows await one backward under fill-drain (was an error), the generator
     learns through the discriminator's input gradients (was at half its gradient on 2
     ranks), a forward dropped without a backward frees its stashes ([Note: calls awaiting
-    their backward] in csrc/runtime/engine.h, [Note: input gradients])."""
-    res = mpirun("loop_probes.py", 2, probe, timeout=300, env={"RANNC_COMM_TIMEOUT": "60"})
+    their backward] in csrc/runtime/engine.h, [Note: input gradients]).
+    param_hooks: a parameter's hooks run once per backward on its whole gradient, on 3 ranks
+    with a replicated stage: a clamp (it clamped each micro-batch's share) and a
+    post-accumulate hook ([Note: parameter hooks] in module.py)."""
+    ranks = 3 if probe == "param_hooks" else 2
+    res = mpirun("loop_probes.py", ranks, probe, timeout=300, env={"RANNC_COMM_TIMEOUT": "60"})
     assert res.returncode == 0, res.stdout[-4000:]
-    for r in range(2):
+    for r in range(ranks):
         assert f"OK rank {r}" in res.stdout, res.stdout[-4000:]
     if probe == "late_optimizer":
         assert ("planned for the state of AdamW (adam), built after RaNNCModule over its "

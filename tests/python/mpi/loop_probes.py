@@ -630,6 +630,45 @@ elif probe == "two_calls":  # [Note: calls awaiting their backward] in csrc/runt
     except RuntimeError as e:
         assert "a second time" in str(e), e
     print(f"OK rank {rank}", flush=True)
+elif probe == "param_hooks":  # [Note: parameter hooks] in module.py
+    import torch.nn.functional as F
+
+    class Regression(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 16), nn.Linear(16, 1)
+
+        def forward(self, x, y):
+            return F.mse_loss(self.b(torch.tanh(self.a(x))), y)
+
+    torch.manual_seed(0)
+    model = Regression()
+    reference = copy.deepcopy(model)
+    seen = {"rannc": [], "reference": []}
+    for m, who in ((model, "rannc"), (reference, "reference")):
+        # clamping is not linear: per micro-batch share it clamped each share
+        m.a.weight.register_hook(lambda g: g.clamp(-0.01, 0.01))
+        m.b.weight.register_post_accumulate_grad_hook(
+            lambda p, who=who: seen[who].append(p.grad.detach().clone()))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    wrapped = rannc.RaNNCModule(model, opt, num_stages=2, num_microbatches=2, replicas="2,1")
+    B, world = 4, rannc.get_world_size()
+    mine = slice(rank * B, (rank + 1) * B)
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(B * world, 4, generator=g), torch.randn(B * world, 1, generator=g)
+        step_both(wrapped(x[mine], y[mine]), reference(x, y), opt, ref_opt)
+        same_stage_parameters(model, reference, rtol=1e-5)
+    # the post-accumulate hook ran once per backward where b.weight is trained, on its
+    # whole gradient
+    if model.b.weight.numel():
+        assert len(seen["rannc"]) == 3, len(seen["rannc"])
+        for mine_grad, ref_grad in zip(seen["rannc"], seen["reference"]):
+            torch.testing.assert_close(mine_grad, ref_grad, rtol=1e-5, atol=1e-6)
+    else:
+        assert not seen["rannc"], len(seen["rannc"])
+    print(f"OK rank {rank}", flush=True)
 elif probe == "late_optimizer":
     model, args, _ = zoo.make("gpt", batch=4, seed=0)
     zoo.no_dropout(model)
