@@ -192,10 +192,15 @@ def test_transformers_trainer_on_cuda_equals_one_process(tmp_path, ranks, stages
     run_trainer_check(tmp_path, ranks, stages, ["--cuda", *flags])
 
 
-def test_a_ddp_script_on_cuda():
-    """rannc.init_process_group on two ranks sharing the GPU (gloo: NCCL runs one rank per
-    GPU) reduces CUDA tensors, the current device is the stages', `wrapped.cuda()` moves
-    nothing before the first call, and training equals PyTorch (loop_probes process_group)."""
-    res = mpirun("loop_probes.py", 2, "process_group", timeout=300,
+@pytest.mark.parametrize("probe,ranks", [("process_group", 2), ("two_calls", 2),
+                                         ("param_hooks", 3)])
+def test_training_loop_probes_on_cuda(probe, ranks):
+    """tests/python/mpi/loop_probes.py with the stages on the GPU (ranks sharing it).
+    process_group: rannc.init_process_group (gloo: NCCL runs one rank per GPU) reduces CUDA
+    tensors, the current device is the stages', `wrapped.cuda()` moves nothing before the
+    first call. two_calls: a loss over two calls and a GAN ([Note: calls awaiting their
+    backward]; autograd may free a graph on its device thread). param_hooks: a parameter's
+    hooks run once per backward ([Note: parameter hooks]). Each trains equal to PyTorch."""
+    res = mpirun("loop_probes.py", ranks, probe, timeout=300,
                  env={"RANNC_DEVICE": "cuda", "RANNC_COMM_TIMEOUT": "60"})
-    _ok(res, 2)
+    _ok(res, ranks)
