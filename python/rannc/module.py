@@ -44,10 +44,10 @@ class _ApplyStepGrads(torch.autograd.Function):
     (of this rank's parameters, and of the `inputs` that require grad)."""
 
     @staticmethod
-    def forward(ctx, anchor, loss, deployed, *inputs):
+    def forward(ctx, anchor, loss, deployed, step_grads, *inputs):
         ctx.deployed = deployed
         # this call's own ([Note: calls awaiting their backward] in csrc/runtime/engine.h)
-        ctx.step_grads, ctx.call_sync = deployed.engine.take_step_grads(), deployed.call_sync
+        ctx.step_grads, ctx.call_sync = step_grads, deployed.call_sync
         grads = deployed.engine.input_grads if deployed.grad_input_ids else {}
         ctx.input_grads = [grads[vid] for vid in deployed.grad_input_ids]
         ctx.input_devices = [x.device for x in inputs]  # deployed.grad_inputs, in order
@@ -61,7 +61,7 @@ class _ApplyStepGrads(torch.autograd.Function):
             grad = grad / ctx.loss_scale
         ctx.deployed.apply_grads(grad, ctx.step_grads, ctx.call_sync)
         # each input's gradient on that input's device (the stage's GPU may be another)
-        return (None, None, None) + tuple((grad.to(g.device) * g).to(d)
+        return (None, None, None, None) + tuple((grad.to(g.device) * g).to(d)
                                           for g, d in zip(ctx.input_grads, ctx.input_devices))
 
 
@@ -615,6 +615,7 @@ class _Deployed:
         went (None: no training, "1f1b": seeded by the loss, "fill_drain": gradients of the
         outputs come from outside)."""
         train = schedule == "1f1b"
+        step_grads = self.engine.take_step_grads() if train else None  # once: a loss returned twice
         comm = _C.Communicator.world_cpu()
         ir, layout, engine = self.graph.ir, self.engine.layout, self.engine
         tensors = []
@@ -634,7 +635,8 @@ class _Deployed:
                     comm.all_reduce(total).wait()
                 value = total.to(self.out_device, _dtype(v))
                 if train and vid == engine.loss_vid:
-                    value = _ApplyStepGrads.apply(self.owner._anchor, value, self, *self.grad_inputs)
+                    value = _ApplyStepGrads.apply(self.owner._anchor, value, self, step_grads,
+                                                  *self.grad_inputs)
                 tensors.append(value)
             else:
                 producer = engine.producer_of(vid)

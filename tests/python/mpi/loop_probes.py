@@ -578,6 +578,23 @@ elif probe == "two_calls":  # [Note: calls awaiting their backward] in csrc/runt
         ref_loss = reference(x1, y1) + 0.5 * reference(x2, y2)
         step_both(loss, ref_loss, opt, ref_opt)
         same_stage_parameters(model, reference, rtol=1e-5)
+    # the loss returned twice: one backward through both applies the call's gradients twice
+    class Twice(Regression):
+        def forward(self, x, y):
+            loss = super().forward(x, y)
+            return loss, {"again": loss}
+
+    torch.manual_seed(0)
+    model = Twice()
+    reference = copy.deepcopy(model)
+    wrapped = rannc.RaNNCModule(model, num_stages=2, num_microbatches=2)
+    out, ref_out = wrapped(x1[mine], y1[mine]), reference(x1, y1)
+    (out[0] + 0.5 * out[1]["again"]).backward()
+    (ref_out[0] + 0.5 * ref_out[1]["again"]).backward()
+    ref_grads = dict(reference.named_parameters())
+    for n, p in model.named_parameters():
+        if p.numel():
+            torch.testing.assert_close(p.grad, ref_grads[n].grad, rtol=1e-5, atol=1e-7)
     # fill-drain: a GAN. The discriminator's two calls (real and fake rows) await one
     # backward; the generator's output reaches it through the discriminator's input
     # gradients ([Note: input gradients]: its generator trained at half its gradient on 2 ranks)
