@@ -87,6 +87,17 @@ zoo.full_fp32()  # tests/gpu runs some probes with stages on the GPU, against th
 probe = sys.argv[1]
 
 
+class Regression(nn.Module):
+    """Two layers with the loss inside: the probes' small model."""
+
+    def __init__(self, hidden=16):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, hidden), nn.Linear(hidden, 1)
+
+    def forward(self, x, y):
+        return nn.functional.mse_loss(self.b(torch.tanh(self.a(x))), y)
+
+
 def expect_error(call, *fragments):
     try:
         call()
@@ -502,16 +513,8 @@ elif probe == "process_group":
     dist.all_reduce(total)
     assert total.item() == 3.0, total
 
-    class Regression(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 1)
-
-        def forward(self, x, y):
-            return F.mse_loss(self.b(torch.tanh(self.a(x))), y)
-
     torch.manual_seed(0)
-    model = Regression()
+    model = Regression(hidden=8)
     reference = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
@@ -555,14 +558,6 @@ elif probe == "two_calls":  # [Note: calls awaiting their backward] in csrc/runt
 
     # 1F1B: one backward of a loss over two calls (two views, R-Drop) applies each call's
     # gradients (it applied the second call's twice)
-    class Regression(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a, self.b = nn.Linear(4, 16), nn.Linear(16, 1)
-
-        def forward(self, x, y):
-            return F.mse_loss(self.b(torch.tanh(self.a(x))), y)
-
     torch.manual_seed(0)
     model = Regression()
     reference = copy.deepcopy(model)
@@ -649,14 +644,6 @@ elif probe == "two_calls":  # [Note: calls awaiting their backward] in csrc/runt
     print(f"OK rank {rank}", flush=True)
 elif probe == "param_hooks":  # [Note: parameter hooks] in module.py
     import torch.nn.functional as F
-
-    class Regression(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a, self.b = nn.Linear(4, 16), nn.Linear(16, 1)
-
-        def forward(self, x, y):
-            return F.mse_loss(self.b(torch.tanh(self.a(x))), y)
 
     torch.manual_seed(0)
     model = Regression()
