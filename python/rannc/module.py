@@ -759,13 +759,13 @@ def _shapes_differ(signatures, example, shapes) -> Exception:
         "padding=\"max_length\")")
 
 
-def _model_signature(model) -> inspect.Signature:
-    """The signature of the model's forward; of the base model's for a PEFT model, whose own
-    forward takes *args, **kwargs (as Trainer inspects a PeftModel)."""
+def _inspected_model(model) -> torch.nn.Module:
+    """The model callers inspect: the base model of a PEFT model, whose own forward takes
+    *args, **kwargs (as Trainer inspects a PeftModel), else the model."""
     base = getattr(model, "get_base_model", None)
     if callable(base) and type(model).__module__.startswith("peft."):
-        return inspect.signature(base().forward)
-    return inspect.signature(model.forward)
+        return base()
+    return model
 
 
 def _checkpointing_on(model) -> bool:
@@ -776,15 +776,18 @@ def _checkpointing_on(model) -> bool:
     return bool(on)
 
 
-def _with_forward_signature(cls: type, signature: inspect.Signature) -> type:
-    """A subclass of `cls` of the same name whose forward shows `signature` (the wrapped
-    model's), for callers that inspect the class rather than the instance."""
+def _with_forward_signature(cls: type, signature: inspect.Signature, model: str) -> type:
+    """A subclass of `cls` whose forward shows `signature` (the wrapped model's), for callers
+    that inspect the class rather than the instance: transformers' find_labels reads the
+    labels from its forward and, for a model whose class name says QuestionAnswering, takes
+    start_positions and end_positions too. So its name is "RaNNCModule[<the model's
+    class>]" (its qualified name, which its repr shows, stays RaNNCModule)."""
     def forward(self, *args, **kwargs):
         return cls.forward(self, *args, **kwargs)
 
     forward.__signature__ = signature
-    return type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__,
-                                       "__qualname__": cls.__qualname__})
+    return type(f"{cls.__name__}[{model}]", (cls,),
+                {"forward": forward, "__module__": cls.__module__, "__qualname__": cls.__qualname__})
 
 
 def _scalars_differ(signatures, scalars) -> Exception:
@@ -894,10 +897,11 @@ class RaNNCModule(torch.nn.Module):
         # torch.compile(RaNNCModule(...)): dynamo leaves the call to rannc's stages instead of
         # tracing through the runtime ([Note: compiled models] in _trace.py)
         forward = functools.partial(torch.compiler.disable(type(self).forward), self)
-        forward.__signature__ = _model_signature(model)
+        forward.__signature__ = inspect.signature(_inspected_model(model).forward)
         self.forward = forward
         # Trainer reads the label names from the class's forward (transformers' find_labels)
-        self.__class__ = _with_forward_signature(type(self), forward.__signature__)
+        self.__class__ = _with_forward_signature(type(self), forward.__signature__,
+                                                 type(_inspected_model(model)).__name__)
         clipping.warn_early_imports()
         self._recompute_given = "recompute" in options or "RANNC_RECOMPUTE" in os.environ
         if _checkpointing_on(model):

@@ -455,7 +455,8 @@ print("signature", inspect.signature(module.forward), inspect.signature(model.fo
 
 def test_the_class_shows_the_signature_and_checkpointing_requests_recompute():
     """transformers' find_labels reads the class's forward: each RaNNCModule's class shows
-    its model's signature. A model wrapped with its gradient checkpointing on plans every
+    its model's signature, and its name the model's (question answering: the start and
+    end positions are labels). A model wrapped with its gradient checkpointing on plans every
     stage recomputed (traced, the checkpoints were plain ops keeping every activation),
     trained equal to PyTorch; an explicit recompute option wins; a request after the first
     training call, which planned the stages, is an error saying when to make it ([Note:
@@ -468,8 +469,14 @@ reference = copy.deepcopy(model)
 model.gradient_checkpointing_enable()
 model.enable_input_require_grads()  # as PEFT does: a forward hook rannc need not warn of
 module = rannc.RaNNCModule(model, torch.optim.SGD(model.parameters(), lr=0.1))
-assert isinstance(module, rannc.RaNNCModule) and type(module).__name__ == "RaNNCModule"
+assert isinstance(module, rannc.RaNNCModule) and repr(type(module)) == "<class 'rannc.module.RaNNCModule'>"
+assert type(module).__name__ == "RaNNCModule[GPT2LMHeadModel]", type(module).__name__
 print("labels", find_labels(type(module)))
+# a question-answering model's labels by its class name, as for the model itself
+import transformers as tf
+qa = tf.BertForQuestionAnswering(tf.BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1,
+                                               num_attention_heads=2, intermediate_size=32))
+print("qa labels", find_labels(type(rannc.RaNNCModule(qa))), find_labels(type(qa)))
 loss = module(**kwargs).loss
 torch.testing.assert_close(loss, reference(**kwargs).loss)
 print("recompute", [s.recompute for s in module._deployed[True].deployment.stages])
@@ -484,6 +491,8 @@ except rannc.Error as e:
 """)
     assert res.returncode == 0, res.stdout + res.stderr[-3000:]
     assert "labels ['labels']" in res.stdout, res.stdout
+    assert ("qa labels ['start_positions', 'end_positions'] ['start_positions', 'end_positions']"
+            in res.stdout), res.stdout
     assert "recompute [True]" in res.stdout, res.stdout
     assert "forward hooks" not in res.stdout + res.stderr, res.stderr[-3000:]
     assert ("late: activation checkpointing was enabled after the first training call, which "
