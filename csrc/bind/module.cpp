@@ -299,7 +299,6 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("output_ids", &runtime::StageExecutor::outputIds)
       .def_property_readonly("stashed", &runtime::StageExecutor::stashed)
       .def("set_no_grad_inputs", &runtime::StageExecutor::setNoGradInputs, py::arg("ids"))
-      .def("discard", [](runtime::StageExecutor& s) { s.discard(); })
       .def("forward",
            [](runtime::StageExecutor& s, int64_t mb, const py::list& inputs, bool keep, bool recompute) {
              auto ins = fromPython(inputs);

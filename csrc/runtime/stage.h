@@ -59,13 +59,8 @@ class StageExecutor {
   // not require grad. The others that are floating become leaves that require grad.
   void setNoGradInputs(std::vector<ir::ValueId> ids);
 
-  // Drops every stash (a forward whose backward will not come: the user ran a training
-  // forward without backpropagating).
-  void discard() {
-    stash_.clear();
-    pending_weights_.clear();
-  }
-  // Drops the stashes of the micro-batch keys in [from, to).
+  // Drops the stashes of the micro-batch keys in [from, to): a forward whose backward will
+  // not come ([Note: calls awaiting their backward] in engine.h).
   void discard(int64_t from, int64_t to) {
     std::erase_if(stash_, [&](const auto& kv) { return kv.first >= from && kv.first < to; });
     std::erase_if(pending_weights_, [&](const auto& kv) { return kv.first >= from && kv.first < to; });

@@ -216,7 +216,6 @@ class _Deployed:
         self.own_params = list(self.own.values())  # in the engine's order
         self.grad_input_ids, self.grad_inputs = [], []  # arguments that require grad
         self.loss_scale = 1.0  # the last training step's seed factor ([Note: scaled seeds])
-        # fill-drain: forwards so far, and whether the last one's backward ran
         # fill-drain forwards whose outputs autograd freed ([Note: calls awaiting their
         # backward] in csrc/runtime/engine.h)
         self.unreferenced_forwards = collections.deque()
