@@ -86,7 +86,15 @@ void bindRuntime(py::module& m) {
              for (size_t i : left_out) rest->tensors.at(i) = at::Tensor();
              return rest;
            },
-           py::arg("left_out"), "these gradients without the ones at `left_out`, which apply_step_grads leaves out");
+           py::arg("left_out"), "these gradients without the ones at `left_out`, which apply_step_grads leaves out")
+      .def("cloned",
+           [](const runtime::StepGrads& g) {
+             auto copy = std::make_shared<runtime::StepGrads>();
+             for (const at::Tensor& t : g.tensors) copy->tensors.push_back(t.defined() ? t.clone() : t);
+             return copy;
+           },
+           "a copy of each gradient ([Note: retained graphs] in engine.h: applied again later, "
+           "they must not be what .grad holds)");
 
   using runtime::PipelineEngine;
   py::class_<PipelineEngine>(m, "PipelineEngine", "Runs this rank's stage of a deployment, one step per call.")
@@ -162,7 +170,7 @@ void bindRuntime(py::module& m) {
       .def("resume_forward", &PipelineEngine::resumeForward, py::arg("id"))
       .def("drop_forward", &PipelineEngine::dropForward, py::arg("id"))
       .def("backward_from",
-           [](PipelineEngine& e, const py::dict& seeds) {
+           [](PipelineEngine& e, const py::dict& seeds, bool retain) {
              runtime::Seeds s;
              for (const auto& [m, table] : seeds) {
                for (const auto& [vid, v] : py::cast<py::dict>(table)) {
@@ -176,9 +184,9 @@ void bindRuntime(py::module& m) {
                }
              }
              py::gil_scoped_release release;
-             e.backwardFrom(std::move(s));
+             e.backwardFrom(std::move(s), retain);
            },
-           py::arg("seeds"))
+           py::arg("seeds"), py::arg("retain") = false)
       .def("scatter_output_grads",
            [](PipelineEngine& e, const std::map<ir::ValueId, std::optional<at::Tensor>>& grads) {
              std::map<ir::ValueId, at::Tensor> g;

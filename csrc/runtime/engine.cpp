@@ -314,16 +314,22 @@ void PipelineEngine::resumeForward(int64_t id) {
   stash_base_ = id * kStashKeys;
 }
 
-void PipelineEngine::backwardFrom(Seeds seeds) {
+void PipelineEngine::backwardFrom(Seeds seeds, bool retain) {
   RANNC_CHECK(awaiting_.count(resumed_), "forward " << resumed_ << " awaits no backward");
   seeds_ = std::move(seeds);
-  awaiting_.erase(resumed_);  // its stashes are consumed, or dropped if the backward fails
+  // its stashes are consumed (kept with `retain`: [Note: retained graphs]), or dropped if
+  // the backward fails
+  if (!retain) awaiting_.erase(resumed_);
+  retain_stashes_ = retain;
   try {
     execute(programFor(StepMode::FillDrainBackward), nullptr, true);
   } catch (...) {
+    retain_stashes_ = false;
+    awaiting_.erase(resumed_);
     for (Chunk& c : chunks_) c.executor->discard(stash_base_, stash_base_ + kStashKeys);
     throw;
   }
+  retain_stashes_ = false;
 }
 
 void PipelineEngine::dropForward(int64_t id) {
@@ -633,7 +639,7 @@ StepOutputs PipelineEngine::execute(const StepProgram& program,
         const auto share = shareScope(chunks_[a.chunk].place, a.micro_batch);  // recomputation
         const int64_t key = stash_base_ + a.micro_batch;
         input_grads_of_[{a.chunk, a.micro_batch}] = a.kind == StepActionKind::Backward
-                                                        ? executor.backward(key, grads)
+                                                        ? executor.backward(key, grads, retain_stashes_)
                                                         : executor.backwardInput(key, grads);
         times_.backward += since(t0);
         break;

@@ -152,8 +152,16 @@ class PipelineEngine {
   // size, output shapes and argument gradients. Every rank resumes the same forwards in
   // the same order (autograd's, the same on every rank).
   void resumeForward(int64_t id);
-  // The backwards of the forward resumeForward() named (else the last one).
-  void backwardFrom(Seeds seeds);
+  // The backwards of the forward resumeForward() named (else the last one). With `retain`
+  // its stashes stay for another backward of it.
+  // [Note: retained graphs] PyTorch runs a graph's backward again after
+  // backward(retain_graph=True): a multi-task loop's l1.backward(retain_graph=True) then
+  // l2.backward() through one forward's outputs, each adding its gradients to .grad. A
+  // fill-drain forward's outputs then keep their stashes (and the stages' autograd graphs)
+  // for the next backward, which computes afresh; and a 1F1B call's step gradients, which
+  // its loss's backward adds again each time, reach .grad as a copy, never aliased, so that
+  // the first addition's .grad is not the tensor the second one adds.
+  void backwardFrom(Seeds seeds, bool retain = false);
   // Frees forward `id`'s stashes: its outputs are gone without a backward (local, no
   // communication).
   void dropForward(int64_t id);
@@ -290,6 +298,7 @@ class PipelineEngine {
   static constexpr int64_t kStashKeys = 1 << 20;  // micro-batch keys per forward
   std::map<int64_t, AwaitingForward> awaiting_;
   int64_t last_forward_ = 0, resumed_ = 0;
+  bool retain_stashes_ = false;  // backwardFrom(..., retain): the stages keep their stashes
   int64_t stash_base_ = 0;  // added to the micro-batch for the executors' stash keys
 
   // per step

@@ -122,13 +122,13 @@ std::vector<c10::IValue> StageExecutor::forward(int64_t mb, const std::vector<c1
 
 StageExecutor::Stash StageExecutor::takeForBackward(int64_t mb, const std::vector<at::Tensor>& output_grads,
                                                     std::vector<at::Tensor>& roots,
-                                                    std::vector<at::Tensor>& grads) {
+                                                    std::vector<at::Tensor>& grads, bool retain) {
   auto it = stash_.find(mb);
   if (it == stash_.end()) {
     throw Error("backward of micro-batch " + std::to_string(mb) + " without a stashed forward");
   }
-  Stash stash = std::move(it->second);
-  stash_.erase(it);
+  Stash stash = retain ? it->second : std::move(it->second);
+  if (!retain) stash_.erase(it);
   if (output_grads.size() != piece_.outputs.size()) {
     throw Error("stage backward takes " + std::to_string(piece_.outputs.size()) +
                 " output gradients, got " + std::to_string(output_grads.size()));
@@ -159,16 +159,23 @@ StageExecutor::Stash StageExecutor::takeForBackward(int64_t mb, const std::vecto
   return stash;
 }
 
-std::vector<at::Tensor> StageExecutor::backward(int64_t mb, const std::vector<at::Tensor>& output_grads) {
+std::vector<at::Tensor> StageExecutor::backward(int64_t mb, const std::vector<at::Tensor>& output_grads,
+                                                bool retain) {
   std::vector<at::Tensor> roots, grads;
-  Stash stash = takeForBackward(mb, output_grads, roots, grads);
+  Stash stash = takeForBackward(mb, output_grads, roots, grads, retain);
   if (!roots.empty()) {
-    torch::autograd::backward(roots, grads, /*retain_graph=*/false, /*create_graph=*/false);
+    torch::autograd::backward(roots, grads, /*retain_graph=*/retain && !stash.recompute,
+                              /*create_graph=*/false);
   }
   std::vector<at::Tensor> input_grads;
   for (const auto& v : stash.inputs) {
-    input_grads.push_back(v.isTensor() && v.toTensor().requires_grad() ? v.toTensor().grad()
-                                                                      : at::Tensor());
+    if (!v.isTensor() || !v.toTensor().requires_grad()) {
+      input_grads.emplace_back();
+      continue;
+    }
+    at::Tensor leaf = v.toTensor();
+    input_grads.push_back(leaf.grad());
+    if (retain) leaf.mutable_grad().reset();  // the stashed leaf's next backward starts afresh
   }
   return input_grads;
 }

@@ -45,8 +45,11 @@ class StageExecutor {
 
   // Backpropagates the gradients of this piece's outputs (undefined tensors for outputs
   // without one) for micro-batch `mb`, accumulating into the state tensors' .grad, and
-  // returns the gradients of inputIds() (undefined where none flows).
-  std::vector<at::Tensor> backward(int64_t mb, const std::vector<at::Tensor>& output_grads);
+  // returns the gradients of inputIds() (undefined where none flows). With `retain`, the
+  // stash stays for another backward of the same micro-batch (the user's
+  // backward(retain_graph=True), [Note: retained graphs] in engine.h).
+  std::vector<at::Tensor> backward(int64_t mb, const std::vector<at::Tensor>& output_grads,
+                                   bool retain = false);
 
   // The backward in two parts ([Note: split backward] in frontend/split_backward.h):
   // backwardInput computes only the gradients of inputIds() (what the previous stage waits
@@ -80,10 +83,11 @@ class StageExecutor {
   // The generator that dropout on this stage's device draws from.
   at::Generator generator() const;
 
-  // Takes micro-batch `mb`'s stash, recomputing its graph if needed; fills the outputs
-  // that get a gradient (`roots`) and their gradients.
+  // Takes micro-batch `mb`'s stash (with `retain`, a copy, leaving it stashed), recomputing
+  // its graph if needed; fills the outputs that get a gradient (`roots`) and their gradients.
   Stash takeForBackward(int64_t mb, const std::vector<at::Tensor>& output_grads,
-                        std::vector<at::Tensor>& roots, std::vector<at::Tensor>& grads);
+                        std::vector<at::Tensor>& roots, std::vector<at::Tensor>& grads,
+                        bool retain = false);
 
   std::vector<c10::IValue> run(const std::vector<c10::IValue>& inputs);
   std::vector<c10::IValue> leaves(const std::vector<c10::IValue>& inputs) const;

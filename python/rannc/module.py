@@ -59,10 +59,20 @@ class _ApplyStepGrads(torch.autograd.Function):
         # the step's gradients were seeded with the loss scale ([Note: scaled seeds])
         if ctx.loss_scale != 1.0:
             grad = grad / ctx.loss_scale
-        ctx.deployed.apply_grads(grad, ctx.step_grads, ctx.call_sync)
+        # applied again by a later backward of a retained graph: .grad gets a copy
+        # ([Note: retained graphs] in csrc/runtime/engine.h)
+        step_grads = ctx.step_grads.cloned() if _graph_retained() else ctx.step_grads
+        ctx.deployed.apply_grads(grad, step_grads, ctx.call_sync)
         # each input's gradient on that input's device (the stage's GPU may be another)
         return (None, None, None, None) + tuple((grad.to(g.device) * g).to(d)
                                           for g, d in zip(ctx.input_grads, ctx.input_devices))
+
+
+def _graph_retained() -> bool:
+    """Whether the backward running now was called with retain_graph=True (its graph may
+    run again)."""
+    keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return bool(keep_graph and keep_graph())
 
 
 class _NoGradientPath(torch.autograd.Function):
@@ -112,7 +122,9 @@ class _FillDrainOutputs(torch.autograd.Function):
                 "them, and one backward takes the gradients of all its outputs. Make one loss "
                 "of the outputs you need and call backward once per forward.")
         with _autocast_off():  # a backward called under autocast: the casts are traced
-            deployed.backward_from_outputs(grads, awaiting)
+            # backward(retain_graph=True): the stashes stay for the next one ([Note:
+            # retained graphs] in csrc/runtime/engine.h)
+            deployed.backward_from_outputs(grads, awaiting, retain=_graph_retained())
         like = next((g for g in grads if g is not None), None)
         computed = deployed.engine.input_grads
         input_grads = tuple(computed[vid].to(like.device if like is not None else awaiting.out_device)
@@ -538,11 +550,12 @@ class _Deployed:
         while self.unreferenced_forwards:
             self.engine.drop_forward(self.unreferenced_forwards.popleft())
 
-    def backward_from_outputs(self, grads, awaiting: _AwaitingForward):
+    def backward_from_outputs(self, grads, awaiting: _AwaitingForward, retain: bool = False):
         """Backward of the fill-drain forward `awaiting`: `grads` are the user's gradients of
         its float outputs (None where unused). As with DistributedDataParallel, the parameter
         gradients are averaged over the ranks: a loss that is a mean over each rank's rows
-        gives the gradient of the mean over the global batch."""
+        gives the gradient of the mean over the global batch. `retain`: the forward's
+        stashes stay for another backward (backward(retain_graph=True))."""
         engine = self.engine
         engine.resume_forward(awaiting.id)  # its batch size, shapes and argument gradients
         layout = engine.layout
@@ -581,7 +594,7 @@ class _Deployed:
                     # returned from micro-batch 0 of the first replica: its gradient goes there
                     seeds.setdefault(m, {})[vid] = sums[vid].to(dtype)
         with _hooks_held(self.own_params):  # [Note: parameter hooks]
-            engine.backward_from(seeds)
+            engine.backward_from(seeds, retain)
         self.apply_grads(1.0, engine.take_step_grads(), awaiting.call_sync)
 
     def apply_grads(self, scale, step_grads, call_sync: bool):

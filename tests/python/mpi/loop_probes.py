@@ -64,6 +64,11 @@ behaviour and prints "OK rank r", or fails the way the test expects.
                                        the plain model, with layers
                                        evaluated on other ranks than they train on ([Note:
                                        copies of a wrapped model])
+    loop_probes.py retained_graph      backward(retain_graph=True) and another backward through
+                                       the same outputs: 1F1B's loss three times, and a
+                                       multi-task loop's two heads under fill-drain (with
+                                       and without recomputation): each adds its gradients,
+                                       as in PyTorch
     loop_probes.py save_pretrained     transformers' model.save_pretrained(dir) on the wrapper,
                                        on every rank and on rank 0 alone: config.json and the
                                        whole trained weights, which from_pretrained loads
@@ -634,13 +639,75 @@ elif probe == "two_calls":  # [Note: calls awaiting their backward] in csrc/runt
     del out
     kept = D(real[mine])
     left = stashed()
-    kept.sum().backward(retain_graph=True)
+    kept.sum().backward()
     assert stashed() == 0 and left > 0, (left, stashed())
     try:
         kept.sum().backward()
         raise AssertionError(f"rank {rank}: a second backward did not fail")
     except RuntimeError as e:
         assert "a second time" in str(e), e
+    print(f"OK rank {rank}", flush=True)
+elif probe == "retained_graph":  # [Note: retained graphs] in csrc/runtime/engine.h
+    B, world = 4, rannc.get_world_size()
+    mine = slice(rank * B, (rank + 1) * B)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(B * world, 4, generator=g), torch.randn(B * world, 1, generator=g)
+
+    def same_grads(model, reference, what):
+        ref = dict(reference.named_parameters())
+        for n, p in model.named_parameters():
+            if p.numel():
+                torch.testing.assert_close(p.grad, ref[n].grad, rtol=1e-5, atol=1e-7,
+                                           msg=lambda m: f"{what}, {n}: {m}")
+
+    # 1F1B: the loss's backward three times adds the call's gradients three times (the
+    # first addition aliased them into .grad, and the third added 4 of them)
+    torch.manual_seed(0)
+    model = Regression()
+    reference = copy.deepcopy(model)
+    wrapped = rannc.RaNNCModule(model, num_stages=2, num_microbatches=2)
+    loss, ref_loss = wrapped(x[mine], y[mine]), reference(x, y)
+    for k in range(3):
+        loss.backward(retain_graph=k < 2)
+        ref_loss.backward(retain_graph=k < 2)
+        same_grads(model, reference, f"1f1b, backward {k}")
+    # fill-drain: a multi-task loop's l1.backward(retain_graph=True), l2.backward() through
+    # one forward's outputs (was an error), with and without recomputation, an input
+    # that takes a gradient, SGD steps between
+    for recompute in ("never", "always"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                              nn.Linear(16, 1))
+        reference = copy.deepcopy(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+        wrapped = rannc.RaNNCModule(model, opt, num_stages=2, num_microbatches=2,
+                                    schedule="fill_drain", recompute=recompute)
+        stashed = lambda: wrapped._deployed[True].engine.executor().stashed  # noqa: E731
+        for step in range(2):
+            xs, ref_x = x[mine].clone().requires_grad_(), x.clone().requires_grad_()
+            out, ref_out = wrapped(xs), reference(ref_x)
+            heads = [lambda o, t: (o - t).pow(2).mean(), lambda o, t: (o - t).abs().mean()]
+            held = stashed()
+            heads[0](out, y[mine]).backward(retain_graph=True)
+            heads[0](ref_out, y).backward(retain_graph=True)
+            assert stashed() == held > 0, (held, stashed())
+            same_grads(model, reference, f"{recompute}, step {step}, first head")
+            heads[1](out, y[mine]).backward()
+            heads[1](ref_out, y).backward()
+            assert stashed() == 0, stashed()
+            same_grads(model, reference, f"{recompute}, step {step}, both heads")
+            # [Note: input gradients]: a batch argument's is world times its rows of the global one
+            torch.testing.assert_close(xs.grad, world * ref_x.grad[mine], rtol=1e-5, atol=1e-7)
+            for o in (opt, ref_opt):
+                o.step()
+                o.zero_grad()
+            same_stage_parameters(model, reference, rtol=1e-5)
+        try:
+            out.sum().backward()
+            raise AssertionError(f"rank {rank}: a backward after the last did not fail")
+        except RuntimeError as e:
+            assert "a second time" in str(e), e
     print(f"OK rank {rank}", flush=True)
 elif probe == "param_hooks":  # [Note: parameter hooks] in module.py
     import torch.nn.functional as F
