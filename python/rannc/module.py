@@ -56,16 +56,46 @@ class _ApplyStepGrads(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        _refuse_second_order()
         # the step's gradients were seeded with the loss scale ([Note: scaled seeds])
         if ctx.loss_scale != 1.0:
             grad = grad / ctx.loss_scale
-        # applied again by a later backward of a retained graph: .grad gets a copy
-        # ([Note: retained graphs] in csrc/runtime/engine.h)
-        step_grads = ctx.step_grads.cloned() if _graph_retained() else ctx.step_grads
-        ctx.deployed.apply_grads(grad, step_grads, ctx.call_sync)
+        if _accumulates_into_parameters(ctx.deployed):  # [Note: gradients without .grad]
+            # applied again by a later backward of a retained graph: .grad gets a copy
+            # ([Note: retained graphs] in csrc/runtime/engine.h)
+            step_grads = ctx.step_grads.cloned() if _graph_retained() else ctx.step_grads
+            ctx.deployed.apply_grads(grad, step_grads, ctx.call_sync)
         # each input's gradient on that input's device (the stage's GPU may be another)
         return (None, None, None, None) + tuple((grad.to(g.device) * g).to(d)
                                           for g, d in zip(ctx.input_grads, ctx.input_devices))
+
+
+# [Note: gradients without .grad] torch.autograd.grad(loss, x) (an adversarial example's
+# input gradient: FGSM, PGD, or a saliency map) and loss.backward(inputs=[x]) leave the
+# parameters' .grad alone in PyTorch: only the gradients asked for are computed. A call's
+# step gradients reach .grad in the backward of its outputs, so that backward adds them
+# only where autograd accumulates into the leaves it did not name: where the module's
+# anchor, a leaf of every call's outputs, will be reached. (Before session 29 an
+# adversarial training step added the clean batch's gradients to the adversarial one's.)
+# The parameters themselves are not in the outputs' graph (the stages hold their own), so
+# torch.autograd.grad(loss, model.parameters()) is PyTorch's error for unused tensors;
+# and a gradient of a gradient (create_graph=True: a gradient penalty, a Hessian-vector
+# product) is refused: the stages' backwards are not differentiable here.
+def _accumulates_into_parameters(deployed: "_Deployed") -> bool:
+    """Whether the backward running now accumulates into the parameters' .grad (a
+    backward() of everything: yes; torch.autograd.grad or backward(inputs=...): no)."""
+    anchor = torch.autograd.graph.get_gradient_edge(deployed.owner._anchor)
+    return torch._C._will_engine_execute_node(anchor.node)
+
+
+def _refuse_second_order():
+    if torch.is_grad_enabled():  # a backward with create_graph=True runs with grad mode on
+        raise _C.Error(
+            "a gradient of a gradient through a RaNNCModule (torch.autograd.grad or backward "
+            "with create_graph=True: a gradient penalty such as WGAN-GP's or R1, a "
+            "Hessian-vector product): its stages' backwards are not differentiable. Compute "
+            "the penalty's gradient without create_graph, or on a part of the model outside "
+            "the RaNNCModule ([Note: gradients without .grad] in module.py)")
 
 
 def _graph_retained() -> bool:
@@ -111,6 +141,7 @@ class _FillDrainOutputs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
+        _refuse_second_order()
         deployed, awaiting = ctx.deployed, ctx.awaiting
         deployed.drop_forwards()
         if not deployed.engine.awaits_backward(awaiting.id):
@@ -124,7 +155,8 @@ class _FillDrainOutputs(torch.autograd.Function):
         with _autocast_off():  # a backward called under autocast: the casts are traced
             # backward(retain_graph=True): the stashes stay for the next one ([Note:
             # retained graphs] in csrc/runtime/engine.h)
-            deployed.backward_from_outputs(grads, awaiting, retain=_graph_retained())
+            deployed.backward_from_outputs(grads, awaiting, retain=_graph_retained(),
+                                           to_parameters=_accumulates_into_parameters(deployed))
         like = next((g for g in grads if g is not None), None)
         computed = deployed.engine.input_grads
         input_grads = tuple(computed[vid].to(like.device if like is not None else awaiting.out_device)
@@ -550,12 +582,15 @@ class _Deployed:
         while self.unreferenced_forwards:
             self.engine.drop_forward(self.unreferenced_forwards.popleft())
 
-    def backward_from_outputs(self, grads, awaiting: _AwaitingForward, retain: bool = False):
+    def backward_from_outputs(self, grads, awaiting: _AwaitingForward, retain: bool = False,
+                              to_parameters: bool = True):
         """Backward of the fill-drain forward `awaiting`: `grads` are the user's gradients of
         its float outputs (None where unused). As with DistributedDataParallel, the parameter
         gradients are averaged over the ranks: a loss that is a mean over each rank's rows
         gives the gradient of the mean over the global batch. `retain`: the forward's
-        stashes stay for another backward (backward(retain_graph=True))."""
+        stashes stay for another backward (backward(retain_graph=True)); without
+        `to_parameters` (torch.autograd.grad) only the input gradients are computed, the
+        parameters' .grad stays ([Note: gradients without .grad])."""
         engine = self.engine
         engine.resume_forward(awaiting.id)  # its batch size, shapes and argument gradients
         layout = engine.layout
@@ -595,7 +630,9 @@ class _Deployed:
                     seeds.setdefault(m, {})[vid] = sums[vid].to(dtype)
         with _hooks_held(self.own_params):  # [Note: parameter hooks]
             engine.backward_from(seeds, retain)
-        self.apply_grads(1.0, engine.take_step_grads(), awaiting.call_sync)
+        step_grads = engine.take_step_grads()
+        if to_parameters:
+            self.apply_grads(1.0, step_grads, awaiting.call_sync)
 
     def apply_grads(self, scale, step_grads, call_sync: bool):
         """.grad += scale * `step_grads` (a training call's gradients, taken from the engine

@@ -69,6 +69,10 @@ behaviour and prints "OK rank r", or fails the way the test expects.
                                        multi-task loop's two heads under fill-drain (with
                                        and without recomputation): each adds its gradients,
                                        as in PyTorch
+    loop_probes.py adversarial         FGSM adversarial training: the input's gradient by
+                                       torch.autograd.grad (or backward(inputs=[x])) leaves
+                                       the parameters' .grad alone, under 1F1B and fill-drain;
+                                       a gradient penalty (create_graph=True) is an error
     loop_probes.py save_pretrained     transformers' model.save_pretrained(dir) on the wrapper,
                                        on every rank and on rank 0 alone: config.json and the
                                        whole trained weights, which from_pretrained loads
@@ -708,6 +712,51 @@ elif probe == "retained_graph":  # [Note: retained graphs] in csrc/runtime/engin
             raise AssertionError(f"rank {rank}: a backward after the last did not fail")
         except RuntimeError as e:
             assert "a second time" in str(e), e
+    print(f"OK rank {rank}", flush=True)
+elif probe == "adversarial":  # [Note: gradients without .grad] in module.py
+    B, world, eps = 4, rannc.get_world_size(), 0.1
+    mine = slice(rank * B, (rank + 1) * B)
+    for schedule in ("1f1b", "fill_drain"):
+        # FGSM adversarial training: the input's gradient by torch.autograd.grad leaves .grad
+        # alone; the step trains on the perturbed batch only (the clean batch's gradients
+        # were added too)
+        torch.manual_seed(0)
+        if schedule == "1f1b":  # the loss inside the module
+            model = Regression()
+            loss_of = lambda m, x, y: m(x, y)  # noqa: E731
+        else:
+            model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
+            loss_of = lambda m, x, y: (m(x) - y).pow(2).mean()  # noqa: E731
+        reference = copy.deepcopy(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+        wrapped = rannc.RaNNCModule(model, opt, num_stages=2, num_microbatches=2,
+                                    schedule=schedule)
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(B * world, 4, generator=g), torch.randn(B * world, 1, generator=g)
+            xs, ref_x = x[mine].clone().requires_grad_(), x.clone().requires_grad_()
+            if step == 2:  # backward(inputs=[x]) as well
+                loss_of(wrapped, xs, y[mine]).backward(inputs=[xs])
+                loss_of(reference, ref_x, y).backward(inputs=[ref_x])
+                gx, ref_gx = xs.grad, ref_x.grad
+            else:
+                gx, = torch.autograd.grad(loss_of(wrapped, xs, y[mine]), xs)
+                ref_gx, = torch.autograd.grad(loss_of(reference, ref_x, y), ref_x)
+            # [Note: input gradients]: a batch argument's is world times its rows of the global one
+            torch.testing.assert_close(gx, world * ref_gx[mine], rtol=1e-5, atol=1e-7)
+            assert all(p.grad is None for p in model.parameters()), schedule
+            adv, ref_adv = (xs + eps * gx.sign()).detach(), (ref_x + eps * ref_gx.sign()).detach()
+            step_both(loss_of(wrapped, adv, y[mine]), loss_of(reference, ref_adv, y), opt, ref_opt)
+            same_stage_parameters(model, reference, rtol=1e-5)
+        # a gradient penalty (create_graph=True) is refused on every rank, naming it
+        xs = x[mine].clone().requires_grad_()
+        expect_error(lambda: torch.autograd.grad(loss_of(wrapped, xs, y[mine]), xs,
+                                                 create_graph=True),
+                     "a gradient of a gradient through a RaNNCModule", "create_graph=True")
+        # and training goes on
+        step_both(loss_of(wrapped, x[mine], y[mine]), loss_of(reference, x, y), opt, ref_opt)
+        same_stage_parameters(model, reference, rtol=1e-5)
     print(f"OK rank {rank}", flush=True)
 elif probe == "param_hooks":  # [Note: parameter hooks] in module.py
     import torch.nn.functional as F
