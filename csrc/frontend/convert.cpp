@@ -482,12 +482,15 @@ bool allCloseOnHost(const at::Tensor& x, const at::Tensor& y, double rtol, doubl
   return true;
 }
 
-// Whether the common leading rows of two observations of one value agree along `dim`
-// (`rows` rows of `multiple` entries each): true for a value whose rows are computed
-// row by row, false where rows are interleaved ((seq*batch, hidden) reshapes, say).
-bool leadingRowsAgree(const at::Tensor& a, const at::Tensor& b, int dim, int64_t entries) {
+// Whether the `entries` along `dim` that two observations of one value share agree: the
+// smaller's and the larger's last ones (the smaller run's inputs are the larger's trailing
+// rows). True for a value whose rows are computed row by row; false where rows are
+// interleaved ((seq*batch, hidden) reshapes, say) and where a row's value is its position
+// ([Note: row positions]).
+bool sharedRowsAgree(const at::Tensor& smaller, const at::Tensor& larger, int dim, int64_t entries) {
   constexpr double kRtol = 1e-4, kAtol = 1e-5;
-  at::Tensor x = a.narrow(dim, 0, entries), y = b.narrow(dim, 0, entries);
+  at::Tensor x = smaller.narrow(dim, 0, entries);
+  at::Tensor y = larger.narrow(dim, larger.size(dim) - entries, entries);
   if (x.is_cpu() && y.is_cpu() && x.scalar_type() == y.scalar_type()) {
     switch (x.scalar_type()) {
       case at::kFloat: return allCloseOnHost<float>(x, y, kRtol, kAtol);
@@ -545,8 +548,9 @@ bool remapObserved(const Observed& from, const std::vector<const torch::jit::Val
 }
 
 // Runs the graph without gradients and records every value. With `keep`, keeps the tensors;
-// with `kept` (a run at another batch size whose rows are a prefix of these, or these of
-// them), compares the common rows of each value whose shape scales with the batch.
+// with `kept` (a run at another batch size, the smaller run's inputs the larger's trailing
+// rows: [Note: row positions]), compares the rows both runs share of each value whose
+// shape scales with the batch.
 Observed observe(const TracedModel& model, const std::vector<at::Tensor>& inputs, bool keep,
                  const Observed* kept = nullptr, int64_t batch = 0, int64_t kept_batch = 0) {
   Observed o;
@@ -577,8 +581,9 @@ Observed observe(const TracedModel& model, const std::vector<at::Tensor>& inputs
           }
           if (nchanged == 1 && t.size(changed) % batch == 0) {
             const int64_t rows = std::min(batch, kept_batch), k = t.size(changed) / batch;
+            const bool smaller = batch < kept_batch;
             o.rows_agree[id] = rows * k <= other.size(changed) &&
-                               leadingRowsAgree(t, other, changed, rows * k);
+                               sharedRowsAgree(smaller ? t : other, smaller ? other : t, changed, rows * k);
           }
         }
       }
@@ -855,18 +860,30 @@ class IrBuilder {
 
 // [Note: smaller observations] The batch analysis needs every value at two batch sizes,
 // not at the traced one: where the second trace has 4 rows or more, the graph is observed
-// at its rows and at half of them (the leading rows of its inputs, so the rows both runs
-// share hold the same data), and each value's shape and integers at the traced batch are
+// at its rows and at half of them (the trailing rows of its inputs, so the rows both runs
+// share hold the same data: [Note: row positions]), and each value's shape and integers at the traced batch are
 // extrapolated from those two. That replaces a run of the whole model at the user's
 // batch with a quarter of one (BERT-base at batch 8: ~1 s of its first step). Where a
 // value does not scale linearly (a dimension of batch + 1), or an extrapolated shape is
 // not the one the trace at the traced batch recorded (`x[:4]` is 4 rows at 12 but 3 at
 // 3), the graph is observed at the traced batch after all, as before.
 
-// The rows-prefix inputs of `inputs` (observed at `rows_from` rows) at `rows` rows: batch
-// inputs cut to their leading rows, buffers copied from the traced batch's inputs, which no
-// run has updated yet (a batch norm counts its calls in place).
-std::vector<at::Tensor> leadingRowsOf(const std::vector<at::Tensor>& inputs,
+// [Note: row positions] A value whose rows hold their own positions in the batch, as
+// torch.arange(batch_size) that indexes rows (transformers' masks:
+// padding_mask[batch_arange, kv_idx]; a classifier's logits[arange(B), last_token]), is
+// right only in the share that computed it: a share of rows 3-5 has arange(3) = 0, 1, 2,
+// and cut from a whole batch's arange(6) it reads 3, 4, 5. Between stages whose replicas
+// split the rows differently such a value was cut as a batch value: an index out of
+// bounds, or, the other way round, the wrong rows of a padding mask without a word. Its
+// leading rows agree between two batch sizes (0, 1, 2 of both), its trailing rows do not;
+// so the smaller observation runs on the larger one's trailing rows, and a value whose
+// shared rows differ is glued into the tasks that read it, computed in every share where
+// it is used.
+
+// The trailing-rows inputs of `inputs` (observed at `rows_from` rows) at `rows` rows:
+// batch inputs cut to their last rows ([Note: row positions]), buffers copied from the
+// traced batch's inputs, which no run has updated yet (a batch norm counts its calls in place).
+std::vector<at::Tensor> trailingRowsOf(const std::vector<at::Tensor>& inputs,
                                       const std::vector<at::Tensor>& at_traced, int64_t traced_rows,
                                       int64_t rows_from, int64_t rows,
                                       const std::vector<GraphInput>& roles) {
@@ -878,7 +895,7 @@ std::vector<at::Tensor> leadingRowsOf(const std::vector<at::Tensor>& inputs,
                        t.size(0) == rows_from && traced.defined() && traced.dim() >= 1 &&
                        traced.size(0) == traced_rows;
     if (batch) {
-      out.push_back(t.narrow(0, 0, rows));
+      out.push_back(t.narrow(0, rows_from - rows, rows));
     } else if (roles.at(i).role == ir::ValueRole::Buffer && traced.defined()) {
       out.push_back(traced.clone());  // as before any run: the run at b2 may have updated `t`
     } else {
@@ -1007,7 +1024,7 @@ std::shared_ptr<TracedModel> buildGluedModel(IrBuilder& builder, const TraceExam
       bool extrapolated = false;
       if (b3 >= 2 && b2 < first.batch_size) {  // [Note: smaller observations]
         const Observed at3 = observe(
-            rows_apart, leadingRowsOf(second.observe_inputs, first.observe_inputs, first.batch_size, b2, b3, roles),
+            rows_apart, trailingRowsOf(second.observe_inputs, first.observe_inputs, first.batch_size, b2, b3, roles),
             false, &at2, b3, b2);
         int64_t odd = extrapolate(at2, at3, b2, b3, first.batch_size, &at1);
         if (odd < 0) odd = disagreesWithTrace(at1, jit_of);

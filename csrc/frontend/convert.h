@@ -22,8 +22,9 @@ struct TraceExample {
   std::shared_ptr<torch::jit::Graph> graph;  // the trace at this batch size
   std::vector<at::Tensor> inputs;            // in graph input order; buffers are copies
   int64_t batch_size = 0;
-  // Inputs to observe values at this batch size: the rows of the other example, cycled,
-  // so that the rows the two share hold the same data (see leadingRowsAgree).
+  // Inputs to observe values at this batch size: the second example's are the first's
+  // trailing rows (cycled where it has more), so that the rows the two share hold the same
+  // data (see sharedRowsAgree, [Note: row positions]).
   std::vector<at::Tensor> observe_inputs;
 };
 

@@ -218,15 +218,19 @@ class Trace:
 
 
 def _second_batch(flat: FlatArgs, batch: int, mirror: bool = True) -> tuple[list[torch.Tensor], int]:
-    """Inputs at another batch size (half the rows from 4 up): batch rows are cycled to
-    the new size, so the rows both sizes share hold the same data. With `mirror`, values change too, to expose programs
+    """Inputs at another batch size (half the rows from 4 up): the smaller batch's rows are
+    the larger's trailing rows (cycled where the new size is larger), so the rows both
+    sizes share hold the same data, and values that hold row positions differ there
+    ([Note: row positions] in csrc/frontend/convert.cpp). With `mirror`, values change too, to expose programs
     that depend on them (for the second trace): floats are negated, bools inverted, and
     integer rows (token ids, labels with sentinels) taken in reverse order, which keeps
     every integer a valid one."""
     # Half the rows from 4 up: the second trace and its observation cost half a run of
     # the model instead of nearly a whole one (BERT-base at batch 8: tracing 8.2 -> 5.6 s).
     batch2 = batch // 2 if batch >= 4 else batch - 1 if batch > 2 else batch + 1
-    rows = torch.arange(batch2) % batch
+    # the smaller batch's rows are the larger's trailing ones (cycled where batch2 > batch)
+    rows = (torch.arange(batch2) - max(batch2 - batch, 0)) % batch if batch2 > batch \
+        else torch.arange(batch - batch2, batch)
     out = []
     for t in flat.tensors:
         if t.dim() >= 1 and t.shape[0] == batch:

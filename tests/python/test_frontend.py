@@ -301,6 +301,37 @@ def test_values_sized_by_a_selection_stay_in_one_task_though_the_example_selects
     torch.testing.assert_close(g(x, uneven), model(x, uneven))
 
 
+class PoolsLastToken(nn.Module):
+    """A classifier's pooling as transformers' GPT2ForSequenceClassification writes it:
+    logits[torch.arange(batch_size), last_token]."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 3)
+
+    def forward(self, x, last):
+        h = self.b(torch.tanh(self.a(x)))
+        rows = torch.arange(x.shape[0])
+        return h[rows, last]
+
+
+@pytest.mark.parametrize("batch", [2, 3, 8])
+def test_a_value_that_holds_row_positions_stays_in_the_tasks_that_read_it(batch):
+    """[Note: row positions]: torch.arange(batch_size) that indexes rows is no batch value
+    (cut from a whole batch's, a share of rows 3-5 read 3, 4, 5 instead of 0, 1, 2): it is
+    glued into the task that indexes with it, and the rows around it stay batch values."""
+    x, last = torch.randn(batch, 5, 4), torch.arange(batch) % 5
+    g = rannc.trace(PoolsLastToken(), (x, last))
+    ops = [t.op for t in g.ir.tasks()]
+    assert any("aten::arange" in op and "aten::index" in op for op in ops), ops
+    for v in g.ir.values():
+        if v.kind == "Tensor" and v.dtype == "Int64" and v.batch_dim >= 0:
+            assert v.role == "input", v  # only the argument `last`
+    model = PoolsLastToken()
+    g = rannc.trace(model, (x, last))
+    torch.testing.assert_close(g(x[1:], last[1:]), model(x[1:], last[1:]))
+
+
 class AccumulatedLoss(nn.Module):
     """A loss whose terms are added in place, as training code writes them."""
 
