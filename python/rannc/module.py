@@ -1246,6 +1246,14 @@ class RaNNCModule(torch.nn.Module):
         kwargs.setdefault("is_main_process", _C.get_rank() == 0)
         save(save_directory, *args, state_dict=state, **kwargs)
 
+    def generate(self, *args, **kwargs):
+        """transformers' generate() of the wrapped language model, its forwards run through
+        the pipeline, on every rank together, each with its own prompts ([Note: generation
+        through the pipeline] in generation.py). Under DDP scripts call
+        model.module.generate, which here would need the whole model on one rank."""
+        from . import generation
+        return generation.generate(self, args, kwargs)
+
     def serve_gather(self, what: str) -> None:
         """Takes part in gather `what` of this module that other ranks asked for, keeping
         nothing ([Note: gathers asked by some ranks] in handshake.py)."""
