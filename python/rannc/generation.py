@@ -20,6 +20,9 @@ the user configures them) with each forward routed through the pipeline:
   and a generation of n tokens is traced about n / length_step times, once per length for
   every later generation. Padded positions are masked out and their ids and positions are 0.
 - The logits come back for the real positions only (transformers asks for the last one).
+- It runs in eval mode (a model in training mode returns to it after): its forwards are
+  eval calls, which may take other arguments than the evaluation's ([Note: other
+  arguments] in module.py); generating with dropout is rarely what a user means.
 
 Decoder-only models only: an encoder-decoder's generate() runs its encoder alone, outside
 the pipeline. The cost is a forward over the whole sequence per token (a cache makes it one
@@ -62,8 +65,16 @@ def generate(wrapped, args: tuple, kwargs: dict, length_step: int = LENGTH_STEP)
         kwargs.setdefault("synced_gpus", True)
     limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     forward = _PipelinedForward(wrapped, model.forward, length_step, limit)
-    with _routed(model, forward), _own_access():  # the hook that refuses model.module(x)
-        return model.generate(*args, **kwargs)
+    training = model.training
+    if training and _C.get_rank() == 0:
+        _C.log_info("generate() runs the model in eval mode (no dropout), then returns it to "
+                    "training mode")
+    wrapped.eval()
+    try:
+        with _routed(model, forward), _own_access():  # the hook that refuses model.module(x)
+            return model.generate(*args, **kwargs)
+    finally:
+        wrapped.train(training)
 
 
 @contextlib.contextmanager

@@ -55,6 +55,16 @@ class TracedGraph:
         the tensors of `args` and `kwargs` on the model's device."""
         return list(self._trace.state_tensors) + self._flat_args(args, kwargs, at_home=True)
 
+    @staticmethod
+    def arguments_of(args, kwargs) -> tuple:
+        """What a trace bakes in of a call's arguments: their structure and the values of
+        those that are not tensors (a call whose differ is another program)."""
+        return _baked_in(_trace.flatten_args(args, kwargs))
+
+    def takes(self, args, kwargs) -> bool:
+        """Whether a call with `args` and `kwargs` runs this trace (see arguments_of)."""
+        return self.arguments_of(args, kwargs) == _baked_in(self._trace.inputs)
+
     def _flat_args(self, args, kwargs, at_home: bool = False) -> list[torch.Tensor]:
         """The tensors of `args` and `kwargs` (the graph's inputs after the model's state),
         checked against the traced arguments' structure and constants."""
@@ -62,7 +72,8 @@ class TracedGraph:
         example = self._trace.inputs
         if flat.spec != example.spec:
             raise _C.TraceError(f"the arguments' structure {flat.spec} differs from the traced "
-                                f"one {example.spec}")
+                                f"one {example.spec}: a training call takes the arguments of "
+                                "the first training call ([Note: other arguments] in module.py)")
         for i, (now, then) in enumerate(zip(flat.leaves, example.leaves)):
             if not isinstance(then, torch.Tensor) and now != then:
                 raise _C.TraceError(f"argument {example.paths[i]} was {then!r} when traced and is "
@@ -83,6 +94,10 @@ class TracedGraph:
     def split(self, k: int) -> "SplitGraph":
         """Cuts the IR into k convex pieces, contiguous in topological order."""
         return SplitGraph(self, self.ir.split(k))
+
+
+def _baked_in(flat: "_trace.FlatArgs") -> tuple:
+    return (repr(flat.spec),) + tuple(repr(x) for x in flat.leaves if not isinstance(x, torch.Tensor))
 
 
 class SplitGraph:

@@ -934,6 +934,14 @@ class RaNNCModule(torch.nn.Module):
             self.profile_cache = _C.ProfileCache()
             self.profile_cache.load(self.options.profile_cache)
         self._deployed = {}
+        # [Note: other arguments] An evaluation may pass other arguments than the first eval
+        # call (labels or none, another mask, generate()'s position ids): the trace bakes in
+        # the arguments' structure and the values of those that are not tensors, so such a
+        # call is another program, traced and planned on its own (on every rank together,
+        # as the first call of a mode is), and kept beside the mode's first. A training
+        # call's arguments stay those of the first training call (the optimizer's shares,
+        # gradient buckets and clipping follow its plan): other ones are an error.
+        self._deployed_by_arguments = {}
         self._anchor = torch.zeros((), requires_grad=True)
         # [Note: unsynced steps] in csrc/runtime/engine.h
         self._grad_sync = True  # False inside no_sync()
@@ -977,6 +985,10 @@ class RaNNCModule(torch.nn.Module):
         PlanSharingCopy), on the copy's tensors ([Note: copies of a wrapped model] in
         copies.py)."""
         deployed = self._deployed.get(mode)
+        arguments = None  # other arguments than the mode's first call ([Note: other arguments])
+        if deployed is not None and not mode and not deployed.graph.takes(args, kwargs):
+            arguments = TracedGraph.arguments_of(args, kwargs)
+            deployed = self._deployed_by_arguments.get(arguments)
         try:
             amp = self._precision()
             if deployed is not None and deployed.amp != amp:
@@ -994,7 +1006,7 @@ class RaNNCModule(torch.nn.Module):
                 fresh = deployed is None
                 if fresh:
                     handshake.enter(what)
-                    deployed = self._deploy(mode, args, kwargs, amp)
+                    deployed = self._deploy(mode, args, kwargs, amp, arguments=arguments)
                 # after the first call the collective's name travels with the call's sizes
                 # in one all-gather
                 call = deployed.agree(args, kwargs, what, copy is not None and copy.changed())
@@ -1030,10 +1042,11 @@ class RaNNCModule(torch.nn.Module):
             return getattr(torch, forced)
         return autocast_dtype(self.device.type) or self._accelerate_precision
 
-    def _deploy(self, mode, args, kwargs, amp, plan_from=None):
+    def _deploy(self, mode, args, kwargs, amp, plan_from=None, arguments=None):
         """Traces, plans and deploys `mode` (a collective) in precision `amp`, then frees the
         state tensors that no deployed stage on this rank uses. `plan_from`: the mode's
-        deployment at other input shapes, whose plan the new trace runs."""
+        deployment at other input shapes, whose plan the new trace runs; `arguments`: an
+        eval call's arguments other than the mode's first ([Note: other arguments])."""
         # Profiling runs the pieces on the module's own buffers, and a batch norm in training
         # mode updates its running statistics each time: keep the values from before.
         buffers = [(b, b.detach().clone()) for b in self.module.buffers()]
@@ -1062,6 +1075,10 @@ class RaNNCModule(torch.nn.Module):
             del buffers
         if plan_from is not None:
             return deployed  # the mode's plan: each tensor's ranks are as before
+        if arguments is not None:
+            self._deployed_by_arguments[arguments] = deployed
+            self.placement.add_mode((mode, arguments), deployed)
+            return deployed
         self._deployed[mode] = deployed
         self.placement.add_mode(mode, deployed)
         if mode:

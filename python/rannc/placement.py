@@ -66,7 +66,9 @@ class StatePlacement:
                  optimizer: torch.optim.Optimizer | None = None):
         self.module, self.home, self.device = module, home, device
         self.optimizer = optimizer  # its state moves with the parameters
-        self._users = {}      # mode -> per state tensor, the ranks whose stage uses it
+        # mode (or (mode, arguments): [Note: other arguments] in module.py) -> per state
+        # tensor, the ranks whose stage uses it
+        self._users = {}
         self._freed = {}      # state tensor position -> its full shape, for tensors freed here
         self._unset = set()   # positions allocated here without a value yet (built on meta)
         self._stale = False   # trained since the ranks that only evaluate a tensor got it
@@ -276,9 +278,10 @@ class StatePlacement:
         viewing_copy(), each tensor the ranks that train it do not all evaluate."""
         if not (self._stale or self._copy_view):
             return
-        users = self._users.get(False)
-        if users is not None and True in self._users:
+        evals = [users for key, users in self._users.items() if key is not True]
+        if evals and True in self._users:
             copies = []
+            users = [set().union(*per_tensor) for per_tensor in zip(*evals)]
             for t, eval_users, (owner, current) in zip(self.tensors(), users, self.sources()):
                 if owner is not None and eval_users - current:
                     copies.append((owner, eval_users - current, t.data))

@@ -1,6 +1,6 @@
 """transformers' generate() on a RaNNCModule under mpirun ([Note: generation through the
 pipeline] in python/rannc/generation.py): after AdamW steps, every rank generates from its
-own left-padded prompts, greedy and sampled (each rank to its own length: the ranks done
+own left-padded prompts after an evaluation with labels, greedy and sampled (each rank to its own length: the ranks done
 keep the forwards going), equal to the plain model's generate() on those prompts; an
 encoder-decoder's generate() is an error naming why.
 
@@ -38,8 +38,16 @@ g = torch.Generator().manual_seed(1)
 prompts = torch.randint(1, hf_zoo.VOCAB, (B * world, 8), generator=g)
 mask = torch.ones_like(prompts)
 mask[::2, :3] = 0  # left padding, as a tokenizer pads prompts for generation
+# an evaluation with labels first: generate()'s forwards take other arguments, another
+# program beside it ([Note: other arguments] in module.py)
 wrapped.eval()
 reference.eval()
+with torch.no_grad():
+    loss = wrapped(**{k: v[mine] for k, v in batch.items()}).loss
+    ref_loss = sum(reference(**{k: v[r * B:(r + 1) * B] for k, v in batch.items()}).loss
+                   for r in range(world)) / world
+torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+wrapped.train()  # generate() runs in eval mode and returns the module to training mode
 for sample in (False, True):
     new = (16 if rank % 2 else 5) if sample else 12  # sampled: each rank to its own length
     torch.manual_seed(7)
@@ -50,6 +58,7 @@ for sample in (False, True):
                                  do_sample=sample, top_k=10, use_cache=False)
     assert mine_out.shape == (B, 8 + new), (mine_out.shape, new)
     assert torch.equal(mine_out, ref_out), f"rank {rank}, sample={sample}:\n{mine_out}\n{ref_out}"
+    assert wrapped.training
 
 # an encoder-decoder generates with its encoder alone: refused, naming it
 t5, _, _ = hf_zoo.make("hf_t5", batch=B)
