@@ -117,6 +117,17 @@ def expect_error(call, *fragments):
     raise AssertionError(f"rank {rank}: no error")
 
 
+def expect_freed_graph_error(out, what):
+    """A backward through `out`, whose forward's backward ran, is PyTorch's error for a
+    freed graph."""
+    try:
+        out.sum().backward()
+    except RuntimeError as e:
+        assert "a second time" in str(e), e
+        return
+    raise AssertionError(f"rank {rank}: {what} did not fail")
+
+
 def step_both(loss, ref_loss, opt, ref_opt):
     """rannc's and the reference's backward, optimizer step and zero_grad."""
     loss.backward()
@@ -645,11 +656,7 @@ elif probe == "two_calls":  # [Note: calls awaiting their backward] in csrc/runt
     left = stashed()
     kept.sum().backward()
     assert stashed() == 0 and left > 0, (left, stashed())
-    try:
-        kept.sum().backward()
-        raise AssertionError(f"rank {rank}: a second backward did not fail")
-    except RuntimeError as e:
-        assert "a second time" in str(e), e
+    expect_freed_graph_error(kept, "a second backward")
     print(f"OK rank {rank}", flush=True)
 elif probe == "retained_graph":  # [Note: retained graphs] in csrc/runtime/engine.h
     B, world = 4, rannc.get_world_size()
@@ -707,11 +714,7 @@ elif probe == "retained_graph":  # [Note: retained graphs] in csrc/runtime/engin
                 o.step()
                 o.zero_grad()
             same_stage_parameters(model, reference, rtol=1e-5)
-        try:
-            out.sum().backward()
-            raise AssertionError(f"rank {rank}: a backward after the last did not fail")
-        except RuntimeError as e:
-            assert "a second time" in str(e), e
+        expect_freed_graph_error(out, "a backward after the last")
     print(f"OK rank {rank}", flush=True)
 elif probe == "adversarial":  # [Note: gradients without .grad] in module.py
     B, world, eps = 4, rannc.get_world_size(), 0.1
