@@ -228,8 +228,7 @@ def _second_batch(flat: FlatArgs, batch: int, mirror: bool = True) -> tuple[list
     # Half the rows from 4 up: the second trace and its observation cost half a run of
     # the model instead of nearly a whole one (BERT-base at batch 8: tracing 8.2 -> 5.6 s).
     batch2 = batch // 2 if batch >= 4 else batch - 1 if batch > 2 else batch + 1
-    # the smaller batch's rows are the larger's trailing ones (cycled where batch2 > batch)
-    rows = (torch.arange(batch2) - max(batch2 - batch, 0)) % batch if batch2 > batch \
+    rows = (torch.arange(batch2) - (batch2 - batch)) % batch if batch2 > batch \
         else torch.arange(batch - batch2, batch)
     out = []
     for t in flat.tensors:

@@ -59,25 +59,35 @@ class TracedGraph:
     def arguments_of(args, kwargs) -> tuple:
         """What a trace bakes in of a call's arguments: their structure and the values of
         those that are not tensors (a call whose differ is another program)."""
-        return _baked_in(_trace.flatten_args(args, kwargs))
+        flat = _trace.flatten_args(args, kwargs)
+        return (repr(flat.spec),) + tuple(repr(x) for x in flat.leaves
+                                          if not isinstance(x, torch.Tensor))
 
     def takes(self, args, kwargs) -> bool:
         """Whether a call with `args` and `kwargs` runs this trace (see arguments_of)."""
-        return self.arguments_of(args, kwargs) == _baked_in(self._trace.inputs)
+        return self._differs(_trace.flatten_args(args, kwargs)) is None
+
+    def _differs(self, flat: "_trace.FlatArgs") -> str | None:
+        """How `flat` differs from the traced arguments' structure and constants (None:
+        it does not)."""
+        example = self._trace.inputs
+        if flat.spec != example.spec:
+            return (f"the arguments' structure {flat.spec} differs from the traced one "
+                    f"{example.spec}: a training call takes the arguments of the first "
+                    "training call ([Note: other arguments] in module.py)")
+        for i, (now, then) in enumerate(zip(flat.leaves, example.leaves)):
+            if not isinstance(then, torch.Tensor) and now != then:
+                return (f"argument {example.paths[i]} was {then!r} when traced and is {now!r} "
+                        "now; constants are baked into the trace")
+        return None
 
     def _flat_args(self, args, kwargs, at_home: bool = False) -> list[torch.Tensor]:
         """The tensors of `args` and `kwargs` (the graph's inputs after the model's state),
         checked against the traced arguments' structure and constants."""
         flat = _trace.flatten_args(args, kwargs)
-        example = self._trace.inputs
-        if flat.spec != example.spec:
-            raise _C.TraceError(f"the arguments' structure {flat.spec} differs from the traced "
-                                f"one {example.spec}: a training call takes the arguments of "
-                                "the first training call ([Note: other arguments] in module.py)")
-        for i, (now, then) in enumerate(zip(flat.leaves, example.leaves)):
-            if not isinstance(then, torch.Tensor) and now != then:
-                raise _C.TraceError(f"argument {example.paths[i]} was {then!r} when traced and is "
-                                    f"{now!r} now; constants are baked into the trace")
+        differs = self._differs(flat)
+        if differs is not None:
+            raise _C.TraceError(differs)
         if not at_home:
             return flat.tensors
         return [t.to(self._trace.home) for t in flat.tensors]
@@ -94,10 +104,6 @@ class TracedGraph:
     def split(self, k: int) -> "SplitGraph":
         """Cuts the IR into k convex pieces, contiguous in topological order."""
         return SplitGraph(self, self.ir.split(k))
-
-
-def _baked_in(flat: "_trace.FlatArgs") -> tuple:
-    return (repr(flat.spec),) + tuple(repr(x) for x in flat.leaves if not isinstance(x, torch.Tensor))
 
 
 class SplitGraph:

@@ -193,14 +193,27 @@ def test_transformers_trainer_on_cuda_equals_one_process(tmp_path, ranks, stages
 
 
 @pytest.mark.parametrize("probe,ranks", [("process_group", 2), ("two_calls", 2),
-                                         ("param_hooks", 3)])
+                                         ("param_hooks", 3), ("retained_graph", 2),
+                                         ("adversarial", 2)])
 def test_training_loop_probes_on_cuda(probe, ranks):
     """tests/python/mpi/loop_probes.py with the stages on the GPU (ranks sharing it).
     process_group: rannc.init_process_group (gloo: NCCL runs one rank per GPU) reduces CUDA
     tensors, the current device is the stages', `wrapped.cuda()` moves nothing before the
     first call. two_calls: a loss over two calls and a GAN ([Note: calls awaiting their
     backward]; autograd may free a graph on its device thread). param_hooks: a parameter's
-    hooks run once per backward ([Note: parameter hooks]). Each trains equal to PyTorch."""
+    hooks run once per backward ([Note: parameter hooks]). retained_graph and adversarial:
+    autograd's keep_graph and which leaves it reaches, read on its device thread ([Note:
+    retained graphs], [Note: gradients without .grad]). Each trains equal to PyTorch."""
     res = mpirun("loop_probes.py", ranks, probe, timeout=300,
                  env={"RANNC_DEVICE": "cuda", "RANNC_COMM_TIMEOUT": "60"})
     _ok(res, ranks)
+
+
+def test_generate_with_stages_on_cuda_equals_the_plain_model():
+    """transformers' generate() through stages on the GPU (2 ranks sharing it), token for
+    token equal to the plain model's on the CPU ([Note: generation through the pipeline])."""
+    res = mpirun("generate_check.py", 2, "hf_gpt2", 2, timeout=300,
+                 env={"RANNC_DEVICE": "cuda", "RANNC_COMM_TIMEOUT": "60"})
+    assert res.returncode == 0, res.stdout[-4000:]
+    for r in range(2):
+        assert f"OK rank {r}" in res.stdout, res.stdout[-4000:]

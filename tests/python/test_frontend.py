@@ -321,14 +321,13 @@ def test_a_value_that_holds_row_positions_stays_in_the_tasks_that_read_it(batch)
     (cut from a whole batch's, a share of rows 3-5 read 3, 4, 5 instead of 0, 1, 2): it is
     glued into the task that indexes with it, and the rows around it stay batch values."""
     x, last = torch.randn(batch, 5, 4), torch.arange(batch) % 5
-    g = rannc.trace(PoolsLastToken(), (x, last))
+    model = PoolsLastToken()
+    g = rannc.trace(model, (x, last))
     ops = [t.op for t in g.ir.tasks()]
     assert any("aten::arange" in op and "aten::index" in op for op in ops), ops
     for v in g.ir.values():
         if v.kind == "Tensor" and v.dtype == "Int64" and v.batch_dim >= 0:
             assert v.role == "input", v  # only the argument `last`
-    model = PoolsLastToken()
-    g = rannc.trace(model, (x, last))
     torch.testing.assert_close(g(x[1:], last[1:]), model(x[1:], last[1:]))
 
 

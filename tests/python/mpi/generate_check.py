@@ -13,8 +13,10 @@ import torch
 
 import rannc
 import hf_zoo
+import zoo
 
 torch.set_num_threads(1)
+zoo.full_fp32()  # tests/gpu runs it with the stages on the GPU, against the CPU
 rank, world = rannc.get_rank(), rannc.get_world_size()
 name, stages = sys.argv[1], int(sys.argv[2])
 replicas = sys.argv[3] if len(sys.argv) > 3 else None
