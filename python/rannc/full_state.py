@@ -27,8 +27,9 @@ def gather_state_dict(wrapped, *args, destination=None, prefix="", keep_vars=Fal
     if not placement.deployed:
         if not keep:
             return None
-        return placement.module_state_dict(*args, destination=destination, prefix=prefix,
-                                           keep_vars=keep_vars)
+        out = placement.module_state_dict(*args, destination=destination, prefix=prefix,
+                                          keep_vars=keep_vars)
+        return _untied(out) if untied else out
     comm, rank = _C.Communicator.world_cpu(), _C.get_rank()
     world = set(range(_C.get_world_size()))
     gathered = {}
@@ -48,15 +49,24 @@ def gather_state_dict(wrapped, *args, destination=None, prefix="", keep_vars=Fal
         return None
     out = placement.module_state_dict(*args, destination=destination, prefix=prefix,
                                       keep_vars=True)
-    given = set()
     for k, v in out.items():
         if isinstance(v, torch.Tensor) and id(v) in gathered:
             out[k] = gathered[id(v)]
-            if untied:  # a tied weight's second name gets a copy of its own
-                if id(out[k]) in given:
-                    out[k] = out[k].clone()
-                given.add(id(out[k]))
-    return out
+    return _untied(out) if untied else out
+
+
+def _untied(state: dict) -> dict:
+    """`state` with each tied tensor's second and later names given a copy of their own
+    (state_dict() detaches each name's tensor anew: ties are found by their memory)."""
+    given = set()
+    for k, v in state.items():
+        if isinstance(v, torch.Tensor):
+            at = v.untyped_storage().data_ptr() if v.device.type != "meta" else 0
+            key = (v.device, at, v.storage_offset(), tuple(v.shape)) if at else id(v)
+            if key in given:
+                state[k] = v.detach().clone()
+            given.add(key)
+    return state
 
 
 def load_state_dict(wrapped, state_dict, strict: bool = True, assign: bool = False):

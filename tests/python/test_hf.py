@@ -93,6 +93,12 @@ def test_transformers_trainer_on_several_ranks_equals_one_process(tmp_path, rank
 def run_trainer_check(tmp_path, ranks, stages, flags):
     """mpi/trainer_check.py: the reference in one process, then Trainer over a RaNNCModule
     on `ranks` ranks (also tests/gpu's, with --cuda)."""
+    run_against_one_process(tmp_path, "trainer_check.py", ranks, stages, flags)
+
+
+def run_against_one_process(tmp_path, script, ranks, stages, flags):
+    """mpi/<script> `reference` in one process (no MPI launcher: accelerate sees one
+    process), then `rannc` over `ranks` ranks, which compares with the reference's files."""
     import os
     import subprocess
     import sys
@@ -101,18 +107,31 @@ def run_trainer_check(tmp_path, ranks, stages, flags):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
         [here, os.path.join(here, "..", "..", "python"), os.path.join(here, "..", "..", "examples"),
          os.environ.get("PYTHONPATH", "")]))
-    # the reference: one process, no MPI launcher (Trainer sees one process)
+    # the reference: one process, no MPI launcher (accelerate sees one process)
     for key in [k for k in env if k.startswith(("OMPI_", "PMI", "PMIX"))]:
         del env[key]
-    ref = subprocess.run([sys.executable, os.path.join(here, "mpi", "trainer_check.py"),
+    ref = subprocess.run([sys.executable, os.path.join(here, "mpi", script),
                           "reference", str(tmp_path), *flags], env=env, capture_output=True,
                          text=True, timeout=300)
     assert ref.returncode == 0, (ref.stdout + ref.stderr)[-4000:]
-    res = mpirun("trainer_check.py", ranks, "rannc", str(tmp_path), stages, *flags,
+    res = mpirun(script, ranks, "rannc", str(tmp_path), stages, *flags,
                  timeout=400, env={"RANNC_COMM_TIMEOUT": "60"})
     assert res.returncode == 0, res.stdout[-4000:]
     for r in range(ranks):
         assert f"OK rank {r}" in res.stdout, res.stdout[-4000:]
+
+
+@pytest.mark.parametrize("ranks,stages,flags", [(2, 2, []), (4, 2, ["--bf16"])],
+                         ids=["2ranks-2st-fp32", "4ranks-2st-bf16"])
+def test_accelerate_training_loop_on_several_ranks_equals_one_process(tmp_path, ranks, stages,
+                                                                      flags):
+    """accelerate's own loop (prepare, accumulate, backward, clip_grad_norm_, save_state,
+    get_state_dict and save_pretrained, load_state into a new module before its first call)
+    over a RaNNCModule logs the losses and gradient norms of the same loop over the plain
+    model in one process, saves the same files, and resumes to the same end
+    (mpi/accelerate_check.py). load_state before the first call failed on the tied
+    embedding: the module's state_dict gave it a copy only once deployed."""
+    run_against_one_process(tmp_path, "accelerate_check.py", ranks, stages, flags)
 
 
 @pytest.mark.parametrize("ranks,model,stages,replicas", [(2, "hf_gpt2", 2, None),
