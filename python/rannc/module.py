@@ -35,6 +35,7 @@ from .amp import forward_loss_scale
 from .options import PRECISIONS, Options, format_bytes
 from .pipeline import Engine
 from .optimizer_share import OptimizerShare
+from .padding import CallPadding
 from .placement import StatePlacement
 from .transport import device_memory_default, resolve_device, uses_nccl
 
@@ -803,9 +804,10 @@ def _shapes_differ(signatures, example, shapes) -> Exception:
         f"the ranks' arguments differ in shape besides the batch dimension (ranks {differ} "
         f"differ from rank 0; this rank passed {_describe_shapes(example, shapes)}): every "
         "rank must pass the same shapes in a call, since the ranks' batches are rows of one "
-        "global batch. Pad every rank's batch to the longest of the call "
-        "(rannc.pad_to_same_length) or to a fixed length (transformers tokenizers: "
-        "padding=\"max_length\")")
+        "global batch. Pad every rank's batch to the longest of the call: in the module "
+        "(option pad_values, for transformers' models pad_values=\"transformers\"), after "
+        "the collator (rannc.pad_to_same_length) or to a fixed length (transformers "
+        "tokenizers: padding=\"max_length\")")
 
 
 def _inspected_model(model) -> torch.nn.Module:
@@ -960,6 +962,10 @@ class RaNNCModule(torch.nn.Module):
         self.__class__ = _with_forward_signature(type(self), forward.__signature__,
                                                  type(_inspected_model(model)).__name__)
         clipping.warn_early_imports()
+        # [Note: padding calls] in padding.py
+        self._padding = (CallPadding(self.options.pad_values, model, forward.__signature__,
+                                     self.options.pad_multiple_of)
+                         if self.options.pad_values is not None else None)
         self._recompute_given = "recompute" in options or "RANNC_RECOMPUTE" in os.environ
         if _checkpointing_on(model):
             self._recompute_everywhere("the model's gradient checkpointing is on")
@@ -984,6 +990,13 @@ class RaNNCModule(torch.nn.Module):
         """Runs a call of `mode` (a collective named `what`); with `copy` (a
         PlanSharingCopy), on the copy's tensors ([Note: copies of a wrapped model] in
         copies.py)."""
+        if self._padding is not None and handshake.active():
+            try:  # [Note: padding calls] in padding.py
+                args, kwargs = self._padding.pad(what, args, kwargs)
+            except _C.Error as e:
+                if not getattr(e, "on_every_rank", False):
+                    _C.report_failure(f"rank {_C.get_rank()} failed: {failure.describe(e)}")
+                raise
         deployed = self._deployed.get(mode)
         arguments = None  # other arguments than the mode's first call ([Note: other arguments])
         if deployed is not None and not mode and not deployed.graph.takes(args, kwargs):

@@ -50,6 +50,32 @@ def _replicas(value) -> str:
     return text
 
 
+def _pad_values(value):
+    """"transformers", a dict {argument: pad value} or its JSON text -> that; "" -> None."""
+    if value is None or value == "":
+        return None
+    if isinstance(value, str):
+        if value == "transformers":
+            return value
+        import json
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            raise ValueError("expected \"transformers\" or a dict of argument names to pad "
+                             "values such as {\"input_ids\": 0, \"labels\": -100}") from None
+    if not isinstance(value, dict) or not all(
+            isinstance(k, str) and isinstance(v, (int, float, bool)) for k, v in value.items()):
+        raise ValueError("expected \"transformers\" or a dict of argument names to pad values "
+                         "(numbers)")
+    return dict(value)
+
+
+def _at_least_one(value) -> int:
+    if int(value) < 1:
+        raise ValueError("expected at least 1")
+    return int(value)
+
+
 def _bool(value) -> bool:
     if isinstance(value, str):
         return value.strip().lower() in ("1", "true", "yes", "on")
@@ -155,6 +181,14 @@ class Options:
     precision: str = _option("fp32", "fp32 (the caller's torch.autocast, if any), bf16, fp16 (as if "
                              "every call ran under torch.autocast(dtype))", where=MODULE,
                              choices=tuple(PRECISIONS))
+    pad_values: dict | str | None = _option(
+        None, "pad the arguments named here (dimension 1) to the longest of each call over the "
+        "ranks with these values, where the ranks' lengths differ (a per-rank collator's dynamic "
+        "padding): a dict {name: value} or \"transformers\" (input_ids: the pad token, "
+        "attention masks 0, labels -100, ...)", where=MODULE, convert=_pad_values)
+    pad_multiple_of: int = _option(8, "with pad_values: padded lengths are rounded up to a "
+                                   "multiple of this (fewer lengths to trace)", where=MODULE,
+                                   convert=_at_least_one)
     # rannc.plan only (RaNNCModule knows these from the model, the batch and its device)
     batch_size: int = _option(0, "global batch (0: the example's batch x world_size)", where=PLAN)
     training: bool = _option(True, "plan a training step (forward and backward); False: forward "

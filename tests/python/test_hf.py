@@ -70,7 +70,7 @@ def test_hf_training_equals_pytorch(ranks, model, stages, micro, extra):
 # replicas with 2 accumulated batches per step; bf16 through TrainingArguments, with
 # gradient checkpointing; PEFT's LoRA
 TRAINER_LAYOUTS = [(2, 2, "fp32-smooth"), (4, 2, "fp32-accumulate"),
-                   (2, 2, "bf16-checkpointing"), (2, 2, "fp32-lora")]
+                   (2, 2, "bf16-checkpointing"), (2, 2, "fp32-lora"), (2, 2, "fp32-dynamic")]
 
 
 @pytest.mark.parametrize("ranks,stages,precision", TRAINER_LAYOUTS,
@@ -83,10 +83,13 @@ def test_transformers_trainer_on_several_ranks_equals_one_process(tmp_path, rank
     end (mpi/trainer_check.py). With gradient accumulation Trainer weighs the accumulated
     batches by their tokens (num_items_in_batch) and its label smoother shifts the causal
     LM's labels, as in one process ([Note: accelerate]); with gradient_checkpointing=True every
-    stage recomputes ([Note: activation checkpointing])."""
+    stage recomputes ([Note: activation checkpointing]). With a collator's dynamic padding
+    (in a DataLoader worker) the ranks' lengths differ, and the module pads each call
+    (pad_values="transformers", [Note: padding calls])."""
     flags = {"bf16-checkpointing": ["--bf16", "--checkpointing"],
              "fp32-accumulate": ["--accumulate"],
-             "fp32-smooth": ["--smooth"], "fp32-lora": ["--lora"]}[precision]
+             "fp32-smooth": ["--smooth"], "fp32-lora": ["--lora"],
+             "fp32-dynamic": ["--dynamic"]}[precision]
     run_trainer_check(tmp_path, ranks, stages, flags)
 
 

@@ -31,6 +31,9 @@ def test_every_option_is_documented():
     ("cost_model", "guess", "option cost_model is 'guess'; expected profile, analytic"),
     ("precision", "fp8", "option precision is 'fp8'"),
     ("num_stages", "two", "option num_stages is 'two'"),
+    ("pad_values", "tokens", "option pad_values is 'tokens': expected \"transformers\" or a dict"),
+    ("pad_values", {"input_ids": "pad"}, "option pad_values is {'input_ids': 'pad'}: expected"),
+    ("pad_multiple_of", 0, "option pad_multiple_of is 0: expected at least 1"),
 ])
 def test_a_bad_value_names_the_option_before_anything_runs(name, value, message):
     with pytest.raises(rannc.Error) as info:
@@ -46,6 +49,9 @@ def test_each_entry_point_refuses_the_others_options():
     # an environment variable of the other entry point's option is not read
     assert Options.resolve({}, environ={"RANNC_TRAINING": "0"}).training is True
     assert Options.resolve({}, environ={"RANNC_MAX_MICROBATCHES": "8"}).max_microbatches == 8
+    # a dict option from the environment: its JSON
+    assert Options.resolve({}, environ={"RANNC_PAD_VALUES": '{"input_ids": 0, "labels": -100}'}
+                           ).pad_values == {"input_ids": 0, "labels": -100}
 
 
 def test_the_planner_gets_the_users_names_and_values():

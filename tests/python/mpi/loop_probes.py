@@ -10,7 +10,10 @@ behaviour and prints "OK rank r", or fails the way the test expects.
     loop_probes.py padded_lengths      each rank's batch has its own length (a per-rank
                                        collator); rannc.pad_to_same_length pads them to the
                                        longest of the global batch: equal to PyTorch on the
-                                       padded global batch; unpadded, an error naming the cause
+                                       padded global batch; unpadded, an error naming the cause;
+                                       the option pad_values="transformers" pads each call in
+                                       the module (positional input_ids too), equal to PyTorch;
+                                       without the attention mask, an error naming it
     loop_probes.py eval_after_new_length  training at a new length between evaluations: the
                                        eval stages get the weights the training updated
     loop_probes.py length_branch       the model takes another path for short sequences: a
@@ -313,6 +316,38 @@ elif probe == "padded_lengths":
         torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1e-4, atol=1e-6)
         step_both(loss, ref_loss, opt, ref_opt)
     same_stage_parameters(model, reference, rtol=1e-4)
+
+    # The module pads each call itself (option pad_values, [Note: padding calls]): the
+    # ranks' own lengths, positional input_ids, padded to the longest rounded up to 8; the
+    # same loss and steps as PyTorch on the global batch padded to the longest (the padding
+    # is masked and its labels ignored). One length on every rank pads nothing.
+    model, _, _ = hf_zoo.make("hf_bert", batch=4)
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    wrapped = rannc.RaNNCModule(model, opt, num_stages=2, num_microbatches=2,
+                                pad_values="transformers")
+    for step in range(4):
+        mine = rank_batch(rank, step)
+        batches = [rank_batch(r, step) for r in range(world)]
+        if step == 3:  # one length everywhere
+            mine, batches = rank_batch(0, step), [rank_batch(0, step)] * world
+        longest = max(b["input_ids"].shape[1] for b in batches)
+        glob = {k: torch.cat([F.pad(b[k], (0, longest - b[k].shape[1]), value=v) for b in batches])
+                for k, v in PAD.items()}
+        ids = mine.pop("input_ids")
+        out = wrapped(ids, **mine)
+        ref = reference(**glob)
+        torch.testing.assert_close(out.loss.detach(), ref.loss.detach(), rtol=1e-4, atol=1e-6)
+        padded = longest if step == 3 else -(-longest // 8) * 8
+        assert out.logits.shape[1] == padded, (out.logits.shape, padded)
+        step_both(out.loss, ref.loss, opt, ref_opt)
+    same_stage_parameters(model, reference, rtol=1e-4)
+    # transformers' padding attends to padded tokens without the attention mask: refused
+    mine = rank_batch(rank, 0)
+    del mine["attention_mask"]
+    expect_error(lambda: wrapped(**mine), "would pad input_ids to 16 tokens",
+                 "the call has no attention_mask")
     print(f"OK rank {rank}", flush=True)
 elif probe == "num_items_in_batch":
     import copy

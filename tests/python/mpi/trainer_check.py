@@ -4,7 +4,7 @@ the plain model in one process on the same global batches.
     python trainer_check.py reference OUT [FLAGS]       # one process, the plain model
     mpirun -np N python trainer_check.py rannc OUT STAGES [FLAGS]
 
-FLAGS: --bf16, --accumulate, --smooth, --checkpointing, --lora, --cuda.
+FLAGS: --bf16, --accumulate, --smooth, --checkpointing, --lora, --dynamic, --cuda.
 
 --accumulate: 2 accumulated batches per step, whose tokens Trainer counts over all of them
 (num_items_in_batch); a third of the labels are -100, so the batches weigh unlike.
@@ -13,6 +13,9 @@ gradients from outside), shifting a causal LM's labels.
 --checkpointing: gradient_checkpointing=True, which makes every stage recompute.
 --lora: PEFT's LoRA adapters over the frozen GPT-2 (Trainer keeps the columns that the base
 model's forward names; its checkpoints of a RaNNCModule hold the whole model).
+--dynamic: rows of 6 to 16 tokens, which a collator pads to each batch's longest, in a
+DataLoader worker under rannc: the ranks' lengths differ, and the module pads each call to
+the longest of the call (option pad_values="transformers", [Note: padding calls]).
 --cuda: Trainer on the GPU (tests/gpu), the reference on the same GPU; no TF32 in either.
 Trainer moves the model to its device and the batches there; the stages run on each rank's
 GPU, ranks sharing one ([Note: a DDP script's environment on GPUs] in process_group.py,
@@ -43,6 +46,7 @@ accumulate = 2 if "--accumulate" in sys.argv else 1
 smoothing = 0.1 if "--smooth" in sys.argv else 0.0
 checkpointing = "--checkpointing" in sys.argv
 lora = "--lora" in sys.argv
+dynamic = "--dynamic" in sys.argv
 cuda = "--cuda" in sys.argv
 if mode == "rannc":
     rannc.init_process_group()  # before TrainingArguments: accelerate reads the group
@@ -70,9 +74,22 @@ class Texts(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         g = torch.Generator().manual_seed(self.offset + i)
-        ids = torch.randint(0, hf_zoo.VOCAB, (16,), generator=g)
-        labels = ids.masked_fill(torch.rand(16, generator=g) < 0.3, -100)
+        length = 6 + (self.offset + i) * 7 % 11 if dynamic else 16
+        ids = torch.randint(0, hf_zoo.VOCAB, (length,), generator=g)
+        labels = ids.masked_fill(torch.rand(length, generator=g) < 0.3, -100)
         return {"input_ids": ids, "labels": labels}
+
+
+def pad_to_longest(rows):
+    """A collator's dynamic padding: to the batch's longest row, masked, labels ignored."""
+    longest = max(len(r["input_ids"]) for r in rows)
+
+    def padded(key, value):
+        return torch.stack([torch.nn.functional.pad(r[key], (0, longest - len(r[key])), value=value)
+                            for r in rows])
+    mask = torch.stack([(torch.arange(longest) < len(r["input_ids"])).long() for r in rows])
+    return {"input_ids": padded("input_ids", 0), "attention_mask": mask,
+            "labels": padded("labels", -100)}
 
 
 def make_model(seed):
@@ -98,9 +115,12 @@ def trainer(model, directory):
         eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2,
         load_best_model_at_end=True, metric_for_best_model="eval_loss",  # a barrier, a load
         learning_rate=1e-3, max_grad_norm=1.0, warmup_steps=1, report_to=[], use_cpu=not cuda,
-        dataloader_drop_last=True, bf16=bf16, disable_tqdm=True)
+        dataloader_drop_last=True, bf16=bf16, disable_tqdm=True,
+        # the collator in a worker process, where no collective may run
+        dataloader_num_workers=1 if dynamic and mode == "rannc" else 0)
     return tf.Trainer(model=model, args=args, train_dataset=Texts(64),
-                      eval_dataset=Texts(16, offset=1000), compute_metrics=accuracy)
+                      eval_dataset=Texts(16, offset=1000), compute_metrics=accuracy,
+                      data_collator=pad_to_longest if dynamic else None)
 
 
 def accuracy(prediction):
@@ -159,7 +179,8 @@ def same_weights(path, what):
 
 
 directory = os.path.join(out, "rannc")
-t = trainer(rannc.RaNNCModule(make_model(0), num_stages=stages), directory)
+padding = {"pad_values": "transformers"} if dynamic else {}
+t = trainer(rannc.RaNNCModule(make_model(0), num_stages=stages, **padding), directory)
 t.train()
 # the stages run on each rank's GPU (local rank modulo the GPUs), as Trainer's batches do
 assert t.model.device == (t.args.device if cuda else torch.device("cpu")), \
@@ -181,7 +202,7 @@ count = sum(len(g["params"]) for g in optimizer["param_groups"])
 assert count == len([p for p in make_model(0).parameters() if p.requires_grad]) and len(optimizer["state"]) == count, \
     "the checkpoint's optimizer state is not the whole optimizer's"
 # resumed: a new model (other weights) and Trainer read checkpoint-2 on every rank
-t = trainer(rannc.RaNNCModule(make_model(5), num_stages=stages), directory)
+t = trainer(rannc.RaNNCModule(make_model(5), num_stages=stages, **padding), directory)
 t.train(resume_from_checkpoint=os.path.join(directory, "checkpoint-2"))
 same_logs(t, "resumed")  # steps 1-2 from the checkpoint's history, 3-4 run again
 t.save_model(os.path.join(out, "resumed"))
