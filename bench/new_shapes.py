@@ -1,4 +1,4 @@
-"""What a new input shape costs ([Note: new input shapes] in python/rannc/module.py): a
+"""What a new input shape costs ([Note: new input shapes] in python/rannc/deployed.py): a
 transformers BERT trained with sequences whose length changes between calls (dynamic
 padding). The first call at each new length traces the model again and runs the plan made
 at the first length; later calls at that length are ordinary steps. Plain PyTorch runs the

@@ -131,7 +131,7 @@ std::unique_ptr<Channels> ncclChannels(const std::vector<ChannelKey>& keys, c10:
 std::shared_ptr<comm::Communicator> groupCommunicator(const std::vector<int>& ranks, bool nccl,
                                                       c10::Device device) {
   // One per group for the process: the engines of every mode and input shape of a plan
-  // ([Note: new input shapes] in python/rannc/module.py) have the same gradient groups, and
+  // ([Note: new input shapes] in python/rannc/deployed.py) have the same gradient groups, and
   // an NCCL communicator holds device memory. Every rank creates engines in the same order,
   // so the members of a group all find it here or all create it together.
   using Key = std::tuple<std::vector<int>, bool, int>;

@@ -12,7 +12,7 @@ workers), the module pads each call's arguments itself:
     model = rannc.RaNNCModule(model, pad_values="transformers")   # or a dict as above
 
 The ranks' batches are rows of one global batch, so in each call every rank must pass the
-same shapes ([Note: new input shapes] in module.py); a per-rank collator pads each rank to
+same shapes ([Note: new input shapes] in deployed.py); a per-rank collator pads each rank to
 its own longest sequence. Padding with what the model ignores (a pad token under an
 attention mask of 0, labels of -100) computes what the model computes on the unpadded
 rows, as transformers' own padding does. `multiple_of` rounds the length up, so fewer
@@ -77,7 +77,7 @@ def pad_to_same_length(batch: Mapping, pad_values: Mapping, dim: int = 1,
 
 # [Note: padding calls] A per-rank collator pads each rank's batch to its own longest
 # sequence, but the ranks' batches are rows of one global batch and must have one shape
-# in each call ([Note: new input shapes] in module.py). Where the loop is the user's,
+# in each call ([Note: new input shapes] in deployed.py). Where the loop is the user's,
 # pad_to_same_length pads after the collator; where it is not (transformers' Trainer, whose
 # collator runs inside its DataLoader, maybe in worker processes where no collective may
 # run), the option pad_values makes each call pad its arguments: the module exchanges

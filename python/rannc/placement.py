@@ -364,7 +364,7 @@ class StatePlacement:
                 for i, t in enumerate(self.tensors()[:n_params])]
 
     def add_mode(self, mode: bool, deployed):
-        """`deployed` (a _Deployed) now runs `mode` (a collective): record which ranks use
+        """`deployed` (a Deployed) now runs `mode` (a collective): record which ranks use
         each tensor, give the ones this rank's stages newly use storage and their current
         value, free what no stage on this rank uses and move the rest to this rank's
         device."""

@@ -636,7 +636,7 @@ print("profiling", times.profiling, "pieces", times.pieces_measured)
 
 
 def test_one_rank_with_one_stage_takes_sequences_of_any_length():
-    """[Note: new input shapes] in module.py: one rank running one stage in one micro-batch
+    """[Note: new input shapes] in deployed.py: one rank running one stage in one micro-batch
     (the plan of a single GPU) trains sequences of other lengths than traced as PyTorch."""
     res = _single_process("""
 import copy
@@ -743,7 +743,7 @@ def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
     their backward] in csrc/runtime/engine.h, [Note: input gradients]).
     param_hooks: a parameter's hooks run once per backward on its whole gradient, on 3 ranks
     with a replicated stage: a clamp (it clamped each micro-batch's share) and a
-    post-accumulate hook ([Note: parameter hooks] in module.py).
+    post-accumulate hook ([Note: parameter hooks] in deployed.py).
     retained_graph: backward(retain_graph=True), then another backward through the same
     outputs adds its gradients as in PyTorch: 1F1B's loss (the third added 4 times the
     gradients) and a fill-drain forward's two heads (was an error) ([Note: retained graphs]
@@ -751,7 +751,7 @@ def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
     adversarial: FGSM adversarial training under 1F1B and fill-drain: torch.autograd.grad
     of the loss by the input (and backward(inputs=[x])) leaves .grad alone, as in PyTorch
     (the clean batch's gradients were added to the step's); create_graph=True is an error
-    naming it ([Note: gradients without .grad] in module.py)."""
+    naming it ([Note: gradients without .grad] in deployed.py)."""
     ranks = 3 if probe == "param_hooks" else 2
     res = mpirun("loop_probes.py", ranks, probe, timeout=300, env={"RANNC_COMM_TIMEOUT": "60"})
     assert res.returncode == 0, res.stdout[-4000:]
@@ -803,7 +803,7 @@ def test_batch_size_may_change_between_calls(ranks, model, stages, micro, rows, 
     (2, "gpt", 2, 4, "8,5,12", ["--opt", "schedule=zb_h1"]),     # split backward
 ])
 def test_sequence_length_may_change_between_calls(ranks, model, stages, micro, lengths, extra):
-    """[Note: new input shapes] in module.py: each new length is traced again and runs the
+    """[Note: new input shapes] in deployed.py: each new length is traced again and runs the
     plan made at the first one (rank 0 logs it once per length); loss, gradients and
     parameters after every step equal PyTorch on the concatenated batch."""
     res = mpirun("train_check.py", ranks, model, "--stages", stages, "--micro", micro,

@@ -751,7 +751,7 @@ elif probe == "retained_graph":  # [Note: retained graphs] in csrc/runtime/engin
             same_stage_parameters(model, reference, rtol=1e-5)
         expect_freed_graph_error(out, "a backward after the last")
     print(f"OK rank {rank}", flush=True)
-elif probe == "adversarial":  # [Note: gradients without .grad] in module.py
+elif probe == "adversarial":  # [Note: gradients without .grad] in deployed.py
     B, world, eps = 4, rannc.get_world_size(), 0.1
     mine = slice(rank * B, (rank + 1) * B)
     for schedule in ("1f1b", "fill_drain"):
@@ -796,7 +796,7 @@ elif probe == "adversarial":  # [Note: gradients without .grad] in module.py
         step_both(loss_of(wrapped, x[mine], y[mine]), loss_of(reference, x, y), opt, ref_opt)
         same_stage_parameters(model, reference, rtol=1e-5)
     print(f"OK rank {rank}", flush=True)
-elif probe == "param_hooks":  # [Note: parameter hooks] in module.py
+elif probe == "param_hooks":  # [Note: parameter hooks] in deployed.py
     import torch.nn.functional as F
 
     torch.manual_seed(0)
@@ -969,7 +969,7 @@ elif probe == "forward_hook":  # [Note: hooks] in _trace.py
         step_both(loss, ref_loss, opt, ref_opt)
         same_stage_parameters(model, reference, rtol=1e-4)
     print(f"OK rank {rank}", flush=True)
-elif probe == "unfreeze":  # [Note: frozen parameters] in module.py
+elif probe == "unfreeze":  # [Note: frozen parameters] in deployed.py
     model, args, _ = zoo.make("gpt", batch=4, seed=0)
     zoo.no_dropout(model)
     model.blocks[0].requires_grad_(False)

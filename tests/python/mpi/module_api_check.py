@@ -75,7 +75,7 @@ again = rannc.RaNNCModule(copy.deepcopy(reference), load_plan=plan_file)
 again(ids[rows], targets[rows])
 loaded = again.deployments["train"]
 assert loaded.to_bytes() == deployment.to_bytes()
-# [Note: new input shapes] in module.py: a sequence of another length than traced is traced
+# [Note: new input shapes] in deployed.py: a sequence of another length than traced is traced
 # again and runs the loaded plan, equal to PyTorch; a length seen before reuses its trace
 def length(t, n):
     return t.repeat(1, 2)[:, :n].contiguous()

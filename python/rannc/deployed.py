@@ -1,0 +1,830 @@
+"""One traced, planned and deployed mode (training or eval) of a RaNNCModule on this rank:
+its calls agreed by the ranks, run on the pipeline engine, and the backward of their
+outputs.
+
+[Note: training inside forward] With a scalar loss the whole 1F1B iteration (forwards and
+backwards of every micro-batch) runs inside forward(): the backward seed is known up to a
+scale. The gradients of this rank's parameters, summed over replicas and over the stages
+that share a parameter, are kept aside; `loss.backward()` adds `grad_output * them` to
+`.grad`. So `(c * loss).backward()`, accumulation over several calls and `zero_grad()`
+behave as in PyTorch.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import time
+import zlib
+from typing import TYPE_CHECKING
+
+import torch
+
+from . import _C, failure, handshake
+from .amp import forward_loss_scale
+from .graph import TracedGraph
+from .options import format_bytes
+from .pipeline import Engine
+from .transport import device_memory_default
+
+if TYPE_CHECKING:
+    from .module import RaNNCModule
+
+
+class _ApplyStepGrads(torch.autograd.Function):
+    """Carries the loss to the user; its backward scales and adds the step's gradients
+    (of this rank's parameters, and of the `inputs` that require grad)."""
+
+    @staticmethod
+    def forward(ctx, anchor, loss, deployed, step_grads, *inputs):
+        ctx.deployed = deployed
+        # this call's own ([Note: calls awaiting their backward] in csrc/runtime/engine.h)
+        ctx.step_grads, ctx.call_sync = step_grads, deployed.call_sync
+        grads = deployed.engine.input_grads if deployed.grad_input_ids else {}
+        ctx.input_grads = [grads[vid] for vid in deployed.grad_input_ids]
+        ctx.input_devices = [x.device for x in inputs]  # deployed.grad_inputs, in order
+        ctx.loss_scale = deployed.loss_scale
+        return loss.detach().clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        _refuse_second_order()
+        # the step's gradients were seeded with the loss scale ([Note: scaled seeds])
+        if ctx.loss_scale != 1.0:
+            grad = grad / ctx.loss_scale
+        if _accumulates_into_parameters(ctx.deployed):  # [Note: gradients without .grad]
+            # applied again by a later backward of a retained graph: .grad gets a copy
+            # ([Note: retained graphs] in csrc/runtime/engine.h)
+            step_grads = ctx.step_grads.cloned() if _graph_retained() else ctx.step_grads
+            ctx.deployed.apply_grads(grad, step_grads, ctx.call_sync)
+        # each input's gradient on that input's device (the stage's GPU may be another)
+        return (None, None, None, None) + tuple((grad.to(g.device) * g).to(d)
+                                          for g, d in zip(ctx.input_grads, ctx.input_devices))
+
+
+# [Note: gradients without .grad] torch.autograd.grad(loss, x) (an adversarial example's
+# input gradient: FGSM, PGD, or a saliency map) and loss.backward(inputs=[x]) leave the
+# parameters' .grad alone in PyTorch: only the gradients asked for are computed. A call's
+# step gradients reach .grad in the backward of its outputs, so that backward adds them
+# only where autograd accumulates into the leaves it did not name: where the module's
+# anchor, a leaf of every call's outputs, will be reached. (Before session 29 an
+# adversarial training step added the clean batch's gradients to the adversarial one's.)
+# The parameters themselves are not in the outputs' graph (the stages hold their own), so
+# torch.autograd.grad(loss, model.parameters()) is PyTorch's error for unused tensors;
+# and a gradient of a gradient (create_graph=True: a gradient penalty, a Hessian-vector
+# product) is refused: the stages' backwards are not differentiable here.
+def _accumulates_into_parameters(deployed: "Deployed") -> bool:
+    """Whether the backward running now accumulates into the parameters' .grad (a
+    backward() of everything: yes; torch.autograd.grad or backward(inputs=...): no)."""
+    anchor = torch.autograd.graph.get_gradient_edge(deployed.owner._anchor)
+    return torch._C._will_engine_execute_node(anchor.node)
+
+
+def _refuse_second_order():
+    if torch.is_grad_enabled():  # a backward with create_graph=True runs with grad mode on
+        raise _C.Error(
+            "a gradient of a gradient through a RaNNCModule (torch.autograd.grad or backward "
+            "with create_graph=True: a gradient penalty such as WGAN-GP's or R1, a "
+            "Hessian-vector product): its stages' backwards are not differentiable. Compute "
+            "the penalty's gradient without create_graph, or on a part of the model outside "
+            "the RaNNCModule ([Note: gradients without .grad] in deployed.py)")
+
+
+def _graph_retained() -> bool:
+    """Whether the backward running now was called with retain_graph=True (its graph may
+    run again)."""
+    keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return bool(keep_graph and keep_graph())
+
+
+class _NoGradientPath(torch.autograd.Function):
+    """Marks an output that was computed by a 1F1B training step seeded by the scalar loss:
+    gradients cannot flow back through it, and trying says so."""
+
+    @staticmethod
+    def forward(ctx, anchor, value, name):
+        ctx.name = name
+        return value.detach().clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise _C.Error(
+            f"the output {ctx.name} has no gradient path: rannc trains from the scalar loss "
+            "inside forward (synchronous 1F1B) and returns the other outputs without one. "
+            "Backpropagate from the loss output only, or select the fill-drain schedule "
+            "(option schedule='fill_drain', or RANNC_SCHEDULE=fill_drain), whose backward "
+            "takes gradients of any output.")
+
+
+class _FillDrainOutputs(torch.autograd.Function):
+    """Carries the outputs of a fill-drain forward to the user; its backward gets their
+    gradients (None where an output was not used) and runs that forward's backwards.
+    [Note: calls awaiting their backward] in csrc/runtime/engine.h: several forwards may
+    await theirs (a loss over the outputs of several calls)."""
+
+    @staticmethod
+    def forward(ctx, anchor, deployed, num_outputs, *tensors_and_inputs):
+        """`tensors_and_inputs`: the `num_outputs` float outputs, then the inputs that
+        require grad (so that autograd hands their gradients to backward)."""
+        ctx.deployed = deployed
+        ctx.awaiting = _AwaitingForward(deployed)
+        ctx.set_materialize_grads(False)
+        return tuple(t.detach().clone() for t in tensors_and_inputs[:num_outputs])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        _refuse_second_order()
+        deployed, awaiting = ctx.deployed, ctx.awaiting
+        deployed.drop_forwards()
+        if not deployed.engine.awaits_backward(awaiting.id):
+            # What PyTorch says of a graph whose saved tensors are gone: the stages keep a
+            # forward's activations until its backward, which frees them.
+            raise RuntimeError(
+                "Trying to backward through the outputs of a rannc forward a second time: "
+                "the stages keep a forward's activations until its backward, which frees "
+                "them, and one backward takes the gradients of all its outputs. Make one loss "
+                "of the outputs you need and call backward once per forward.")
+        with autocast_off():  # a backward called under autocast: the casts are traced
+            # backward(retain_graph=True): the stashes stay for the next one ([Note:
+            # retained graphs] in csrc/runtime/engine.h)
+            deployed.backward_from_outputs(grads, awaiting, retain=_graph_retained(),
+                                           to_parameters=_accumulates_into_parameters(deployed))
+        like = next((g for g in grads if g is not None), None)
+        computed = deployed.engine.input_grads
+        input_grads = tuple(computed[vid].to(like.device if like is not None else awaiting.out_device)
+                            for vid in awaiting.grad_input_ids)
+        return (None, None, None) + (None,) * len(grads) + input_grads
+
+
+class _AwaitingForward:
+    """What the backward of a fill-drain forward needs of its call ([Note: calls awaiting
+    their backward] in csrc/runtime/engine.h). When autograd frees the outputs' graph
+    without running its backward, the engine frees the forward's stashes: at its next
+    call, on the thread that runs it (a graph may be freed on autograd's device threads)."""
+
+    def __init__(self, deployed: "Deployed"):
+        self.deployed = deployed
+        self.id = deployed.engine.last_forward
+        self.float_outputs = deployed._float_outputs
+        self.grad_input_ids = deployed.grad_input_ids
+        self.out_device = deployed.out_device
+        self.call_sync = deployed.call_sync
+
+    def __del__(self):
+        self.deployed.unreferenced_forwards.append(self.id)  # atomic: any thread
+
+
+@dataclasses.dataclass
+class _Call:
+    """One call's arguments on this rank: flat, by input value, and what the ranks agree on."""
+    flat: list
+    local: dict
+    rows: int
+    shapes: tuple
+    trainable: tuple | None
+    flagged: bool = False  # some rank passed flag=True
+
+
+class Deployed:
+    """One traced and planned mode (train or eval) of the model on this rank."""
+
+    def __init__(self, owner: "RaNNCModule", graph: TracedGraph, args, kwargs, amp,
+                 trace_seconds: float = 0.0, plan_from: "Deployed | None" = None):
+        """`plan_from`: the deployment of this mode at other input shapes, whose plan this
+        one runs ([Note: new input shapes]); None: plan this graph."""
+        opts, model = owner.options, owner.module
+        self.owner = owner
+        from .planning import PlanTimes
+        self.times = PlanTimes(tracing=trace_seconds)  # filled by planning
+        self.graph = graph
+        self.amp = amp  # the autocast dtype traced into the graph (None: fp32)
+        ir = self.graph.ir
+        rank, world = _C.get_rank(), _C.get_world_size()
+        # the arguments' shapes but the batch -> the deployment of this mode that runs them
+        n_state = len(self.graph._trace.state.names)
+        self.shapes = _shapes_but_batch(zip(self.graph._trace.inputs.tensors,
+                                            (ir.value(v).batch_dim for v in ir.inputs[n_state:])))
+        self._check_agreement(ir)
+        # Training without a single scalar loss to seed 1F1B takes gradients from outside.
+        has_loss = sum(1 for v in ir.outputs if ir.value(v).is_loss) == 1
+        self.fill_drain = model.training and (opts.schedule == "fill_drain" or not has_loss)
+        # schedule=zb_h1 splits each backward ([Note: ZB-H1] in csrc/partition/sim/schedule.h);
+        # auto plans 1f1b and zb_h1 ([Note: schedule choice] in csrc/partition/planner.cpp).
+        # Forwards only (eval) have no backward to schedule.
+        self.schedule = ("fill_drain" if self.fill_drain
+                         else "1f1b" if opts.schedule == "fill_drain" or not model.training
+                         else opts.schedule)
+        if plan_from is None:
+            self.example_inputs = self.graph._profiling_inputs(args, kwargs)
+            deployment = self._plan(ir, world, opts)
+            self.example_inputs = None
+            # the local batch the plan was made for (its memory)
+            self.planned_rows = self.graph.batch_size
+        else:
+            # the same ops at other sizes: the plan holds ([Note: new input shapes])
+            try:
+                deployment = _C.rebind_deployment(plan_from.deployment, plan_from.graph.ir, ir)
+            except _C.TraceError as e:
+                # every rank traced the same graph (_check_agreement): all fail alike
+                raise failure.agreed(str(e)) from e
+            self.planned_rows = plan_from.planned_rows
+        self.graph._trace.state_tensors = None  # stand-ins and gathered buffers, for planning
+        if opts.verify_plan:
+            deployment.validate(ir)
+        self.deployment = deployment
+        state_tensors = self.graph._trace.state.tensors(model)
+        n_state = len(state_tensors)
+        self.state_ids = list(ir.inputs[:n_state])
+        self.input_ids = list(ir.inputs[n_state:])
+        state = dict(zip(self.state_ids, state_tensors))
+        self.engine = Engine(self.graph._trace.traced, deployment, rank, world,
+                             self.planned_rows, state, device=owner.device, nccl=owner.nccl)
+        # scalar outputs that are sums over the batch: added up, not weighted by rows
+        self.summed = {vid for vid in ir.outputs if _summed(ir, vid, opts.loss_reduction)}
+        self.engine.set_summed_outputs(self.summed)
+        # [Note: frozen parameters] which parameters require grad, as traced (training)
+        self.params = state_tensors[:len(self.graph._trace.state.param_names)]
+        self.trainable = self._trainable()
+        self.variants = {(self.shapes, self.trainable): self}
+        self.last_trained = self  # the variant the last training call ran (its gradients)
+        self.unrunnable = {}  # (input shapes, trainable) -> why the plan cannot run them
+        self.own = self.engine.own  # the parameters this rank updates
+        self.own_params = list(self.own.values())  # in the engine's order
+        self.grad_input_ids, self.grad_inputs = [], []  # arguments that require grad
+        self.loss_scale = 1.0  # the last training step's seed factor ([Note: scaled seeds])
+        # fill-drain forwards whose outputs autograd freed ([Note: calls awaiting their
+        # backward] in csrc/runtime/engine.h)
+        self.unreferenced_forwards = collections.deque()
+        self.call_sync = True  # whether the last training call summed its gradients
+        if rank == 0 and plan_from is None:
+            print(deployment.report(), flush=True)
+            print(self.times.line(), flush=True)
+            for i, vid in enumerate(ir.outputs):
+                name = f" ({ir.value(vid).name})" if ir.value(vid).name else ""
+                if vid in self.summed and opts.loss_reduction == "auto":
+                    _C.log_info(f"output #{i}{name} is a sum over the batch "
+                                "(reduction=\"sum\", or a sum divided by a count passed in): its "
+                                "micro-batches and ranks add up, its terms that are means or the "
+                                "same for any rows weighted by their rows (option loss_reduction)")
+                elif (opts.loss_reduction == "auto" and _scalar_over_batch(ir, vid)
+                      and ir.output_reduction(vid) == "unknown"):
+                    _C.log_info(f"output #{i}{name}: the graph does not show whether it is a mean "
+                                "or a sum over the batch (a function of one, such as exp of a mean): "
+                                "each micro-batch's and rank's value is weighted by its rows, as "
+                                "for a mean (option loss_reduction)")
+            for term in self.engine.token_means["unknown_terms"]:
+                # [Note: mixed terms] in csrc/frontend/token_means.h
+                _C.log_info(f"the {term}: the graph does not show whether it is a mean or a "
+                            "sum over the batch (a function of one, such as a product of means): "
+                            "each micro-batch's and rank's value is weighted by its rows, as for "
+                            "a mean")
+            for why in self.engine.token_means["row_weighted"]:
+                # [Note: token-mean losses] in csrc/frontend/token_means.h
+                _C.log_info(f"the mean loss {why}: micro-batches and replicas weigh it by their "
+                            "rows (as DistributedDataParallel does), not by its count over the "
+                            "global batch")
+
+    def _check_agreement(self, ir):
+        """Every rank must trace the same graph with the same local batch size. Where the
+        graphs differ, the model's parameters tell the cause: the same parameters traced
+        into different graphs means control flow that depends on data, which differs
+        between the ranks' batches."""
+        comm = _C.Communicator.world_cpu()
+        state = self.graph._trace.state.tensors(self.owner.module)
+        full_shape = self.owner.placement.full_shape  # freed here or not
+        signature = repr([(n, tuple(full_shape(i, t)), str(t.dtype))
+                          for i, (n, t) in enumerate(zip(self.graph._trace.state.names, state))])
+        mine = torch.tensor([ir.content_hash() & 0x7FFFFFFFFFFFFFFF, self.graph.batch_size,
+                             zlib.crc32(signature.encode()), zlib.crc32(repr(self.shapes).encode())],
+                            dtype=torch.int64)
+        everyone = torch.empty(comm.size, 4, dtype=torch.int64)
+        comm.all_gather(mine, everyone).wait()
+        hashes, batches, models, arguments = (everyone[:, i].tolist() for i in range(4))
+        if len(set(batches)) > 1:
+            raise failure.agreed(f"local batches must have the same size on every rank; got "
+                                 f"{dict(enumerate(batches))} (rank: rows)")
+        if len(set(arguments)) > 1:
+            raise _shapes_differ(arguments, self.graph._trace.inputs, self.shapes)
+        if len(set(models)) > 1:
+            raise failure.agreed("the ranks built different models (their parameters and "
+                                 "buffers differ in names, shapes or dtypes); every rank must "
+                                 "build the same model")
+        if len(set(hashes)) > 1:
+            raise failure.agreed(
+                f"the ranks traced different graphs from the same model (graph hash per rank: "
+                f"{[hex(h) for h in hashes]}): the model's control flow depends on its input "
+                "data (an `if` on a tensor's value, a loop over data), and the ranks' batches "
+                "took different branches. rannc traces one program for every batch: make the "
+                "branch independent of the data (torch.where, masks), or pass the deciding "
+                "value as a constant argument")
+
+    def _plan(self, ir, world, opts):
+        # A plan runs only for the batch and world it was made for: local batch x ranks.
+        batch = self.graph.batch_size * world
+        if opts.load_plan:
+            self.owner._planned_optimizer_kind = None  # the file's plan counted what it did
+            return _C.load_deployment(opts.load_plan, ir, batch_size=batch, world_size=world)
+        if _C.get_rank() != 0 and self._profiled(opts, world):
+            self._make_plan(ir, world, opts)  # profiles a share of the pieces for rank 0
+        from .planning import broadcast_plan
+        deployment = broadcast_plan(lambda: self._make_plan(ir, world, opts), ir,
+                                    batch_size=batch, world_size=world)
+        if opts.save_plan and _C.get_rank() == 0:
+            deployment.save(opts.save_plan)
+        return deployment
+
+    @staticmethod
+    def _profiled(opts, world: int) -> bool:
+        """Whether planning measures pieces. One stage (num_stages=1, or a single rank, whose
+        plan can only be one stage) leaves nothing to search: every rank holds the whole
+        model, and only memory decides the micro-batch count and recomputation, which the
+        shapes tell. So the first step costs about one forward and backward more than
+        plain PyTorch instead of a profiling run."""
+        return opts.cost_model == "profile" and opts.num_stages != 1 and world > 1
+
+    def _make_plan(self, ir, world, opts):
+        """Rank 0's plan; with the profiler and several ranks, the other ranks take part
+        (profiling their share of the pieces) and get None."""
+        from . import planning
+        # A forward-only (eval) plan keeps no optimizer state.
+        training = self.owner.module.training
+        optimizer = ((opts.optimizer_kind or self.owner.optimizer_kind_to_plan())
+                     if training else "sgd")
+        profiled = self._profiled(opts, world)
+        if opts.cost_model == "profile" and not profiled and _C.get_rank() == 0:
+            why = "num_stages=1" if opts.num_stages == 1 else "one rank"
+            _C.log_info(f"one stage ({why}): nothing to search, so nothing is profiled; "
+                        "the plan's times are estimates from shapes")
+        # Profiled where the stages will run.
+        where = str(self.owner.device)
+        # The probe times MPI through host memory: the link of CPU stages and of GPUs that
+        # talk over MPI, not NCCL's (NVLink, InfiniBand): there the DeviceSpec figures stand.
+        # copies made before the first call (an EMA): [Note: copies of a wrapped model]
+        copies = self.model_copies = max(opts.model_copies, self.owner.placement.copy_count())
+        if copies and _C.get_rank() == 0:
+            _C.log_info(f"the plan counts {copies} cop{'y' if copies == 1 else 'ies'} of the "
+                        "parameters and buffers beside the model (an EMA) in each stage's memory")
+        plan_opts = dataclasses.replace(opts, training=training, schedule=self.schedule,
+                                        model_copies=copies, profile_device=where,
+                                        probe_bandwidth=opts.probe_bandwidth and not self.owner.nccl,
+                                        cost_model="profile" if profiled else "analytic")
+        device = _C.DeviceSpec()
+        device.memory_bytes = opts.device_memory or device_memory_default(self.owner.device)
+        device.devices_per_node = max(1, _C.get_local_size())
+        update_rate = None
+        if profiled and training:
+            from .update_cost import measure_update_rate
+            # Only rank 0 plans; the others profile their share of the pieces.
+            timed = time.perf_counter()
+            update_rate = measure_update_rate(
+                self.owner.placement.shaped_parameters(), self.owner.optimizer, optimizer,
+                device=where) if _C.get_rank() == 0 else 0.0
+            self.times.profiling += time.perf_counter() - timed
+        if not profiled and self.owner.device.type == "cpu":
+            # CPU ranks: modest peak and bandwidth; only the ratios matter for the plan.
+            device.peak_flops, device.memory_bandwidth = 50e9, 10e9
+            device.intra_node_bandwidth = device.inter_node_bandwidth = 5e9
+        deployment = planning.plan_graph(
+            self.graph, self.example_inputs, plan_opts, world_size=world, device=device,
+            optimizer=optimizer, broadcast=False, profile_cache=self.owner.profile_cache,
+            times=self.times, update_seconds_per_byte=update_rate)
+        if profiled and opts.profile_cache and _C.get_rank() == 0:
+            self.owner.profile_cache.save(opts.profile_cache)
+        return deployment
+
+    # ---- running ------------------------------------------------------------------------
+    def agree(self, args, kwargs, what: str, flag: bool = False) -> _Call:
+        """This call's arguments, agreed by every rank in one all-gather: all ranks are in
+        `what` (a training or an eval call, [Note: named collectives]), with local batches of
+        the same rows, arguments of the same shapes (checked on every call: a rank with
+        other sizes would desynchronise the transfers) and the same parameters requiring
+        grad, so that all raise together or deploy new shapes together; and whether any
+        rank raised `flag`."""
+        flat = self.graph._flat_args(args, kwargs)
+        local = dict(zip(self.input_ids, flat))
+        call = _Call(flat, local, self._local_rows(local), self._shapes(local), self._trainable(),
+                     flag)
+        if not handshake.active():
+            return call
+        scalars = self._scalar_arguments(local)
+        mine = torch.tensor([call.rows, zlib.crc32(repr(call.shapes).encode()),
+                             zlib.crc32(bytes(call.trainable or ())), flag,
+                             zlib.crc32(repr(scalars).encode())], dtype=torch.float64)
+        everyone = handshake.exchange(what, mine).long()
+        sizes, signatures, flags, raised, values = (everyone[:, i].tolist() for i in range(5))
+        call.flagged = any(raised)
+        if len(set(signatures)) > 1:
+            raise _shapes_differ(signatures, self.graph._trace.inputs, call.shapes)
+        if len(set(values)) > 1:
+            raise _scalars_differ(values, scalars)
+        if len(set(flags)) > 1:
+            raise failure.agreed(
+                f"the ranks' models differ in which parameters require grad "
+                f"({sum(call.trainable)} on rank {_C.get_rank()}): freeze or unfreeze "
+                "parameters on every rank alike")
+        if len(set(sizes)) > 1:
+            raise failure.agreed(f"local batches must have the same size on every rank in "
+                                 f"each call; got {dict(enumerate(sizes))} (rank: rows)")
+        return call
+
+    def run(self, call: _Call, args, kwargs):
+        """Runs one agreed call on variant()."""
+        return self.variant(call, args, kwargs)._run(call.local, call.flat, call.rows)
+
+    def variant(self, call: _Call, args, kwargs) -> "Deployed":
+        """The deployment that runs `call`: this one, or the one of this mode for the call's
+        input shapes, deployed first if they are new ([Note: new input shapes])."""
+        shapes, trainable = call.shapes, call.trainable
+        key = (shapes, trainable)
+        target = self.variants.get(key)
+        if target is None:
+            if key in self.unrunnable:  # the same error without tracing again
+                raise failure.agreed(self.unrunnable[key])
+            what = (f"new input shapes {self.describe_shapes(shapes)} (planned at "
+                    f"{self.describe_shapes()})" if shapes != self.shapes
+                    else f"{sum(trainable)} of {len(trainable)} parameters now require grad "
+                         f"({sum(self.trainable)} when planned)")
+            try:
+                target = self.variants[key] = self.owner._deploy_shapes(self, args, kwargs)
+            except Exception as e:
+                if getattr(e, "on_every_rank", False):
+                    self.unrunnable[key] = str(e)
+                else:  # say which step failed: the whole model runs to trace it again
+                    e.add_note(f"rannc: while tracing the model again for {what}")
+                raise
+            if _C.get_rank() == 0:
+                _C.log_info(
+                    f"{what}: traced again in "
+                    f"{target.times.tracing:.2f} s, running plan {self.deployment.hash} made at "
+                    f"the first call ({len(self.variants)} variants so far)"
+                    f"{target._micro_batch_note()}")
+                target._warn_over_memory()
+        if trainable is not None:
+            self.last_trained = target
+        return target
+
+    def _trainable(self) -> tuple | None:
+        """[Note: frozen parameters] Which parameters require grad now, in a training mode
+        (None in eval). A trace bakes in which values carry gradients (the transfers between
+        stages, the gradient buckets, what a stage updates), so unfreezing a layer between
+        steps, as fine-tuning schedules do, or freezing one, traces again under the same
+        plan, as new input shapes do; before, the change was ignored without a word."""
+        if not self.owner.module.training:
+            return None
+        return tuple(p.requires_grad for p in self.params)
+
+    def _run(self, local: dict, flat: list, rows: int):
+        # Outputs go where the user's inputs are (the stage's device without tensor inputs).
+        self.out_device = next((t.device for t in flat if isinstance(t, torch.Tensor)),
+                               self.owner.device)
+        self._use_batch(rows)
+        training = torch.is_grad_enabled() and self.owner.module.training
+        # [Note: input gradients] in csrc/runtime/engine.h
+        grad_inputs = {vid: t for vid, t in local.items() if training and
+                       isinstance(t, torch.Tensor) and t.requires_grad}
+        self.grad_input_ids = sorted(grad_inputs)
+        self.grad_inputs = [grad_inputs[vid] for vid in self.grad_input_ids]
+        self.engine.set_input_grads(set(self.grad_input_ids))
+        if training:  # read when the step's backwards run ([Note: unsynced steps])
+            self.call_sync = self.owner._grad_sync
+            self.engine.set_grad_sync(self.call_sync)
+        if training and self.fill_drain:
+            self.drop_forwards()
+            with _hooks_held(self.own_params):  # [Note: parameter hooks]
+                produced, batch_outputs = self.engine.forward_for_backward(local)
+            return self._outputs(produced, batch_outputs, "fill_drain")
+        train = training and self.engine.loss_vid is not None
+        if train:
+            self.loss_scale = forward_loss_scale()  # [Note: scaled seeds] in amp.py
+            with _hooks_held(self.own_params):
+                produced, batch_outputs = self.engine.step(local, True, self.loss_scale)
+        else:
+            produced, batch_outputs = self.engine.step(local, False)
+        return self._outputs(produced, batch_outputs, "1f1b" if train else None)
+
+    # ---- batch sizes ([Note: batch sizes] in csrc/runtime/engine.h) -----------------------
+    def _local_rows(self, local: dict) -> int:
+        """This call's local batch: the rows of the arguments that carry the batch."""
+        rows = {}
+        for vid, t in local.items():
+            v = self.engine.value(vid)
+            if v.batch_dim >= 0 and isinstance(t, torch.Tensor):
+                rows[v.name or vid] = t.shape[v.batch_dim] // v.batch_multiple
+        if len(set(rows.values())) > 1:
+            raise _C.Error(f"the arguments that carry the batch disagree on its size: {rows}")
+        return next(iter(rows.values()), self.graph.batch_size)
+
+    def _scalar_arguments(self, local: dict) -> tuple:
+        """(path, value) of each 0-dim tensor argument: not rows of the batch, so every
+        stage must see one value (a count passed in, as transformers' num_items_in_batch)."""
+        example = self.graph._trace.inputs
+        tensors = [t for t in local.values() if isinstance(t, torch.Tensor)]
+        return tuple((example.paths[slot], t.item()) for slot, t in zip(example.tensor_slots, tensors)
+                     if t.dim() == 0)
+
+    def _shapes(self, local: dict) -> tuple:
+        """[Note: new input shapes] The arguments' dtypes and shapes but the batch dimension
+        (-1 there). A trace holds what the model computed from the shapes (a loop over the
+        sequence, a mask's length), the plan's transfers are sized from them, and a stage
+        takes a size from another as traced: so each new shape is traced again, on every
+        rank together, and runs the plan made at the first shapes when the trace is the same
+        program (partition::rebindDeployment), else the error names the op that differs."""
+        return _shapes_but_batch((t, self.engine.value(vid).batch_dim) for vid, t in local.items())
+
+    def describe_shapes(self, shapes: tuple | None = None) -> str:
+        """"kwargs['input_ids'] int64 [*, 16], ..." for `shapes` (default: this deployment's
+        traced ones; * is the batch)."""
+        return _describe_shapes(self.graph._trace.inputs, shapes or self.shapes)
+
+    def _use_batch(self, rows: int):
+        if self.engine.use_batch(rows) and _C.get_rank() == 0:
+            _C.log_info(f"local batch of {rows} rows (planned with {self.planned_rows}): "
+                        f"the plan's stages and replicas re-split the rows"
+                        f"{self._micro_batch_note()}")
+            self._warn_over_memory()
+
+    def _micro_batch_note(self) -> str:
+        """Why the current batch runs another micro-batch count than the plan's: too few
+        rows for it, or more than it kept within memory ([Note: memory at other batches]
+        in csrc/runtime/batch_memory.h)."""
+        now, planned = self.engine.layout.micro_batches, self.deployment.micro_batches
+        fit = self.engine.memory_fit
+        if now > planned:
+            why = ("to stay within" if fit.fits else "the lowest predicted peak, though above")
+            return (f"; {now} micro-batches instead of the plan's {planned}, {why} the "
+                    f"{format_bytes(self.deployment.memory_limit)} per device the plan was made "
+                    f"for (predicted peak {format_bytes(fit.peak_bytes)}, stage {fit.stage})")
+        if now < planned:
+            return f"; {now} micro-batch(es) instead of the plan's {planned} (each replica needs a row of each)"
+        return ""
+
+    def _warn_over_memory(self):
+        fit = self.engine.memory_fit
+        if fit.fits or not self.deployment.feasible:  # a plan over its limit said so when made
+            return
+        _C.log_warn(
+            f"at these input sizes stage {fit.stage} is predicted to need "
+            f"{format_bytes(fit.peak_bytes)} per device, above the {format_bytes(self.deployment.memory_limit)} "
+            f"the plan was made for, even in {fit.micro_batches} micro-batches (the fewest "
+            "bytes any count gives): it may run out of memory. Make the first call the "
+            "largest batch and shapes (its plan fits them), or use more devices")
+
+    def drop_forwards(self):
+        """Frees the stashes of the fill-drain forwards whose outputs autograd freed."""
+        while self.unreferenced_forwards:
+            self.engine.drop_forward(self.unreferenced_forwards.popleft())
+
+    def backward_from_outputs(self, grads, awaiting: _AwaitingForward, retain: bool = False,
+                              to_parameters: bool = True):
+        """Backward of the fill-drain forward `awaiting`: `grads` are the user's gradients of
+        its float outputs (None where unused). As with DistributedDataParallel, the parameter
+        gradients are averaged over the ranks: a loss that is a mean over each rank's rows
+        gives the gradient of the mean over the global batch. `retain`: the forward's
+        stashes stay for another backward (backward(retain_graph=True)); without
+        `to_parameters` (torch.autograd.grad) only the input gradients are computed, the
+        parameters' .grad stays ([Note: gradients without .grad])."""
+        engine = self.engine
+        engine.resume_forward(awaiting.id)  # its batch size, shapes and argument gradients
+        layout = engine.layout
+        comm = _C.Communicator.world_cpu()
+        world = float(comm.size)
+        by_vid = {}
+        for vid, g in zip(awaiting.float_outputs, grads):  # an output returned twice: add
+            if g is not None and by_vid.get(vid) is not None:
+                g = by_vid[vid] + g
+            by_vid[vid] = g if g is not None else by_vid.get(vid)
+        batch_ids = set(engine.batch_output_ids)
+        batch = {vid: (g / world if g is not None else None) for vid, g in by_vid.items()
+                 if vid in batch_ids}
+        seeds = engine.scatter_output_grads(batch)
+        # Scalars and other whole outputs: every rank's gradient, averaged over the ranks.
+        whole = [vid for vid in dict.fromkeys(awaiting.float_outputs)
+                 if vid not in batch_ids and engine.producer_of(vid) >= 0]
+        sums = {}
+        for vid in whole:
+            g = by_vid[vid]
+            t = (g.detach().to("cpu", torch.float64, copy=True) if g is not None
+                 else torch.zeros(engine.value(vid).shape, dtype=torch.float64))
+            comm.all_reduce(t).wait()
+            sums[vid] = (t / world).to(engine.device)
+        mine = set(engine.stages)  # one per chunk under an interleaved schedule
+        for m in range(layout.micro_batches):
+            for vid in whole:
+                if engine.producer_of(vid) not in mine:
+                    continue
+                v = engine.value(vid)
+                dtype = engine.output_dtype(m, vid)
+                if v.batch_dependent and v.shape == []:
+                    # the output is the row-weighted mean of the shares, or their sum
+                    seeds.setdefault(m, {})[vid] = (sums[vid] * engine.share_weight(vid, m)).to(dtype)
+                elif m == 0 and engine.copy == 0 and engine.replica == 0:
+                    # returned from micro-batch 0 of the first replica: its gradient goes there
+                    seeds.setdefault(m, {})[vid] = sums[vid].to(dtype)
+        with _hooks_held(self.own_params):  # [Note: parameter hooks]
+            engine.backward_from(seeds, retain)
+        step_grads = engine.take_step_grads()
+        if to_parameters:
+            self.apply_grads(1.0, step_grads, awaiting.call_sync)
+
+    def apply_grads(self, scale, step_grads, call_sync: bool):
+        """.grad += scale * `step_grads` (a training call's gradients, taken from the engine
+        after its backward), for this rank's parameters (in C++, with one foreach call each);
+        `call_sync`: whether that call summed them over the ranks ([Note: unsynced steps])."""
+        # loss.backward() seeds 1: nothing to multiply (read only where reading is free; on
+        # a GPU the fused multiply is cheaper than a synchronisation)
+        unit = not isinstance(scale, torch.Tensor) or scale.device.type == "cpu"
+        unit = unit and float(scale) == 1.0
+        if not unit and isinstance(scale, torch.Tensor) and scale.device.type != "cpu":
+            scale = scale.to(self.owner.device)  # the loss may be on another GPU than the stage
+        # [Note: unsynced steps] in csrc/runtime/engine.h: what calls under no_sync() left
+        # in .grad is each rank's own share until a summed step comes
+        if call_sync and self.owner._held_unsynced:
+            self.engine.sync_held_grads()
+        self.owner._held_unsynced = not call_sync
+        hooked = _hooked(self.own_params)  # [Note: parameter hooks]
+        if hooked and len(step_grads):
+            rest = step_grads.without(hooked)
+            self.engine.apply_step_grads(rest, None if unit else scale)
+            for i in hooked:
+                _accumulate_with_hooks(self.own_params[i], step_grads[i] if unit
+                                       else step_grads[i] * scale)
+        else:
+            self.engine.apply_step_grads(step_grads, None if unit else scale)
+
+    def _outputs(self, produced, batch_outputs, schedule):
+        """The user's outputs from what the stages produced; `schedule` says how training
+        went (None: no training, "1f1b": seeded by the loss, "fill_drain": gradients of the
+        outputs come from outside)."""
+        train = schedule == "1f1b"
+        step_grads = self.engine.take_step_grads() if train else None  # once: a loss returned twice
+        comm = _C.Communicator.world_cpu()
+        ir, layout, engine = self.graph.ir, self.engine.layout, self.engine
+        tensors = []
+        for vid in ir.outputs:
+            v = engine.value(vid)
+            if vid in batch_outputs:
+                tensors.append(batch_outputs[vid].to(self.out_device))
+            elif v.batch_dependent and v.kind == "Tensor" and v.shape == []:
+                # a mean over the rows of each micro-batch share: weight by rows (a sum:
+                # add up); summed where the stage computed it, then one copy to the host (a
+                # GPU would stall once per micro-batch on a .cpu() each)
+                parts = [outs[vid].detach().double() * engine.share_weight(vid, m)
+                         for m, outs in produced.items() if vid in outs]
+                total = (torch.stack(parts).sum().cpu() if parts
+                         else torch.zeros((), dtype=torch.float64))
+                if comm.size > 1:
+                    comm.all_reduce(total).wait()
+                value = total.to(self.out_device, _dtype(v))
+                if train and vid == engine.loss_vid:
+                    value = _ApplyStepGrads.apply(self.owner._anchor, value, self, step_grads,
+                                                  *self.grad_inputs)
+                tensors.append(value)
+            else:
+                producer = engine.producer_of(vid)
+                root = layout.rank_of(producer, 0, 0) if producer >= 0 else 0
+                buf = (produced[0][vid].detach().to("cpu", copy=True) if _C.get_rank() == root
+                       else engine.empty(vid))
+                if comm.size > 1:
+                    comm.broadcast(buf, root).wait()
+                tensors.append(buf.to(self.out_device))
+        # a tensor of rannc's that requires grad links the outputs to the step's gradients
+        # (a parameter of the user's would see its hooks called with None, [Note: parameter hooks])
+        anchor = self.owner._anchor
+        if schedule == "fill_drain":
+            floats = [i for i, t in enumerate(tensors) if t.is_floating_point()]
+            self._float_outputs = [ir.outputs[i] for i in floats]
+            carried = _FillDrainOutputs.apply(anchor, self, len(floats),
+                                              *[tensors[i] for i in floats], *self.grad_inputs)
+            for i, t in zip(floats, carried):
+                tensors[i] = t
+        if train:  # other float outputs: a clear error if the user backpropagates through them
+            for i, (vid, t) in enumerate(zip(ir.outputs, tensors)):
+                if vid != engine.loss_vid and t.is_floating_point():
+                    tensors[i] = _NoGradientPath.apply(anchor, t, f"#{i} ({engine.value(vid).name or vid})")
+        return self.graph._rebuild_output(tensors)
+
+
+# [Note: parameter hooks] A hook on a parameter (p.register_hook(fn), which the trace
+# error for a module's backward hooks suggests instead, or register_post_accumulate_grad_hook,
+# with which an optimizer steps inside the backward) runs in PyTorch once per backward, on
+# the parameter's whole gradient of it. The stages' backwards reach a parameter once per
+# micro-batch with its share, before the sum over the replicas (and under 1F1B inside the
+# forward call): a hook clamping the gradient clamped each share, one stepping an optimizer
+# stepped on a share, and a hook on a stage's first weight was called with None. So while
+# the engine runs, the hooks of this rank's parameters are held back, and they run where
+# the call's gradient reaches .grad (apply_grads), on the whole of it, once. A replicated
+# parameter's hooks run on each rank that holds it, as under DDP.
+def _hooked(params) -> list[int]:
+    """The positions of `params` that carry hooks of the user's ([Note: parameter hooks])."""
+    return [i for i, p in enumerate(params)
+            if p._backward_hooks or p._post_accumulate_grad_hooks]
+
+
+@contextlib.contextmanager
+def _hooks_held(params):
+    """[Note: parameter hooks] Holds back the hooks of `params` while the engine runs."""
+    held = []
+    for p in params:
+        for hooks in (p._backward_hooks, p._post_accumulate_grad_hooks):
+            if hooks:
+                held.append((hooks, dict(hooks)))
+                hooks.clear()  # torch calls what the dict holds when a gradient comes
+    try:
+        yield
+    finally:
+        for hooks, saved in held:
+            hooks.update(saved)
+
+
+def _accumulate_with_hooks(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """param.grad += grad, as autograd's accumulation does it: through the parameter's
+    hooks first, its post-accumulate hooks after ([Note: parameter hooks])."""
+    for hook in list((param._backward_hooks or {}).values()):
+        changed = hook(grad)
+        if changed is not None:
+            grad = changed
+    if param.grad is None:
+        param.grad = grad
+    else:
+        param.grad += grad
+    for hook in list((param._post_accumulate_grad_hooks or {}).values()):
+        hook(param)
+
+
+def _summed(ir, vid: int, loss_reduction: str) -> bool:
+    """Whether scalar output `vid` combines over micro-batches, replicas and ranks as a sum
+    (option loss_reduction; auto: where the graph shows a sum over the batch,
+    csrc/ir/reduction.h) rather than a mean weighted by rows."""
+    if not _scalar_over_batch(ir, vid):
+        return False
+    return loss_reduction == "sum" or (loss_reduction == "auto" and ir.output_reduction(vid) == "sum")
+
+
+def _scalar_over_batch(ir, vid: int) -> bool:
+    """A 0-dim tensor computed from the batch (a loss, a metric)."""
+    v = ir.value(vid)
+    return v.batch_dependent and v.kind == "Tensor" and v.shape == []
+
+
+def _shapes_but_batch(tensors_and_batch_dims) -> tuple:
+    """[Note: new input shapes] The dtype and shape of each tensor argument, -1 in its batch
+    dimension, from (argument, batch_dim) pairs."""
+    return tuple((str(t.dtype).replace("torch.", ""),
+                  tuple(-1 if k == dim else n for k, n in enumerate(t.shape)))
+                 for t, dim in tensors_and_batch_dims if isinstance(t, torch.Tensor))
+
+
+def _describe_shapes(example, shapes) -> str:
+    """"kwargs['input_ids'] int64 [*, 16], ..." (* is the batch); `example`: the traced
+    arguments (their paths)."""
+    return ", ".join(
+        f"{example.paths[slot]} {dtype} [{', '.join('*' if n < 0 else str(n) for n in shape)}]"
+        for slot, (dtype, shape) in zip(example.tensor_slots, shapes))
+
+
+def _differing_ranks(signatures) -> list[int]:
+    """The ranks whose signature differs from rank 0's."""
+    return [r for r, sig in enumerate(signatures) if sig != signatures[0]]
+
+
+def _shapes_differ(signatures, example, shapes) -> Exception:
+    """The agreed error for ranks whose arguments differ in shape (`signatures`: one crc per
+    rank; `shapes`: this rank's)."""
+    differ = _differing_ranks(signatures)
+    return failure.agreed(
+        f"the ranks' arguments differ in shape besides the batch dimension (ranks {differ} "
+        f"differ from rank 0; this rank passed {_describe_shapes(example, shapes)}): every "
+        "rank must pass the same shapes in a call, since the ranks' batches are rows of one "
+        "global batch. Pad every rank's batch to the longest of the call: in the module "
+        "(option pad_values, for transformers' models pad_values=\"transformers\"), after "
+        "the collator (rannc.pad_to_same_length) or to a fixed length (transformers "
+        "tokenizers: padding=\"max_length\")")
+
+
+def _scalars_differ(signatures, scalars) -> Exception:
+    """The agreed error for ranks that pass different values of a 0-dim tensor argument
+    (`signatures`: one crc per rank; `scalars`: this rank's (path, value) pairs)."""
+    differ = _differing_ranks(signatures)
+    passed = ", ".join(f"{path} = {value}" for path, value in scalars)
+    hint = ""
+    if any("num_items_in_batch" in path for path, _ in scalars):
+        hint = (" (transformers' Trainer counts the global batch's items on every rank with "
+                "TrainingArguments(average_tokens_across_devices=True), its default)")
+    return failure.agreed(
+        f"the ranks pass different values of the 0-dim tensor arguments (ranks {differ} differ "
+        f"from rank 0; this rank passed {passed}): such an argument is not rows of the batch, "
+        f"so the stages that read it must all see one value; pass the same on every rank{hint}")
+
+
+def autocast_off():
+    """No autocast on any device this process computes on (the traced casts do the work)."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.autocast("cpu", enabled=False))
+    if torch.cuda.is_available():
+        stack.enter_context(torch.autocast("cuda", enabled=False))
+    return stack
+
+
+def _dtype(value):
+    from .pipeline import DTYPES
+    return DTYPES[value.dtype]
