@@ -2,7 +2,8 @@
 // when the torch build has CUDA and NCCL headers are found (RANNC_HAVE_NCCL).
 //
 // [Note: NCCL streams] Every operation runs on the communicator's own stream after it has
-// waited for the caller's current stream (so inputs are ready), and records an event;
+// waited for the caller's current stream (so inputs are ready), marks its tensors in use on
+// that stream for the caching allocator, and records an event;
 // Work::wait() makes the caller's current stream wait for that event (like c10d) after
 // polling it from the host with the world's failure checks and deadline, so a rank whose
 // peer failed raises instead of hanging in a kernel that never completes.
@@ -18,7 +19,9 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <thread>
 
 #include <ATen/cuda/CUDAEvent.h>
@@ -43,7 +46,7 @@ void check(ncclResult_t rc, const std::string& what) {
   }
 }
 
-ncclDataType_t ncclType(at::ScalarType t) {
+std::optional<ncclDataType_t> ncclTypeOf(at::ScalarType t) {
   switch (t) {
     case at::kFloat: return ncclFloat32;
     case at::kDouble: return ncclFloat64;
@@ -53,9 +56,25 @@ ncclDataType_t ncclType(at::ScalarType t) {
     case at::kInt: return ncclInt32;
     case at::kChar: return ncclInt8;
     case at::kByte: case at::kBool: return ncclUint8;
-    default:
-      throw CommError(std::string("NCCL cannot move tensors of dtype ") + c10::toString(t));
+    default: return std::nullopt;
   }
+}
+
+// The element type of a reduction, which must be NCCL's own.
+ncclDataType_t ncclType(at::ScalarType t) {
+  if (auto type = ncclTypeOf(t)) return *type;
+  throw CommError(std::string("NCCL cannot reduce tensors of dtype ") + c10::toString(t));
+}
+
+// What a transfer that reduces nothing moves: the tensor's elements, or its bytes where
+// NCCL has no such type (int16, complex: values that cross stages like any other).
+struct Elements {
+  size_t count;
+  ncclDataType_t type;
+};
+Elements moved(const at::Tensor& t) {
+  if (auto type = ncclTypeOf(t.scalar_type())) return {static_cast<size_t>(t.numel()), *type};
+  return {static_cast<size_t>(t.numel()) * t.element_size(), ncclUint8};
 }
 
 ncclRedOp_t ncclOp(ReduceOp op) {
@@ -96,11 +115,18 @@ struct NcclHandle {
   }
 };
 
+// [Note: NCCL works] A work keeps the tensors it writes (a receive's buffer, a reduction's
+// tensor) until it is waited for. A send keeps nothing: its input was marked in use on the
+// communication stream (recordStream), so the caching allocator reuses its memory only once
+// the send has read it; keeping it would hold every micro-batch's sent activations and
+// gradients until the step's end instead of until the stage drops them. An event that
+// completed on a communicator aborted meanwhile (ncclCommAbort ends its queued kernels
+// early) says nothing about the data: such a work fails too.
 class NcclWork : public Work {
  public:
-  NcclWork(std::string what, std::vector<at::Tensor> keep, c10::cuda::CUDAStream stream,
+  NcclWork(std::string what, std::vector<at::Tensor> keep, int device, c10::cuda::CUDAStream stream,
            std::shared_ptr<NcclHandle> handle)
-      : what_(std::move(what)), keep_(std::move(keep)), handle_(std::move(handle)) {
+      : what_(std::move(what)), keep_(std::move(keep)), device_(device), handle_(std::move(handle)) {
     event_.record(stream);
   }
 
@@ -110,14 +136,7 @@ class NcclWork : public Work {
     while (!event_.query()) {
       try {
         world.checkPeers();
-        const std::string error = handle_->asyncError();
-        if (!error.empty()) {
-          throw CommError("rank " + std::to_string(world.rank()) + ": " + what_ + " failed in NCCL: " + error);
-        }
-        if (handle_->aborted) {
-          throw CommError("rank " + std::to_string(world.rank()) + ": " + what_ +
-                          " was cancelled: its NCCL communicator was aborted after an earlier failure");
-        }
+        failIfBroken();
         if (std::chrono::steady_clock::now() > deadline) {
           throw TimeoutError("rank " + std::to_string(world.rank()) + ": " + what_ +
                              " did not complete in time (a peer is stuck or gone)");
@@ -128,15 +147,33 @@ class NcclWork : public Work {
       }
       std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
-    event_.block(c10::cuda::getCurrentCUDAStream(keep_.empty() ? 0 : keep_[0].get_device()));
+    failIfBroken();
+    event_.block(c10::cuda::getCurrentCUDAStream(device_));
     keep_.clear();
   }
 
-  bool isCompleted() override { return event_.query(); }
+  bool isCompleted() override {
+    if (!event_.query()) return false;
+    failIfBroken();
+    return true;
+  }
 
  private:
+  void failIfBroken() const {
+    const int rank = World::get().rank();
+    const std::string error = handle_->asyncError();
+    if (!error.empty()) {
+      throw CommError("rank " + std::to_string(rank) + ": " + what_ + " failed in NCCL: " + error);
+    }
+    if (handle_->aborted) {
+      throw CommError("rank " + std::to_string(rank) + ": " + what_ +
+                      " was cancelled: its NCCL communicator was aborted after an earlier failure");
+    }
+  }
+
   std::string what_;
   std::vector<at::Tensor> keep_;
+  int device_;
   std::shared_ptr<NcclHandle> handle_;
   at::cuda::CUDAEvent event_;
 };
@@ -165,6 +202,13 @@ class NcclCommunicator : public Communicator {
     // broadcast: it completes on no rank until every member has arrived, within the world's
     // deadline and failure checks, so no rank enters ncclCommInitRank (which has no deadline)
     // while a peer is stuck or gone before it.
+    // [Note: eager NCCL connections] NCCL 2.22 and later connect a collective's algorithm
+    // at its first use, inside the host call and waiting for the peers. A gradient group's
+    // all-reduce launched from a backward hook could then wait on the host for a peer that
+    // waits for this rank's pipeline send (a tied weight's group of the first and last
+    // stages): a deadlock without deadline. Connecting at init (NCCL's behaviour before
+    // 2.22) avoids it; a user's own setting wins.
+    setenv("NCCL_RUNTIME_CONNECT", "0", /*overwrite=*/0);
     ncclUniqueId id;
     std::memset(&id, 0, sizeof id);
     if (bootstrap_->rank() == 0) check(ncclGetUniqueId(&id), "ncclGetUniqueId");
@@ -191,19 +235,17 @@ class NcclCommunicator : public Communicator {
 
   WorkPtr send(const at::Tensor& tensor, int peer, int tag) override {
     checkCuda(tensor, "send");
+    const Elements e = moved(tensor);
     return enqueue("NCCL send to " + std::to_string(worldRank(peer)), {tensor}, [&] {
-      check(ncclSend(tensor.data_ptr(), tensor.numel(), ncclType(tensor.scalar_type()), peer, handle_->comm,
-                     stream_.stream()),
-            "ncclSend");
-    });
+      check(ncclSend(tensor.data_ptr(), e.count, e.type, peer, handle_->comm, stream_.stream()), "ncclSend");
+    }, /*keep=*/false);  // [Note: NCCL works]
   }
 
   WorkPtr recv(at::Tensor tensor, int peer, int tag) override {
     checkCuda(tensor, "recv");
+    const Elements e = moved(tensor);
     return enqueue("NCCL recv from " + std::to_string(worldRank(peer)), {tensor}, [&] {
-      check(ncclRecv(tensor.data_ptr(), tensor.numel(), ncclType(tensor.scalar_type()), peer, handle_->comm,
-                     stream_.stream()),
-            "ncclRecv");
+      check(ncclRecv(tensor.data_ptr(), e.count, e.type, peer, handle_->comm, stream_.stream()), "ncclRecv");
     });
   }
 
@@ -221,9 +263,10 @@ class NcclCommunicator : public Communicator {
 
   WorkPtr broadcast(at::Tensor tensor, int root) override {
     checkCuda(tensor, "broadcast");
+    const Elements e = moved(tensor);
     return enqueue("NCCL broadcast", {tensor}, [&] {
-      check(ncclBroadcast(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(),
-                          ncclType(tensor.scalar_type()), root, handle_->comm, stream_.stream()),
+      check(ncclBroadcast(tensor.data_ptr(), tensor.data_ptr(), e.count, e.type, root, handle_->comm,
+                          stream_.stream()),
             "ncclBroadcast");
     });
   }
@@ -239,9 +282,9 @@ class NcclCommunicator : public Communicator {
       throw CommError("all-gather: output must hold " + std::to_string(size()) + " x " +
                       std::to_string(in.numel()) + " elements");
     }
+    const Elements e = moved(in);
     return enqueue("NCCL all-gather", {in, out}, [&] {
-      check(ncclAllGather(in.data_ptr(), out.data_ptr(), in.numel(), ncclType(in.scalar_type()),
-                          handle_->comm, stream_.stream()),
+      check(ncclAllGather(in.data_ptr(), out.data_ptr(), e.count, e.type, handle_->comm, stream_.stream()),
             "ncclAllGather");
     });
   }
@@ -252,8 +295,9 @@ class NcclCommunicator : public Communicator {
   }
 
  private:
+  // `keep`: the work holds `tensors` until waited for ([Note: NCCL works]).
   template <typename F>
-  WorkPtr enqueue(std::string what, std::vector<at::Tensor> tensors, F&& launch) {
+  WorkPtr enqueue(std::string what, std::vector<at::Tensor> tensors, F&& launch, bool keep = true) {
     if (handle_->aborted) {
       throw CommError("rank " + std::to_string(World::get().rank()) + ": " + what +
                       ": the NCCL communicator was aborted after an earlier failure");
@@ -274,7 +318,8 @@ class NcclCommunicator : public Communicator {
       c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), stream_);
     }
     launch();
-    return std::make_shared<NcclWork>(std::move(what), std::move(tensors), stream_, handle_);
+    if (!keep) tensors.clear();
+    return std::make_shared<NcclWork>(std::move(what), std::move(tensors), device_, stream_, handle_);
   }
 
   std::shared_ptr<Communicator> bootstrap_;

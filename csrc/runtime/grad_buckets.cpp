@@ -34,7 +34,9 @@ GradBuckets::GradBuckets(
 GradBuckets::~GradBuckets() { disarm(); }
 
 void GradBuckets::arm() {
+  // what a step that failed midway launched must not pass for this step's
   ready_.clear();
+  launched_.clear();
   for (const auto& b : buckets_) {
     for (ir::ValueId v : b.ids) {
       auto acc = torch::autograd::impl::grad_accumulator(own_.at(v));
