@@ -679,3 +679,27 @@ def test_changed_constant_argument_is_an_error():
     g = rannc.trace(model, args, kwargs)
     with pytest.raises(rannc.TraceError, match=r"kwargs\['scale'\] was 0.5 when traced"):
         g(*args, **{**kwargs, "scale": 2.0})
+
+
+class _Recurrent(torch.nn.Module):
+    def __init__(self, batch_first):
+        super().__init__()
+        self.lstm = torch.nn.LSTM(6, 8, batch_first=batch_first)
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.lstm(x)[0])
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_a_recurrence_along_dimension_0_is_a_warning_naming_it(capfd, batch_first):
+    """[Note: rows mixed along the batch]: rannc cuts dimension 0 of the arguments into
+    micro-batches; a sequence-first nn.LSTM fed [sequence, batch, features] would be cut
+    along the sequence and train wrongly without a word. Its trace warns, naming the op
+    and the module; the same model batch first does not."""
+    model = _Recurrent(batch_first)
+    x = torch.randn(4, 7, 6) if batch_first else torch.randn(7, 4, 6)
+    rannc.trace(model, (x,))
+    err = capfd.readouterr().err
+    warned = "aten::lstm in 'lstm'" in err and "runs along it: a sequence-first model" in err
+    assert warned != batch_first, err
