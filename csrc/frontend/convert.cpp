@@ -608,12 +608,8 @@ Observed observe(const TracedModel& model, const std::vector<at::Tensor>& inputs
 // a non-tensor (a size, a shape list) depends on the batch only if it differs between the
 // two runs, so a causal mask built from the sequence length is the same for every
 // micro-batch.
-// `row_mixed`, if given, gets the float values that scale along one dimension as the batch
-// does but whose rows differ where both observations share them ([Note: rows mixed along
-// the batch]).
 std::vector<ir::ValueId> findBatchValues(ir::Graph& ir, const Observed& at1, const Observed& at2,
-                                         int64_t b1, int64_t b2,
-                                         std::vector<ir::ValueId>* row_mixed = nullptr) {
+                                         int64_t b1, int64_t b2) {
   std::vector<ir::ValueId> interleaved;
   std::vector<char> dep(ir.numValues(), 0);
   for (ir::ValueId id : ir.inputs()) dep[id] = ir.value(id).role == ir::ValueRole::Input;
@@ -661,10 +657,6 @@ std::vector<ir::ValueId> findBatchValues(ir::Graph& ir, const Observed& at1, con
       v.batch_dependent = true;
     } else if (nchanged > 0) {
       if (v.role == ir::ValueRole::Intermediate) interleaved.push_back(id);
-      if (row_mixed && nchanged == 1 && s1[changed] % b1 == 0 && s1[changed] / b1 * b2 == s2[changed] &&
-          at1.rows_agree[id] == 0 && ir::isFloatingPoint(v.dtype) && v.role == ir::ValueRole::Intermediate) {
-        row_mixed->push_back(id);
-      }
       v.batch_dependent = true;
       if (logEnabled(LogLevel::Debug)) {
         logDebug("value " + ir::describe(v) +
@@ -673,43 +665,6 @@ std::vector<ir::ValueId> findBatchValues(ir::Graph& ir, const Observed& at1, con
     }
   }
   return interleaved;
-}
-
-// [Note: rows mixed along the batch] rannc takes dimension 0 of the arguments as the batch.
-// A sequence-first model (nn.LSTM, nn.GRU, nn.RNN without batch_first=True, fed
-// [sequence, batch, ...]) has the sequence there: cut into micro-batches, each piece would
-// run the recurrence over a slice of the sequence, and train on something else without an
-// error. Such a recurrence's output scales along dimension 0 as the batch does, but its
-// rows differ where the observations at both sizes share them (the ops that couple rows
-// on purpose are switched off while observing: [Note: row-coupling flags]), as it never
-// does along a real batch. So that is a warning naming the op and what to do. Other
-// values whose shared rows differ are common and right where rannc glues them (the
-// (sequence*batch) layouts inside attention, a mixture of experts' routing), so only the
-// recurrent ops say so; a sequence-first nn.Transformer is not recognised.
-void warnRowsMixed(const ir::Graph& ir, const std::vector<ir::ValueId>& row_mixed, int64_t batch) {
-  static const char* const kRecurrent[] = {"aten::lstm", "aten::gru", "aten::rnn_tanh", "aten::rnn_relu",
-                                           "aten::_cudnn_rnn", "aten::_thnn_fused_lstm_cell"};
-  std::vector<std::string> where;
-  for (ir::ValueId id : row_mixed) {
-    const ir::Value& v = ir.value(id);
-    if (v.producer == ir::kNoId) continue;
-    const ir::Task& t = ir.task(v.producer);
-    for (const char* op : kRecurrent) {
-      if (!t.runs(op)) continue;
-      std::string at = std::string(op) + (t.scope.empty() ? "" : " in '" + t.scope + "'") +
-                       (t.source.empty() ? "" : " at " + t.source);
-      if (std::find(where.begin(), where.end(), at) == where.end()) where.push_back(at);
-    }
-  }
-  if (where.empty()) return;
-  std::string ops;
-  for (size_t i = 0; i < where.size() && i < 3; ++i) ops += (i ? "; " : "") + where[i];
-  if (where.size() > 3) ops += " and " + std::to_string(where.size() - 3) + " more";
-  logWarn("rannc takes dimension 0 of the arguments as the batch (" + std::to_string(batch) +
-          " rows), but " + ops + " runs along it: a sequence-first model (nn.LSTM, nn.GRU or "
-          "nn.RNN without batch_first=True, fed [sequence, batch, ...]) would be cut along the "
-          "sequence and train wrongly. Pass the arguments batch first ([batch, sequence, ...]) "
-          "to a model built with batch_first=True");
 }
 
 // [Note: data-sized values] An op whose output size the data decides (x[mask], nonzero,
@@ -936,11 +891,17 @@ std::vector<at::Tensor> trailingRowsOf(const std::vector<at::Tensor>& inputs,
   for (size_t i = 0; i < inputs.size(); ++i) {
     const at::Tensor& t = inputs[i];
     const at::Tensor& traced = at_traced.at(i);
-    const bool batch = roles.at(i).role == ir::ValueRole::Input && t.defined() && t.dim() >= 1 &&
-                       t.size(0) == rows_from && traced.defined() && traced.dim() >= 1 &&
-                       traced.size(0) == traced_rows;
-    if (batch) {
-      out.push_back(t.narrow(0, rows_from - rows, rows));
+    // an input's batch dimension: the one dimension where it and the traced input differ
+    // (dimension 1 of sequence-first arguments, [Note: batch dimensions] in _trace.py)
+    int64_t dim = -1;
+    if (roles.at(i).role == ir::ValueRole::Input && t.defined() && traced.defined() && t.dim() == traced.dim()) {
+      for (int64_t d = 0; d < t.dim(); ++d) {
+        if (t.size(d) == traced.size(d)) continue;
+        dim = (dim < 0 && t.size(d) == rows_from && traced.size(d) == traced_rows) ? d : -2;
+      }
+    }
+    if (dim >= 0) {
+      out.push_back(t.narrow(dim, rows_from - rows, rows));
     } else if (roles.at(i).role == ir::ValueRole::Buffer && traced.defined()) {
       out.push_back(traced.clone());  // as before any run: the run at b2 may have updated `t`
     } else {
@@ -1084,12 +1045,10 @@ std::shared_ptr<TracedModel> buildGluedModel(IrBuilder& builder, const TraceExam
       }
       if (attempt == 0) first_at1 = at1, first_at2 = at2, first_jit = jit_of;
     }
-    std::vector<ir::ValueId> row_mixed;
-    std::vector<ir::ValueId> interleaved = findBatchValues(model->graph, at1, at2, first.batch_size,
-                                                           second.batch_size, attempt == 0 ? &row_mixed : nullptr);
+    std::vector<ir::ValueId> interleaved =
+        findBatchValues(model->graph, at1, at2, first.batch_size, second.batch_size);
     if (attempt == 0) {  // [Note: data-sized values]: once, while tasks are single ops
       for (ir::ValueId id : dataSizedValues(model->graph, at1, at2)) interleaved.push_back(id);
-      warnRowsMixed(model->graph, row_mixed, first.batch_size);
     }
     size_t before = glue.size();
     for (ir::ValueId id : interleaved) glue.insert(jit_of[id]);

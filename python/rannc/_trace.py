@@ -217,8 +217,10 @@ class Trace:
     batch_size: int
 
 
-def _second_batch(flat: FlatArgs, batch: int, mirror: bool = True) -> tuple[list[torch.Tensor], int]:
-    """Inputs at another batch size (half the rows from 4 up): the smaller batch's rows are
+def _second_batch(flat: FlatArgs, batch: int, dims: list, mirror: bool = True
+                  ) -> tuple[list[torch.Tensor], int]:
+    """Inputs at another batch size (half the rows from 4 up), each tensor cut along its
+    batch dimension `dims[i]` (None: it carries no batch): the smaller batch's rows are
     the larger's trailing rows (cycled where the new size is larger), so the rows both
     sizes share hold the same data, and values that hold row positions differ there
     ([Note: row positions] in csrc/frontend/convert.cpp). With `mirror`, values change too, to expose programs
@@ -231,18 +233,65 @@ def _second_batch(flat: FlatArgs, batch: int, mirror: bool = True) -> tuple[list
     rows = (torch.arange(batch2) - (batch2 - batch)) % batch if batch2 > batch \
         else torch.arange(batch - batch2, batch)
     out = []
-    for t in flat.tensors:
-        if t.dim() >= 1 and t.shape[0] == batch:
+    for t, dim in zip(flat.tensors, dims):
+        if dim is not None:
             if mirror and not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool):
-                t = t.detach()[(batch - 1 - rows).to(t.device)]
+                t = t.detach().index_select(dim, (batch - 1 - rows).to(t.device))
             else:
-                t = t.detach()[rows.to(t.device)]
+                t = t.detach().index_select(dim, rows.to(t.device))
             if mirror and (t.is_floating_point() or t.is_complex()):
                 t = -t
             elif mirror and t.dtype == torch.bool:
                 t = ~t
         out.append(t)
     return out, batch2
+
+
+# [Note: batch dimensions] The batch is dimension 0 of the tensor arguments whose size there
+# matches the first one's. A sequence-first model (nn.LSTM, nn.GRU, nn.RNN without
+# batch_first=True, fed [sequence, batch, ...] as PyTorch's own word language model is) has
+# the sequence there: cut into micro-batches, each piece would run the recurrence over a
+# slice of the sequence and train on something else without an error. Along a real batch
+# a recurrence's output is a batch value (its rows do not depend on each other); along a
+# sequence its rows differ where the observations at both sizes share them, so the
+# analysis glues it into its task and no batch value comes out of that task. Such a trace
+# is traced again with the batch in dimension 1 of the arguments that have it there (the
+# others in dimension 0: labels [batch], a hidden state [layers, batch, hidden] in 1), and
+# kept if its recurrences then run along their batch; else a warning names the op.
+_RECURRENT_OPS = ("aten::lstm", "aten::gru", "aten::rnn_tanh", "aten::rnn_relu", "aten::_cudnn_rnn")
+
+
+def _leading_batch_dims(tensors: list, batch: int) -> list:
+    """Dimension 0 for the tensors with `batch` rows there, None for the others."""
+    return [0 if t.dim() >= 1 and t.shape[0] == batch else None for t in tensors]
+
+
+def _sequence_first_layout(tensors: list):
+    """(batch, dims) with the batch in dimension 1 of the first tensor of two dimensions or
+    more ([Note: batch dimensions]); None where that is ambiguous or no different."""
+    first = next((t for t in tensors if t.dim() >= 2), None)
+    if first is None or first.shape[1] < 2 or first.shape[1] == first.shape[0]:
+        return None
+    batch = first.shape[1]
+    dims = [1 if t.dim() >= 2 and t.shape[1] == batch else 0 if t.dim() >= 1 and t.shape[0] == batch
+            else None for t in tensors]
+    return batch, dims
+
+
+def recurrent_along_batch(graph) -> list[str]:
+    """The recurrent ops of `graph` (an IrGraph) that run along its batch dimension: each
+    task running one that takes a batch value and makes none ([Note: batch dimensions])."""
+    found = []
+    for task in graph.tasks():
+        ops = [op for op in task.op.split("+") if op in _RECURRENT_OPS]
+        if not ops:
+            continue
+        takes = any(graph.value(v).batch_dim >= 0 for v in task.inputs)
+        makes = any(graph.value(v).batch_dim >= 0 for v in task.outputs)
+        if takes and not makes:
+            where = f" in '{task.scope}'" if task.scope else ""
+            found.append(f"{ops[0]}{where}" + (f" at {task.source}" if task.source else ""))
+    return found
 
 
 # [Note: random decisions] A model that draws a random number and turns it into a Python
@@ -505,8 +554,37 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
     state = ModelState.of(model)
     if state_tensors is None:
         state_tensors = state_for_tracing(model, state, home)
+    traced, out1 = _trace_with_layout(model, state, state_tensors, flat, home, batch,
+                                      _leading_batch_dims(flat.tensors, batch))
+    along = recurrent_along_batch(traced.ir)  # [Note: batch dimensions]
+    layout = _sequence_first_layout(flat.tensors) if along else None
+    if layout is not None:
+        try:
+            traced2, out2 = _trace_with_layout(model, state, state_tensors, flat, home, *layout)
+        except TraceError:
+            traced2 = None
+        if traced2 is not None and not recurrent_along_batch(traced2.ir):
+            traced, out1, batch, along = traced2, out2, layout[0], []
+            _C.log_info(f"the arguments are sequence first: the batch is dimension 1 of those "
+                        f"that have {batch} rows there ([Note: batch dimensions] in _trace.py)")
+    if along:
+        _C.log_warn(
+            f"rannc takes dimension 0 of the arguments as the batch ({batch} rows), but "
+            f"{failure.some_of(along)} runs along it, and tracing with the batch in dimension 1 "
+            "did not help: a sequence-first model (nn.LSTM, nn.GRU or nn.RNN without "
+            "batch_first=True) would be cut along the sequence and train wrongly. Pass the "
+            "arguments batch first ([batch, sequence, ...]) to a model built with "
+            "batch_first=True")
+    leaves = out1["leaves"]
+    slots = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+    return Trace(traced, state, state_tensors, home, flat, out1["spec"], leaves, slots, batch)
+
+
+def _trace_with_layout(model, state, state_tensors, flat: FlatArgs, home, batch: int, dims: list):
+    """The model traced and analysed with the batch (`batch` rows) in dimension `dims[i]` of
+    each tensor argument: (the traced model, the first trace's outputs)."""
     notes: list[str] = []
-    tensors2, batch2 = _second_batch(flat, batch)
+    tensors2, batch2 = _second_batch(flat, batch, dims)
     # the user's random streams stay as they were, the model's GPU's too
     cuda = [home.index if home.index is not None else torch.cuda.current_device()] if home.type == "cuda" else []
     with torch.random.fork_rng(devices=cuda), recording_autocast(home.type):
@@ -516,7 +594,7 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
             try:
                 g2, ex2, out2 = _trace_once(model, state, state_tensors, flat, tensors2, notes)
             except Exception:  # perhaps only the changed values upset it: same values then
-                tensors2, _ = _second_batch(flat, batch, mirror=False)
+                tensors2, _ = _second_batch(flat, batch, dims, mirror=False)
                 g2, ex2, out2 = _trace_once(model, state, state_tensors, flat, tensors2, notes)
         except Exception as e:  # the model itself fails at another batch size
             raise TraceError(
@@ -533,7 +611,7 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
         try:
             observe1 = _fresh_buffers(state, state_tensors) + list(flat.tensors)
             observe2 = (_fresh_buffers(state, state_tensors)
-                        + _second_batch(flat, batch, mirror=False)[0])
+                        + _second_batch(flat, batch, dims, mirror=False)[0])
             traced = _C.build_traced_model(g1, list(ex1), batch, g2, list(ex2), batch2,
                                            observe1, observe2, names, roles, classes)
         except TraceError as e:
@@ -541,6 +619,4 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
             if hints:
                 raise TraceError(f"{e}\nThe tracer warned at: " + "; ".join(dict.fromkeys(hints))) from None
             raise
-    leaves = out1["leaves"]
-    slots = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-    return Trace(traced, state, state_tensors, home, flat, out1["spec"], leaves, slots, batch)
+    return traced, out1

@@ -127,7 +127,8 @@ def trace(model: torch.nn.Module, args: Any, kwargs: dict | None = None) -> Trac
 
     `args` is a tuple of positional arguments (a single tensor is taken as one argument);
     arguments may be tensors, tuples, lists and dicts of tensors, or constants. The batch
-    dimension is dimension 0 of the tensor arguments whose size matches the first one's.
+    dimension is dimension 0 of the tensor arguments whose size matches the first one's
+    (dimension 1 for sequence-first recurrent models: [Note: batch dimensions] in _trace.py).
     Raises rannc.TraceError when the model cannot be traced faithfully.
     """
     return TracedGraph(model, args if isinstance(args, tuple) else (args,), kwargs)

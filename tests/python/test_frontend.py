@@ -691,15 +691,20 @@ class _Recurrent(torch.nn.Module):
         return self.head(self.lstm(x)[0])
 
 
-@pytest.mark.parametrize("batch_first", [False, True])
-def test_a_recurrence_along_dimension_0_is_a_warning_naming_it(capfd, batch_first):
-    """[Note: rows mixed along the batch]: rannc cuts dimension 0 of the arguments into
-    micro-batches; a sequence-first nn.LSTM fed [sequence, batch, features] would be cut
-    along the sequence and train wrongly without a word. Its trace warns, naming the op
-    and the module; the same model batch first does not."""
-    model = _Recurrent(batch_first)
-    x = torch.randn(4, 7, 6) if batch_first else torch.randn(7, 4, 6)
-    rannc.trace(model, (x,))
+@pytest.mark.parametrize("layout", ["batch_first", "sequence_first", "ambiguous"])
+def test_a_sequence_first_recurrence_has_its_batch_in_dimension_1(capfd, layout):
+    """[Note: batch dimensions]: a sequence-first nn.LSTM fed [sequence, batch, features]
+    traces with its batch in dimension 1 (cut along dimension 0, the sequence, it trained
+    wrongly without a word); batch first, in dimension 0. Where the sizes cannot tell (as
+    many steps as rows) the trace keeps dimension 0 and warns, naming the op."""
+    model = _Recurrent(layout == "batch_first")
+    x = {"batch_first": torch.randn(4, 7, 6), "sequence_first": torch.randn(7, 4, 6),
+         "ambiguous": torch.randn(4, 4, 6)}[layout]
+    g = rannc.trace(model, (x,))
     err = capfd.readouterr().err
-    warned = "aten::lstm in 'lstm'" in err and "runs along it: a sequence-first model" in err
-    assert warned != batch_first, err
+    dim = g.ir.value(g.ir.inputs[-1]).batch_dim
+    assert dim == (1 if layout == "sequence_first" else 0), (layout, dim)
+    assert g.batch_size == 4
+    torch.testing.assert_close(g(x), model(x))
+    warned = "aten::lstm in 'lstm'" in err and "tracing with the batch in dimension 1 did not help" in err
+    assert warned == (layout == "ambiguous"), err

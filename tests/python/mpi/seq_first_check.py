@@ -1,0 +1,122 @@
+"""Sequence-first recurrent models ([Note: batch dimensions] in _trace.py), against PyTorch
+on the global batch.
+
+    mpirun -np N python seq_first_check.py STAGES [REPLICAS]
+
+classifier: nn.LSTM without batch_first over x [sequence, batch, features], labels [batch],
+the loss inside (1F1B). lm: PyTorch's word language model, tokens [sequence, batch], the
+hidden state [layers, batch, hidden] passed in and carried to the next call detached
+(truncated backpropagation through time), the loss made outside (fill-drain). Both train
+3 SGD steps equal to PyTorch on the rows of every rank, in 2 micro-batches; the batch is
+dimension 1 of the arguments that have it there. Before session 30 the sequence was cut
+into micro-batches and each piece trained on something else without an error.
+"""
+import copy
+import sys
+
+import torch
+import torch.nn.functional as F
+
+torch.set_num_threads(1)
+
+import rannc  # noqa: E402
+
+stages = int(sys.argv[1])
+replicas = sys.argv[2] if len(sys.argv) > 2 else None
+rank, world = rannc.get_rank(), rannc.get_world_size()
+ROWS, SEQ, VOCAB = 4, 6, 20
+
+
+class Classifier(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(5, 16)
+        self.lstm = torch.nn.LSTM(16, 16, num_layers=2)
+        self.head = torch.nn.Linear(16, 3)
+
+    def forward(self, x, labels):
+        h, _ = self.lstm(torch.tanh(self.inp(x)))
+        return F.cross_entropy(self.head(h[-1]), labels)
+
+
+class WordLM(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder = torch.nn.Embedding(VOCAB, 16)
+        self.rnn = torch.nn.LSTM(16, 16, num_layers=2)
+        self.decoder = torch.nn.Linear(16, VOCAB)
+
+    def forward(self, tokens, hidden):
+        out, hidden = self.rnn(self.encoder(tokens), hidden)
+        return self.decoder(out), hidden
+
+
+def check(name, make, step):
+    torch.manual_seed(0)
+    model = make()
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    wrapped = rannc.RaNNCModule(model, opt, num_stages=stages, num_microbatches=2,
+                                replicas=replicas)
+    state = None
+    for i in range(3):
+        state = step(wrapped, reference, i, state)
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    got = wrapped.state_dict()
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(got[key], value, rtol=1e-4, atol=1e-6,
+                                   msg=lambda m: f"rank {rank}, {name}, {key}: {m}")
+    traced = wrapped._deployed[True].graph
+    dims = [traced.ir.value(v).batch_dim for v in traced.ir.inputs if traced.ir.value(v).role == "input"]
+    assert dims[0] == 1, (name, dims)
+
+
+def rows(t, dim):
+    return t.narrow(dim, rank * ROWS, ROWS)
+
+
+def classifier_step(wrapped, reference, i, state):
+    g = torch.Generator().manual_seed(i)
+    x = torch.randn(SEQ, ROWS * world, 5, generator=g)
+    labels = torch.randint(0, 3, (ROWS * world,), generator=g)
+    loss = wrapped(rows(x, 1), rows(labels, 0))
+    ref = reference(x, labels)
+    torch.testing.assert_close(loss.detach(), ref.detach(), rtol=1e-5, atol=1e-6)
+    loss.backward()
+    ref.backward()
+
+
+def lm_step(wrapped, reference, i, state):
+    g = torch.Generator().manual_seed(10 + i)
+    data = torch.randint(0, VOCAB, (SEQ + 1, ROWS * world), generator=g)
+    tokens, targets = data[:-1], data[1:]
+    if state is None:
+        state = [tuple(torch.zeros(2, ROWS * world, 16) for _ in range(2))] * 2
+    mine, theirs = state
+    out, hidden = wrapped(rows(tokens, 1), tuple(rows(h, 1) for h in mine))
+    ref_out, ref_hidden = reference(tokens, theirs)
+    torch.testing.assert_close(out, rows(ref_out, 1), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(hidden[0], rows(ref_hidden[0], 1), rtol=1e-5, atol=1e-6)
+    # each rank's loss over its own rows; DDP's averaging makes the global batch's
+    F.cross_entropy(out.reshape(-1, VOCAB), rows(targets, 1).reshape(-1)).backward()
+    F.cross_entropy(ref_out.reshape(-1, VOCAB), targets.reshape(-1)).backward()
+    # truncated backpropagation through time: the hidden state goes on, detached; every
+    # rank's rows of it in the next call, as the reference's whole
+    full = tuple(torch.cat(rannc_all_gather(h.detach()), dim=1) for h in hidden)
+    return [full, tuple(h.detach() for h in ref_hidden)]
+
+
+def rannc_all_gather(t):
+    """Every rank's `t` (rows of the global hidden state), in rank order."""
+    comm = rannc._C.Communicator.world_cpu()
+    out = torch.empty(world, *t.shape)
+    comm.all_gather(t.contiguous(), out).wait()
+    return list(out)
+
+
+check("classifier", Classifier, classifier_step)
+check("lm", WordLM, lm_step)
+print(f"OK rank {rank}", flush=True)
