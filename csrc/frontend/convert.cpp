@@ -547,13 +547,39 @@ bool remapObserved(const Observed& from, const std::vector<const torch::jit::Val
   return true;
 }
 
+// [Note: random values] A float value computed from random draws (noise added to the
+// embeddings: transformers' NEFTune; a Gaussian input noise) differs between any two runs,
+// so the rows both observations share cannot tell whether the ops mix rows: such values
+// would all read as interleaved, and gluing them made the whole model one task (no stage
+// could be cut). Their rows are not compared; their shapes still decide. Dropout and
+// batch statistics are switched off instead ([Note: row-coupling flags]); a draw of
+// indices (randperm, randint, multinomial) and what integers are computed from random
+// values are compared as before.
+std::vector<char> randomValues(const ir::Graph& ir) {
+  static const char* const kRandom[] = {
+      "aten::uniform_", "aten::normal_", "aten::normal", "aten::bernoulli", "aten::bernoulli_",
+      "aten::rand", "aten::randn", "aten::rand_like", "aten::randn_like", "aten::exponential_",
+      "aten::geometric_", "aten::cauchy_", "aten::log_normal_", "aten::poisson"};
+  std::vector<char> random(ir.numValues(), 0);
+  for (ir::TaskId t : ir.topologicalOrder()) {
+    const ir::Task& task = ir.task(t);
+    bool drawn = false;
+    for (const char* op : kRandom) drawn = drawn || task.runs(op);
+    for (ir::ValueId in : task.inputs) drawn = drawn || random[in];
+    if (!drawn) continue;
+    for (ir::ValueId out : task.outputs) random[out] = 1;
+  }
+  return random;
+}
+
 // Runs the graph without gradients and records every value. With `keep`, keeps the tensors;
 // with `kept` (a run at another batch size, the smaller run's inputs the larger's trailing
 // rows: [Note: row positions]), compares the rows both runs share of each value whose
-// shape scales with the batch.
+// shape scales with the batch (but random ones: [Note: random values]).
 Observed observe(const TracedModel& model, const std::vector<at::Tensor>& inputs, bool keep,
                  const Observed* kept = nullptr, int64_t batch = 0, int64_t kept_batch = 0) {
   Observed o;
+  const std::vector<char> random = kept ? randomValues(model.graph) : std::vector<char>();
   const int n = model.graph.numValues();
   o.shapes.resize(n);
   o.dtypes.resize(n, at::ScalarType::Undefined);
@@ -572,7 +598,8 @@ Observed observe(const TracedModel& model, const std::vector<at::Tensor>& inputs
       o.shapes[id] = t.sizes().vec();
       o.dtypes[id] = t.scalar_type();
       if (keep) o.tensors[id] = t;
-      if (kept && kept->tensors.size() > static_cast<size_t>(id) && kept->tensors[id].defined()) {
+      const bool drawn = kept && random[id] && (t.is_floating_point() || t.is_complex());
+      if (kept && !drawn && kept->tensors.size() > static_cast<size_t>(id) && kept->tensors[id].defined()) {
         const at::Tensor& other = kept->tensors[id];
         if (other.dim() == t.dim()) {
           int changed = -1, nchanged = 0;

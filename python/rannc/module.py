@@ -70,13 +70,18 @@ def _checkpoint():
     return checkpoint
 
 
+def _accelerate_running() -> bool:
+    """Whether an Accelerator was made in this process."""
+    accelerate = sys.modules.get("accelerate.state")
+    return accelerate is not None and bool(accelerate.AcceleratorState._shared_state)
+
+
 def _accelerate_mixed_precision():
     """The autocast dtype of the running accelerate (None: fp32 or no accelerate)."""
-    accelerate = sys.modules.get("accelerate.state")
-    if accelerate is None or not accelerate.AcceleratorState._shared_state:
+    if not _accelerate_running():
         return None
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
-        accelerate.AcceleratorState().mixed_precision)
+        sys.modules["accelerate.state"].AcceleratorState().mixed_precision)
 
 
 def _precision_name(amp) -> str:
@@ -558,8 +563,14 @@ class RaNNCModule(torch.nn.Module):
     # Trainer's product is the step's share again, as in one process. The count must be
     # the same on every rank (average_tokens_across_devices=True, Trainer's default): a
     # 0-dim argument that differs between ranks is an agreed error (_scalars_differ).
+    # accelerate's prepare_model() returns a model that says it is prepared as it is, without
+    # saying so to it (Trainer's evaluate() before train() prepares the model that way):
+    # being asked is being prepared. Before session 30 that evaluation's loss on N ranks
+    # was N times the loss, Trainer multiplying a count that was not.
     @property
     def _is_accelerate_prepared(self) -> bool:
+        if _accelerate_running():
+            self._is_accelerate_prepared = True
         return True
 
     @_is_accelerate_prepared.setter
@@ -573,10 +584,13 @@ class RaNNCModule(torch.nn.Module):
 
     # What transformers' Trainer reads of the model it is given (its RaNNCModule): the
     # config (Trainer sets config.use_cache, aligns the special tokens), the loss type
-    # (whether it counts a causal loss's items without each row's first label) and the
-    # class name (whether its label smoother shifts a causal LM's labels). The wrapped
-    # model's, so that Trainer does what it does for the model in one process.
-    _MODEL_ATTRIBUTES = frozenset({"config", "generation_config", "loss_type"})
+    # (whether it counts a causal loss's items without each row's first label), the class
+    # name (whether its label smoother shifts a causal LM's labels) and the input
+    # embeddings (NEFTune's noise is a forward hook on them, registered before training
+    # starts, so the training trace holds it). The wrapped model's, so that Trainer does
+    # what it does for the model in one process.
+    _MODEL_ATTRIBUTES = frozenset({"config", "generation_config", "loss_type",
+                                   "get_input_embeddings", "get_output_embeddings"})
 
     def _get_name(self) -> str:
         return self.module._get_name()

@@ -137,6 +137,18 @@ def test_accelerate_training_loop_on_several_ranks_equals_one_process(tmp_path, 
     run_against_one_process(tmp_path, "accelerate_check.py", ranks, stages, flags)
 
 
+def test_neftune_noise_is_traced_into_training_only(tmp_path):
+    """Trainer's neftune_noise_alpha over a RaNNCModule on 2 ranks: the hook on
+    get_input_embeddings() (an AttributeError before session 30) is traced into the
+    training graph in a task of its own, the model still cut into 2 stages (its random
+    values glued the whole model into one task: [Note: random values]), and not into
+    evaluation's (mpi/neftune_check.py)."""
+    res = mpirun("neftune_check.py", 2, str(tmp_path), timeout=300, env={"RANNC_COMM_TIMEOUT": "60"})
+    assert res.returncode == 0, res.stdout[-4000:]
+    for r in range(2):
+        assert f"OK rank {r}" in res.stdout, res.stdout[-4000:]
+
+
 @pytest.mark.parametrize("ranks,model,stages,replicas", [(2, "hf_gpt2", 2, None),
                                                         (3, "hf_llama", 2, "2,1")])
 def test_generate_through_the_pipeline_equals_the_plain_models(ranks, model, stages, replicas):

@@ -142,10 +142,13 @@ def logs(t):
 
 if mode == "reference":
     t = trainer(make_model(0), os.path.join(out, "reference"))
+    # before training: accelerate prepares the model for evaluation only (train() then
+    # starts a new log history)
+    before = t.evaluate()["eval_loss"]
     t.train()
     train, evals = logs(t)
     with open(os.path.join(out, "reference.json"), "w") as f:
-        json.dump({"train": train, "evals": evals}, f)
+        json.dump({"train": train, "evals": evals, "before": before}, f)
     safetensors.torch.save_file({k: v.detach().cpu().clone()
                                  for k, v in t.model.state_dict().items()},
                                 os.path.join(out, "reference.safetensors"))
@@ -181,6 +184,10 @@ def same_weights(path, what):
 directory = os.path.join(out, "rannc")
 padding = {"pad_values": "transformers"} if dynamic else {}
 t = trainer(rannc.RaNNCModule(make_model(0), num_stages=stages, **padding), directory)
+# evaluated before training: its loss was N times the loss on N ranks before session 30
+# (accelerate prepares the model for evaluation without telling it, [Note: accelerate])
+torch.testing.assert_close(torch.tensor(t.evaluate()["eval_loss"]), torch.tensor(reference["before"]),
+                           **tolerance)
 t.train()
 # the stages run on each rank's GPU (local rank modulo the GPUs), as Trainer's batches do
 assert t.model.device == (t.args.device if cuda else torch.device("cpu")), \
