@@ -12,7 +12,7 @@ import torch
 import rannc
 from rannc import _C
 from mpirun import mpirun
-from test_hf import run_trainer_check
+from test_hf import run_against_one_process, run_trainer_check
 from test_runtime_stage import run_pipeline
 import hf_zoo
 import zoo
@@ -190,6 +190,14 @@ def test_transformers_trainer_on_cuda_equals_one_process(tmp_path, ranks, stages
     call, [Note: moving a wrapped model]) and sees a multi-GPU run from the LOCAL_RANK that
     rannc.init_process_group sets ([Note: a DDP script's environment on GPUs])."""
     run_trainer_check(tmp_path, ranks, stages, ["--cuda", *flags])
+
+
+@pytest.mark.parametrize("ranks,stages,flags", [(1, 1, []), (2, 2, ["--bf16"])])
+def test_accelerate_loop_on_cuda_equals_one_process(tmp_path, ranks, stages, flags):
+    """accelerate's own loop on the GPU over a RaNNCModule (ranks sharing the GPU) against
+    the same loop over the plain model on the same GPU (tests/python/mpi/accelerate_check.py):
+    prepare moves the model to accelerate's device, save_state/load_state, save_pretrained."""
+    run_against_one_process(tmp_path, "accelerate_check.py", ranks, stages, ["--cuda", *flags])
 
 
 @pytest.mark.parametrize("probe,ranks", [("process_group", 2), ("two_calls", 2),

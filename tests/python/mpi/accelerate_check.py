@@ -1,8 +1,8 @@
 """accelerate's own training loop (no Trainer) over a RaNNCModule on several ranks, against
 the same loop over the plain model in one process on the same global batches.
 
-    python accelerate_check.py reference OUT [--bf16]     # one process, the plain model
-    mpirun -np N python accelerate_check.py rannc OUT STAGES [--bf16]
+    python accelerate_check.py reference OUT [--bf16] [--cuda]   # one process, the plain model
+    mpirun -np N python accelerate_check.py rannc OUT STAGES [--bf16] [--cuda]
 
 The loop a user of accelerate writes: `accelerator.prepare(model, optimizer, dataloader,
 scheduler)` (the dataloader sharded over the ranks), `accumulate(model)` over 2 batches per
@@ -12,6 +12,8 @@ optimizer and scheduler steps, `save_state` after step 2; at the end `get_state_
 RaNNCModule over other weights, prepared by a new Accelerator, `load_state`s the step-2
 checkpoint and trains steps 3-4 again. Every loss and gradient norm, the saved files and
 the resumed run's end must equal the reference's. --bf16: Accelerator(mixed_precision="bf16").
+--cuda: accelerate on the GPU (tests/gpu; ranks share it), the reference on the same GPU,
+neither with TF32.
 """
 import json
 import os
@@ -26,6 +28,7 @@ import rannc  # noqa: E402
 mode, out = sys.argv[1], sys.argv[2]
 stages = int(sys.argv[3]) if mode == "rannc" else 1
 bf16 = "--bf16" in sys.argv
+cuda = "--cuda" in sys.argv
 if mode == "rannc":
     rannc.init_process_group()  # before the Accelerator: it reads the process group
 
@@ -33,6 +36,9 @@ import accelerate  # noqa: E402
 import safetensors.torch  # noqa: E402
 
 import hf_zoo  # noqa: E402
+import zoo  # noqa: E402
+
+zoo.full_fp32()  # the GPU in full float32 (no TF32), as the reference
 
 GLOBAL_BATCH, STEPS, ACCUMULATE = 8, 4, 2
 world = rannc.get_world_size() if mode == "rannc" else 1
@@ -54,7 +60,7 @@ class Texts(torch.utils.data.Dataset):
 
 def prepared(seed):
     """A fresh Accelerator and what it prepared: model, optimizer, scheduler, dataloader."""
-    accelerator = accelerate.Accelerator(gradient_accumulation_steps=ACCUMULATE, cpu=True,
+    accelerator = accelerate.Accelerator(gradient_accumulation_steps=ACCUMULATE, cpu=not cuda,
                                          mixed_precision="bf16" if bf16 else "no")
     model, _, _ = hf_zoo.make("hf_gpt2", batch=GLOBAL_BATCH, seed=seed)
     if mode == "rannc":
