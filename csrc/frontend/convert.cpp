@@ -556,15 +556,16 @@ bool remapObserved(const Observed& from, const std::vector<const torch::jit::Val
 // indices (randperm, randint, multinomial) and what integers are computed from random
 // values are compared as before.
 std::vector<char> randomValues(const ir::Graph& ir) {
-  static const char* const kRandom[] = {
-      "aten::uniform_", "aten::normal_", "aten::normal", "aten::bernoulli", "aten::bernoulli_",
-      "aten::rand", "aten::randn", "aten::rand_like", "aten::randn_like", "aten::exponential_",
-      "aten::geometric_", "aten::cauchy_", "aten::log_normal_", "aten::poisson"};
   std::vector<char> random(ir.numValues(), 0);
   for (ir::TaskId t : ir.topologicalOrder()) {
     const ir::Task& task = ir.task(t);
     bool drawn = false;
-    for (const char* op : kRandom) drawn = drawn || task.runs(op);
+    for (size_t b = 0; b <= task.op.size() && !drawn;) {  // each op of a glued task
+      const size_t e = std::min(task.op.find('+', b), task.op.size());
+      const std::string op = task.op.substr(b, e - b);
+      drawn = ir::drawsAtRandom(op) && op.find("dropout") == std::string::npos;  // switched off
+      b = e + 1;
+    }
     for (ir::ValueId in : task.inputs) drawn = drawn || random[in];
     if (!drawn) continue;
     for (ir::ValueId out : task.outputs) random[out] = 1;
@@ -924,7 +925,7 @@ std::vector<at::Tensor> trailingRowsOf(const std::vector<at::Tensor>& inputs,
     if (roles.at(i).role == ir::ValueRole::Input && t.defined() && traced.defined() && t.dim() == traced.dim()) {
       for (int64_t d = 0; d < t.dim(); ++d) {
         if (t.size(d) == traced.size(d)) continue;
-        dim = (dim < 0 && t.size(d) == rows_from && traced.size(d) == traced_rows) ? d : -2;
+        dim = (dim == -1 && t.size(d) == rows_from && traced.size(d) == traced_rows) ? d : -2;
       }
     }
     if (dim >= 0) {

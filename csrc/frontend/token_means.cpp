@@ -22,14 +22,6 @@ size_t argumentCount(const std::string& op) {
   return 0;
 }
 
-bool drawsAtRandom(const std::string& op) {
-  for (const char* word : {"rand", "bernoulli", "dropout", "multinomial", "normal", "poisson",
-                           "uniform", "exponential", "geometric", "cauchy"}) {
-    if (op.find(word) != std::string::npos) return true;
-  }
-  return false;
-}
-
 thread_local double share_rows = 0.0;
 
 // The share's sum over (global count * the share's rows / global rows) when the scale is on
@@ -247,7 +239,7 @@ class Finder {
       if (v.isModelState()) return "its " + noun + " depends on '" + v.name + "'";
       if (v.producer == ir::kNoId) continue;
       const ir::Task& task = g_.task(v.producer);
-      if (drawsAtRandom(task.op)) return "its " + noun + " is drawn at random (" + model_.describeTask(task.id) + ")";
+      if (ir::drawsAtRandom(task.op)) return "its " + noun + " is drawn at random (" + model_.describeTask(task.id) + ")";
       if (writesInputs(model_, task.id)) {
         return "its " + noun + " is written in place (" + model_.describeTask(task.id) + ")";
       }

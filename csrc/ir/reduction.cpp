@@ -230,6 +230,14 @@ BatchReduction outputReduction(const std::vector<OutputTerm>& terms) {
   return mean ? BatchReduction::Mean : BatchReduction::Unknown;
 }
 
+bool drawsAtRandom(std::string_view op) {
+  for (const char* word : {"rand", "bernoulli", "dropout", "multinomial", "normal", "poisson",
+                           "uniform", "exponential", "geometric", "cauchy"}) {
+    if (op.find(word) != std::string_view::npos) return true;
+  }
+  return false;
+}
+
 bool selectsByData(const Graph& g, const Task& task) {
   for (const char* op : {"aten::nonzero", "aten::argwhere", "aten::masked_select", "aten::_unique2",
                          "aten::unique_dim", "aten::unique_consecutive", "aten::nonzero_numpy"}) {

@@ -59,6 +59,10 @@ std::optional<BatchCount> batchCount(const Graph& g, ValueId value);
 // values] in csrc/frontend/convert.cpp).
 bool selectsByData(const Graph& g, const Task& task);
 
+// Whether operator `op` (or a glued task's "+"-joined ops) draws random numbers: rand*,
+// bernoulli, dropout, multinomial, normal, poisson, uniform_ and the other in-place draws.
+bool drawsAtRandom(std::string_view op);
+
 // Whether each use of scalar `value` reaches the graph's outputs only through scalar +, -,
 // casts, and * or / by values that do not depend on the rows, so that an output combined
 // over shares weighs `value`'s shares as it weighs the output's (a loss term: yes; a

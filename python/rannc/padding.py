@@ -24,7 +24,7 @@ from collections.abc import Mapping
 
 import torch
 
-from . import _C
+from . import _C, failure, handshake
 
 
 def _padded(t: torch.Tensor, length: int, value, dim: int, side: str) -> torch.Tensor:
@@ -133,7 +133,6 @@ class CallPadding:
     def pad(self, what: str, args, kwargs):
         """(args, kwargs) with the named arguments padded where the ranks' lengths differ
         (a collective: every rank in call `what`)."""
-        from . import handshake
         names = list(self.values)
         given = {n: self._argument(n, args, kwargs) for n in names}
         mine = torch.tensor([given[n].shape[self.DIM] if given[n] is not None else -1
@@ -150,7 +149,6 @@ class CallPadding:
         unmasked = [n for n in targets if self.check_masks and n in _MASK_OF
                     and given.get(_MASK_OF[n]) is None]
         if unmasked:
-            from . import failure
             raise failure.agreed(
                 f"option pad_values=\"transformers\" would pad {unmasked[0]} to "
                 f"{targets[unmasked[0]]} tokens (the ranks' lengths differ), but the call has no "
