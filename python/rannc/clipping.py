@@ -52,26 +52,20 @@ def warn_early_imports() -> None:
 
 def counted_grads(module, selected: set[int] | None = None) -> list[torch.Tensor]:
     """The gradients this rank counts in the norm over every stage: each trained parameter
-    on the first rank of its gradient group (replicas and stages sharing it hold the same
-    sum), restricted to the parameter objects in `selected` when given."""
-    deployed = module._deployed.get(True).last_trained  # [Note: frozen parameters]
+    on the first rank that trains it (replicas and stages sharing it hold the same sum),
+    restricted to the parameter objects in `selected` when given."""
     rank = _C.get_rank()
-    counted = {}
-    for ranks, vids in deployed.engine.grad_groups():
-        if min(ranks) != rank:
-            continue
-        for v in vids:
-            t = deployed.own.get(v)
-            if t is not None and t.grad is not None and (selected is None or id(t) in selected):
-                counted.setdefault(v, t.grad.detach())
-    return list(counted.values())
+    return [t.grad.detach() for t, trainers in module.placement.trained_parameters()
+            if min(trainers) == rank and t.grad is not None
+            and (selected is None or id(t) in selected)]
 
 
 def held_grads(module, selected: set[int] | None = None) -> list[torch.Tensor]:
     """The gradients of the trained parameters this rank holds (each once)."""
-    held = {id(t): t.grad for t in module._deployed[True].last_trained.own.values()
-            if t.grad is not None and (selected is None or id(t) in selected)}
-    return list(held.values())
+    rank = _C.get_rank()
+    return [t.grad for t, trainers in module.placement.trained_parameters()
+            if rank in trainers and t.grad is not None
+            and (selected is None or id(t) in selected)]
 
 
 def _local_term(grads, norm_type: float) -> torch.Tensor:

@@ -256,6 +256,10 @@ class Deployed:
         # backward] in csrc/runtime/engine.h)
         self.unreferenced_forwards = collections.deque()
         self.call_sync = True  # whether the last training call summed its gradients
+        # a training program of other arguments than the first training call's: its
+        # gradients go to each parameter's trainers ([Note: other training arguments])
+        self.routing_key = None
+        self._routes = None
         if rank == 0 and plan_from is None:
             print(deployment.report(), flush=True)
             print(self.times.line(), flush=True)
@@ -446,6 +450,7 @@ class Deployed:
                          f"({sum(self.trainable)} when planned)")
             try:
                 target = self.variants[key] = self.owner._deploy_shapes(self, args, kwargs)
+                target.routing_key = self.routing_key  # the same program's plan
             except Exception as e:
                 if getattr(e, "on_every_rank", False):
                     self.unrunnable[key] = str(e)
@@ -639,8 +644,12 @@ class Deployed:
         # [Note: unsynced steps] in csrc/runtime/engine.h: what calls under no_sync() left
         # in .grad is each rank's own share until a summed step comes
         if call_sync and self.owner._held_unsynced:
-            self.engine.sync_held_grads()
+            # (they are the first training program's: no other runs under no_sync())
+            self.owner._deployed[True].last_trained.engine.sync_held_grads()
         self.owner._held_unsynced = not call_sync
+        if self.routing_key is not None:  # [Note: other training arguments] in module.py
+            self._route_grads(step_grads, None if unit else scale)
+            return
         hooked = _hooked(self.own_params)  # [Note: parameter hooks]
         if hooked and len(step_grads):
             rest = step_grads.without(hooked)
@@ -650,6 +659,47 @@ class Deployed:
                                        else step_grads[i] * scale)
         else:
             self.engine.apply_step_grads(step_grads, None if unit else scale)
+
+    def _route_grads(self, step_grads, scale):
+        """[Note: other training arguments] in module.py: adds `scale` (None: 1) times this
+        training program's gradients to .grad on the ranks that train each parameter: here
+        where this rank trains what its stages ran, from the first rank running it
+        elsewhere. Every rank agrees first on which gradients exist (a parameter off the
+        loss's path has none, and its .grad stays as it is, as in PyTorch)."""
+        placement, rank = self.owner.placement, _C.get_rank()
+        if self._routes is None:
+            self._routes = placement.gradient_routes(self.routing_key)
+        position = {vid: i for i, vid in enumerate(self.state_ids)}
+        mine = {}  # state position -> this program's gradient of it on this rank
+        for j, vid in enumerate(self.own):
+            g = step_grads[j] if len(step_grads) else None
+            if g is not None:
+                mine[position[vid]] = g if scale is None else g * scale
+        # which gradients exist, as their senders see them (one all-reduce of flags)
+        exists = torch.tensor([float(rank == sender and i in mine)
+                               for i, sender, _ in self._routes], dtype=torch.float64)
+        comm = _C.Communicator.world_cpu()
+        if comm.size > 1 and len(exists):
+            comm.all_reduce(exists).wait()
+        tensors = placement.tensors()
+        received, copies = {}, []
+        for (i, sender, receivers), there in zip(self._routes, exists.tolist()):
+            if not there or not receivers:
+                continue
+            if rank in receivers:
+                t = tensors[i]
+                received[i] = torch.empty(placement.full_shape(i, t), dtype=t.dtype,
+                                          device=self.owner.device)
+                copies.append((sender, receivers, received[i]))
+            else:
+                copies.append((sender, receivers, mine.get(i)))
+        from .placement import _transfer
+        _transfer(copies)
+        trained = placement.trained_here()
+        for i, g in list(mine.items()) + list(received.items()):
+            param = tensors[i]
+            if id(param) in trained:
+                _accumulate_with_hooks(param, g.to(param.dtype))
 
     def _outputs(self, produced, batch_outputs, schedule):
         """The user's outputs from what the stages produced; `schedule` says how training

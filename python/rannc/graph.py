@@ -73,8 +73,7 @@ class TracedGraph:
         example = self._trace.inputs
         if flat.spec != example.spec:
             return (f"the arguments' structure {flat.spec} differs from the traced one "
-                    f"{example.spec}: a training call takes the arguments of the first "
-                    "training call ([Note: other arguments] in module.py)")
+                    f"{example.spec}")
         for i, (now, then) in enumerate(zip(flat.leaves, example.leaves)):
             if not isinstance(then, torch.Tensor) and now != then:
                 return (f"argument {example.paths[i]} was {then!r} when traced and is {now!r} "

@@ -25,6 +25,7 @@ from . import _C, clipping, failure, full_state, handshake, registry
 from .deployed import autocast_off, Deployed
 from .graph import TracedGraph
 from ._trace import autocast_dtype, traced_differently
+from ._trace import flatten_args as _trace_flat
 from .options import PRECISIONS, Options
 from .optimizer_share import OptimizerShare
 from .padding import CallPadding
@@ -138,9 +139,30 @@ class RaNNCModule(torch.nn.Module):
         # call (labels or none, another mask, generate()'s position ids): the trace bakes in
         # the arguments' structure and the values of those that are not tensors, so such a
         # call is another program, traced and planned on its own (on every rank together,
-        # as the first call of a mode is), and kept beside the mode's first. A training
-        # call's arguments stay those of the first training call (the optimizer's shares,
-        # gradient buckets and clipping follow its plan): other ones are an error.
+        # as the first call of a mode is), and kept beside the mode's first; a training call
+        # too ([Note: other training arguments]). Keys: (mode, arguments).
+        #
+        # [Note: other training arguments] A training call whose arguments differ from the
+        # first training call's (a multimodal batch without its images, a string choosing
+        # another task's head, output_hidden_states on a logging step) is another program,
+        # traced and planned on its own; its stages may hold a parameter on other ranks
+        # than the first program's. Each parameter has one set of trainers, the ranks that
+        # hold its gradient, its optimizer state and, after a step, its current value: the
+        # stages of the first training program that uses it (placement._trainers), so a
+        # head that only a later program uses is trained where that program runs it, and
+        # the optimizer's share grows by it. Before such a call its ranks get the weights
+        # that training updated (as before an eval call); its own engine sums each
+        # gradient over its replicas, then the gradient goes from the first rank running it
+        # to the trainers that do not run it, and the ranks running it without training it
+        # drop theirs (deployed.py, _route_grads); after its forward, the buffers its stages
+        # ran (batch norm's statistics) go to their trainers likewise. So clipping, loss
+        # scaling, checkpoints and optimizer_state_dict() see one gradient and one value per
+        # parameter, as with a single program. The costs: the weights the programs place
+        # differently move before each call that follows a step, and a rank keeps the
+        # parameters of both programs' stages, which neither plan counted in its memory.
+        # A first call that runs every part of the model (images included) places them all
+        # in one plan. Under no_sync() such a call is an error (its gradients are routed
+        # only once summed).
         self._deployed_by_arguments = {}
         self._anchor = torch.zeros((), requires_grad=True)
         # [Note: unsynced steps] in csrc/runtime/engine.h
@@ -197,10 +219,22 @@ class RaNNCModule(torch.nn.Module):
                 raise
         deployed = self._deployed.get(mode)
         arguments = None  # other arguments than the mode's first call ([Note: other arguments])
-        if deployed is not None and not mode and not deployed.graph.takes(args, kwargs):
+        if deployed is not None and not deployed.graph.takes(args, kwargs):
             arguments = TracedGraph.arguments_of(args, kwargs)
-            deployed = self._deployed_by_arguments.get(arguments)
+            deployed = self._deployed_by_arguments.get((mode, arguments))
         try:
+            if mode and arguments is not None and copy is not None:
+                raise failure.agreed(
+                    f"a copy of the module called in training mode with other arguments than "
+                    f"the module's first training call: "
+                    f"{self._deployed[mode].graph._differs(_trace_flat(args, kwargs))}; a copy "
+                    "runs the module's training plan, or call it in eval mode")
+            if mode and arguments is not None and not self._grad_sync:
+                raise failure.agreed(
+                    "a training call under no_sync() with other arguments than the first "
+                    "training call: its gradients go to the ranks that train each parameter "
+                    "([Note: other training arguments] in module.py), which needs them summed "
+                    "over its replicas; call it outside no_sync()")
             amp = self._precision()
             if deployed is not None and deployed.amp != amp:
                 raise _C.Error(
@@ -215,13 +249,19 @@ class RaNNCModule(torch.nn.Module):
                 # Training updates each parameter on the ranks of its stage only; before a
                 # mode whose plan may place it elsewhere runs, the owners share the weights.
                 fresh = deployed is None
+                # the ranks that run a call of another program than the first training call
+                # get the weights that training updated (those of a new program's stages that
+                # a third program's left stale too, before its deployment fills the others)
+                sync = not ((mode and arguments is None) or copy is not None)
                 if fresh:
                     handshake.enter(what)
+                    if sync:
+                        self.placement.before_eval()
                     deployed = self._deploy(mode, args, kwargs, amp, arguments=arguments)
                 # after the first call the collective's name travels with the call's sizes
                 # in one all-gather
                 call = deployed.agree(args, kwargs, what, copy is not None and copy.changed())
-                if not (fresh or mode or copy is not None):
+                if sync and not fresh:
                     self.placement.before_eval()
                 if copy is not None:
                     return copy.run(deployed, call, args, kwargs)
@@ -229,6 +269,8 @@ class RaNNCModule(torch.nn.Module):
                 # after the call: deploying new input shapes in it gathers current weights
                 if mode:
                     self.placement.trained()
+                    if arguments is not None:  # [Note: other training arguments]
+                        self.placement.after_other_training((mode, arguments))
                 return out
         except _C.CommError:
             raise
@@ -287,8 +329,11 @@ class RaNNCModule(torch.nn.Module):
         if plan_from is not None:
             return deployed  # the mode's plan: each tensor's ranks are as before
         if arguments is not None:
-            self._deployed_by_arguments[arguments] = deployed
+            self._deployed_by_arguments[(mode, arguments)] = deployed
             self.placement.add_mode((mode, arguments), deployed)
+            if mode:  # [Note: other training arguments]
+                deployed.routing_key = (mode, arguments)
+                self.optimizer_share.keep_also(self.placement.trained_here())
             return deployed
         self._deployed[mode] = deployed
         self.placement.add_mode(mode, deployed)

@@ -92,6 +92,19 @@ class OptimizerShare:
                 if not k:
                     self.optimizer.state.pop(p, None)
 
+    def keep_also(self, own: set[int]) -> None:
+        """Puts back into their groups, in the user's order, the parameters whose id() is in
+        `own` (first trained here by a training call with other arguments than the first:
+        [Note: other training arguments] in module.py)."""
+        if self.optimizer is None or not self.patched:
+            return
+        for group, (params, names) in zip(self.optimizer.param_groups, self._original):
+            held = {id(p) for p in group["params"]}
+            keep = [id(p) in held or id(p) in own for p in params]
+            group["params"] = [p for p, k in zip(params, keep) if k]
+            if names is not None:
+                group["param_names"] = [n for n, k in zip(names, keep) if k]
+
 
 def _owner(optimizer):
     """The module whose cut optimizer this is, or None (not yet cut: torch's own state)."""

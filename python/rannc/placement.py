@@ -69,6 +69,10 @@ class StatePlacement:
         # mode (or (mode, arguments): [Note: other arguments] in module.py) -> per state
         # tensor, the ranks whose stage uses it
         self._users = {}
+        # per state tensor, the ranks that train it (hold its gradient, optimizer state and,
+        # after a step, its current value): the first training call's stages, else the first
+        # training call with other arguments that uses it ([Note: other training arguments])
+        self._trainers = None
         self._freed = {}      # state tensor position -> its full shape, for tensors freed here
         self._unset = set()   # positions allocated here without a value yet (built on meta)
         self._stale = False   # trained since the ranks that only evaluate a tensor got it
@@ -226,11 +230,10 @@ class StatePlacement:
         model] in copies.py)."""
         world = set(range(_C.get_world_size()))
         stale = self._stale or self._copy_view
-        train = self._users.get(True)
         result = []
         for i in range(len(next(iter(self._users.values())))):
             keepers = set().union(*(users[i] for users in self._users.values()))
-            trained = train[i] if train is not None else set()
+            trained = self._trainers[i] if self._trainers is not None else set()
             if not keepers:
                 result.append((None, world))
             else:  # after training, only the ranks that trained it are up to date
@@ -241,10 +244,19 @@ class StatePlacement:
     def trained_here(self) -> set[int]:
         """id() of the parameters this rank's training stages use, frozen ones included (an
         optimizer keeps them: a step after unfreezing updates them, as in PyTorch)."""
-        users, rank = self._users.get(True), _C.get_rank()
+        trainers, rank = self._trainers, _C.get_rank()
         n_params = len(self._trace_state.param_names)
         return {id(t) for i, t in enumerate(self.tensors()[:n_params])
-                if users is not None and rank in users[i]}
+                if trainers is not None and rank in trainers[i]}
+
+    def trained_parameters(self) -> list[tuple[torch.Tensor, set[int]]]:
+        """The parameters some rank trains, each with the ranks that train it (the same
+        sum of gradients on each)."""
+        if self._trainers is None:
+            return []
+        n_params = len(self._trace_state.param_names)
+        return [(t, self._trainers[i]) for i, t in enumerate(self.tensors()[:n_params])
+                if self._trainers[i]]
 
     def holders(self) -> dict[int, tuple[torch.Size, list[int], bool]]:
         """For checkpoints: id(state tensor) -> (its full shape, the ranks holding its current
@@ -255,10 +267,9 @@ class StatePlacement:
             world = list(range(_C.get_world_size()))
             tensors = self.tensors()
             return {id(tensors[i]): (shape, world, False) for i, shape in self._freed.items()}
-        train = self._users.get(True)
         result = {}
         for i, (t, (_, current)) in enumerate(zip(self.tensors(), self.sources())):
-            trained = train[i] if train is not None else set()
+            trained = self._trainers[i] if self._trainers is not None else set()
             result[id(t)] = (self.full_shape(i, t), sorted(trained or current), i not in self._freed)
         return result
 
@@ -288,6 +299,27 @@ class StatePlacement:
             _transfer(copies)
         if not self._copy_view:
             self._stale = False
+
+    # ---- training calls with other arguments ([Note: other training arguments] in module.py)
+    def gradient_routes(self, key) -> list[tuple[int, int, set[int]]]:
+        """For the training program `key` ((True, arguments)): per parameter its stages use,
+        in state order, (its position, the rank that sends its gradient: the first whose
+        stage uses it, the ranks that train it but do not run it in `key`)."""
+        users = self._users[key]
+        n_params = len(self._trace_state.param_names)
+        return [(i, min(users[i]), self._trainers[i] - users[i])
+                for i in range(n_params) if users[i]]
+
+    def after_other_training(self, key):
+        """After a call of the training program `key`: the buffers its stages use (batch
+        norm's running statistics, which its forward updated) go from the first rank running
+        them to the ranks that train them and do not run them in `key`."""
+        users = self._users[key]
+        n_params = len(self._trace_state.param_names)
+        tensors = self.tensors()
+        _transfer([(min(users[i]), self._trainers[i] - users[i], tensors[i].data)
+                   for i in range(n_params, len(tensors))
+                   if users[i] and self._trainers[i] - users[i]])
 
     @contextlib.contextmanager
     def viewing_copy(self):
@@ -383,6 +415,10 @@ class StatePlacement:
         sources = None if first else self.sources()
         copies = self._copies_state()
         self._users[mode] = users
+        if mode is True:
+            self._trainers = [set(u) for u in users]
+        elif isinstance(mode, tuple) and mode[0] is True:  # [Note: other training arguments]
+            self._trainers = [t or set(u) for t, u in zip(self._trainers, users)]
         self._fill(tensors, holding, sources, copies)
         self._release(tensors)
         self._place(tensors)

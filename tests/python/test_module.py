@@ -776,6 +776,23 @@ def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
                 in res.stdout), res.stdout[-3000:]
 
 
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_training_calls_with_other_arguments_train_as_pytorch(ranks):
+    """[Note: other training arguments] in module.py: training calls with and without image
+    features and with another task's head (a string argument) are three more programs, each
+    planned on its own. Every step's loss, torch's clip_grad_norm_ and AdamW's update of
+    the parameters each rank trains equal PyTorch's, and so do batch norm's statistics,
+    optimizer_state_dict() and eval calls after them (2 ranks, 1F1B; 3 ranks, replicas
+    under fill-drain); a program whose stages hold a parameter on other ranks than its
+    trainers sends them its gradient (checked to happen); under no_sync() such a call is
+    an error on every rank (was a TraceError for every such call)."""
+    res = mpirun("loop_probes.py", ranks, "other_arguments", timeout=300,
+                 env={"RANNC_COMM_TIMEOUT": "60"})
+    assert res.returncode == 0, res.stdout[-4000:]
+    for r in range(ranks):
+        assert f"OK rank {r}" in res.stdout, res.stdout[-4000:]
+
+
 @pytest.mark.parametrize("ranks,model,stages,micro,rows,extra", [
     (2, "gpt", 2, 4, "4,4,1,3", ["--eval"]),            # short last batch: fewer micro-batches
     (3, "transformer_loss", 2, 3, "4,2,5", ["--opt", "replicas=1,2"]),  # bigger than traced

@@ -76,6 +76,14 @@ behaviour and prints "OK rank r", or fails the way the test expects.
                                        torch.autograd.grad (or backward(inputs=[x])) leaves
                                        the parameters' .grad alone, under 1F1B and fill-drain;
                                        a gradient penalty (create_graph=True) is an error
+    loop_probes.py other_arguments     training calls with other arguments than the first
+                                       (a batch without its image features, another task's
+                                       head chosen by a string), each its own program placed
+                                       on its own: AdamW steps, torch's clip_grad_norm_,
+                                       batch norm's statistics, optimizer_state_dict() and
+                                       eval calls equal PyTorch's ([Note: other training
+                                       arguments] in module.py); 2 ranks with batch norm,
+                                       3 ranks (replicas) with layer norm and fill-drain
     loop_probes.py save_pretrained     transformers' model.save_pretrained(dir) on the wrapper,
                                        on every rank and on rank 0 alone: config.json and the
                                        whole trained weights, which from_pretrained loads
@@ -1052,6 +1060,102 @@ elif probe == "averaged_model":  # [Note: copies of a wrapped model] in copies.p
     same_stage_parameters(loaded.module, ref_ema.module, rtol=1e-6)
     if rank == 0:
         shutil.rmtree(directory)
+    print(f"OK rank {rank}", flush=True)
+elif probe == "other_arguments":  # [Note: other training arguments] in module.py
+    import torch.nn.functional as F
+    world = rannc.get_world_size()
+    # batch norm equals PyTorch's where each stage sees the global batch as one share
+    # (2 ranks, 2 stages, one micro-batch); with replicas, layer norm
+    norm = nn.BatchNorm1d if world == 2 else nn.LayerNorm
+
+    class MultiTask(nn.Module):
+        """Text features with optional image features, and a head per task."""
+
+        def __init__(self):
+            super().__init__()
+            self.text = nn.Linear(8, 32)
+            self.image = nn.Sequential(nn.Linear(12, 32), nn.Tanh(), nn.Linear(32, 32))
+            # (a norm right after a bias would leave it a gradient of rounding errors only,
+            # which Adam's steps amplify)
+            self.body = nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
+                                      norm(32), nn.Linear(32, 32), nn.Tanh())
+            self.heads = nn.ModuleDict({"regress": nn.Linear(32, 1),
+                                        "classify": nn.Linear(32, 3)})
+
+        def forward(self, x, y, image=None, task="regress"):
+            h = self.text(x)
+            if image is not None:
+                h = h + self.image(image)
+            out = self.heads[task](self.body(h))
+            return F.mse_loss(out, y) if task == "regress" else F.cross_entropy(out, y)
+
+    torch.manual_seed(0)
+    model = MultiTask()
+    reference = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    # 3 ranks: gradients from the backward of the outputs (fill-drain)
+    wrapped = rannc.RaNNCModule(model, opt, num_stages=2, num_microbatches=1,
+                                cost_model="analytic",
+                                schedule="fill_drain" if world == 3 else "1f1b")
+    B = 4
+    mine = slice(rank * B, (rank + 1) * B)
+    # text first, then with images, another task, both, and back
+    calls = [(False, "regress"), (True, "regress"), (False, "classify"), (True, "classify"),
+             (False, "regress"), (True, "regress"), (False, "classify")]
+    for step, (with_image, task) in enumerate(calls):
+        g = torch.Generator().manual_seed(step)
+        x, image = torch.randn(B * world, 8, generator=g), torch.randn(B * world, 12, generator=g)
+        y = (torch.randn(B * world, 1, generator=g) if task == "regress"
+             else torch.randint(0, 3, (B * world,), generator=g))
+        extra, ref_extra = ({"image": image[mine]}, {"image": image}) if with_image else ({}, {})
+        if task != "regress":
+            extra["task"] = ref_extra["task"] = task
+        loss, ref_loss = wrapped(x[mine], y[mine], **extra), reference(x, y, **ref_extra)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"rank {rank}: step {step}: {m}")
+        loss.backward()
+        ref_loss.backward()
+        norms = (torch.nn.utils.clip_grad_norm_(wrapped.parameters(), 0.5),
+                 torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5))
+        torch.testing.assert_close(*norms, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"rank {rank}: step {step}: the norm: {m}")
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+        # (a rank running a parameter in one program only holds a copy that the next call
+        # of that program brings up to date)
+        trained, ref = wrapped.placement.trained_here(), dict(reference.named_parameters())
+        for n, p in model.named_parameters():
+            if id(p) in trained:
+                torch.testing.assert_close(p.detach(), ref[n].detach(), rtol=1e-4, atol=1e-6,
+                                           msg=lambda m: f"rank {rank}: step {step}: {n}: {m}")
+    # the programs place some parameters on other ranks: gradients moved between them
+    placement = wrapped.placement
+    keys = [k for k in placement._users if isinstance(k, tuple) and k[0] is True]
+    assert len(keys) == 3, keys
+    assert any(receivers for k in keys for _, _, receivers in placement.gradient_routes(k)), \
+        "no program placed a parameter elsewhere than its trainers: the routes went untested"
+    gathered, ref_state = wrapped.state_dict(), reference.state_dict()  # batch norm's too
+    for name, t in ref_state.items():
+        torch.testing.assert_close(gathered[name], t, rtol=1e-4, atol=1e-6,
+                                   msg=lambda m: f"rank {rank}: {name}: {m}")
+    state, ref_opt_state = wrapped.optimizer_state_dict(), ref_opt.state_dict()
+    assert state["state"].keys() == ref_opt_state["state"].keys(), \
+        (sorted(state["state"]), sorted(ref_opt_state["state"]))
+    for i, s in ref_opt_state["state"].items():
+        torch.testing.assert_close(state["state"][i]["exp_avg_sq"], s["exp_avg_sq"], rtol=1e-4,
+                                   atol=1e-8, msg=lambda m: f"rank {rank}: state {i}: {m}")
+    wrapped.eval()
+    reference.eval()
+    with torch.no_grad():
+        for extra, ref_extra in (({}, {}), ({"image": image[mine]}, {"image": image})):
+            torch.testing.assert_close(wrapped(x[mine], y[mine], **extra, task="classify"),
+                                       reference(x, y, **ref_extra, task="classify"),
+                                       rtol=1e-5, atol=1e-6)
+    wrapped.train()
+    with wrapped.no_sync():  # its gradients are routed once summed: an error on every rank
+        expect_error(lambda: wrapped(x[mine], y[mine], task="classify"), "under no_sync()")
     print(f"OK rank {rank}", flush=True)
 else:
     raise SystemExit(f"unknown probe {probe}")
