@@ -141,7 +141,9 @@ def gather_optimizer_state(wrapped) -> dict:
             packed["param_names"] = list(names)
         for index, p in zip(packed["params"], params):
             i = position.get(id(p))
-            if i is not None and sources[i][0] == rank and wrapped.optimizer.state.get(p):
+            # a parameter no stage uses: every rank's share holds its state (rank 0 gives it)
+            owner = None if i is None else 0 if sources[i][0] is None else sources[i][0]
+            if owner == rank and wrapped.optimizer.state.get(p):
                 mine[index] = wrapped.optimizer.state[p]
         start += len(params)
         groups.append(packed)

@@ -333,12 +333,12 @@ class RaNNCModule(torch.nn.Module):
             self.placement.add_mode((mode, arguments), deployed)
             if mode:  # [Note: other training arguments]
                 deployed.routing_key = (mode, arguments)
-                self.optimizer_share.keep_also(self.placement.trained_here())
+                self.optimizer_share.keep(self.placement.optimized_here())
             return deployed
         self._deployed[mode] = deployed
         self.placement.add_mode(mode, deployed)
         if mode:
-            self.optimizer_share.keep_only(self.placement.trained_here())
+            self.optimizer_share.keep(self.placement.optimized_here())
         _checkpoint().apply_pending(self)  # a checkpoint loaded before the plan was known
         self.placement.initialize()  # parameters built on meta that it did not fill
         return deployed
@@ -573,7 +573,7 @@ class RaNNCModule(torch.nn.Module):
         as if passed to it ([Note: optimizers made after wrapping] in optimizer_share.py)."""
         self.optimizer = self.placement.optimizer = optimizer
         self.optimizer_share = OptimizerShare(optimizer)
-        self.optimizer_share.keep_only(self.placement.trained_here())
+        self.optimizer_share.keep(self.placement.optimized_here())
         planned = self.options.optimizer_kind or self._planned_optimizer_kind
         kind = _optimizer_kind(optimizer)
         if _C.get_rank() == 0 and planned is not None and \

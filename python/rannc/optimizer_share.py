@@ -75,15 +75,18 @@ class OptimizerShare:
         return [(list(g["params"]), None if g.get("param_names") is None else list(g["param_names"]))
                 for g in self.optimizer.param_groups]
 
-    def keep_only(self, own: set[int]) -> None:
-        """Cuts every group down to the parameters whose id() is in `own` and drops the
-        others' state; once (later training deployments keep the first cut)."""
-        if self.optimizer is None or self.patched:
+    def keep(self, own: set[int]) -> None:
+        """Cuts every group down to the parameters whose id() is in `own`, in the user's
+        order, and drops the others' state. Called again when a training call with other
+        arguments than the first trains parameters first ([Note: other training arguments]
+        in module.py): the groups are cut anew from the user's."""
+        if self.optimizer is None:
             return
-        self._original = []
-        for group in self.optimizer.param_groups:
-            params, names = list(group["params"]), group.get("param_names")
-            self._original.append((params, None if names is None else list(names)))
+        if self._original is None:
+            self._original = [(list(g["params"]), None if g.get("param_names") is None
+                               else list(g["param_names"]))
+                              for g in self.optimizer.param_groups]
+        for group, (params, names) in zip(self.optimizer.param_groups, self._original):
             keep = [id(p) in own for p in params]
             group["params"] = [p for p, k in zip(params, keep) if k]
             if names is not None:
@@ -91,19 +94,6 @@ class OptimizerShare:
             for p, k in zip(params, keep):
                 if not k:
                     self.optimizer.state.pop(p, None)
-
-    def keep_also(self, own: set[int]) -> None:
-        """Puts back into their groups, in the user's order, the parameters whose id() is in
-        `own` (first trained here by a training call with other arguments than the first:
-        [Note: other training arguments] in module.py)."""
-        if self.optimizer is None or not self.patched:
-            return
-        for group, (params, names) in zip(self.optimizer.param_groups, self._original):
-            held = {id(p) for p in group["params"]}
-            keep = [id(p) in held or id(p) in own for p in params]
-            group["params"] = [p for p, k in zip(params, keep) if k]
-            if names is not None:
-                group["param_names"] = [n for n, k in zip(names, keep) if k]
 
 
 def _owner(optimizer):

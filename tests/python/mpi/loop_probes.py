@@ -1154,8 +1154,44 @@ elif probe == "other_arguments":  # [Note: other training arguments] in module.p
                                        reference(x, y, **ref_extra, task="classify"),
                                        rtol=1e-5, atol=1e-6)
     wrapped.train()
+    reference.train()
     with wrapped.no_sync():  # its gradients are routed once summed: an error on every rank
         expect_error(lambda: wrapped(x[mine], y[mine], task="classify"), "under no_sync()")
+    # resumed from a checkpoint by a module whose first call runs neither the images nor
+    # the classifier: AdamW's state of those is kept until a program trains them
+    import shutil
+    import tempfile
+
+    from rannc.transport import all_gather_objects
+    directory = all_gather_objects(tempfile.mkdtemp() if rank == 0 else None)[0]
+    wrapped.save_checkpoint(directory)
+    torch.manual_seed(1)
+    resumed = MultiTask()
+    resumed_opt = torch.optim.AdamW(resumed.parameters(), lr=1e-2)
+    wrapped = rannc.RaNNCModule(resumed, resumed_opt, num_stages=2, num_microbatches=1,
+                                cost_model="analytic",
+                                schedule="fill_drain" if world == 3 else "1f1b")
+    wrapped.load_checkpoint(directory)
+    for step, (with_image, task) in enumerate([(False, "regress"), (False, "classify"),
+                                               (True, "regress")], start=len(calls)):
+        g = torch.Generator().manual_seed(step)
+        x, image = torch.randn(B * world, 8, generator=g), torch.randn(B * world, 12, generator=g)
+        y = (torch.randn(B * world, 1, generator=g) if task == "regress"
+             else torch.randint(0, 3, (B * world,), generator=g))
+        extra, ref_extra = ({"image": image[mine]}, {"image": image}) if with_image else ({}, {})
+        if task != "regress":
+            extra["task"] = ref_extra["task"] = task
+        loss, ref_loss = wrapped(x[mine], y[mine], **extra), reference(x, y, **ref_extra)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"rank {rank}: step {step}: {m}")
+        step_both(loss, ref_loss, resumed_opt, ref_opt)
+        trained = wrapped.placement.trained_here()
+        for n, p in resumed.named_parameters():
+            if id(p) in trained:
+                torch.testing.assert_close(p.detach(), ref[n].detach(), rtol=1e-4, atol=1e-6,
+                                           msg=lambda m: f"rank {rank}: step {step}: {n}: {m}")
+    if rank == 0:
+        shutil.rmtree(directory)
     print(f"OK rank {rank}", flush=True)
 else:
     raise SystemExit(f"unknown probe {probe}")
