@@ -1116,7 +1116,7 @@ elif probe == "other_arguments":  # [Note: other training arguments] in module.p
                                    msg=lambda m: f"rank {rank}: step {step}: {m}")
         loss.backward()
         ref_loss.backward()
-        norms = (torch.nn.utils.clip_grad_norm_(wrapped.parameters(), 0.5),
+        norms = (torch.nn.utils.clip_grad_norm_(wrapped.parameters(), 0.5).cpu(),
                  torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5))
         torch.testing.assert_close(*norms, rtol=1e-5, atol=1e-6,
                                    msg=lambda m: f"rank {rank}: step {step}: the norm: {m}")
@@ -1128,7 +1128,7 @@ elif probe == "other_arguments":  # [Note: other training arguments] in module.p
         trained, ref = wrapped.placement.trained_here(), dict(reference.named_parameters())
         for n, p in model.named_parameters():
             if id(p) in trained:
-                torch.testing.assert_close(p.detach(), ref[n].detach(), rtol=1e-4, atol=1e-6,
+                torch.testing.assert_close(p.detach().cpu(), ref[n].detach(), rtol=1e-4, atol=1e-6,
                                            msg=lambda m: f"rank {rank}: step {step}: {n}: {m}")
     # the programs place some parameters on other ranks: gradients moved between them
     placement = wrapped.placement
@@ -1138,19 +1138,20 @@ elif probe == "other_arguments":  # [Note: other training arguments] in module.p
         "no program placed a parameter elsewhere than its trainers: the routes went untested"
     gathered, ref_state = wrapped.state_dict(), reference.state_dict()  # batch norm's too
     for name, t in ref_state.items():
-        torch.testing.assert_close(gathered[name], t, rtol=1e-4, atol=1e-6,
+        torch.testing.assert_close(gathered[name].cpu(), t, rtol=1e-4, atol=1e-6,
                                    msg=lambda m: f"rank {rank}: {name}: {m}")
     state, ref_opt_state = wrapped.optimizer_state_dict(), ref_opt.state_dict()
     assert state["state"].keys() == ref_opt_state["state"].keys(), \
         (sorted(state["state"]), sorted(ref_opt_state["state"]))
     for i, s in ref_opt_state["state"].items():
-        torch.testing.assert_close(state["state"][i]["exp_avg_sq"], s["exp_avg_sq"], rtol=1e-4,
-                                   atol=1e-8, msg=lambda m: f"rank {rank}: state {i}: {m}")
+        torch.testing.assert_close(state["state"][i]["exp_avg_sq"].cpu(), s["exp_avg_sq"],
+                                   rtol=1e-4, atol=1e-8,
+                                   msg=lambda m: f"rank {rank}: state {i}: {m}")
     wrapped.eval()
     reference.eval()
     with torch.no_grad():
         for extra, ref_extra in (({}, {}), ({"image": image[mine]}, {"image": image})):
-            torch.testing.assert_close(wrapped(x[mine], y[mine], **extra, task="classify"),
+            torch.testing.assert_close(wrapped(x[mine], y[mine], **extra, task="classify").cpu(),
                                        reference(x, y, **ref_extra, task="classify"),
                                        rtol=1e-5, atol=1e-6)
     wrapped.train()
@@ -1188,7 +1189,7 @@ elif probe == "other_arguments":  # [Note: other training arguments] in module.p
         trained = wrapped.placement.trained_here()
         for n, p in resumed.named_parameters():
             if id(p) in trained:
-                torch.testing.assert_close(p.detach(), ref[n].detach(), rtol=1e-4, atol=1e-6,
+                torch.testing.assert_close(p.detach().cpu(), ref[n].detach(), rtol=1e-4, atol=1e-6,
                                            msg=lambda m: f"rank {rank}: step {step}: {n}: {m}")
     if rank == 0:
         shutil.rmtree(directory)
