@@ -428,8 +428,8 @@ import torch, rannc, zoo
 model, args, kwargs = zoo.make("multi_io")
 module = rannc.RaNNCModule(model, torch.optim.SGD(model.parameters(), lr=0.1))
 module(*args, **kwargs)
-try:
-    module(*args, **{**kwargs, "scale": 2.0})
+try:  # a batch of other rows in each argument: an error on every rank (here one)
+    module(args[0], args[1][:-1], **kwargs)
 except rannc.Error as e:
     print("caught", type(e).__name__)
 """)
