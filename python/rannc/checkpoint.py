@@ -203,11 +203,11 @@ def _write_shards(wrapped, tmp: str, entries: list[_Entry], writers: list[int]) 
     if mine:
         report["tensors"] = write(_shard_name("model", rank, writers),
                                   [(e.name, e.tensor) for e in mine])
-    optimizer = wrapped.optimizer
-    if mine and optimizer is not None:
+    share = wrapped.optimizer_share
+    if mine and share.optimizers:
         tensors, keys = [], {}
         for e in mine:
-            for key, value in (optimizer.state.get(e.tensor) or {}).items():
+            for key, value in (share.state(e.tensor) or {}).items():
                 if isinstance(value, torch.Tensor):
                     tensors.append((f"{e.name}#{key}", value))
                     keys[f"{e.name}#{key}"] = (e.name, key)
@@ -248,9 +248,9 @@ def _write_metadata(wrapped, tmp: str, entries: list[_Entry], reports: list[dict
     names = {id(e.tensor): e.name for e in entries}
     has_optimizer = wrapped.optimizer is not None
     if has_optimizer:
-        groups = []
-        for group, (params, _) in zip(wrapped.optimizer.param_groups,
-                                      wrapped.optimizer_share.original_groups()):
+        groups = []  # of every optimizer, one after another ([Note: several optimizers])
+        share = wrapped.optimizer_share
+        for group, (params, _) in zip(share.groups(), share.original_groups()):
             saved = {k: v for k, v in group.items() if k not in ("params", "param_names")}
             saved["params"] = [names[id(p)] for p in params]
             groups.append(saved)
@@ -641,14 +641,16 @@ def apply_pending(wrapped, everything: bool = False) -> None:
 def _load_optimizer(wrapped, pending: _Pending, entries) -> None:
     """The optimizer's state for the parameters it holds here, in torch's state_dict format
     with the checkpoint's hyperparameters, through its own load_state_dict."""
-    optimizer, saved = wrapped.optimizer, pending.groups
+    share, saved = wrapped.optimizer_share, pending.groups
+    groups = share.groups()  # of every optimizer, one after another ([Note: several optimizers])
     names = {id(e.tensor): e.name for e in entries}
-    if len(saved["param_groups"]) != len(optimizer.param_groups):
-        raise _C.Error(f"the optimizer has {len(optimizer.param_groups)} parameter groups, the "
-                       f"checkpoint's has {len(saved['param_groups'])}")
+    if len(saved["param_groups"]) != len(groups):
+        raise _C.Error(f"the optimizer{'s have' if len(share.optimizers) > 1 else ' has'} "
+                       f"{len(groups)} parameter groups, the checkpoint's has "
+                       f"{len(saved['param_groups'])}")
     local = {"state": {}, "param_groups": []}
     index = 0
-    for g, (group, saved_group) in enumerate(zip(optimizer.param_groups, saved["param_groups"])):
+    for g, (group, saved_group) in enumerate(zip(groups, saved["param_groups"])):
         in_saved = set(saved_group["params"])
         mine = {k: v for k, v in saved_group.items() if k not in ("params", "param_names")}
         mine["params"] = []
@@ -660,14 +662,13 @@ def _load_optimizer(wrapped, pending: _Pending, entries) -> None:
                 raise _C.Error(f"parameter {name} is in group {g} of the optimizer but not in "
                                f"group {g} of the checkpoint's optimizer")
             state = pending.source.optimizer_state(
-                pending.matched.get(name, name), saved["values"], optimizer.state.get(p) or {})
+                pending.matched.get(name, name), saved["values"], share.state(p) or {})
             if state:
                 local["state"][index] = state
             mine["params"].append(index)
             index += 1
         local["param_groups"].append(mine)
-    with wrapped.optimizer_share.loading_share():  # [Note: the optimizer's own state_dict]
-        optimizer.load_state_dict(local)
+    share.load(local)
 
 
 # ---- consolidation (no MPI) ---------------------------------------------------------------

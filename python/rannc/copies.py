@@ -158,7 +158,7 @@ class PlanSharingCopy(torch.nn.Module):
         with self._as_model(writes=False):
             return full_state.gather_state_dict(self._source, *args, keep=keep, **kwargs)
 
-    def serve_gather(self, what: str) -> None:
+    def serve_gather(self, what: str, part: int = 0) -> None:
         """Takes part in a gather of the copy's state that other ranks asked for
         ([Note: gathers asked by some ranks] in handshake.py)."""
         self._gather_state(keep=False)

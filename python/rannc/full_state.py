@@ -119,22 +119,25 @@ def _loaded(wrapped, state_dict) -> list[torch.Tensor]:
     return [own[k] for k in state_dict if isinstance(own.get(k), torch.Tensor)]
 
 
-def gather_optimizer_state(wrapped) -> dict:
+def gather_optimizer_state(wrapped, optimizer=None) -> dict:
     """The optimizer's full state in the format of the original optimizer's state_dict()
     ('state' keyed by each parameter's index in the original param_groups, 'param_groups'
     with the original index lists), gathered from the ranks that update each parameter,
     on every rank (a collective). It loads into a plain torch optimizer over the same
-    model's parameters."""
+    model's parameters. With several optimizers, their groups one after another, or those
+    of `optimizer` alone ([Note: several optimizers] in optimizer_share.py)."""
     if wrapped.optimizer is None:
         raise _C.Error("optimizer_state_dict: this RaNNCModule was built without an optimizer")
     share = wrapped.optimizer_share
     if not share.patched:
-        return wrapped.optimizer.state_dict()
+        if optimizer is not None or len(share.optimizers) == 1:
+            return (optimizer or share.optimizer).state_dict()
+        return _concatenated([o.state_dict() for o in share.optimizers])
     rank = _C.get_rank()
     position = {id(t): i for i, t in enumerate(wrapped.placement.tensors())}
     sources = wrapped.placement.sources()
     groups, mine, start = [], {}, 0
-    for group, (params, names) in zip(wrapped.optimizer.param_groups, share.original_groups()):
+    for group, (params, names) in zip(share.groups(optimizer), share.original_groups(optimizer)):
         packed = {k: v for k, v in group.items() if k not in ("params", "param_names")}
         packed["params"] = list(range(start, start + len(params)))
         if names is not None:
@@ -143,14 +146,29 @@ def gather_optimizer_state(wrapped) -> dict:
             i = position.get(id(p))
             # a parameter no stage uses: every rank's share holds its state (rank 0 gives it)
             owner = None if i is None else 0 if sources[i][0] is None else sources[i][0]
-            if owner == rank and wrapped.optimizer.state.get(p):
-                mine[index] = wrapped.optimizer.state[p]
+            if owner == rank and share.state(p):
+                mine[index] = share.state(p)
         start += len(params)
         groups.append(packed)
     state = {}
     for part in all_gather_objects(mine):
         state.update(part)
     return {"state": dict(sorted(state.items())), "param_groups": groups}
+
+
+def _concatenated(state_dicts: list[dict]) -> dict:
+    """Several optimizers' state_dicts as one: their groups one after another, the
+    parameters numbered on."""
+    result, start = {"state": {}, "param_groups": []}, 0
+    for sd in state_dicts:
+        count = sum(len(g["params"]) for g in sd["param_groups"])
+        renumber = {j: start + k for k, j in enumerate(j for g in sd["param_groups"]
+                                                       for j in g["params"])}
+        result["param_groups"] += [{**g, "params": [renumber[j] for j in g["params"]]}
+                                   for g in sd["param_groups"]]
+        result["state"].update({renumber[j]: v for j, v in sd["state"].items()})
+        start += count
+    return result
 
 
 def load_optimizer_state(wrapped, state_dict: dict) -> None:
@@ -161,23 +179,22 @@ def load_optimizer_state(wrapped, state_dict: dict) -> None:
     if wrapped.optimizer is None:
         raise _C.Error("load_optimizer_state_dict: this RaNNCModule was built without an "
                        "optimizer")
-    local = optimizer_state_share(wrapped, state_dict)
-    with wrapped.optimizer_share.loading_share():
-        wrapped.optimizer.load_state_dict(local)
+    wrapped.optimizer_share.load(optimizer_state_share(wrapped, state_dict))
 
 
-def optimizer_state_share(wrapped, state_dict: dict) -> dict:
-    """This rank's share of an optimizer state in the original optimizer's format, in the
-    format of the optimizer as cut (see load_optimizer_state)."""
+def optimizer_state_share(wrapped, state_dict: dict, optimizer=None) -> dict:
+    """This rank's share of an optimizer state in the original optimizer's format (of all
+    the module's optimizers, or of `optimizer`), in the format of the optimizers as cut
+    (see load_optimizer_state)."""
     share = wrapped.optimizer_share
     if not share.patched:
         return {**state_dict, "state": copy.deepcopy(state_dict["state"])}
     saved_groups = state_dict["param_groups"]
-    if len(saved_groups) != len(share.original_groups()):
+    if len(saved_groups) != len(share.original_groups(optimizer)):
         raise ValueError("loaded state dict has a different number of parameter groups")
     local = {"state": {}, "param_groups": []}
-    for saved, group, (params, _) in zip(saved_groups, wrapped.optimizer.param_groups,
-                                         share.original_groups()):
+    for saved, group, (params, _) in zip(saved_groups, share.groups(optimizer),
+                                         share.original_groups(optimizer)):
         if len(saved["params"]) != len(params):
             raise ValueError("loaded state dict contains a parameter group that doesn't "
                              "match the size of optimizer's group")

@@ -101,11 +101,13 @@ def register_source(source) -> int:
     return serial
 
 
-def gather(what: str, source) -> None:
-    """Enter gather `what` of `source`'s state: with every rank, or with the ranks that are
-    elsewhere serving it ([Note: gathers asked by some ranks])."""
+def gather(what: str, source, part: int = 0) -> None:
+    """Enter gather `what` of `source`'s state (of its `part`, which source.serve_gather
+    takes: one of its optimizers): with every rank, or with the ranks that are elsewhere
+    serving it ([Note: gathers asked by some ranks])."""
     if active():
-        exchange(what, torch.tensor([float(source.gather_serial)], dtype=torch.float64))
+        exchange(what, torch.tensor([float(source.gather_serial), float(part)],
+                                    dtype=torch.float64))
 
 
 # Values a collective may send with its code. Every collective's row has this width, so
@@ -128,27 +130,27 @@ def exchange(what: str, mine: torch.Tensor) -> torch.Tensor:
     while True:
         comm.all_gather(row, everyone.view(-1)).wait()
         codes = [int(c) for c in everyone[:, 0].tolist()]
-        # a gather names its source: two ranks gathering different modules differ too
-        keys = [(c, int(s) if c in _GATHER_CODES else 0)
-                for c, s in zip(codes, everyone[:, 1].tolist())]
+        # a gather names its source and part: two ranks gathering different modules differ too
+        keys = [(c, (int(s), int(p)) if c in _GATHER_CODES else (0, 0))
+                for c, s, p in zip(codes, everyone[:, 1].tolist(), everyone[:, 2].tolist())]
         if len(set(keys)) == 1:
             return everyone[:, 1:1 + mine.numel()]
         asked = {k for k in keys if k[0] in _GATHER_CODES}
         if len(asked) != 1:
             raise failure.agreed(_mismatch(keys))
-        (code, serial), = asked
-        if keys[comm.rank] == (code, serial):
+        (code, (serial, part)), = asked
+        if keys[comm.rank] == (code, (serial, part)):
             return everyone[:, 1:1 + mine.numel()]  # the askers go on with their gather
-        _serve(_NAMES[code], serial)
+        _serve(_NAMES[code], serial, part)
 
 
-def _serve(what: str, serial: int) -> None:
+def _serve(what: str, serial: int, part: int) -> None:
     """Take part in gather `what` that other ranks asked for, dropping what it gives."""
     source = _SOURCES.get(serial)
     if source is None:  # this rank alone knows: not an agreed error, its peers are told
         raise _C.Error(f"rank {_C.get_rank()} has no model numbered {serial}, whose {what} "
                        "other ranks gather: build the same models on every rank")
-    source.serve_gather(what)
+    source.serve_gather(what, part)
 
 
 def _at_exit() -> None:

@@ -110,7 +110,8 @@ class RaNNCModule(torch.nn.Module):
     PyTorch on the concatenation of the ranks' batches. Options: see docs/options.md.
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+    def __init__(self, model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer] | None = None,
                  **options):
         super().__init__()
         self.options = Options.resolve(options)
@@ -118,7 +119,10 @@ class RaNNCModule(torch.nn.Module):
             _C.set_log_level(self.options.log_level)
         _C.set_comm_timeout(self.options.comm_timeout)
         self.module = model
-        self.optimizer = optimizer
+        # [Note: several optimizers] in optimizer_share.py
+        optimizers = ([] if optimizer is None else list(optimizer)
+                      if isinstance(optimizer, (list, tuple)) else [optimizer])
+        self.optimizer_share = OptimizerShare(optimizers)
         # [Note: placement] in placement.py
         self.device = resolve_device(self.options.device, model)
         if self.device.type == "cuda":  # the user's `.cuda()` and `torch.cuda.*` mean this GPU
@@ -128,7 +132,7 @@ class RaNNCModule(torch.nn.Module):
         first = next((t for t in itertools.chain(model.parameters(), model.buffers())
                       if not t.is_meta), None)
         self._home = first.device if first is not None else self.device
-        self.placement = StatePlacement(model, self._home, self.device, optimizer)
+        self.placement = StatePlacement(model, self._home, self.device, self.optimizer_share)
         from . import planning
         self.profile_cache = planning.default_profile_cache()
         if self.options.profile_cache:
@@ -168,7 +172,6 @@ class RaNNCModule(torch.nn.Module):
         # [Note: unsynced steps] in csrc/runtime/engine.h
         self._grad_sync = True  # False inside no_sync()
         self._held_unsynced = False  # .grad holds shares that calls under no_sync() left
-        self.optimizer_share = OptimizerShare(optimizer)
         registry.register(self)  # [Note: torch's clip_grad_norm_], [Note: agreed steps]
         self.gather_serial = handshake.register_source(self)  # [Note: gathers asked by some ranks]
         # Callers that read the model's argument names from forward's signature (transformers'
@@ -395,16 +398,26 @@ class RaNNCModule(torch.nn.Module):
         _checkpoint().forget_pending(self, weights=True, optimizer=False)
         return full_state.load_state_dict(self, state_dict, strict=strict, assign=assign)
 
-    def optimizer_state_dict(self) -> dict:
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer | None = None) -> dict:
         """The optimizer's full state in the original optimizer's format, on every rank (a
-        collective that gathers it whole); see full_state.gather_optimizer_state."""
-        handshake.gather("optimizer_state_dict()", self)
-        return self._gather_optimizer_state()
+        collective that gathers it whole); with several optimizers, the groups of all one
+        after another, or those of `optimizer` (what its own state_dict() gives); see
+        full_state.gather_optimizer_state."""
+        part = self._optimizer_part(optimizer)
+        handshake.gather("optimizer_state_dict()", self, part)
+        return self._gather_optimizer_state(part)
 
-    def _gather_optimizer_state(self) -> dict:
+    def _optimizer_part(self, optimizer) -> int:
+        """0 for every optimizer of the module (None), else 1 + `optimizer`'s position
+        ([Note: several optimizers] in optimizer_share.py)."""
+        if optimizer is None:
+            return 0
+        return 1 + next(i for i, o in enumerate(self.optimizers) if o is optimizer)
+
+    def _gather_optimizer_state(self, part: int = 0) -> dict:
         self.placement.require_values("optimizer_state_dict()")
         _checkpoint().apply_pending(self, everything=True)
-        return full_state.gather_optimizer_state(self)
+        return full_state.gather_optimizer_state(self, self.optimizers[part - 1] if part else None)
 
     # [Note: activation checkpointing] transformers' gradient checkpointing recomputes each
     # layer's forward in the backward (torch.utils.checkpoint). Traced, those are plain
@@ -527,13 +540,14 @@ class RaNNCModule(torch.nn.Module):
         from . import generation
         return generation.generate(self, args, kwargs)
 
-    def serve_gather(self, what: str) -> None:
-        """Takes part in gather `what` of this module that other ranks asked for, keeping
-        nothing ([Note: gathers asked by some ranks] in handshake.py)."""
+    def serve_gather(self, what: str, part: int = 0) -> None:
+        """Takes part in gather `what` (of `part`, for an optimizer's state: see
+        _optimizer_part) of this module that other ranks asked for, keeping nothing ([Note:
+        gathers asked by some ranks] in handshake.py)."""
         if what == "state_dict()":
             self._gather_state(keep=False)
         else:
-            self._gather_optimizer_state()
+            self._gather_optimizer_state(part)
 
     def load_optimizer_state_dict(self, state_dict: dict) -> None:
         """Loads an optimizer state in the original optimizer's format; see
@@ -542,26 +556,38 @@ class RaNNCModule(torch.nn.Module):
         _checkpoint().forget_pending(self, weights=False, optimizer=True)
         full_state.load_optimizer_state(self, state_dict)
 
-    def share_of_optimizer_state(self, state_dict: dict) -> dict:
+    def share_of_optimizer_state(self, state_dict: dict, optimizer=None) -> dict:
         """What the optimizer's own load_state_dict(state_dict) loads here: this rank's
         share of a whole state ([Note: the optimizer's own state_dict] in optimizer_share.py)."""
         handshake.enter("load_optimizer_state_dict()")
         _checkpoint().forget_pending(self, weights=False, optimizer=True)
-        return full_state.optimizer_state_share(self, state_dict)
+        return full_state.optimizer_state_share(self, state_dict, optimizer)
 
     # what the training plan counted (adopt_optimizer); None: unknown (option load_plan)
     _planned_optimizer_kind = "sgd"
 
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The module's (first) optimizer."""
+        return self.optimizer_share.optimizer
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The module's optimizers ([Note: several optimizers] in optimizer_share.py)."""
+        return list(self.optimizer_share.optimizers)
+
     def optimizer_kind_to_plan(self) -> str:
-        """The optimizer state the training plan counts: the module's optimizer's, else the
-        largest of the live optimizers over the model's parameters, which the first step
-        makes the module's ([Note: optimizers made after wrapping] in optimizer_share.py)."""
+        """The optimizer state the training plan counts: the largest of the module's
+        optimizers' and of the live optimizers over the model's parameters, which their
+        first step makes the module's ([Note: optimizers made after wrapping] in
+        optimizer_share.py)."""
         from .optimizer_share import built_over
-        found = [self.optimizer] if self.optimizer is not None else built_over(self)
-        kinds = [_optimizer_kind(o) for o in found] or ["sgd"]
+        mine = self.optimizers
+        later = [o for o in built_over(self) if not any(o is m for m in mine)]
+        kinds = [_optimizer_kind(o) for o in mine + later] or ["sgd"]
         kind = max(kinds, key=_OPTIMIZER_KINDS.index)
-        if self.optimizer is None and found and _C.get_rank() == 0:
-            names = sorted({type(o).__name__ for o in found})
+        if later and _C.get_rank() == 0:
+            names = sorted({type(o).__name__ for o in later})
             _C.log_info(f"planned for the state of {' or '.join(names)} ({kind}), built after "
                         "RaNNCModule over its parameters: its first step makes it the "
                         "module's optimizer")
@@ -571,8 +597,7 @@ class RaNNCModule(torch.nn.Module):
     def adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Makes `optimizer`, built after wrapping over the model's parameters, this module's,
         as if passed to it ([Note: optimizers made after wrapping] in optimizer_share.py)."""
-        self.optimizer = self.placement.optimizer = optimizer
-        self.optimizer_share = OptimizerShare(optimizer)
+        self.optimizer_share.add(optimizer)
         self.optimizer_share.keep(self.placement.optimized_here())
         planned = self.options.optimizer_kind or self._planned_optimizer_kind
         kind = _optimizer_kind(optimizer)
@@ -709,8 +734,9 @@ class RaNNCModule(torch.nn.Module):
                 raise _C.Error("clip_grad_norm with a scaler needs the optimizer passed to "
                                "RaNNCModule")
             from torch.amp.grad_scaler import OptState
-            if scaler._per_optimizer_states[id(self.optimizer)]["stage"] is not OptState.UNSCALED:
-                scaler.unscale_(self.optimizer)
+            for optimizer in self.optimizers:
+                if scaler._per_optimizer_states[id(optimizer)]["stage"] is not OptState.UNSCALED:
+                    scaler.unscale_(optimizer)
         total = clipping.global_norm(clipping.counted_grads(self), [], float(norm_type))
         clipping.scale_(clipping.held_grads(self), max_norm, total)
         return total.float()

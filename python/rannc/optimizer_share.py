@@ -33,6 +33,19 @@ optimizer_state_dict(): a gather, which rank 0 may ask alone, [Note: gathers ask
 ranks] in handshake.py), and its load_state_dict() takes such a whole state (from any world
 size, or a plain optimizer) and loads this rank's share of it. rannc's own loads of a share
 pass under `loading_share()`.
+
+[Note: several optimizers] Parameters of different kinds may step with different
+optimizers: Muon for the hidden matrices and AdamW for embeddings, norms and biases (torch's
+own advice for Muon), or another learning rule per part. `RaNNCModule(model, [muon, adamw])`
+takes them all, and an optimizer built after wrapping over some of the model's parameters is
+added at its first step, as the first one would be adopted. Each is cut to this rank's share;
+each one's own state_dict() gives its whole state (DDP's `torch.save({"muon":
+muon.state_dict(), "adamw": adamw.state_dict()})` on rank 0, which the other ranks serve: the
+gather names which optimizer), and its load_state_dict() loads its share. Checkpoints and
+the module's optimizer_state_dict() take their groups one after another, as one optimizer's;
+the plan counts the largest state among them. (Before, a second optimizer kept its groups
+whole, each rank stepping its own parameters right, but its state_dict() held this rank's
+share only: a checkpoint saved on rank 0 resumed the others' parameters from no state.)
 """
 from __future__ import annotations
 
@@ -45,14 +58,33 @@ from . import registry
 
 
 class OptimizerShare:
-    def __init__(self, optimizer: torch.optim.Optimizer | None):
-        self.optimizer = optimizer
-        self._original = None  # per group: (params, param_names or None), before patching
+    """The module's optimizers (usually one; several where parameters of different kinds
+    step differently, as Muon for the matrices and AdamW for the rest: [Note: several
+    optimizers]), each cut to this rank's share. Seen together, their param groups follow
+    one another in the order the optimizers were given, as one optimizer's would: the
+    format of rannc's optimizer_state_dict() and of checkpoints."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]):
+        self.optimizers = []
+        self._original = None  # per optimizer, per group: (params, param_names or None)
         self._loading_share = False
-        if optimizer is not None and not getattr(optimizer, "_rannc_whole_state", False):
+        for optimizer in optimizers:
+            self.add(optimizer)
+
+    def add(self, optimizer: torch.optim.Optimizer) -> None:
+        """Adds `optimizer` (cut by the next keep())."""
+        self.optimizers.append(optimizer)
+        if self._original is not None:
+            self._original.append(_groups_of(optimizer))
+        if not getattr(optimizer, "_rannc_whole_state", False):
             optimizer._rannc_whole_state = True  # [Note: the optimizer's own state_dict]
             optimizer.register_state_dict_post_hook(_whole_state)
             optimizer.register_load_state_dict_pre_hook(_share_of_whole_state)
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The first optimizer (None without any)."""
+        return self.optimizers[0] if self.optimizers else None
 
     @contextlib.contextmanager
     def loading_share(self):
@@ -68,38 +100,72 @@ class OptimizerShare:
         """Whether the groups hold only this rank's parameters (training is deployed)."""
         return self._original is not None
 
-    def original_groups(self) -> list[tuple[list[torch.Tensor], list[str] | None]]:
-        """Per param group: (its parameters, its param_names or None) as the user built it."""
-        if self._original is not None:
-            return self._original
-        return [(list(g["params"]), None if g.get("param_names") is None else list(g["param_names"]))
-                for g in self.optimizer.param_groups]
+    def _chosen(self, optimizer) -> list[int]:
+        """The positions of the optimizers meant: all (None) or `optimizer`."""
+        if optimizer is None:
+            return list(range(len(self.optimizers)))
+        return [next(i for i, o in enumerate(self.optimizers) if o is optimizer)]
+
+    def original_groups(self, optimizer=None) -> list[tuple[list[torch.Tensor], list[str] | None]]:
+        """Per param group of every optimizer (or of `optimizer`), one after another: (its
+        parameters, its param_names or None) as the user built it."""
+        return [g for i in self._chosen(optimizer)
+                for g in (self._original[i] if self._original is not None
+                          else _groups_of(self.optimizers[i]))]
+
+    def groups(self, optimizer=None) -> list[dict]:
+        """The live param groups of every optimizer (or of `optimizer`), one after another."""
+        return [g for i in self._chosen(optimizer) for g in self.optimizers[i].param_groups]
+
+    def state(self, param: torch.Tensor) -> dict | None:
+        """The optimizer state of `param` (in whichever optimizer holds it), or None."""
+        for optimizer in self.optimizers:
+            state = optimizer.state.get(param)
+            if state:
+                return state
+        return None
+
+    def load(self, local: dict, optimizer=None) -> None:
+        """Loads `local`, a state in torch's format over groups() (of every optimizer, or of
+        `optimizer`), as this rank's share: each optimizer its groups' part."""
+        start = 0
+        with self.loading_share():  # [Note: the optimizer's own state_dict]
+            for i in self._chosen(optimizer):
+                o = self.optimizers[i]
+                part = local["param_groups"][start:start + len(o.param_groups)]
+                ids = {j for g in part for j in g["params"]}
+                o.load_state_dict({"state": {j: v for j, v in local["state"].items() if j in ids},
+                                   "param_groups": part})
+                start += len(o.param_groups)
 
     def keep(self, own: set[int]) -> None:
         """Cuts every group down to the parameters whose id() is in `own`, in the user's
         order, and drops the others' state. Called again when a training call with other
         arguments than the first trains parameters first ([Note: other training arguments]
-        in module.py): the groups are cut anew from the user's."""
-        if self.optimizer is None:
-            return
+        in module.py), or an optimizer is added: the groups are cut anew from the user's."""
         if self._original is None:
-            self._original = [(list(g["params"]), None if g.get("param_names") is None
-                               else list(g["param_names"]))
-                              for g in self.optimizer.param_groups]
-        for group, (params, names) in zip(self.optimizer.param_groups, self._original):
-            keep = [id(p) in own for p in params]
-            group["params"] = [p for p, k in zip(params, keep) if k]
-            if names is not None:
-                group["param_names"] = [n for n, k in zip(names, keep) if k]
-            for p, k in zip(params, keep):
-                if not k:
-                    self.optimizer.state.pop(p, None)
+            self._original = [_groups_of(o) for o in self.optimizers]
+        for optimizer, original in zip(self.optimizers, self._original):
+            for group, (params, names) in zip(optimizer.param_groups, original):
+                keep = [id(p) in own for p in params]
+                group["params"] = [p for p, k in zip(params, keep) if k]
+                if names is not None:
+                    group["param_names"] = [n for n, k in zip(names, keep) if k]
+                for p, k in zip(params, keep):
+                    if not k:
+                        optimizer.state.pop(p, None)
+
+
+def _groups_of(optimizer) -> list[tuple[list[torch.Tensor], list[str] | None]]:
+    return [(list(g["params"]), None if g.get("param_names") is None else list(g["param_names"]))
+            for g in optimizer.param_groups]
 
 
 def _owner(optimizer):
     """The module whose cut optimizer this is, or None (not yet cut: torch's own state)."""
     for module in registry.modules():
-        if module.optimizer is optimizer and module.optimizer_share.patched:
+        share = module.optimizer_share
+        if share.patched and any(o is optimizer for o in share.optimizers):
             return module
     return None
 
@@ -107,7 +173,7 @@ def _owner(optimizer):
 def _whole_state(optimizer, state_dict):
     """[Note: the optimizer's own state_dict]"""
     module = _owner(optimizer)
-    return None if module is None else module.optimizer_state_dict()
+    return None if module is None else module.optimizer_state_dict(optimizer)
 
 
 def _share_of_whole_state(optimizer, state_dict):
@@ -115,13 +181,14 @@ def _share_of_whole_state(optimizer, state_dict):
     module = _owner(optimizer)
     if module is None or module.optimizer_share._loading_share:
         return None
-    return module.share_of_optimizer_state(state_dict)
+    return module.share_of_optimizer_state(state_dict, optimizer)
 
 
 def _adopt_on_first_step(optimizer, args, kwargs):
-    """[Note: optimizers made after wrapping]"""
+    """[Note: optimizers made after wrapping], [Note: several optimizers]"""
     for module in registry.modules():
-        if (module.optimizer is None and module._deployed.get(True) is not None
+        if (module._deployed.get(True) is not None
+                and not any(o is optimizer for o in module.optimizer_share.optimizers)
                 and registry.holds(optimizer, module)):
             module.adopt_optimizer(optimizer)
     return None

@@ -63,9 +63,9 @@ class StatePlacement:
     which ranks use it, which hold its current value, and whether this rank holds it."""
 
     def __init__(self, module: torch.nn.Module, home: torch.device, device: torch.device,
-                 optimizer: torch.optim.Optimizer | None = None):
+                 optimizer_share=None):
         self.module, self.home, self.device = module, home, device
-        self.optimizer = optimizer  # its state moves with the parameters
+        self.optimizer_share = optimizer_share  # the optimizers' state moves with the parameters
         # mode (or (mode, arguments): [Note: other arguments] in module.py) -> per state
         # tensor, the ranks whose stage uses it
         self._users = {}
@@ -541,11 +541,11 @@ class StatePlacement:
         """Optimizer state made before the first call (a loaded state_dict) follows its
         parameter to the device, as torch's load_state_dict places it: `step` stays on the
         CPU unless the group is fused or capturable."""
-        state = self.optimizer.state.get(param) if self.optimizer is not None else None
+        share = self.optimizer_share
+        state = share.state(param) if share is not None else None
         if not state:
             return
-        group = next((g for g in self.optimizer.param_groups
-                      if any(p is param for p in g["params"])), {})
+        group = next((g for g in share.groups() if any(p is param for p in g["params"])), {})
         on_device = group.get("fused") or group.get("capturable")
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and (key != "step" or on_device):

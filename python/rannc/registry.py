@@ -28,4 +28,5 @@ def steps_share(optimizer) -> bool:
     """Whether `optimizer` steps parameters of a RaNNCModule: the one passed to it (which
     holds this rank's share) or one over the model's parameters (whose freed ones have no
     gradient here). The same answer on every rank."""
-    return any(m.optimizer is optimizer or holds(optimizer, m) for m in modules())
+    return any(any(o is optimizer for o in m.optimizers) or holds(optimizer, m)
+               for m in modules())

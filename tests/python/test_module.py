@@ -793,6 +793,22 @@ def test_training_calls_with_other_arguments_train_as_pytorch(ranks):
         assert f"OK rank {r}" in res.stdout, res.stdout[-4000:]
 
 
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_several_optimizers_train_save_and_resume_as_pytorch(ranks):
+    """[Note: several optimizers] in optimizer_share.py: Muon's split (one optimizer for the
+    blocks' matrices, AdamW for the rest), passed to RaNNCModule as a list or built after
+    wrapping (each added at its first step): steps equal PyTorch's, each optimizer is cut to
+    the rank's share, its own state_dict() on rank 0 alone is its whole state (the other
+    ranks serve the gather), and a module resumed from those files or from save_checkpoint
+    trains on equal to PyTorch. Before, a second optimizer's state_dict() held this rank's
+    share only, and a resume lost the other ranks' state without a word."""
+    res = mpirun("loop_probes.py", ranks, "several_optimizers", timeout=600,
+                 env={"RANNC_COMM_TIMEOUT": "60"})
+    assert res.returncode == 0, res.stdout[-4000:]
+    for r in range(ranks):
+        assert f"OK rank {r}" in res.stdout, res.stdout[-4000:]
+
+
 @pytest.mark.parametrize("ranks,model,stages,micro,rows,extra", [
     (2, "gpt", 2, 4, "4,4,1,3", ["--eval"]),            # short last batch: fewer micro-batches
     (3, "transformer_loss", 2, 3, "4,2,5", ["--opt", "replicas=1,2"]),  # bigger than traced

@@ -84,6 +84,13 @@ behaviour and prints "OK rank r", or fails the way the test expects.
                                        eval calls equal PyTorch's ([Note: other training
                                        arguments] in module.py); 2 ranks with batch norm,
                                        3 ranks (replicas) with layer norm and fill-drain
+    loop_probes.py several_optimizers  one optimizer for the blocks' matrices (as Muon), AdamW
+                                       for the rest: both
+                                       passed to RaNNCModule, or AdamW built after wrapping
+                                       (added at its first step): steps equal PyTorch's, each
+                                       optimizer's state_dict() on rank 0 alone is its whole
+                                       state, a resume from those files or from a checkpoint
+                                       trains on equal to PyTorch ([Note: several optimizers])
     loop_probes.py save_pretrained     transformers' model.save_pretrained(dir) on the wrapper,
                                        on every rank and on rank 0 alone: config.json and the
                                        whole trained weights, which from_pretrained loads
@@ -1193,6 +1200,103 @@ elif probe == "other_arguments":  # [Note: other training arguments] in module.p
                                            msg=lambda m: f"rank {rank}: step {step}: {n}: {m}")
     if rank == 0:
         shutil.rmtree(directory)
+    print(f"OK rank {rank}", flush=True)
+elif probe == "several_optimizers":  # [Note: several optimizers] in optimizer_share.py
+    import shutil
+    import tempfile
+
+    from rannc.transport import all_gather_objects
+    world = rannc.get_world_size()
+
+    def optimizers(m, wrapped=None):
+        """Muon's split: one optimizer for the blocks' matrices, AdamW for the rest (of
+        `wrapped` when given, as a script that builds its optimizers after wrapping). The
+        matrices' is SGD with Nesterov momentum here: Muon orthogonalises in bf16, whose
+        roundings differ with the order the gradients were summed in."""
+        named = list((wrapped or m).named_parameters())
+        matrices = [p for n, p in named if p.ndim == 2 and "blocks." in n]
+        rest = [p for n, p in named if not any(p is q for q in matrices)]
+        return (torch.optim.SGD(matrices, lr=0.05, momentum=0.9, nesterov=True),
+                torch.optim.AdamW(rest, lr=1e-2, eps=1e-5))
+
+    def same_state(mine, theirs, what):
+        assert mine["state"].keys() == theirs["state"].keys(), \
+            f"rank {rank}: {what}: {sorted(mine['state'])} against {sorted(theirs['state'])}"
+        for i, s in theirs["state"].items():
+            for key, v in s.items():
+                torch.testing.assert_close(torch.as_tensor(mine["state"][i][key]).cpu(),
+                                           torch.as_tensor(v), rtol=1e-4, atol=1e-7,
+                                           msg=lambda m: f"rank {rank}: {what}: {i}.{key}: {m}")
+        assert [g["params"] for g in mine["param_groups"]] == \
+            [g["params"] for g in theirs["param_groups"]], what
+
+    def train_steps(wrapped, model, opts, reference, ref_opts, steps):
+        for step in steps:
+            x, y = zoo.make("gpt", batch=4 * world, seed=100 + step)[1]
+            mine = slice(4 * rank, 4 * (rank + 1))
+            loss, ref_loss = wrapped(x[mine], y[mine]), reference(x, y)
+            torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"rank {rank}: step {step}: {m}")
+            loss.backward()
+            ref_loss.backward()
+            for o in (*opts, *ref_opts):
+                o.step()
+                o.zero_grad()
+            # (the attention's key bias has a gradient of rounding errors only, which
+            # AdamW's steps amplify)
+            same_stage_parameters(model, reference, rtol=1e-3)
+
+    for late in (False, True):
+        model, _, _ = zoo.make("gpt", batch=4, seed=0)
+        zoo.no_dropout(model)
+        reference = copy.deepcopy(model)
+        ref_opts = optimizers(reference)
+        if late:  # DDP's order: wrap, then build the optimizers over the wrapper's parameters
+            wrapped = rannc.RaNNCModule(model, num_stages=2, num_microbatches=2)
+            opts = optimizers(model, wrapped)
+        else:
+            opts = optimizers(model)
+            wrapped = rannc.RaNNCModule(model, list(opts), num_stages=2, num_microbatches=2)
+        train_steps(wrapped, model, opts, reference, ref_opts, range(3))
+        assert [type(o) for o in wrapped.optimizers] == [torch.optim.SGD, torch.optim.AdamW], \
+            wrapped.optimizers
+        held = sum(len(g["params"]) for o in opts for g in o.param_groups)
+        assert held < sum(1 for _ in model.parameters()), "the optimizers were not cut"
+        # DDP's habit: each optimizer's state saved on rank 0 alone
+        directory = all_gather_objects(tempfile.mkdtemp() if rank == 0 else None)[0]
+        if rank == 0:
+            states = [o.state_dict() for o in opts]
+            for mine, o, name in zip(states, ref_opts, ("SGD", "AdamW")):
+                same_state(mine, o.state_dict(), f"{name}'s state_dict() on rank 0")
+            torch.save({"model": wrapped.state_dict(), "opts": states},
+                       os.path.join(directory, "ddp.pt"))
+        # every rank: the other ranks served the gathers
+        wrapped.save_checkpoint(os.path.join(directory, "checkpoint"))
+        # resumed from the DDP file and from the checkpoint: two more steps as PyTorch's
+        for how in ("torch.load", "load_checkpoint"):
+            torch.manual_seed(5)
+            resumed, _, _ = zoo.make("gpt", batch=4, seed=1)
+            zoo.no_dropout(resumed)
+            resumed_opts = optimizers(resumed)
+            again = rannc.RaNNCModule(resumed, list(resumed_opts), num_stages=2,
+                                      num_microbatches=2)
+            if how == "torch.load":
+                saved = torch.load(os.path.join(directory, "ddp.pt"))
+                again.load_state_dict(saved["model"])
+                for o, sd in zip(resumed_opts, saved["opts"]):
+                    o.load_state_dict(sd)
+            else:
+                again.load_checkpoint(os.path.join(directory, "checkpoint"))
+            ref_copy = copy.deepcopy(reference)
+            ref_copy_opts = optimizers(ref_copy)
+            for o, ref_o in zip(ref_copy_opts, ref_opts):  # (torch's load keeps the tensors)
+                o.load_state_dict(copy.deepcopy(ref_o.state_dict()))
+            train_steps(again, resumed, resumed_opts, ref_copy, ref_copy_opts, range(3, 5))
+            for mine, o, name in zip(resumed_opts, ref_copy_opts, ("SGD", "AdamW")):
+                same_state(mine.state_dict(), o.state_dict(), f"{name} resumed by {how}")
+        all_gather_objects(None)
+        if rank == 0:
+            shutil.rmtree(directory)
     print(f"OK rank {rank}", flush=True)
 else:
     raise SystemExit(f"unknown probe {probe}")
