@@ -578,12 +578,12 @@ class RaNNCModule(torch.nn.Module):
 
     def optimizer_kind_to_plan(self) -> str:
         """The optimizer state the training plan counts: the largest of the module's
-        optimizers' and of the live optimizers over the model's parameters, which their
+        optimizers', else of the live optimizers over the model's parameters, which their
         first step makes the module's ([Note: optimizers made after wrapping] in
-        optimizer_share.py)."""
+        optimizer_share.py; one added later that keeps more draws a warning then)."""
         from .optimizer_share import built_over
         mine = self.optimizers
-        later = [o for o in built_over(self) if not any(o is m for m in mine)]
+        later = [] if mine else built_over(self)
         kinds = [_optimizer_kind(o) for o in mine + later] or ["sgd"]
         kind = max(kinds, key=_OPTIMIZER_KINDS.index)
         if later and _C.get_rank() == 0:
