@@ -605,7 +605,9 @@ class RaNNCModule(torch.nn.Module):
                 _OPTIMIZER_KINDS.index(kind) > _OPTIMIZER_KINDS.index(planned):
             _C.log_warn(
                 f"{type(optimizer).__name__} was built after RaNNCModule's first training "
-                f"call and steps its parameters: it is now the module's optimizer "
+                f"call and steps its parameters: it is now "
+                f"{'the' if len(self.optimizers) == 1 else 'one of the'} module's optimizer"
+                f"{'' if len(self.optimizers) == 1 else 's'} "
                 f"(checkpoints and optimizer_state_dict() hold its state), but the plan was "
                 f"made for {planned} and did not count the {kind} state in each stage's "
                 f"memory; build it before that call, pass it to RaNNCModule, or pass the "

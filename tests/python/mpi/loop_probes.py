@@ -1107,10 +1107,9 @@ elif probe == "other_arguments":  # [Note: other training arguments] in module.p
                                 schedule="fill_drain" if world == 3 else "1f1b")
     B = 4
     mine = slice(rank * B, (rank + 1) * B)
-    # text first, then with images, another task, both, and back
-    calls = [(False, "regress"), (True, "regress"), (False, "classify"), (True, "classify"),
-             (False, "regress"), (True, "regress"), (False, "classify")]
-    for step, (with_image, task) in enumerate(calls):
+
+    def losses(wrapped, step, with_image, task):
+        """This rank's loss and the reference's on the global batch of `step`."""
         g = torch.Generator().manual_seed(step)
         x, image = torch.randn(B * world, 8, generator=g), torch.randn(B * world, 12, generator=g)
         y = (torch.randn(B * world, 1, generator=g) if task == "regress"
@@ -1121,6 +1120,13 @@ elif probe == "other_arguments":  # [Note: other training arguments] in module.p
         loss, ref_loss = wrapped(x[mine], y[mine], **extra), reference(x, y, **ref_extra)
         torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6,
                                    msg=lambda m: f"rank {rank}: step {step}: {m}")
+        return loss, ref_loss
+
+    # text first, then with images, another task, both, and back
+    calls = [(False, "regress"), (True, "regress"), (False, "classify"), (True, "classify"),
+             (False, "regress"), (True, "regress"), (False, "classify")]
+    for step, (with_image, task) in enumerate(calls):
+        loss, ref_loss = losses(wrapped, step, with_image, task)
         loss.backward()
         ref_loss.backward()
         norms = (torch.nn.utils.clip_grad_norm_(wrapped.parameters(), 0.5).cpu(),
@@ -1157,14 +1163,12 @@ elif probe == "other_arguments":  # [Note: other training arguments] in module.p
     wrapped.eval()
     reference.eval()
     with torch.no_grad():
-        for extra, ref_extra in (({}, {}), ({"image": image[mine]}, {"image": image})):
-            torch.testing.assert_close(wrapped(x[mine], y[mine], **extra, task="classify").cpu(),
-                                       reference(x, y, **ref_extra, task="classify"),
-                                       rtol=1e-5, atol=1e-6)
+        for with_image in (False, True):
+            losses(wrapped, 0, with_image, "classify")
     wrapped.train()
     reference.train()
     with wrapped.no_sync():  # its gradients are routed once summed: an error on every rank
-        expect_error(lambda: wrapped(x[mine], y[mine], task="classify"), "under no_sync()")
+        expect_error(lambda: losses(wrapped, 0, False, "classify"), "under no_sync()")
     # resumed from a checkpoint by a module whose first call runs neither the images nor
     # the classifier: AdamW's state of those is kept until a program trains them
     import shutil
@@ -1182,16 +1186,7 @@ elif probe == "other_arguments":  # [Note: other training arguments] in module.p
     wrapped.load_checkpoint(directory)
     for step, (with_image, task) in enumerate([(False, "regress"), (False, "classify"),
                                                (True, "regress")], start=len(calls)):
-        g = torch.Generator().manual_seed(step)
-        x, image = torch.randn(B * world, 8, generator=g), torch.randn(B * world, 12, generator=g)
-        y = (torch.randn(B * world, 1, generator=g) if task == "regress"
-             else torch.randint(0, 3, (B * world,), generator=g))
-        extra, ref_extra = ({"image": image[mine]}, {"image": image}) if with_image else ({}, {})
-        if task != "regress":
-            extra["task"] = ref_extra["task"] = task
-        loss, ref_loss = wrapped(x[mine], y[mine], **extra), reference(x, y, **ref_extra)
-        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6,
-                                   msg=lambda m: f"rank {rank}: step {step}: {m}")
+        loss, ref_loss = losses(wrapped, step, with_image, task)
         step_both(loss, ref_loss, resumed_opt, ref_opt)
         trained = wrapped.placement.trained_here()
         for n, p in resumed.named_parameters():
