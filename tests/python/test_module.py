@@ -782,7 +782,8 @@ def test_training_calls_with_other_arguments_train_as_pytorch(ranks):
     features and with another task's head (a string argument) are three more programs, each
     planned on its own. Every step's loss, torch's clip_grad_norm_ and AdamW's update of
     the parameters each rank trains equal PyTorch's, and so do batch norm's statistics,
-    optimizer_state_dict() and eval calls after them (2 ranks, 1F1B; 3 ranks, replicas
+    optimizer_state_dict(), eval calls, gradient accumulation under no_sync() and a resume
+    from a checkpoint after them (2 ranks, 1F1B; 3 ranks, replicas
     under fill-drain); a program whose stages hold a parameter on other ranks than its
     trainers sends them its gradient (checked to happen); under no_sync() such a call is
     an error on every rank (was a TraceError for every such call)."""

@@ -1122,6 +1122,15 @@ elif probe == "other_arguments":  # [Note: other training arguments] in module.p
                                    msg=lambda m: f"rank {rank}: step {step}: {m}")
         return loss, ref_loss
 
+    def same_trained_parameters(wrapped, model, what):
+        """The parameters this rank trains equal the reference's (a rank running one in some
+        program only holds a copy that the next call of that program brings up to date)."""
+        trained, ref = wrapped.placement.trained_here(), dict(reference.named_parameters())
+        for n, p in model.named_parameters():
+            if id(p) in trained:
+                torch.testing.assert_close(p.detach().cpu(), ref[n].detach(), rtol=1e-4, atol=1e-6,
+                                           msg=lambda m: f"rank {rank}: {what}: {n}: {m}")
+
     # text first, then with images, another task, both, and back
     calls = [(False, "regress"), (True, "regress"), (False, "classify"), (True, "classify"),
              (False, "regress"), (True, "regress"), (False, "classify")]
@@ -1136,13 +1145,7 @@ elif probe == "other_arguments":  # [Note: other training arguments] in module.p
         for o in (opt, ref_opt):
             o.step()
             o.zero_grad()
-        # (a rank running a parameter in one program only holds a copy that the next call
-        # of that program brings up to date)
-        trained, ref = wrapped.placement.trained_here(), dict(reference.named_parameters())
-        for n, p in model.named_parameters():
-            if id(p) in trained:
-                torch.testing.assert_close(p.detach().cpu(), ref[n].detach(), rtol=1e-4, atol=1e-6,
-                                           msg=lambda m: f"rank {rank}: step {step}: {n}: {m}")
+        same_trained_parameters(wrapped, model, f"step {step}")
     # the programs place some parameters on other ranks: gradients moved between them
     placement = wrapped.placement
     keys = [k for k in placement._users if isinstance(k, tuple) and k[0] is True]
@@ -1169,6 +1172,16 @@ elif probe == "other_arguments":  # [Note: other training arguments] in module.p
     reference.train()
     with wrapped.no_sync():  # its gradients are routed once summed: an error on every rank
         expect_error(lambda: losses(wrapped, 0, False, "classify"), "under no_sync()")
+    # accumulation: the first program under no_sync(), then another one summed with it
+    with wrapped.no_sync():
+        for loss in losses(wrapped, 20, False, "regress"):
+            loss.backward()
+    for loss in losses(wrapped, 21, True, "classify"):
+        loss.backward()
+    for o in (opt, ref_opt):
+        o.step()
+        o.zero_grad()
+    same_trained_parameters(wrapped, model, "accumulated")
     # resumed from a checkpoint by a module whose first call runs neither the images nor
     # the classifier: AdamW's state of those is kept until a program trains them
     import shutil
@@ -1188,11 +1201,7 @@ elif probe == "other_arguments":  # [Note: other training arguments] in module.p
                                                (True, "regress")], start=len(calls)):
         loss, ref_loss = losses(wrapped, step, with_image, task)
         step_both(loss, ref_loss, resumed_opt, ref_opt)
-        trained = wrapped.placement.trained_here()
-        for n, p in resumed.named_parameters():
-            if id(p) in trained:
-                torch.testing.assert_close(p.detach().cpu(), ref[n].detach(), rtol=1e-4, atol=1e-6,
-                                           msg=lambda m: f"rank {rank}: step {step}: {n}: {m}")
+        same_trained_parameters(wrapped, resumed, f"resumed, step {step}")
     if rank == 0:
         shutil.rmtree(directory)
     print(f"OK rank {rank}", flush=True)
