@@ -782,11 +782,11 @@ def test_training_calls_with_other_arguments_train_as_pytorch(ranks):
     features and with another task's head (a string argument) are three more programs, each
     planned on its own. Every step's loss, torch's clip_grad_norm_ and AdamW's update of
     the parameters each rank trains equal PyTorch's, and so do batch norm's statistics,
-    optimizer_state_dict(), eval calls, gradient accumulation under no_sync() and a resume
-    from a checkpoint after them (2 ranks, 1F1B; 3 ranks, replicas
-    under fill-drain); a program whose stages hold a parameter on other ranks than its
-    trainers sends them its gradient (checked to happen); under no_sync() such a call is
-    an error on every rank (was a TraceError for every such call)."""
+    optimizer_state_dict(), eval calls, accumulating the first program's call under
+    no_sync() with another's after it, and a resume from a checkpoint (2 ranks, 1F1B; 3
+    ranks, replicas under fill-drain); a program whose stages hold a parameter on other
+    ranks than its trainers sends them its gradient (checked to happen); another program's
+    call under no_sync() is an error on every rank (was a TraceError for every such call)."""
     res = mpirun("loop_probes.py", ranks, "other_arguments", timeout=300,
                  env={"RANNC_COMM_TIMEOUT": "60"})
     assert res.returncode == 0, res.stdout[-4000:]
