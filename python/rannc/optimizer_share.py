@@ -109,6 +109,7 @@ class OptimizerShare:
     def original_groups(self, optimizer=None) -> list[tuple[list[torch.Tensor], list[str] | None]]:
         """Per param group of every optimizer (or of `optimizer`), one after another: (its
         parameters, its param_names or None) as the user built it."""
+        self.new_groups()
         return [g for i in self._chosen(optimizer)
                 for g in (self._original[i] if self._original is not None
                           else _groups_of(self.optimizers[i]))]
@@ -137,6 +138,19 @@ class OptimizerShare:
                 o.load_state_dict({"state": {j: v for j, v in local["state"].items() if j in ids},
                                    "param_groups": part})
                 start += len(o.param_groups)
+
+    def new_groups(self) -> bool:
+        """Takes the groups added to an optimizer since it was cut (add_param_group, as a
+        script unfreezing a layer adds its parameters) as the user's; whether there were
+        any. keep() cuts them next."""
+        if self._original is None:
+            return False
+        added = False
+        for optimizer, original in zip(self.optimizers, self._original):
+            if len(optimizer.param_groups) > len(original):
+                original += _groups_of(optimizer)[len(original):]
+                added = True
+        return added
 
     def keep(self, own: set[int]) -> None:
         """Cuts every group down to the parameters whose id() is in `own`, in the user's
@@ -184,12 +198,17 @@ def _share_of_whole_state(optimizer, state_dict):
     return module.share_of_optimizer_state(state_dict, optimizer)
 
 
-def _adopt_on_first_step(optimizer, args, kwargs):
-    """[Note: optimizers made after wrapping], [Note: several optimizers]"""
+def _before_step(optimizer, args, kwargs):
+    """A global step pre-hook: an optimizer over a trained module's parameters that is not
+    the module's becomes one of its optimizers ([Note: optimizers made after wrapping],
+    [Note: several optimizers]); a group added to a module's optimizer is cut to this
+    rank's share."""
     for module in registry.modules():
-        if (module._deployed.get(True) is not None
-                and not any(o is optimizer for o in module.optimizer_share.optimizers)
-                and registry.holds(optimizer, module)):
+        share = module.optimizer_share
+        if any(o is optimizer for o in share.optimizers):
+            if share.new_groups():
+                share.keep(module.placement.optimized_here())
+        elif module._deployed.get(True) is not None and registry.holds(optimizer, module):
             module.adopt_optimizer(optimizer)
     return None
 
@@ -203,4 +222,4 @@ def built_over(module) -> list[torch.optim.Optimizer]:
 
 
 def install() -> None:
-    register_optimizer_step_pre_hook(_adopt_on_first_step)
+    register_optimizer_step_pre_hook(_before_step)

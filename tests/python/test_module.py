@@ -696,7 +696,8 @@ def test_a_failure_while_tracing_new_shapes_says_so_with_both_shapes():
                                    "rank0_only", "process_group", "compiled", "sync_batch_norm",
                                    "module_state_dict", "forward_hook", "unfreeze",
                                    "averaged_model", "save_pretrained", "two_calls",
-                                   "param_hooks", "retained_graph", "adversarial"])
+                                   "param_hooks", "retained_graph", "adversarial",
+                                   "add_param_group"])
 def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
     """Ranks with different batch sizes in one call (on every such call), control flow on
     data that differs between ranks, different models, a sequence length for which the
@@ -751,7 +752,10 @@ def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
     adversarial: FGSM adversarial training under 1F1B and fill-drain: torch.autograd.grad
     of the loss by the input (and backward(inputs=[x])) leaves .grad alone, as in PyTorch
     (the clean batch's gradients were added to the step's); create_graph=True is an error
-    naming it ([Note: gradients without .grad] in deployed.py)."""
+    naming it ([Note: gradients without .grad] in deployed.py).
+    add_param_group: a block unfrozen after 2 steps joins the optimizer by add_param_group;
+    the new group is cut to the rank's share before the step (it kept every parameter, and
+    optimizer.state_dict() dropped it), and training and the state equal PyTorch's."""
     ranks = 3 if probe == "param_hooks" else 2
     res = mpirun("loop_probes.py", ranks, probe, timeout=300, env={"RANNC_COMM_TIMEOUT": "60"})
     assert res.returncode == 0, res.stdout[-4000:]

@@ -91,6 +91,10 @@ behaviour and prints "OK rank r", or fails the way the test expects.
                                        optimizer's state_dict() on rank 0 alone is its whole
                                        state, a resume from those files or from a checkpoint
                                        trains on equal to PyTorch ([Note: several optimizers])
+    loop_probes.py add_param_group     gradual unfreezing: a frozen block joins the optimizer
+                                       with add_param_group after 2 steps; its group is cut
+                                       to the rank's share, and steps and the optimizer's
+                                       state_dict() equal PyTorch's
     loop_probes.py save_pretrained     transformers' model.save_pretrained(dir) on the wrapper,
                                        on every rank and on rank 0 alone: config.json and the
                                        whole trained weights, which from_pretrained loads
@@ -1301,6 +1305,39 @@ elif probe == "several_optimizers":  # [Note: several optimizers] in optimizer_s
         all_gather_objects(None)
         if rank == 0:
             shutil.rmtree(directory)
+    print(f"OK rank {rank}", flush=True)
+elif probe == "add_param_group":  # a group added to a cut optimizer (optimizer_share.py)
+    model, args, _ = zoo.make("gpt", batch=4, seed=0)
+    zoo.no_dropout(model)
+    model.blocks[0].requires_grad_(False)
+    reference = copy.deepcopy(model)
+
+    def unfrozen(m):
+        return [p for n, p in m.named_parameters() if not n.startswith("blocks.0.")]
+
+    opt = torch.optim.AdamW(unfrozen(model), lr=1e-2, eps=1e-5)
+    ref_opt = torch.optim.AdamW(unfrozen(reference), lr=1e-2, eps=1e-5)
+    wrapped = rannc.RaNNCModule(model, opt, num_stages=2, num_microbatches=2)
+    for step in range(5):
+        if step == 2:  # gradual unfreezing: the block joins with a rate of its own
+            for m, o in ((model, opt), (reference, ref_opt)):
+                m.blocks[0].requires_grad_(True)
+                o.add_param_group({"params": list(m.blocks[0].parameters()), "lr": 1e-3})
+        loss, ref_loss = wrapped(*args), reference(*args)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        step_both(loss, ref_loss, opt, ref_opt)
+        same_stage_parameters(model, reference, rtol=1e-3)
+    held = [p for p in opt.param_groups[-1]["params"]]
+    assert all(p.numel() for p in held), f"rank {rank}: the added group holds freed parameters"
+    theirs, mine = ref_opt.state_dict(), opt.state_dict()  # the whole state, gathered
+    assert [g["params"] for g in mine["param_groups"]] == \
+        [g["params"] for g in theirs["param_groups"]], mine["param_groups"]
+    assert mine["param_groups"][-1]["lr"] == 1e-3
+    assert mine["state"].keys() == theirs["state"].keys(), (sorted(mine["state"]),
+                                                           sorted(theirs["state"]))
+    for i, s in theirs["state"].items():
+        torch.testing.assert_close(mine["state"][i]["exp_avg"].cpu(), s["exp_avg"], rtol=1e-3,
+                                   atol=1e-7, msg=lambda m: f"rank {rank}: state {i}: {m}")
     print(f"OK rank {rank}", flush=True)
 else:
     raise SystemExit(f"unknown probe {probe}")
