@@ -203,7 +203,8 @@ def test_accelerate_loop_on_cuda_equals_one_process(tmp_path, ranks, stages, fla
 @pytest.mark.parametrize("probe,ranks", [("process_group", 2), ("two_calls", 2),
                                          ("param_hooks", 3), ("retained_graph", 2),
                                          ("adversarial", 2), ("other_arguments", 2),
-                                         ("other_arguments", 3)])
+                                         ("other_arguments", 3), ("several_optimizers", 2),
+                                         ("add_param_group", 2)])
 def test_training_loop_probes_on_cuda(probe, ranks):
     """tests/python/mpi/loop_probes.py with the stages on the GPU (ranks sharing it).
     process_group: rannc.init_process_group (gloo: NCCL runs one rank per GPU) reduces CUDA
@@ -214,7 +215,8 @@ def test_training_loop_probes_on_cuda(probe, ranks):
     autograd's keep_graph and which leaves it reaches, read on its device thread ([Note:
     retained graphs], [Note: gradients without .grad]). other_arguments: gradients and
     buffers of other training programs moved to their trainers ([Note: other training
-    arguments]). Each trains equal to PyTorch."""
+    arguments]). several_optimizers and add_param_group: optimizer state on the GPU cut,
+    gathered and loaded ([Note: several optimizers]). Each trains equal to PyTorch."""
     res = mpirun("loop_probes.py", ranks, probe, timeout=300,
                  env={"RANNC_DEVICE": "cuda", "RANNC_COMM_TIMEOUT": "60"})
     _ok(res, ranks)
