@@ -154,19 +154,21 @@ class RaNNCModule(torch.nn.Module):
         # hold its gradient, its optimizer state and, after a step, its current value: the
         # stages of the first training program that uses it (placement._trainers), so a
         # head that only a later program uses is trained where that program runs it, and
-        # the optimizer's share grows by it. Before such a call its ranks get the weights
-        # that training updated (as before an eval call); its own engine sums each
-        # gradient over its replicas, then the gradient goes from the first rank running it
-        # to the trainers that do not run it, and the ranks running it without training it
-        # drop theirs (deployed.py, _route_grads); after its forward, the buffers its stages
-        # ran (batch norm's statistics) go to their trainers likewise. So clipping, loss
-        # scaling, checkpoints and optimizer_state_dict() see one gradient and one value per
-        # parameter, as with a single program. The costs: the weights the programs place
-        # differently move before each call that follows a step, and a rank keeps the
-        # parameters of both programs' stages, which neither plan counted in its memory.
-        # A first call that runs every part of the model (images included) places them all
-        # in one plan. Under no_sync() such a call is an error (its gradients are routed
-        # only once summed).
+        # the optimizer's share grows by it (until then every rank's share holds it, with
+        # the state a checkpoint gave it: placement.optimized_here). Before such a call its
+        # ranks get the weights that training updated (as before an eval call); its own
+        # engine sums each gradient over its replicas, then the gradient goes from the
+        # first rank running it to the trainers that do not run it, and the ranks running
+        # it without training it drop theirs (deployed.py, _route_grads); after its
+        # forward, the buffers its stages ran (batch norm's statistics) go to their
+        # trainers likewise. So clipping, loss scaling, checkpoints and
+        # optimizer_state_dict() see one gradient and one value per parameter, as with a
+        # single program. The costs: the weights the programs place differently move
+        # before each call that follows a step, and a rank keeps the parameters of every
+        # program's stages on it, which no plan counted in its memory. A first call that
+        # runs every part of the model (images included) places them all in one plan.
+        # Under no_sync() such a call is an error (its gradients are routed only once
+        # summed).
         self._deployed_by_arguments = {}
         self._anchor = torch.zeros((), requires_grad=True)
         # [Note: unsynced steps] in csrc/runtime/engine.h
