@@ -72,8 +72,13 @@ class TracedGraph:
         it does not)."""
         example = self._trace.inputs
         if flat.spec != example.spec:
-            return (f"the arguments' structure {flat.spec} differs from the traced one "
-                    f"{example.spec}")
+            now, then = set(flat.paths), set(example.paths)
+            parts = ([f"{p} not passed (traced with it)" for p in example.paths if p not in now]
+                     + [f"{p} passed (traced without it)" for p in flat.paths if p not in then])
+            if not parts:  # the same leaves in another container
+                parts = [f"the arguments' structure {' '.join(str(flat.spec).split())} differs "
+                         f"from the traced one {' '.join(str(example.spec).split())}"]
+            return "; ".join(parts)
         for i, (now, then) in enumerate(zip(flat.leaves, example.leaves)):
             if not isinstance(then, torch.Tensor) and now != then:
                 return (f"argument {example.paths[i]} was {then!r} when traced and is {now!r} "

@@ -68,6 +68,16 @@ _SOURCES: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictiona
 _serials = itertools.count(1)
 
 
+def _code(what: str) -> int:
+    """The code of collective `what`: one of NAMES, or a name made at run time (a call of a
+    program of other arguments: [Note: other arguments] in module.py), learnt here."""
+    code = _CODES.get(what)
+    if code is None:
+        code = _CODES[what] = zlib.crc32(what.encode())
+        _NAMES[code] = what
+    return code
+
+
 def active() -> bool:
     """Whether there are other ranks to agree with."""
     return _C.mpi_initialized() and _C.get_world_size() > 1
@@ -125,7 +135,7 @@ def exchange(what: str, mine: torch.Tensor) -> torch.Tensor:
         return mine.view(1, -1)
     comm = _C.Communicator.world_cpu()
     row = torch.zeros(1 + PAYLOAD, dtype=torch.float64)
-    row[0], row[1:1 + mine.numel()] = float(_CODES[what]), mine
+    row[0], row[1:1 + mine.numel()] = float(_code(what)), mine
     everyone = torch.empty(comm.size, row.numel(), dtype=torch.float64)
     while True:
         comm.all_gather(row, everyone.view(-1)).wait()
@@ -190,6 +200,11 @@ def _mismatch(keys: list[tuple[int, int]]) -> str:
     elif "save_checkpoint()" in calls:
         message += (": save_checkpoint() writes on every rank, so call it on every rank (not "
                     "under `if rank == 0:` as with DistributedDataParallel)")
+    elif any("with other arguments" in n for n in calls) or (
+            "another collective" in calls and calls.keys() & {"a training call", "an eval call"}):
+        message += (": in a call, every rank must pass arguments of the same structure and "
+                    "the same values that are not tensors (each such set is another program, "
+                    "[Note: other arguments] in module.py)")
     elif {"a training call", "an eval call"} <= calls.keys():
         message += (": evaluate on every rank, each with its share of the evaluation data "
                     "(not on rank 0 alone)")

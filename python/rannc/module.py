@@ -18,6 +18,7 @@ import itertools
 import os
 import sys
 import time
+import zlib
 
 import torch
 
@@ -227,19 +228,10 @@ class RaNNCModule(torch.nn.Module):
         if deployed is not None and not deployed.graph.takes(args, kwargs):
             arguments = TracedGraph.arguments_of(args, kwargs)
             deployed = self._deployed_by_arguments.get((mode, arguments))
+            # the collective names the program, so that ranks passing other arguments than
+            # each other raise together instead of meeting in different programs
+            what += f" with other arguments ({zlib.crc32(repr(arguments).encode()):08x})"
         try:
-            if mode and arguments is not None and copy is not None:
-                raise failure.agreed(
-                    f"a copy of the module called in training mode with other arguments than "
-                    f"the module's first training call: "
-                    f"{self._deployed[mode].graph._differs(_trace_flat(args, kwargs))}; a copy "
-                    "runs the module's training plan, or call it in eval mode")
-            if mode and arguments is not None and not self._grad_sync:
-                raise failure.agreed(
-                    "a training call under no_sync() with other arguments than the first "
-                    "training call: its gradients go to the ranks that train each parameter "
-                    "([Note: other training arguments] in module.py), which needs them summed "
-                    "over its replicas; call it outside no_sync()")
             amp = self._precision()
             if deployed is not None and deployed.amp != amp:
                 raise _C.Error(
@@ -260,12 +252,16 @@ class RaNNCModule(torch.nn.Module):
                 sync = not ((mode and arguments is None) or copy is not None)
                 if fresh:
                     handshake.enter(what)
+                    if arguments is not None:
+                        self._check_other_arguments(mode, arguments, args, kwargs, copy)
                     if sync:
                         self.placement.before_eval()
                     deployed = self._deploy(mode, args, kwargs, amp, arguments=arguments)
                 # after the first call the collective's name travels with the call's sizes
                 # in one all-gather
                 call = deployed.agree(args, kwargs, what, copy is not None and copy.changed())
+                if arguments is not None and not fresh:
+                    self._check_other_arguments(mode, arguments, args, kwargs, copy)
                 if sync and not fresh:
                     self.placement.before_eval()
                 if copy is not None:
@@ -289,6 +285,38 @@ class RaNNCModule(torch.nn.Module):
             print(f"[rannc] {message}", file=sys.stderr, flush=True)
             _C.report_failure(message)
             raise
+
+    # A program for each value of a Python number that changes every call (a step counter, a
+    # schedule's temperature) would trace and plan without end.
+    _MAX_PROGRAMS = 16
+
+    def _check_other_arguments(self, mode: bool, arguments: tuple, args, kwargs, copy) -> None:
+        """Raises, on every rank (they agreed on the program), where a call of other arguments
+        than the mode's first cannot run ([Note: other arguments])."""
+        differs = self._deployed[mode].graph._differs(_trace_flat(args, kwargs))
+        if mode and copy is not None:
+            raise failure.agreed(
+                f"a copy of the module called in training mode with other arguments than the "
+                f"module's first training call ({differs}): a copy runs the module's training "
+                "plan, or call it in eval mode")
+        if mode and not self._grad_sync:
+            raise failure.agreed(
+                f"a training call under no_sync() with other arguments than the first training "
+                f"call ({differs}): its gradients go to the ranks that train each parameter "
+                "([Note: other training arguments] in module.py), which needs them summed over "
+                "its replicas; call it outside no_sync()")
+        programs = sum(1 for m, _ in self._deployed_by_arguments if m == mode)
+        if (mode, arguments) not in self._deployed_by_arguments and programs >= self._MAX_PROGRAMS:
+            raise failure.agreed(
+                f"{'training' if mode else 'eval'} calls have passed {programs + 1} different sets "
+                f"of arguments ({differs}): the structure of the arguments and the values that "
+                "are not tensors are baked into a trace, so each is another program, traced and "
+                "planned on its own. Pass a number that changes between calls as a tensor "
+                "(torch.tensor(value)), or keep the arguments' structure and constants fixed")
+        if (mode, arguments) not in self._deployed_by_arguments and _C.get_rank() == 0:
+            _C.log_info(f"{'a training' if mode else 'an eval'} call with other arguments than "
+                        f"the first ({differs}): traced and planned as another program "
+                        f"({programs + 1} so far; [Note: other arguments] in module.py)")
 
     # ---- deployment ([Note: freed state] in placement.py) ------------------------------------
     def _precision(self):

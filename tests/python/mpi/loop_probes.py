@@ -1186,6 +1186,23 @@ elif probe == "other_arguments":  # [Note: other training arguments] in module.p
         o.step()
         o.zero_grad()
     same_trained_parameters(wrapped, model, "accumulated")
+    # ranks passing different constants: an error on every rank, and training goes on
+    expect_error(lambda: losses(wrapped, 22, False, "classify" if rank else "regress"),
+                 "every rank must pass arguments of the same structure")
+
+    class Scaled(Regression):
+        def forward(self, x, y, scale=1.0):
+            return super().forward(x * scale, y)
+
+    # a Python number that changes every call would make a program per value: an error
+    scaled = rannc.RaNNCModule(Scaled(), num_stages=2, cost_model="analytic")
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(B, 4, generator=g), torch.randn(B, 1, generator=g)
+    for step in range(1 + wrapped._MAX_PROGRAMS):
+        scaled(x, y, scale=1.0 + step).backward()
+    expect_error(lambda: scaled(x, y, scale=100.0), "different sets of arguments",
+                 "kwargs['scale'] was 1.0 when traced and is 100.0 now", "as a tensor")
+    scaled(x, y, scale=3.0).backward()  # a program it has
     # resumed from a checkpoint by a module whose first call runs neither the images nor
     # the classifier: AdamW's state of those is kept until a program trains them
     import shutil
