@@ -258,7 +258,16 @@ def _second_batch(flat: FlatArgs, batch: int, dims: list, mirror: bool = True
 # is traced again with the batch in dimension 1 of the arguments that have it there (the
 # others in dimension 0: labels [batch], a hidden state [layers, batch, hidden] in 1), and
 # kept if its recurrences then run along their batch; else a warning names the op.
+# Attention along the sequence mixes its rows the same way: a sequence-first transformer
+# (nn.TransformerEncoder and nn.MultiheadAttention without batch_first=True, as PyTorch's own
+# language-model tutorial builds it) traced batch first glued everything from the first
+# attention to the loss into one task, which trained right but as one stage, unpipelined.
+# So where the model has such modules, a task whose attention takes a batch value and makes
+# none is traced again the same way (not for batch-first models, whose attention may be
+# glued for other reasons: a padding mask's row positions).
 _RECURRENT_OPS = ("aten::lstm", "aten::gru", "aten::rnn_tanh", "aten::rnn_relu", "aten::_cudnn_rnn")
+_ATTENTION_OPS = ("aten::scaled_dot_product_attention", "aten::_native_multi_head_attention",
+                  "aten::softmax", "aten::_softmax")
 
 
 def _leading_batch_dims(tensors: list, batch: int) -> list:
@@ -278,19 +287,27 @@ def _sequence_first_layout(tensors: list):
     return batch, dims
 
 
-def recurrent_along_batch(graph) -> list[str]:
-    """The recurrent ops of `graph` (an IrGraph) that run along its batch dimension: each
-    task running one that takes a batch value and makes none ([Note: batch dimensions])."""
+def sequence_first_attention(model: torch.nn.Module) -> list[str]:
+    """The names of `model`'s nn.MultiheadAttention modules without batch_first=True (those
+    of nn.Transformer* layers built so)."""
+    return [name for name, m in model.named_modules()
+            if isinstance(m, torch.nn.MultiheadAttention) and not m.batch_first]
+
+
+def recurrent_along_batch(graph, ops=_RECURRENT_OPS) -> list[str]:
+    """The recurrent ops (or other `ops`) of `graph` (an IrGraph) that run along its batch
+    dimension: each task running one that takes a batch value and makes none ([Note: batch
+    dimensions])."""
     found = []
     for task in graph.tasks():
-        ops = [op for op in task.op.split("+") if op in _RECURRENT_OPS]
-        if not ops:
+        running = [op for op in task.op.split("+") if op in ops]
+        if not running:
             continue
         takes = any(graph.value(v).batch_dim >= 0 for v in task.inputs)
         makes = any(graph.value(v).batch_dim >= 0 for v in task.outputs)
         if takes and not makes:
             where = f" in '{task.scope}'" if task.scope else ""
-            found.append(f"{ops[0]}{where}" + (f" at {task.source}" if task.source else ""))
+            found.append(f"{running[0]}{where}" + (f" at {task.source}" if task.source else ""))
     return found
 
 
@@ -556,25 +573,34 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
         state_tensors = state_for_tracing(model, state, home)
     traced, out1 = _trace_with_layout(model, state, state_tensors, flat, home, batch,
                                       _leading_batch_dims(flat.tensors, batch))
-    along = recurrent_along_batch(traced.ir)  # [Note: batch dimensions]
+    # [Note: batch dimensions]
+    ops = _RECURRENT_OPS + (_ATTENTION_OPS if sequence_first_attention(model) else ())
+    along = recurrent_along_batch(traced.ir, ops)
     layout = _sequence_first_layout(flat.tensors) if along else None
     if layout is not None:
         try:
             traced2, out2 = _trace_with_layout(model, state, state_tensors, flat, home, *layout)
         except TraceError:
             traced2 = None
-        if traced2 is not None and not recurrent_along_batch(traced2.ir):
+        if traced2 is not None and not recurrent_along_batch(traced2.ir, ops):
             traced, out1, batch, along = traced2, out2, layout[0], []
             _C.log_info(f"the arguments are sequence first: the batch is dimension 1 of those "
                         f"that have {batch} rows there ([Note: batch dimensions] in _trace.py)")
-    if along:
+    recurrent = [a for a in along if a.split(" ")[0] in _RECURRENT_OPS]
+    if recurrent:
         _C.log_warn(
             f"rannc takes dimension 0 of the arguments as the batch ({batch} rows), but "
-            f"{failure.some_of(along)} runs along it, and tracing with the batch in dimension 1 "
-            "did not help: a sequence-first model (nn.LSTM, nn.GRU or nn.RNN without "
-            "batch_first=True) would be cut along the sequence and train wrongly. Pass the "
-            "arguments batch first ([batch, sequence, ...]) to a model built with "
+            f"{failure.some_of(recurrent)} runs along it, and tracing with the batch in "
+            "dimension 1 did not help: a sequence-first model (nn.LSTM, nn.GRU or nn.RNN "
+            "without batch_first=True) would be cut along the sequence and train wrongly. Pass "
+            "the arguments batch first ([batch, sequence, ...]) to a model built with "
             "batch_first=True")
+    elif along:  # attention glued with what follows it: right, but in one stage
+        _C.log_info(
+            f"{failure.some_of(along)} mixes the rows of dimension 0 of the arguments, which "
+            "rannc takes as the batch, and tracing with the batch in dimension 1 did not help: "
+            "the model's layers from there on stay in one task (one stage). A model built "
+            "with batch_first=True and fed [batch, sequence, ...] pipelines")
     leaves = out1["leaves"]
     slots = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     return Trace(traced, state, state_tensors, home, flat, out1["spec"], leaves, slots, batch)

@@ -691,6 +691,41 @@ class _Recurrent(torch.nn.Module):
         return self.head(self.lstm(x)[0])
 
 
+class _Encoder(torch.nn.Module):
+    def __init__(self, batch_first):
+        super().__init__()
+        layer = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=batch_first)
+        self.encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.encoder(x))
+
+
+@pytest.mark.parametrize("layout", ["batch_first", "sequence_first", "ambiguous"])
+def test_a_sequence_first_transformer_has_its_batch_in_dimension_1(capfd, layout):
+    """[Note: batch dimensions]: an nn.TransformerEncoder without batch_first fed [sequence,
+    batch, features] traces with its batch in dimension 1 and its layers in tasks of their
+    own (before, everything from the first attention on was one task: one stage); batch
+    first, in dimension 0, traced once. Where the sizes cannot tell, dimension 0 stays and
+    rank 0 says the layers stay in one task, naming the op."""
+    model = _Encoder(layout == "batch_first")
+    x = {"batch_first": torch.randn(4, 7, 8), "sequence_first": torch.randn(7, 4, 8),
+         "ambiguous": torch.randn(4, 4, 8)}[layout]
+    g = rannc.trace(model, (x,))
+    err = capfd.readouterr().err
+    assert err.count("traced:") == (2 if layout == "sequence_first" else
+                                    1 if layout == "batch_first" else 1), err
+    dim = g.ir.value(g.ir.inputs[-1]).batch_dim
+    assert dim == (1 if layout == "sequence_first" else 0), (layout, dim)
+    assert g.batch_size == 4
+    tasks = len(list(g.ir.tasks()))  # 173 batch first, 169 sequence first
+    assert (tasks > 150) == (layout != "ambiguous"), (layout, tasks)
+    torch.testing.assert_close(g(x), model(x))
+    said = "mixes the rows of dimension 0" in err and "stay in one task" in err
+    assert said == (layout == "ambiguous"), err
+
+
 @pytest.mark.parametrize("layout", ["batch_first", "sequence_first", "ambiguous"])
 def test_a_sequence_first_recurrence_has_its_batch_in_dimension_1(capfd, layout):
     """[Note: batch dimensions]: a sequence-first nn.LSTM fed [sequence, batch, features]

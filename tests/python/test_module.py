@@ -934,12 +934,13 @@ def test_ranks_that_share_a_gpu_do_not_profile_beside_each_other(monkeypatch, de
 
 
 @pytest.mark.parametrize("ranks,stages,replicas", [(2, 2, None), (3, 2, "2,1")])
-def test_sequence_first_recurrent_models_train_as_pytorch(ranks, stages, replicas):
+def test_sequence_first_models_train_as_pytorch(ranks, stages, replicas):
     """[Note: batch dimensions] in _trace.py: an nn.LSTM classifier fed [sequence, batch,
-    features] (loss inside, 1F1B) and PyTorch's word language model (tokens [sequence,
-    batch], the hidden state passed in and carried on, loss outside: fill-drain) train
-    equal to PyTorch with their batch in dimension 1, in 2 micro-batches
-    (mpi/seq_first_check.py)."""
+    features] (loss inside, 1F1B), PyTorch's word language model (tokens [sequence,
+    batch], the hidden state passed in and carried on, loss outside: fill-drain) and its
+    nn.Transformer language-model tutorial (sequence first, causal mask; its layers were
+    glued into one task before session 31) train equal to PyTorch with their batch in
+    dimension 1, in 2 micro-batches (mpi/seq_first_check.py)."""
     res = mpirun("seq_first_check.py", ranks, stages, *([replicas] if replicas else []),
                  timeout=300, env={"RANNC_COMM_TIMEOUT": "60"})
     assert res.returncode == 0, res.stdout[-4000:]

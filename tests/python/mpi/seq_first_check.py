@@ -6,11 +6,15 @@ on the global batch.
 classifier: nn.LSTM without batch_first over x [sequence, batch, features], labels [batch],
 the loss inside (1F1B). lm: PyTorch's word language model, tokens [sequence, batch], the
 hidden state [layers, batch, hidden] passed in and carried to the next call detached
-(truncated backpropagation through time), the loss made outside (fill-drain). Both train
-3 SGD steps equal to PyTorch on the rows of every rank, in 2 micro-batches; the batch is
+(truncated backpropagation through time), the loss made outside (fill-drain).
+transformer_lm: PyTorch's language-model tutorial (nn.TransformerEncoder without
+batch_first, a causal mask, tokens [sequence, batch], the loss inside). Each trains 3 SGD
+steps equal to PyTorch on the rows of every rank, in 2 micro-batches; the batch is
 dimension 1 of the arguments that have it there. Before session 30 the sequence was cut
-into micro-batches and each piece trained on something else without an error.
+into micro-batches and each piece trained on something else without an error; before
+session 31 the transformer's layers were glued into one task (right, but one stage).
 """
+import math
 import copy
 import sys
 
@@ -51,6 +55,30 @@ class WordLM(torch.nn.Module):
         return self.decoder(out), hidden
 
 
+class TransformerLM(torch.nn.Module):
+    """PyTorch's tutorial language model ("Language modeling with nn.Transformer"):
+    sequence first, sinusoidal positions, a causal mask."""
+
+    def __init__(self, d_model=16):
+        super().__init__()
+        position = torch.arange(32).unsqueeze(1)
+        div = torch.exp(torch.arange(0, d_model, 2) * (-math.log(10000.0) / d_model))
+        pe = torch.zeros(32, 1, d_model)
+        pe[:, 0, 0::2], pe[:, 0, 1::2] = torch.sin(position * div), torch.cos(position * div)
+        self.register_buffer("pe", pe)
+        self.embedding = torch.nn.Embedding(VOCAB, d_model)
+        layer = torch.nn.TransformerEncoderLayer(d_model, 2, 32, dropout=0.0)
+        self.encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.linear = torch.nn.Linear(d_model, VOCAB)
+        self.d_model = d_model
+
+    def forward(self, tokens, targets):
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(tokens.size(0))
+        x = self.embedding(tokens) * math.sqrt(self.d_model) + self.pe[:tokens.size(0)]
+        out = self.linear(self.encoder(x, mask, is_causal=True))
+        return F.cross_entropy(out.view(-1, VOCAB), targets.reshape(-1))
+
+
 def check(name, make, step):
     torch.manual_seed(0)
     model = make()
@@ -72,6 +100,9 @@ def check(name, make, step):
     traced = wrapped._deployed[True].graph
     dims = [traced.ir.value(v).batch_dim for v in traced.ir.inputs if traced.ir.value(v).role == "input"]
     assert dims[0] == 1, (name, dims)
+    if name == "transformer_lm":  # no task glues every layer together (14 tasks then)
+        sizes = [len(s.tasks) for s in wrapped.deployments["train"].stages]
+        assert len(sizes) == stages and sum(sizes) > 100, (name, sizes)
 
 
 def rows(t, dim):
@@ -117,6 +148,18 @@ def rannc_all_gather(t):
     return list(out)
 
 
+def transformer_step(wrapped, reference, i, state):
+    g = torch.Generator().manual_seed(20 + i)
+    data = torch.randint(0, VOCAB, (SEQ + 1, ROWS * world), generator=g)
+    tokens, targets = data[:-1], data[1:]
+    loss = wrapped(rows(tokens, 1), rows(targets, 1))
+    ref = reference(tokens, targets)
+    torch.testing.assert_close(loss.detach(), ref.detach(), rtol=1e-5, atol=1e-6)
+    loss.backward()
+    ref.backward()
+
+
 check("classifier", Classifier, classifier_step)
 check("lm", WordLM, lm_step)
+check("transformer_lm", TransformerLM, transformer_step)
 print(f"OK rank {rank}", flush=True)
