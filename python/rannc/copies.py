@@ -40,6 +40,7 @@ import weakref
 import torch
 
 from . import _C, failure, handshake
+from .optimizer_share import OptimizerShare
 from .options import format_bytes
 
 _COPY_CALL = "a copy's call"  # [Note: named collectives] in handshake.py
@@ -170,7 +171,8 @@ class PlanSharingCopy(torch.nn.Module):
         source = self._source
         handshake.enter("save_checkpoint()")  # [Note: named collectives]
         weights_only = types.SimpleNamespace(placement=source.placement, module=source.module,
-                                             optimizer=None, deployments=source.deployments)
+                                             optimizer=None, optimizer_share=OptimizerShare([]),
+                                             deployments=source.deployments)
         with self._as_model(writes=False):
             _checkpoint().save_checkpoint(weights_only, directory, extra)
 

@@ -178,22 +178,25 @@ def _at_exit() -> None:
         _C.report_failure(f"rank {_C.get_rank()}: {e}")
 
 
-def _mismatch(keys: list[tuple[int, int]]) -> str:
-    """The error for ranks in different collectives; `keys`: per rank, (code, serial of the
-    gathered model or 0)."""
-    serials = sorted({s for c, s in keys if c in _GATHER_CODES})
+def _mismatch(keys: list[tuple[int, tuple[int, int]]]) -> str:
+    """The error for ranks in different collectives; `keys`: per rank, (code, (serial of the
+    gathered model, its part) or (0, 0))."""
+    serials = sorted({s for c, (s, _) in keys if c in _GATHER_CODES})
+    parts = {(c, s): {p for c2, (s2, p) in keys if (c2, s2) == (c, s)} for c, (s, _) in keys}
     calls = {}
-    for rank, (c, s) in enumerate(keys):
+    for rank, (c, (s, p)) in enumerate(keys):
         name = _NAMES.get(c, "another collective")
         if c in _GATHER_CODES and len(serials) > 1:
             name += f" of model #{serials.index(s) + 1}"
+        if c in _GATHER_CODES and len(parts[(c, s)]) > 1:  # [Note: several optimizers]
+            name += f" of {f'optimizer #{p}' if p else 'every optimizer'}"
         calls.setdefault(name, []).append(rank)
     where = "; ".join(f"{what} on rank{'s' if len(r) > 1 else ''} {_ranks(r)}"
                       for what, r in calls.items())
     message = (f"the ranks are in different RaNNCModule collectives: {where}. Every rank must "
                "make the same calls in the same order")
     gathers = {c for c, _ in keys if c in _GATHER_CODES}
-    if len(gathers) > 1 or len(serials) > 1:
+    if len(gathers) > 1 or len({k for k in keys if k[0] in _GATHER_CODES}) > 1:
         message += (": some ranks may gather state_dict() or optimizer_state_dict() while the "
                     "others go on, but the ranks that gather must gather the same one of the "
                     "same model")
