@@ -901,12 +901,14 @@ def test_optimizer_state_made_before_the_first_call_follows_its_parameters():
     optimizer state that exists before the first call (a loaded state_dict) moves with
     its parameters, `step` staying on the CPU as torch keeps it (the meta device stands
     in for a GPU here)."""
+    from rannc.optimizer_share import OptimizerShare
     from rannc.placement import StatePlacement
     model = torch.nn.Linear(3, 2)
     opt = torch.optim.Adam(model.parameters())
     model(torch.randn(4, 3)).sum().backward()
     opt.step()
-    placement = StatePlacement(model, torch.device("cpu"), torch.device("meta"), opt)
+    placement = StatePlacement(model, torch.device("cpu"), torch.device("meta"),
+                               OptimizerShare([opt]))
     for p in model.parameters():  # what _place does after moving p (set_data to meta: no)
         placement._place_optimizer_state(p)
         assert opt.state[p]["exp_avg"].device.type == "meta"
