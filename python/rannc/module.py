@@ -86,6 +86,41 @@ def _accelerate_mixed_precision():
         sys.modules["accelerate.state"].AcceleratorState().mixed_precision)
 
 
+# [Note: Trainer's saved models] transformers' Trainer saves a model with save_pretrained only
+# where the model, or what accelerate's unwrap_model takes out of it (DDP, DataParallel,
+# DeepSpeed and FSDP, known by class), is a PreTrainedModel; a RaNNCModule is neither, so its
+# checkpoints and save_model() held the weights file (model.safetensors of the gathered
+# state_dict) without config.json, and from_pretrained(dir) failed on them. Once a module is
+# prepared by accelerate, Trainer's _save (the method its documentation says to override
+# for custom saving) is wrapped once: after it, where the model is a RaNNCModule of a
+# PreTrainedModel, the writing rank adds the config (with `architectures`, as
+# save_pretrained sets it) and the generation config, so the directory loads as one that
+# save_pretrained wrote.
+def _trainer_writes_configs() -> None:
+    trainer = sys.modules.get("transformers.trainer")
+    save = getattr(getattr(trainer, "Trainer", None), "_save", None)
+    if save is None or getattr(save, "__rannc__", False):
+        return
+
+    @functools.wraps(save)
+    def _save(self, output_dir=None, state_dict=None):
+        save(self, output_dir, state_dict)
+        model = self.model
+        if not (isinstance(model, RaNNCModule) and self.args.should_save):
+            return
+        from transformers import PreTrainedModel
+        inner = model.module
+        if isinstance(inner, PreTrainedModel):
+            target = output_dir if output_dir is not None else self.args.output_dir
+            inner.config.architectures = [type(inner).__name__]
+            inner.config.save_pretrained(target)
+            if inner.can_generate() and getattr(inner, "generation_config", None) is not None:
+                inner.generation_config.save_pretrained(target)
+
+    _save.__rannc__ = True
+    trainer.Trainer._save = _save
+
+
 def _precision_name(amp) -> str:
     return "fp32 (no autocast)" if amp is None else f"autocast {str(amp).replace('torch.', '')}"
 
@@ -653,7 +688,9 @@ class RaNNCModule(torch.nn.Module):
     # back in fp32, as accelerate's autocast wrapper gives them. Trainer saves a model that
     # is not a PreTrainedModel with safetensors' save_file, which refuses tensors sharing
     # memory: so the state_dict() of a prepared module gives a tied weight's second name a
-    # copy of its own (the file loads as usual; no config.json, as for any such model).
+    # copy of its own; and since that file alone does not load with from_pretrained, a
+    # module prepared by accelerate has Trainer write the wrapped model's config.json (and
+    # generation config) beside it ([Note: Trainer's saved models]).
     # Trainer saves it on rank 0 alone ([Note: gathers asked by some ranks] in
     # handshake.py). With gradient accumulation Trainer weights each accumulated batch by
     # its tokens: it counts the items of all of them over all ranks and passes the count as
@@ -680,6 +717,7 @@ class RaNNCModule(torch.nn.Module):
         if prepared:
             self._prepared_by_accelerate = True
             self._accelerate_precision = _accelerate_mixed_precision()
+            _trainer_writes_configs()
 
     _prepared_by_accelerate = False
     _accelerate_precision = None

@@ -23,9 +23,9 @@ GPU, ranks sharing one ([Note: a DDP script's environment on GPUs] in process_gr
 
 The rannc run trains 4 steps with a checkpoint every 2 and an evaluation every 2 (loss,
 and accuracy by compute_metrics over the gathered logits), loads the best checkpoint at the
-end, saves the model, then trains again from checkpoint-2 in a new Trainer over a
-differently initialised
-model. Both must log the reference's losses, gradient norms and evaluation losses, and end
+end, saves the model (from_pretrained loads it: Trainer writes config.json beside a
+RaNNCModule's weights since session 31), then trains again from checkpoint-2 in a new
+Trainer over a differently initialised model. Both must log the reference's losses, gradient norms and evaluation losses, and end
 with its weights: Trainer saves each checkpoint on rank 0 alone (model and optimizer
 state_dict(), which the other ranks serve) and reads it back on every rank.
 """
@@ -204,6 +204,14 @@ t.save_model(os.path.join(out, "final"))  # rank 0 alone gathers and writes
 # the other ranks serve rank 0's gather from inside torch's barrier
 torch.distributed.barrier()
 same_weights(os.path.join(out, "final", "model.safetensors"), "the saved model")
+if not lora:  # from_pretrained reads Trainer's directories ([Note: Trainer's saved models])
+    for where in ("final", os.path.join("rannc", "checkpoint-2")):
+        assert os.path.exists(os.path.join(out, where, "config.json")), where
+    loaded = tf.AutoModelForCausalLM.from_pretrained(os.path.join(out, "final"))
+    assert type(loaded).__name__ == "GPT2LMHeadModel", type(loaded)
+    for name, value in loaded.state_dict().items():
+        torch.testing.assert_close(value, expected[name], **tolerance,
+                                   msg=lambda m: f"from_pretrained, {name}: {m}")
 optimizer = torch.load(os.path.join(directory, "checkpoint-2", "optimizer.pt"))
 count = sum(len(g["params"]) for g in optimizer["param_groups"])
 assert count == len([p for p in make_model(0).parameters() if p.requires_grad]) and len(optimizer["state"]) == count, \
