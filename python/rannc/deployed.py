@@ -693,8 +693,7 @@ class Deployed:
                 copies.append((sender, receivers, received[i]))
             else:
                 copies.append((sender, receivers, mine.get(i)))
-        from .placement import _transfer
-        _transfer(copies)
+        placement.transfer(copies)
         trained = placement.trained_here()
         for i, g in list(mine.items()) + list(received.items()):
             param = tensors[i]

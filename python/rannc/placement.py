@@ -324,6 +324,12 @@ class StatePlacement:
         return [(i, min(users[i]), self._trainers[i] - users[i])
                 for i in range(n_params) if users[i]]
 
+    @staticmethod
+    def transfer(copies):
+        """Point-to-point copies [(owner, receivers, tensor)] listed alike on every rank (see
+        _transfer)."""
+        _transfer(copies)
+
     def after_other_training(self, key):
         """After a call of the training program `key`: the buffers its stages use (batch
         norm's running statistics, which its forward updated) go from the first rank running
