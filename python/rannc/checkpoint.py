@@ -250,10 +250,18 @@ def _write_metadata(wrapped, tmp: str, entries: list[_Entry], reports: list[dict
     if has_optimizer:
         groups = []  # of every optimizer, one after another ([Note: several optimizers])
         share = wrapped.optimizer_share
+        outside = []  # parameters the optimizers step outside the module: the user's
         for group, (params, _) in zip(share.groups(), share.original_groups()):
             saved = {k: v for k, v in group.items() if k not in ("params", "param_names")}
-            saved["params"] = [names[id(p)] for p in params]
+            saved["params"] = [names[id(p)] for p in params if id(p) in names]
+            outside += [tuple(p.shape) for p in params if id(p) not in names]
             groups.append(saved)
+        if outside:
+            _C.log_warn(f"the optimizer steps {len(outside)} parameter(s) outside the "
+                        f"RaNNCModule (shapes {failure.some_of([str(o) for o in outside])}): "
+                        "the checkpoint holds neither them nor their optimizer state; save "
+                        "them yourself (with torch.save, as under DDP) or make them part of "
+                        "the model")
         keep(OPTIMIZER, lambda path: torch.save({"param_groups": groups, "values": values}, path))
     plans = {}
     for mode, deployment in wrapped.deployments.items():
@@ -658,6 +666,12 @@ def _load_optimizer(wrapped, pending: _Pending, entries) -> None:
             mine["param_names"] = list(group["param_names"])
         for p in group["params"]:
             name = names.get(id(p))
+            if name is None:  # outside the module: its state stays as it is
+                if share.state(p):
+                    local["state"][index] = share.state(p)
+                mine["params"].append(index)
+                index += 1
+                continue
             if name not in in_saved:
                 raise _C.Error(f"parameter {name} is in group {g} of the optimizer but not in "
                                f"group {g} of the checkpoint's optimizer")

@@ -144,8 +144,9 @@ def gather_optimizer_state(wrapped, optimizer=None) -> dict:
             packed["param_names"] = list(names)
         for index, p in zip(packed["params"], params):
             i = position.get(id(p))
-            # a parameter no stage uses: every rank's share holds its state (rank 0 gives it)
-            owner = None if i is None else 0 if sources[i][0] is None else sources[i][0]
+            # a parameter no stage uses, or one outside the module (the user's, stepped on
+            # every rank as under DDP): every rank's share holds its state; rank 0 gives it
+            owner = 0 if i is None or sources[i][0] is None else sources[i][0]
             if owner == rank and share.state(p):
                 mine[index] = share.state(p)
         start += len(params)

@@ -191,7 +191,7 @@ class RaNNCModule(torch.nn.Module):
         # stages of the first training program that uses it (placement._trainers), so a
         # head that only a later program uses is trained where that program runs it, and
         # the optimizer's share grows by it (until then every rank's share holds it, with
-        # the state a checkpoint gave it: placement.optimized_here). Before such a call its
+        # the state a checkpoint gave it: placement.optimized_elsewhere). Before such a call its
         # ranks get the weights that training updated (as before an eval call); its own
         # engine sums each gradient over its replicas, then the gradient goes from the
         # first rank running it to the trainers that do not run it, and the ranks running
@@ -401,12 +401,12 @@ class RaNNCModule(torch.nn.Module):
             self.placement.add_mode((mode, arguments), deployed)
             if mode:  # [Note: other training arguments]
                 deployed.routing_key = (mode, arguments)
-                self.optimizer_share.keep(self.placement.optimized_here())
+                self.optimizer_share.cut(self.placement.optimized_elsewhere())
             return deployed
         self._deployed[mode] = deployed
         self.placement.add_mode(mode, deployed)
         if mode:
-            self.optimizer_share.keep(self.placement.optimized_here())
+            self.optimizer_share.cut(self.placement.optimized_elsewhere())
         _checkpoint().apply_pending(self)  # a checkpoint loaded before the plan was known
         self.placement.initialize()  # parameters built on meta that it did not fill
         return deployed
@@ -663,7 +663,7 @@ class RaNNCModule(torch.nn.Module):
         """Makes `optimizer`, built after wrapping over the model's parameters, this module's,
         as if passed to it ([Note: optimizers made after wrapping] in optimizer_share.py)."""
         self.optimizer_share.add(optimizer)
-        self.optimizer_share.keep(self.placement.optimized_here())
+        self.optimizer_share.cut(self.placement.optimized_elsewhere())
         planned = self.options.optimizer_kind or self._planned_optimizer_kind
         kind = _optimizer_kind(optimizer)
         if _C.get_rank() == 0 and planned is not None and \

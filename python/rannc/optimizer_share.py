@@ -2,7 +2,10 @@
 
 The optimizer object stays the user's (its step, zero_grad, hyperparameters and schedulers
 work as before); once training is deployed its param groups hold only this rank's
-parameters (the same tensor objects) and the state of the others is dropped. The groups as
+parameters (the same tensor objects) and the state of the others is dropped. Parameters
+outside the module (a learnt temperature the loss outside the model uses) stay in every
+rank's groups: they are the user's, as under DDP (before session 31 the cut dropped them,
+and they never trained). The groups as
 the user built them are remembered: checkpoints and optimizer_state_dict() name and number
 parameters as the original optimizer did.
 
@@ -72,7 +75,7 @@ class OptimizerShare:
             self.add(optimizer)
 
     def add(self, optimizer: torch.optim.Optimizer) -> None:
-        """Adds `optimizer` (cut by the next keep())."""
+        """Adds `optimizer` (cut by the next cut())."""
         self.optimizers.append(optimizer)
         if self._original is not None:
             self._original.append(_groups_of(optimizer))
@@ -142,7 +145,7 @@ class OptimizerShare:
     def new_groups(self) -> bool:
         """Takes the groups added to an optimizer since it was cut (add_param_group, as a
         script unfreezing a layer adds its parameters) as the user's; whether there were
-        any. keep() cuts them next."""
+        any. cut() cuts them next."""
         if self._original is None:
             return False
         added = False
@@ -152,16 +155,17 @@ class OptimizerShare:
                 added = True
         return added
 
-    def keep(self, own: set[int]) -> None:
-        """Cuts every group down to the parameters whose id() is in `own`, in the user's
-        order, and drops the others' state. Called again when a training call with other
-        arguments than the first trains parameters first ([Note: other training arguments]
-        in module.py), or an optimizer is added: the groups are cut anew from the user's."""
+    def cut(self, elsewhere: set[int]) -> None:
+        """Cuts the parameters whose id() is in `elsewhere` (the module's that other ranks
+        train) out of every group, keeping the others in the user's order, and drops their
+        state. Called again when a training call with other arguments than the first trains
+        parameters first ([Note: other training arguments] in module.py), or an optimizer
+        or a group is added: the groups are cut anew from the user's."""
         if self._original is None:
             self._original = [_groups_of(o) for o in self.optimizers]
         for optimizer, original in zip(self.optimizers, self._original):
             for group, (params, names) in zip(optimizer.param_groups, original):
-                keep = [id(p) in own for p in params]
+                keep = [id(p) not in elsewhere for p in params]
                 group["params"] = [p for p, k in zip(params, keep) if k]
                 if names is not None:
                     group["param_names"] = [n for n, k in zip(names, keep) if k]
@@ -207,7 +211,7 @@ def _before_step(optimizer, args, kwargs):
         share = module.optimizer_share
         if any(o is optimizer for o in share.optimizers):
             if share.new_groups():
-                share.keep(module.placement.optimized_here())
+                share.cut(module.placement.optimized_elsewhere())
         elif module._deployed.get(True) is not None and registry.holds(optimizer, module):
             module.adopt_optimizer(optimizer)
     return None

@@ -249,19 +249,20 @@ class StatePlacement:
         return {id(t) for i, t in enumerate(self.tensors()[:n_params])
                 if trainers is not None and rank in trainers[i]}
 
-    def optimized_here(self) -> set[int]:
-        """id() of the parameters this rank's share of the optimizer holds: those it trains,
-        and those no training call has run yet (on every rank: a later training call with
-        other arguments may train them anywhere, and a checkpoint's optimizer state for
-        them waits there, [Note: other training arguments] in module.py). torch's
-        optimizers skip them while they have no gradient."""
-        n_params = len(self._trace_state.param_names)
-        tensors = self.tensors()[:n_params]
+    def optimized_elsewhere(self) -> set[int]:
+        """id() of the module's parameters that this rank's share of the optimizers leaves
+        out: those other ranks train. It keeps those it trains, those no training call has
+        run yet (on every rank: a later training call with other arguments may train them
+        anywhere, and a checkpoint's optimizer state for them waits there, [Note: other
+        training arguments] in module.py; torch's optimizers skip them while they have no
+        gradient) and any parameter outside the module (a learnt temperature the loss
+        outside uses: the user's, as under DDP)."""
         if self._trainers is None:
-            return {id(t) for t in tensors}
+            return set()
+        n_params = len(self._trace_state.param_names)
         rank = _C.get_rank()
-        return {id(t) for i, t in enumerate(tensors)
-                if rank in self._trainers[i] or not self._trainers[i]}
+        return {id(t) for i, t in enumerate(self.tensors()[:n_params])
+                if self._trainers[i] and rank not in self._trainers[i]}
 
     def trained_parameters(self) -> list[tuple[torch.Tensor, set[int]]]:
         """The parameters some rank trains, each with the ranks that train it (the same

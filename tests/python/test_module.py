@@ -697,7 +697,7 @@ def test_a_failure_while_tracing_new_shapes_says_so_with_both_shapes():
                                    "module_state_dict", "forward_hook", "unfreeze",
                                    "averaged_model", "save_pretrained", "two_calls",
                                    "param_hooks", "retained_graph", "adversarial",
-                                   "add_param_group"])
+                                   "add_param_group", "outside_parameter"])
 def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
     """Ranks with different batch sizes in one call (on every such call), control flow on
     data that differs between ranks, different models, a sequence length for which the
@@ -755,7 +755,11 @@ def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
     naming it ([Note: gradients without .grad] in deployed.py).
     add_param_group: a block unfrozen after 2 steps joins the optimizer by add_param_group;
     the new group is cut to the rank's share before the step (it kept every parameter, and
-    optimizer.state_dict() dropped it), and training and the state equal PyTorch's."""
+    optimizer.state_dict() dropped it), and training and the state equal PyTorch's.
+    outside_parameter: a learnt temperature outside the wrapped model, in its optimizer,
+    trains as PyTorch's (the optimizer's cut dropped it: it never trained), the gathered
+    state holds its state, and save_checkpoint works, warning that it does not save it
+    (it failed with a KeyError)."""
     ranks = 3 if probe == "param_hooks" else 2
     res = mpirun("loop_probes.py", ranks, probe, timeout=300, env={"RANNC_COMM_TIMEOUT": "60"})
     assert res.returncode == 0, res.stdout[-4000:]

@@ -95,6 +95,11 @@ behaviour and prints "OK rank r", or fails the way the test expects.
                                        with add_param_group after 2 steps; its group is cut
                                        to the rank's share, and steps and the optimizer's
                                        state_dict() equal PyTorch's
+    loop_probes.py outside_parameter   CLIP's learnt temperature outside the wrapped model, in
+                                       the same optimizer (its gradient averaged by the script,
+                                       as under DDP): it trains (it was cut out of the
+                                       optimizer), state_dict() holds its state, and
+                                       save_checkpoint works, warning that it is not saved
     loop_probes.py save_pretrained     transformers' model.save_pretrained(dir) on the wrapper,
                                        on every rank and on rank 0 alone: config.json and the
                                        whole trained weights, which from_pretrained loads
@@ -1355,6 +1360,53 @@ elif probe == "add_param_group":  # a group added to a cut optimizer (optimizer_
     for i, s in theirs["state"].items():
         torch.testing.assert_close(mine["state"][i]["exp_avg"].cpu(), s["exp_avg"], rtol=1e-3,
                                    atol=1e-7, msg=lambda m: f"rank {rank}: state {i}: {m}")
+    print(f"OK rank {rank}", flush=True)
+elif probe == "outside_parameter":  # optimizer_share.py: parameters outside the module
+    import shutil
+    import tempfile
+
+    import torch.nn.functional as F
+
+    from rannc.transport import all_gather_objects
+    world = rannc.get_world_size()
+    torch.manual_seed(0)
+    body = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                         nn.Linear(16, 4))
+    reference = copy.deepcopy(body)
+    scale, ref_scale = nn.Parameter(torch.tensor(1.0)), nn.Parameter(torch.tensor(1.0))
+    opt = torch.optim.AdamW(list(body.parameters()) + [scale], lr=1e-2)
+    ref_opt = torch.optim.AdamW(list(reference.parameters()) + [ref_scale], lr=1e-2)
+    wrapped = rannc.RaNNCModule(body, opt, num_stages=2, cost_model="analytic")
+    B = 4
+    mine = slice(rank * B, (rank + 1) * B)
+    comm = rannc._C.Communicator.world_cpu()
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(B * world, 8, generator=g), torch.randint(0, 4, (B * world,), generator=g)
+        F.cross_entropy(wrapped(x[mine]) * scale, y[mine]).backward()
+        F.cross_entropy(reference(x) * ref_scale, y).backward()
+        comm.all_reduce(scale.grad).wait()  # the script's own averaging, as under DDP
+        scale.grad /= world
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+        torch.testing.assert_close(scale.detach(), ref_scale.detach(), rtol=1e-5, atol=1e-7,
+                                   msg=lambda m: f"rank {rank}: step {step}: the scale: {m}")
+        same_stage_parameters(body, reference, rtol=1e-4)
+    assert any(p is scale for g in opt.param_groups for p in g["params"]), "cut out"
+    mine_state, theirs = opt.state_dict(), ref_opt.state_dict()
+    last = len(list(reference.parameters()))  # the scale's index
+    torch.testing.assert_close(mine_state["state"][last]["exp_avg"], theirs["state"][last]["exp_avg"])
+    directory = all_gather_objects(tempfile.mkdtemp() if rank == 0 else None)[0]
+    wrapped.save_checkpoint(os.path.join(directory, "checkpoint"))
+    before = {k: v.clone() for k, v in opt.state[scale].items()}
+    wrapped.load_checkpoint(os.path.join(directory, "checkpoint"))
+    wrapped(x[mine])  # reads what the load left to read
+    for k, v in before.items():  # the scale's state stays as it was
+        torch.testing.assert_close(opt.state[scale][k], v)
+    all_gather_objects(None)
+    if rank == 0:
+        shutil.rmtree(directory)
     print(f"OK rank {rank}", flush=True)
 else:
     raise SystemExit(f"unknown probe {probe}")
