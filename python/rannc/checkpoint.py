@@ -666,17 +666,14 @@ def _load_optimizer(wrapped, pending: _Pending, entries) -> None:
             mine["param_names"] = list(group["param_names"])
         for p in group["params"]:
             name = names.get(id(p))
-            if name is None:  # outside the module: its state stays as it is
-                if share.state(p):
-                    local["state"][index] = share.state(p)
-                mine["params"].append(index)
-                index += 1
-                continue
-            if name not in in_saved:
+            if name is None:  # outside the module (the user's): its state stays as it is
+                state = share.state(p)
+            elif name not in in_saved:
                 raise _C.Error(f"parameter {name} is in group {g} of the optimizer but not in "
                                f"group {g} of the checkpoint's optimizer")
-            state = pending.source.optimizer_state(
-                pending.matched.get(name, name), saved["values"], share.state(p) or {})
+            else:
+                state = pending.source.optimizer_state(
+                    pending.matched.get(name, name), saved["values"], share.state(p) or {})
             if state:
                 local["state"][index] = state
             mine["params"].append(index)

@@ -259,7 +259,7 @@ class Deployed:
         # a training program of other arguments than the first training call's: its
         # gradients go to each parameter's trainers ([Note: other training arguments])
         self.routing_key = None
-        self._routes = None
+        self._routes = self._positions = None  # _route_grads's, once
         if rank == 0 and plan_from is None:
             print(deployment.report(), flush=True)
             print(self.times.line(), flush=True)
@@ -669,7 +669,8 @@ class Deployed:
         placement, rank = self.owner.placement, _C.get_rank()
         if self._routes is None:
             self._routes = placement.gradient_routes(self.routing_key)
-        position = {vid: i for i, vid in enumerate(self.state_ids)}
+            self._positions = {vid: i for i, vid in enumerate(self.state_ids)}
+        position = self._positions
         mine = {}  # state position -> this program's gradient of it on this rank
         for j, vid in enumerate(self.own):
             g = step_grads[j] if len(step_grads) else None

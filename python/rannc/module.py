@@ -328,29 +328,33 @@ class RaNNCModule(torch.nn.Module):
     def _check_other_arguments(self, mode: bool, arguments: tuple, args, kwargs, copy) -> None:
         """Raises, on every rank (they agreed on the program), where a call of other arguments
         than the mode's first cannot run ([Note: other arguments])."""
-        differs = self._deployed[mode].graph._differs(_trace_flat(args, kwargs))
+        def differs() -> str:  # for the message only: not on every call's path
+            return self._deployed[mode].graph._differs(_trace_flat(args, kwargs))
+
         if mode and copy is not None:
             raise failure.agreed(
                 f"a copy of the module called in training mode with other arguments than the "
-                f"module's first training call ({differs}): a copy runs the module's training "
+                f"module's first training call ({differs()}): a copy runs the module's training "
                 "plan, or call it in eval mode")
         if mode and not self._grad_sync:
             raise failure.agreed(
                 f"a training call under no_sync() with other arguments than the first training "
-                f"call ({differs}): its gradients go to the ranks that train each parameter "
+                f"call ({differs()}): its gradients go to the ranks that train each parameter "
                 "([Note: other training arguments] in module.py), which needs them summed over "
                 "its replicas; call it outside no_sync()")
+        if (mode, arguments) in self._deployed_by_arguments:
+            return  # a program it has
         programs = sum(1 for m, _ in self._deployed_by_arguments if m == mode)
-        if (mode, arguments) not in self._deployed_by_arguments and programs >= self._MAX_PROGRAMS:
+        if programs >= self._MAX_PROGRAMS:
             raise failure.agreed(
                 f"{'training' if mode else 'eval'} calls have passed {programs + 1} different sets "
-                f"of arguments ({differs}): the structure of the arguments and the values that "
+                f"of arguments ({differs()}): the structure of the arguments and the values that "
                 "are not tensors are baked into a trace, so each is another program, traced and "
                 "planned on its own. Pass a number that changes between calls as a tensor "
                 "(torch.tensor(value)), or keep the arguments' structure and constants fixed")
-        if (mode, arguments) not in self._deployed_by_arguments and _C.get_rank() == 0:
+        if _C.get_rank() == 0:
             _C.log_info(f"{'a training' if mode else 'an eval'} call with other arguments than "
-                        f"the first ({differs}): traced and planned as another program "
+                        f"the first ({differs()}): traced and planned as another program "
                         f"({programs + 1} so far; [Note: other arguments] in module.py)")
 
     # ---- deployment ([Note: freed state] in placement.py) ------------------------------------

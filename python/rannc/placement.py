@@ -244,10 +244,8 @@ class StatePlacement:
     def trained_here(self) -> set[int]:
         """id() of the parameters this rank's training stages use, frozen ones included (an
         optimizer keeps them: a step after unfreezing updates them, as in PyTorch)."""
-        trainers, rank = self._trainers, _C.get_rank()
-        n_params = len(self._trace_state.param_names)
-        return {id(t) for i, t in enumerate(self.tensors()[:n_params])
-                if trainers is not None and rank in trainers[i]}
+        rank = _C.get_rank()
+        return {id(t) for t, trainers in self.trained_parameters() if rank in trainers}
 
     def optimized_elsewhere(self) -> set[int]:
         """id() of the module's parameters that this rank's share of the optimizers leaves
@@ -257,12 +255,8 @@ class StatePlacement:
         training arguments] in module.py; torch's optimizers skip them while they have no
         gradient) and any parameter outside the module (a learnt temperature the loss
         outside uses: the user's, as under DDP)."""
-        if self._trainers is None:
-            return set()
-        n_params = len(self._trace_state.param_names)
         rank = _C.get_rank()
-        return {id(t) for i, t in enumerate(self.tensors()[:n_params])
-                if self._trainers[i] and rank not in self._trainers[i]}
+        return {id(t) for t, trainers in self.trained_parameters() if rank not in trainers}
 
     def trained_parameters(self) -> list[tuple[torch.Tensor, set[int]]]:
         """The parameters some rank trains, each with the ranks that train it (the same
