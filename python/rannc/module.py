@@ -22,7 +22,7 @@ import zlib
 
 import torch
 
-from . import _C, clipping, failure, full_state, handshake, registry
+from . import _C, clipping, failure, full_state, handshake, registry, trainer_support
 from .deployed import autocast_off, Deployed
 from .graph import TracedGraph
 from ._trace import autocast_dtype, traced_differently
@@ -84,41 +84,6 @@ def _accelerate_mixed_precision():
         return None
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
         sys.modules["accelerate.state"].AcceleratorState().mixed_precision)
-
-
-# [Note: Trainer's saved models] transformers' Trainer saves a model with save_pretrained only
-# where the model, or what accelerate's unwrap_model takes out of it (DDP, DataParallel,
-# DeepSpeed and FSDP, known by class), is a PreTrainedModel; a RaNNCModule is neither, so its
-# checkpoints and save_model() held the weights file (model.safetensors of the gathered
-# state_dict) without config.json, and from_pretrained(dir) failed on them. Once a module is
-# prepared by accelerate, Trainer's _save (the method its documentation says to override
-# for custom saving) is wrapped once: after it, where the model is a RaNNCModule of a
-# PreTrainedModel, the writing rank adds the config (with `architectures`, as
-# save_pretrained sets it) and the generation config, so the directory loads as one that
-# save_pretrained wrote.
-def _trainer_writes_configs() -> None:
-    trainer = sys.modules.get("transformers.trainer")
-    save = getattr(getattr(trainer, "Trainer", None), "_save", None)
-    if save is None or getattr(save, "__rannc__", False):
-        return
-
-    @functools.wraps(save)
-    def _save(self, output_dir=None, state_dict=None):
-        save(self, output_dir, state_dict)
-        model = self.model
-        if not (isinstance(model, RaNNCModule) and self.args.should_save):
-            return
-        from transformers import PreTrainedModel
-        inner = model.module
-        if isinstance(inner, PreTrainedModel):
-            target = output_dir if output_dir is not None else self.args.output_dir
-            inner.config.architectures = [type(inner).__name__]
-            inner.config.save_pretrained(target)
-            if inner.can_generate() and getattr(inner, "generation_config", None) is not None:
-                inner.generation_config.save_pretrained(target)
-
-    _save.__rannc__ = True
-    trainer.Trainer._save = _save
 
 
 def _precision_name(amp) -> str:
@@ -601,6 +566,13 @@ class RaNNCModule(torch.nn.Module):
         kwargs.setdefault("is_main_process", _C.get_rank() == 0)
         save(save_directory, *args, state_dict=state, **kwargs)
 
+    def load_adapter(self, model_id, adapter_name: str = "default", **kwargs):
+        """PEFT's load_adapter for a wrapped PEFT model: the weights of an adapter the
+        model has, read from `model_id` into the ranks that keep them, on every rank
+        together (as Trainer resumes from an adapter checkpoint); see
+        trainer_support.load_adapter."""
+        return trainer_support.load_adapter(self, model_id, adapter_name, **kwargs)
+
     def generate(self, *args, **kwargs):
         """transformers' generate() of the wrapped language model, its forwards run through
         the pipeline, on every rank together, each with its own prompts ([Note: generation
@@ -693,8 +665,8 @@ class RaNNCModule(torch.nn.Module):
     # is not a PreTrainedModel with safetensors' save_file, which refuses tensors sharing
     # memory: so the state_dict() of a prepared module gives a tied weight's second name a
     # copy of its own; and since that file alone does not load with from_pretrained, a
-    # module prepared by accelerate has Trainer write the wrapped model's config.json (and
-    # generation config) beside it ([Note: Trainer's saved models]).
+    # module prepared by accelerate has Trainer save the wrapped model with save_pretrained
+    # ([Note: Trainer's saved models] in trainer_support.py).
     # Trainer saves it on rank 0 alone ([Note: gathers asked by some ranks] in
     # handshake.py). With gradient accumulation Trainer weights each accumulated batch by
     # its tokens: it counts the items of all of them over all ranks and passes the count as
@@ -721,7 +693,7 @@ class RaNNCModule(torch.nn.Module):
         if prepared:
             self._prepared_by_accelerate = True
             self._accelerate_precision = _accelerate_mixed_precision()
-            _trainer_writes_configs()
+            trainer_support.prepare_trainer()
 
     _prepared_by_accelerate = False
     _accelerate_precision = None
@@ -744,8 +716,14 @@ class RaNNCModule(torch.nn.Module):
         body = torch.nn.modules.module._addindent(repr(self.module), 2)
         return f"RaNNCModule(\n  (module): {body}\n)"
 
+    # What Trainer reads of a PEFT model ([Note: PEFT models in Trainer] in trainer_support.py)
+    _PEFT_ATTRIBUTES = frozenset({"peft_config", "active_adapters", "active_adapter",
+                                  "get_base_model", "base_model"})
+
     def __getattr__(self, name: str):
-        if name in RaNNCModule._MODEL_ATTRIBUTES:
+        if name in RaNNCModule._MODEL_ATTRIBUTES or (
+                name in RaNNCModule._PEFT_ATTRIBUTES
+                and trainer_support.is_peft_model(self.__dict__["_modules"]["module"])):
             return self._model_attribute(name)
         return super().__getattr__(name)
 

@@ -88,7 +88,7 @@ def test_transformers_trainer_on_several_ranks_equals_one_process(tmp_path, rank
     (pad_values="transformers", [Note: padding calls])."""
     flags = {"bf16-checkpointing": ["--bf16", "--checkpointing"],
              "fp32-accumulate": ["--accumulate"],
-             "fp32-smooth": ["--smooth"], "fp32-lora": ["--lora"],
+             "fp32-smooth": ["--smooth"], "fp32-lora": ["--lora", "--smooth"],
              "fp32-dynamic": ["--dynamic"]}[precision]
     run_trainer_check(tmp_path, ranks, stages, flags)
 

@@ -6,7 +6,8 @@ process on the whole batch: the frozen base weights and the trained adapters.
 3 AdamW steps over the adapters only: the losses and the whole state equal PyTorch's; then
 model.save_pretrained(OUT) on rank 0 alone writes PEFT's adapter files (adapter_config.json
 and the adapters' weights, not the base model's), which PeftModel.from_pretrained loads
-over the base model to the trained adapters.
+over the base model to the trained adapters; after another step, load_adapter on every
+rank reads them back into the stages (an adapter the model lacks is an error).
 """
 import copy
 import os
@@ -65,4 +66,22 @@ expected = reference.state_dict()
 for name, value in loaded.state_dict().items():
     torch.testing.assert_close(value, expected[name], rtol=1e-4, atol=1e-6,
                                msg=lambda m: f"rank {rank}, loaded {name}: {m}")
+# load_adapter reads the saved adapters back into the stages on every rank (as Trainer
+# resumes from an adapter checkpoint): after one more step it holds the saved ones again
+wrapped.train()
+wrapped(input_ids=kwargs["input_ids"][mine], labels=kwargs["labels"][mine]).loss.backward()
+opt.step()
+opt.zero_grad()
+result = wrapped.load_adapter(out, "default", is_trainable=True)
+assert not result.missing_keys and not result.unexpected_keys, result
+state = wrapped.state_dict()
+for name, value in expected.items():
+    torch.testing.assert_close(state[name], value, rtol=1e-4, atol=1e-6,
+                               msg=lambda m: f"rank {rank}, load_adapter {name}: {m}")
+try:
+    wrapped.load_adapter(out, "second")
+except ValueError as e:
+    assert "no adapter 'second'" in str(e), e
+else:
+    raise AssertionError("load_adapter of an adapter the model lacks did not fail")
 print(f"OK rank {rank}", flush=True)

@@ -12,7 +12,9 @@ FLAGS: --bf16, --accumulate, --smooth, --checkpointing, --lora, --dynamic, --cud
 gradients from outside), shifting a causal LM's labels.
 --checkpointing: gradient_checkpointing=True, which makes every stage recompute.
 --lora: PEFT's LoRA adapters over the frozen GPT-2 (Trainer keeps the columns that the base
-model's forward names; its checkpoints of a RaNNCModule hold the whole model).
+model's forward names; its checkpoints and saved model are PEFT's adapter directories, which
+PeftModel.from_pretrained reads and a resume loads; with --smooth the label smoother shifts
+the base causal LM's labels, as for a PeftModel in one process).
 --dynamic: rows of 6 to 16 tokens, which a collator pads to each batch's longest, in a
 DataLoader worker under rannc: the ranks' lengths differ, and the module pads each call to
 the longest of the call (option pad_values="transformers", [Note: padding calls]).
@@ -92,11 +94,12 @@ def pad_to_longest(rows):
             "labels": padded("labels", -100)}
 
 
-def make_model(seed):
+def make_model(seed, adapter_seed=None):
+    """GPT-2 from `seed`; with --lora, its LoRA adapters from `adapter_seed` (default seed)."""
     model, _, _ = hf_zoo.make("hf_gpt2", batch=GLOBAL_BATCH, seed=seed)
     if lora:
         import peft
-        torch.manual_seed(seed + 1)
+        torch.manual_seed((seed if adapter_seed is None else adapter_seed) + 1)
         model = peft.get_peft_model(model, peft.LoraConfig(
             r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.0, fan_in_fan_out=True))
         with torch.no_grad():  # LoRA's B starts at zero: so that the first step moves A too
@@ -171,11 +174,29 @@ def same_logs(t, what):
     torch.testing.assert_close(torch.tensor(evals), torch.tensor(reference["evals"]), **tolerance)
 
 
-def same_weights(path, what):
-    saved = safetensors.torch.load_file(path)  # written by Trainer on rank 0
-    model = make_model(7)
-    missing, unexpected = model.load_state_dict(saved, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}, (what, missing, unexpected)
+def model_layers():
+    return make_model(0).config.n_layer
+
+
+def same_weights(directory, what):
+    """The model Trainer saved in `directory` (on rank 0) holds the reference's weights.
+    With --lora it is PEFT's adapter directory, as Trainer writes for a PeftModel in one
+    process ([Note: Trainer's saved models]): the adapters alone, read over the base."""
+    files = set(os.listdir(directory))
+    if lora:
+        import peft
+        assert {"adapter_config.json", "adapter_model.safetensors"} <= files \
+            and "model.safetensors" not in files, (what, files)
+        saved = safetensors.torch.load_file(os.path.join(directory, "adapter_model.safetensors"))
+        assert all("lora_" in k for k in saved) and len(saved) == 2 * model_layers(), \
+            (what, sorted(saved))
+        model = peft.PeftModel.from_pretrained(make_model(0, adapter_seed=7).get_base_model(),
+                                               directory)
+    else:
+        saved = safetensors.torch.load_file(os.path.join(directory, "model.safetensors"))
+        model = make_model(7)
+        missing, unexpected = model.load_state_dict(saved, strict=False)
+        assert not unexpected and set(missing) <= {"lm_head.weight"}, (what, missing, unexpected)
     for name, value in model.state_dict().items():
         torch.testing.assert_close(value, expected[name], **tolerance,
                                    msg=lambda m: f"{what}, {name}: {m}")
@@ -203,7 +224,7 @@ same_logs(t, "trained")
 t.save_model(os.path.join(out, "final"))  # rank 0 alone gathers and writes
 # the other ranks serve rank 0's gather from inside torch's barrier
 torch.distributed.barrier()
-same_weights(os.path.join(out, "final", "model.safetensors"), "the saved model")
+same_weights(os.path.join(out, "final"), "the saved model")
 if not lora:  # from_pretrained reads Trainer's directories ([Note: Trainer's saved models])
     for where in ("final", os.path.join("rannc", "checkpoint-2")):
         assert os.path.exists(os.path.join(out, where, "config.json")), where
@@ -216,11 +237,13 @@ optimizer = torch.load(os.path.join(directory, "checkpoint-2", "optimizer.pt"))
 count = sum(len(g["params"]) for g in optimizer["param_groups"])
 assert count == len([p for p in make_model(0).parameters() if p.requires_grad]) and len(optimizer["state"]) == count, \
     "the checkpoint's optimizer state is not the whole optimizer's"
-# resumed: a new model (other weights) and Trainer read checkpoint-2 on every rank
-t = trainer(rannc.RaNNCModule(make_model(5), num_stages=stages, **padding), directory)
+# resumed: a new model (other weights; with --lora, other adapters over the same frozen
+# base, which PEFT's checkpoints do not hold) and Trainer read checkpoint-2 on every rank
+resumed = make_model(0, adapter_seed=5) if lora else make_model(5)
+t = trainer(rannc.RaNNCModule(resumed, num_stages=stages, **padding), directory)
 t.train(resume_from_checkpoint=os.path.join(directory, "checkpoint-2"))
 same_logs(t, "resumed")  # steps 1-2 from the checkpoint's history, 3-4 run again
 t.save_model(os.path.join(out, "resumed"))
 torch.distributed.barrier()
-same_weights(os.path.join(out, "resumed", "model.safetensors"), "the resumed model")
+same_weights(os.path.join(out, "resumed"), "the resumed model")
 print(f"OK rank {rank}", flush=True)
