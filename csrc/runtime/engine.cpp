@@ -555,7 +555,8 @@ std::map<ir::ValueId, at::Tensor> PipelineEngine::collectBatchOutputs(
     std::stable_sort(list.begin(), list.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
     std::vector<at::Tensor> tensors;
     for (auto& [_, t] : list) tensors.push_back(t);
-    out[vid] = at::cat(tensors, graph_.value(vid).batch_dim);
+    // one part is the whole value (one micro-batch on one rank): no copy of, say, the logits
+    out[vid] = tensors.size() == 1 ? tensors[0] : at::cat(tensors, graph_.value(vid).batch_dim);
   }
   return out;
 }
@@ -677,6 +678,7 @@ StepOutputs PipelineEngine::execute(const StepProgram& program,
         if (has_backward && !input_grad_ids_.empty()) finishInputGrads(input_grad_receives);
         chunk_outputs_.clear();
         chunk_grads_.clear();
+        outputs_.clear();  // those no send took (the last stage's): not past the step
         if (has_backward) {
           step_grads_.clear();
           for (const auto& [v, t] : own_) step_grads_[v] = t.grad().defined() ? t.grad() : at::zeros_like(t);
@@ -747,13 +749,16 @@ std::shared_ptr<StepGrads> PipelineEngine::takeStepGrads() {
 void PipelineEngine::applyStepGrads(const StepGrads& grads, const at::Tensor& scale) {
   auto [params, add] = definedStepGrads(grads);
   if (add.empty()) return;
-  addToGrads(params, scale.defined() ? at::_foreach_mul(add, scale) : add);
+  // in place: the step's gradients are this call's own (a retained graph's are copies)
+  if (scale.defined()) at::_foreach_mul_(add, scale);
+  addToGrads(params, add);
 }
 
 void PipelineEngine::applyStepGrads(const StepGrads& grads, double scale) {
   auto [params, add] = definedStepGrads(grads);
   if (add.empty()) return;
-  addToGrads(params, scale == 1.0 ? add : at::_foreach_mul(add, at::Scalar(scale)));
+  if (scale != 1.0) at::_foreach_mul_(add, at::Scalar(scale));
+  addToGrads(params, add);
 }
 
 std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> PipelineEngine::definedStepGrads(

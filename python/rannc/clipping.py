@@ -115,7 +115,8 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
             counted += counted_grads(module, mine)
             held += held_grads(module, mine)
             claimed |= mine
-    if not claimed:
+    if not claimed or _C.get_world_size() == 1:
+        # one rank holds every gradient whole: torch's own, which waits for no GPU
         return _TORCH_CLIP(params, max_norm, norm_type, error_if_nonfinite, foreach)
     others = [p.grad for p in params if id(p) not in claimed and p.grad is not None]
     total = global_norm(counted, others, norm_type)

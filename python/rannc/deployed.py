@@ -104,7 +104,9 @@ class _NoGradientPath(torch.autograd.Function):
     @staticmethod
     def forward(ctx, anchor, value, name):
         ctx.name = name
-        return value.detach().clone()
+        # not a copy (a language model's logits are the step's largest tensor), nor a view
+        # (autograd forbids in-place changes of a custom function's views)
+        return value.detach()
 
     @staticmethod
     def backward(ctx, grad):
@@ -720,9 +722,9 @@ class Deployed:
                 # GPU would stall once per micro-batch on a .cpu() each)
                 parts = [outs[vid].detach().double() * engine.share_weight(vid, m)
                          for m, outs in produced.items() if vid in outs]
-                total = (torch.stack(parts).sum().cpu() if parts
-                         else torch.zeros((), dtype=torch.float64))
-                if comm.size > 1:
+                total = torch.stack(parts).sum() if parts else torch.zeros((), dtype=torch.float64)
+                if comm.size > 1:  # one rank: no copy, so no wait for the GPU's step to end
+                    total = total.cpu()
                     comm.all_reduce(total).wait()
                 value = total.to(self.out_device, _dtype(v))
                 if train and vid == engine.loss_vid:
@@ -730,12 +732,14 @@ class Deployed:
                                                   *self.grad_inputs)
                 tensors.append(value)
             else:
+                if comm.size == 1:  # no trip through the host
+                    tensors.append(produced[0][vid].detach().to(self.out_device, copy=True))
+                    continue
                 producer = engine.producer_of(vid)
                 root = layout.rank_of(producer, 0, 0) if producer >= 0 else 0
                 buf = (produced[0][vid].detach().to("cpu", copy=True) if _C.get_rank() == root
                        else engine.empty(vid))
-                if comm.size > 1:
-                    comm.broadcast(buf, root).wait()
+                comm.broadcast(buf, root).wait()
                 tensors.append(buf.to(self.out_device))
         # a tensor of rannc's that requires grad links the outputs to the step's gradients
         # (a parameter of the user's would see its hooks called with None, [Note: parameter hooks])

@@ -181,6 +181,39 @@ def test_inputs_on_another_device_than_the_model(model_on, inputs_on):
         torch.testing.assert_close(p.grad.cpu(), grads[name].grad, rtol=1e-4, atol=1e-5, msg=name)
 
 
+def test_a_one_rank_step_waits_for_the_gpu_nowhere():
+    """After the first call (tracing and planning), a one-rank training step (the call,
+    loss.backward(), torch's clip_grad_norm_, the optimizer's step, zero_grad) makes no
+    host-device synchronisation, as plain PyTorch's step makes none: each would idle the
+    GPU while the host launches what follows (the speed issue's 15%: the loss went through
+    the host, clipping read its norm there). torch raises at the first synchronising call."""
+    zoo.full_fp32()
+    model, args, kwargs = zoo.make("gpt", batch=4)
+    zoo.no_dropout(model)
+    model = model.cuda()
+    args = tuple(a.cuda() for a in args)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    wrapped = rannc.RaNNCModule(model, opt, device="cuda", num_stages=1)
+
+    def step():
+        loss = wrapped(*args)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(wrapped.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    step()  # traces, plans, deploys
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        losses = [step() for _ in range(2)]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(loss.device.type == "cuda" for loss in losses)
+    assert torch.isfinite(torch.stack(losses)).all().item()
+
+
 @pytest.mark.parametrize("ranks,stages,flags", [
     (1, 1, []), (2, 2, []), (2, 2, ["--bf16", "--checkpointing"])])
 def test_transformers_trainer_on_cuda_equals_one_process(tmp_path, ranks, stages, flags):
