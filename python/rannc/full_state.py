@@ -15,25 +15,30 @@ from .transport import all_gather_objects
 
 
 def gather_state_dict(wrapped, *args, destination=None, prefix="", keep_vars=False, keep=True,
-                      untied=False):
+                      untied=False, only: set[str] | None = None):
     """The full model state (parameters and persistent buffers) under the original names,
     as `module.state_dict()` of plain PyTorch gives it, on every rank (a collective:
     every rank must call it). The tensors are fresh copies on the CPU (the whole model
     need not fit on one device); the model keeps only its stage's state. A rank that
     only serves the gather (`keep=False`) keeps no tensor past its broadcast and gets None.
     With `untied`, the names of one tied tensor get copies of their own (safetensors' save_file
-    refuses tensors that share memory)."""
+    refuses tensors that share memory). With `only`, the state under those names alone
+    (every rank passing the same names): the rest moves nowhere."""
     placement = wrapped.placement
     if not placement.deployed:
         if not keep:
             return None
-        out = placement.module_state_dict(*args, destination=destination, prefix=prefix,
-                                          keep_vars=keep_vars)
+        out = _only(placement.module_state_dict(*args, destination=destination, prefix=prefix,
+                                                keep_vars=keep_vars), only, prefix)
         return _untied(out) if untied else out
     comm, rank = _C.Communicator.world_cpu(), _C.get_rank()
     world = set(range(_C.get_world_size()))
+    wanted = None if only is None else {
+        id(v) for v in _only(placement.module_state_dict(keep_vars=True), only).values()}
     gathered = {}
     for i, (t, (owner, current)) in enumerate(zip(placement.tensors(), placement.sources())):
+        if wanted is not None and id(t) not in wanted:
+            continue
         if current == world:
             if not keep:
                 continue
@@ -47,12 +52,21 @@ def gather_state_dict(wrapped, *args, destination=None, prefix="", keep_vars=Fal
             gathered[id(t)] = value
     if not keep:
         return None
-    out = placement.module_state_dict(*args, destination=destination, prefix=prefix,
-                                      keep_vars=True)
+    out = _only(placement.module_state_dict(*args, destination=destination, prefix=prefix,
+                                            keep_vars=True), only, prefix)
     for k, v in out.items():
         if isinstance(v, torch.Tensor) and id(v) in gathered:
             out[k] = gathered[id(v)]
     return _untied(out) if untied else out
+
+
+def _only(state: dict, names: set[str] | None, prefix: str = "") -> dict:
+    """`state` restricted to `names` (module names, under `prefix`); all of it for None."""
+    if names is None:
+        return state
+    for k in [k for k in state if k[len(prefix):] not in names]:
+        del state[k]
+    return state
 
 
 def _untied(state: dict) -> dict:

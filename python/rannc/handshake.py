@@ -188,7 +188,9 @@ def _mismatch(keys: list[tuple[int, tuple[int, int]]]) -> str:
         name = _NAMES.get(c, "another collective")
         if c in _GATHER_CODES and len(serials) > 1:
             name += f" of model #{serials.index(s) + 1}"
-        if c in _GATHER_CODES and len(parts[(c, s)]) > 1:  # [Note: several optimizers]
+        if c == _CODES["state_dict()"] and len(parts[(c, s)]) > 1:  # adapter_state_dict()
+            name += " of the adapters" if p else " of the whole model"
+        elif c in _GATHER_CODES and len(parts[(c, s)]) > 1:  # [Note: several optimizers]
             name += f" of {f'optimizer #{p}' if p else 'every optimizer'}"
         calls.setdefault(name, []).append(rank)
     where = "; ".join(f"{what} on rank{'s' if len(r) > 1 else ''} {_ranks(r)}"

@@ -422,6 +422,15 @@ class RaNNCModule(torch.nn.Module):
         return full_state.gather_state_dict(self, *args, keep=keep,
                                             untied=self._prepared_by_accelerate, **kwargs)
 
+    _ADAPTERS = 1  # the part of state_dict() that adapter_state_dict() gathers
+
+    def adapter_state_dict(self) -> dict:
+        """The state of the wrapped PEFT model's adapters under the model's names (what
+        PEFT's save_pretrained saves of a state_dict), gathered as state_dict() is, on every
+        rank or on rank 0 alone, without moving the frozen base model's weights."""
+        handshake.gather("state_dict()", self, RaNNCModule._ADAPTERS)
+        return self._gather_state(only=trainer_support.adapter_keys(self))
+
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Loads a full model state into the tensors this rank keeps; see
         full_state.load_state_dict. Before the first call of a model built on the meta
@@ -561,8 +570,9 @@ class RaNNCModule(torch.nn.Module):
         layers on other ranks and is refused."""
         save = self._model_attribute("save_pretrained")
         state = kwargs.pop("state_dict", None)
-        if state is None:
-            state = self.state_dict()
+        if state is None:  # a PEFT model saves its adapters alone
+            state = (self.adapter_state_dict() if trainer_support.is_peft_model(self.module)
+                     else self.state_dict())
         kwargs.setdefault("is_main_process", _C.get_rank() == 0)
         save(save_directory, *args, state_dict=state, **kwargs)
 
@@ -586,7 +596,8 @@ class RaNNCModule(torch.nn.Module):
         _optimizer_part) of this module that other ranks asked for, keeping nothing ([Note:
         gathers asked by some ranks] in handshake.py)."""
         if what == "state_dict()":
-            self._gather_state(keep=False)
+            self._gather_state(keep=False, only=trainer_support.adapter_keys(self)
+                               if part == RaNNCModule._ADAPTERS else None)
         else:
             self._gather_optimizer_state(part)
 

@@ -60,8 +60,9 @@ def prepare_trainer() -> None:
         if not (isinstance(model, RaNNCModule) and self.args.should_save
                 and (isinstance(model.module, PreTrainedModel) or is_peft_model(model.module))):
             return save(self, output_dir, state_dict)
-        if state_dict is None:
-            state_dict = model.state_dict()
+        if state_dict is None:  # a PEFT model's adapters alone: the base model stays put
+            state_dict = (model.adapter_state_dict() if is_peft_model(model.module)
+                          else model.state_dict())
         self.model = model.module
         try:
             save(self, output_dir, state_dict)
@@ -107,6 +108,16 @@ def adapter_names(peft_model, adapter_name: str) -> dict:
             "RaNNCModule cannot read back into its stages; adapters whose saved tensors are "
             "the model's own (LoRA, IA3, ...) load")
     return {by_id[id(t)]: k for k, t in saved.items()}
+
+
+def adapter_keys(wrapped) -> set[str]:
+    """The names of every adapter's tensors in a RaNNCModule's PEFT model (what its
+    save_pretrained saves), the same on every rank."""
+    peft_model = wrapped_peft_model(wrapped)
+    if peft_model is None:
+        raise AttributeError(f"the RaNNCModule wraps a {type(wrapped.module).__name__}, not a "
+                             "PEFT model: it has no adapters")
+    return set().union(*(adapter_names(peft_model, a) for a in peft_model.peft_config))
 
 
 def _named_state(model):

@@ -4,7 +4,8 @@ process on the whole batch: the frozen base weights and the trained adapters.
     mpirun -np N python peft_check.py OUT
 
 3 AdamW steps over the adapters only: the losses and the whole state equal PyTorch's; then
-model.save_pretrained(OUT) on rank 0 alone writes PEFT's adapter files (adapter_config.json
+adapter_state_dict() gathers the adapters alone; model.save_pretrained(OUT) on rank 0 alone
+(which gathers them alone too, the other ranks serving from their next call) writes PEFT's adapter files (adapter_config.json
 and the adapters' weights, not the base model's), which PeftModel.from_pretrained loads
 over the base model to the trained adapters; after another step, load_adapter on every
 rank reads them back into the stages (an adapter the model lacks is an error).
@@ -55,6 +56,11 @@ state = wrapped.state_dict()
 for name, value in reference.state_dict().items():
     torch.testing.assert_close(state[name], value, rtol=1e-4, atol=1e-6,
                                msg=lambda m: f"rank {rank}, {name}: {m}")
+# the adapters alone, on every rank: the base model's weights move nowhere
+adapters = wrapped.adapter_state_dict()
+assert set(adapters) == {n for n, p in reference.named_parameters() if p.requires_grad}, sorted(adapters)
+for name, value in adapters.items():
+    torch.testing.assert_close(value, state[name], rtol=0, atol=0)
 if rank == 0:
     wrapped.save_pretrained(out)  # the other ranks serve the gather from their next call
 wrapped.eval()
