@@ -15,7 +15,8 @@
 # python/rannc/_C*.so for its python imports with CUDA (carry it from an earlier $OUT to
 # skip the 2-minute build; RANNC_GPU_REBUILD=1 builds anyway, e.g. after C++ changes);
 # then the parts, in this order:
-#   tests   python3 -m pytest -v tests/gpu
+#   tests   bash scripts/gpu_tests.sh (tests/gpu: the module's cases in parallel shards,
+#           then the profiler's alone)
 #   hf      python3 -m pytest -v tests/python -k "hf or transformers"  ("none" if no test matches)
 #   models  python3 bench/hf_models.py --device cuda [--precision bf16 | --eval] (72
 #           transformers architectures planned into 3 stages with CUDA profiles: training in
@@ -150,14 +151,13 @@ part() {  # part NAME LIMIT_S COMMAND (RANNC_GPU_LIMIT_<NAME> overrides LIMIT_S)
   local override="RANNC_GPU_LIMIT_${1^^}"
   run_part "$1" "${!override:-$2}" "$LOG" "$3"
 }
-# tests/gpu has 27 cases of mpirun runs (schedules and mixed precision added in session
-# 14): the part may take the rest of a first call; run the others in a second call
-# (RANNC_GPU_PARTS="hf models bench plans plans_large table", the built _C*.so carried from $OUT).
-# Each test's name as it runs (-v) and a per-test limit where pytest-timeout is there, so
-# a part cut off by its own limit still says which tests passed and which one hung.
+# tests/gpu: about 40 cases of mpirun runs, in parallel shards (scripts/gpu_tests.sh,
+# RANNC_GPU_SHARDS, default 4), then the profiler's cases alone. Each test's name as it
+# runs (-v) and a per-test limit where pytest-timeout is there, so a part cut off by its own
+# limit still says which tests passed and which one hung.
 PER_TEST=""
 python3 -c "import pytest_timeout" 2>/dev/null && PER_TEST="--timeout=150"
-part tests 420 "python3 -m pytest -v -rA $PER_TEST --durations=10 tests/gpu"
+part tests 420 "bash scripts/gpu_tests.sh"
 part hf 240 "python3 -m pytest -v -rA $PER_TEST tests/python -k 'hf or transformers'"
 part models 300 "rc=0; for args in '' '--precision bf16' '--eval'; do python3 bench/hf_models.py --device cuda \$args || rc=1; done; exit \$rc"
 part bench 360 "python3 bench/runtime.py --device cuda --out '$OUT'"
