@@ -144,12 +144,16 @@ void bindRuntime(py::module& m) {
       .def("set_input_grads", &PipelineEngine::setInputGrads, py::arg("ids"))
       .def("set_summed_outputs", &PipelineEngine::setSummedOutputs, py::arg("ids"))
       .def("step",
-           [](PipelineEngine& e, const py::dict& local, bool train, double loss_scale) {
+           [](PipelineEngine& e, const py::dict& local, bool train, const py::object& loss_scale) {
              auto values = localValues(local);
+             // a float, or a GradScaler's scale tensor (read on its device: no host wait)
+             const bool tensor = THPVariable_Check(loss_scale.ptr());
+             const at::Tensor scale_tensor = tensor ? py::cast<at::Tensor>(loss_scale) : at::Tensor();
+             const double scale = tensor ? 1.0 : py::cast<double>(loss_scale);
              runtime::StepOutputs outs;
              {
                py::gil_scoped_release release;
-               outs = e.step(values, train, loss_scale);
+               outs = e.step(values, train, scale, scale_tensor);
              }
              return toPython(outs);
            },

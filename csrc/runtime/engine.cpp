@@ -248,14 +248,20 @@ const StepProgram& PipelineEngine::programFor(StepMode mode) {
 std::string PipelineEngine::program(StepMode mode) { return programFor(mode).str(); }
 
 StepOutputs PipelineEngine::step(const std::map<ir::ValueId, c10::IValue>& local, bool train,
-                                 double loss_scale) {
+                                 double loss_scale, const at::Tensor& loss_scale_tensor) {
   seeds_.clear();
   stash_base_ = 0;  // a step's backwards run in it ([Note: calls awaiting their backward])
   if (train && loss_id_ != ir::kNoId) {
     const std::vector<int> mine = stages();
     if (std::count(mine.begin(), mine.end(), producerOf(loss_id_)) > 0) {
       for (int m = 0; m < config_->layout.microBatches(); ++m) {
-        seeds_[m][loss_id_] = Seed{loss_scale * shareWeight(loss_id_, m), {}};
+        const double weight = loss_scale * shareWeight(loss_id_, m);
+        if (loss_scale_tensor.defined()) {  // in float64, then rounded once, as the value is
+          seeds_[m][loss_id_] = Seed{0.0, (loss_scale_tensor.reshape({}).to(at::kDouble) * weight)
+                                              .to(loss_scale_tensor.scalar_type())};
+        } else {
+          seeds_[m][loss_id_] = Seed{weight, {}};
+        }
       }
     }
   }

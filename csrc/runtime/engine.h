@@ -136,8 +136,11 @@ class PipelineEngine {
   // One step: with `train`, the planned schedule seeded by the scalar loss (its share of
   // each micro-batch, times `loss_scale`: a loss scaler's factor must reach the fp16
   // activation gradients of the backward that runs here, not only the finished gradients),
-  // else forwards only. `local`: model argument ids -> this rank's values.
-  StepOutputs step(const std::map<ir::ValueId, c10::IValue>& local, bool train, double loss_scale = 1.0);
+  // else forwards only. `local`: model argument ids -> this rank's values. A defined
+  // `loss_scale_tensor` (a GradScaler's scale on its device) is the factor instead: read on
+  // the device, so that the host does not wait for the GPU to know it.
+  StepOutputs step(const std::map<ir::ValueId, c10::IValue>& local, bool train, double loss_scale = 1.0,
+                   const at::Tensor& loss_scale_tensor = {});
   // The forwards of a fill-drain step, stashing for backwardFrom(); lastForward() names it.
   // [Note: calls awaiting their backward] Several may await their backward (the user's
   // loss adds the outputs of several calls: a discriminator on real and fake batches, two

@@ -38,12 +38,15 @@ from . import handshake, registry
 _SCALERS: "weakref.WeakValueDictionary[int, torch.amp.GradScaler]" = weakref.WeakValueDictionary()
 
 
-def forward_loss_scale() -> float:
+def forward_loss_scale() -> float | torch.Tensor:
     """The factor a training forward seeds its backward with ([Note: scaled seeds]): the
-    scale of the newest enabled GradScaler alive, else 1."""
+    scale of the newest enabled GradScaler alive, else 1. Once the scaler has its scale
+    tensor, a copy of it on its device: get_scale() would read it on the host, waiting for
+    the GPU's queue to drain once per step."""
     for scaler in reversed(list(_SCALERS.values())):
         if scaler.is_enabled():
-            return float(scaler.get_scale())
+            scale = getattr(scaler, "_scale", None)
+            return scale.detach().clone() if scale is not None else float(scaler.get_scale())
     return 1.0
 
 

@@ -50,7 +50,9 @@ class _ApplyStepGrads(torch.autograd.Function):
     def backward(ctx, grad):
         _refuse_second_order()
         # the step's gradients were seeded with the loss scale ([Note: scaled seeds])
-        if ctx.loss_scale != 1.0:
+        if isinstance(ctx.loss_scale, torch.Tensor):  # read on the device
+            grad = grad / ctx.loss_scale.to(grad.device).reshape(grad.shape)
+        elif ctx.loss_scale != 1.0:
             grad = grad / ctx.loss_scale
         if _accumulates_into_parameters(ctx.deployed):  # [Note: gradients without .grad]
             # applied again by a later backward of a retained graph: .grad gets a copy
