@@ -181,12 +181,15 @@ def test_inputs_on_another_device_than_the_model(model_on, inputs_on):
         torch.testing.assert_close(p.grad.cpu(), grads[name].grad, rtol=1e-4, atol=1e-5, msg=name)
 
 
-def test_a_one_rank_step_waits_for_the_gpu_nowhere():
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_a_one_rank_step_waits_for_the_gpu_nowhere(precision):
     """After the first call (tracing and planning), a one-rank training step (the call,
     loss.backward(), torch's clip_grad_norm_, the optimizer's step, zero_grad) makes no
     host-device synchronisation, as plain PyTorch's step makes none: each would idle the
     GPU while the host launches what follows (the speed issue's 15%: the loss went through
-    the host, clipping read its norm there). torch raises at the first synchronising call."""
+    the host, clipping read its norm there). torch raises at the first synchronising call.
+    In fp16 the call and the scaled backward (the seed from the scaler's scale on the
+    device): GradScaler.step reads its overflow flag on the host in PyTorch too."""
     zoo.full_fp32()
     model, args, kwargs = zoo.make("gpt", batch=4)
     zoo.no_dropout(model)
@@ -194,22 +197,30 @@ def test_a_one_rank_step_waits_for_the_gpu_nowhere():
     args = tuple(a.cuda() for a in args)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     wrapped = rannc.RaNNCModule(model, opt, device="cuda", num_stages=1)
+    fp16 = precision == "fp16"
+    scaler = torch.amp.GradScaler("cuda", enabled=fp16)
 
-    def step():
-        loss = wrapped(*args)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(wrapped.parameters(), 1.0)
-        opt.step()
+    def step(checked):
+        torch.cuda.set_sync_debug_mode("error" if checked else "default")
+        try:
+            with torch.autocast("cuda", dtype=torch.float16, enabled=fp16):
+                loss = wrapped(*args)
+            scaler.scale(loss).backward()
+            if not fp16:
+                torch.nn.utils.clip_grad_norm_(wrapped.parameters(), 1.0)
+                opt.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        if fp16:
+            scaler.step(opt)
+            scaler.update()
         opt.zero_grad()
-        return loss
+        return loss.detach()
 
-    step()  # traces, plans, deploys
+    step(False)  # traces, plans, deploys
+    step(False)  # the scaler has its scale tensor now
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        losses = [step() for _ in range(2)]
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    losses = [step(True) for _ in range(2)]
     assert all(loss.device.type == "cuda" for loss in losses)
     assert torch.isfinite(torch.stack(losses)).all().item()
 
