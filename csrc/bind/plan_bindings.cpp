@@ -56,6 +56,8 @@ void bindPlanner(py::module& m) {
       .def_readonly("busy_time", &partition::StagePlan::busy_time)
       .def_readonly("bubble_time", &partition::StagePlan::bubble_time)
       .def_readonly("param_bytes", &partition::StagePlan::param_bytes)
+      .def_readonly("static_bytes", &partition::StagePlan::static_bytes)
+      .def_readonly("stash_bytes", &partition::StagePlan::stash_bytes)
       .def_readonly("memory_bytes", &partition::StagePlan::memory_bytes);
 
   py::class_<partition::Deployment>(m, "Deployment", "A plan: stages, ranks, micro-batches.")

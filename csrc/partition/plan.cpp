@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <set>
 #include <sstream>
 
 #include "common/error.h"
@@ -539,6 +540,19 @@ double bytesPerRow(const ir::Graph& graph, const StagePlan& stage) {
   return bytes / double(graph.batchSize());
 }
 
+// Bytes of the parameters `stage` reads that do not require grad in `graph`, each once.
+int64_t frozenBytes(const ir::Graph& graph, const StagePlan& stage) {
+  std::set<ir::ValueId> seen;
+  int64_t bytes = 0;
+  for (ir::TaskId t : stage.tasks) {
+    for (ir::ValueId v : graph.task(t).inputs) {
+      const ir::Value& val = graph.value(v);
+      if (val.role == ir::ValueRole::Param && !val.requires_grad && seen.insert(v).second) bytes += val.bytes();
+    }
+  }
+  return bytes;
+}
+
 }  // namespace
 
 Deployment rebindDeployment(const Deployment& plan, const ir::Graph& planned, const ir::Graph& graph) {
@@ -598,6 +612,12 @@ Deployment rebindDeployment(const Deployment& plan, const ir::Graph& planned, co
     if (was <= 0.0 || now <= 0.0) continue;
     stage.stash_bytes = std::llround(double(stage.stash_bytes) * now / was);
     stage.working_bytes = std::llround(double(stage.working_bytes) * now / was);
+  }
+  // Parameters unfrozen since the plan get a gradient and optimizer state (frozen ones
+  // give theirs back): [Note: frozen parameters' memory] in cost/cost_model.h.
+  for (StagePlan& stage : d.stages) {
+    const int64_t thawed = frozenBytes(planned, stage) - frozenBytes(graph, stage);
+    stage.static_bytes += thawed * (1 + optimizerStateFactor(d.optimizer));
   }
   return d;
 }

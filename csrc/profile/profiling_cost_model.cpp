@@ -65,6 +65,7 @@ partition::PieceCost pieceCostFrom(const ir::Graph& g, const ir::Subgraph& piece
     const int64_t bytes = partition::valueBytesAt(g, v, rows);
     if (v.role == ir::ValueRole::Param) {
       c.param_bytes += bytes;
+      if (!v.requires_grad) c.frozen_bytes += bytes;  // [Note: frozen parameters' memory]
     } else if (v.role == ir::ValueRole::Buffer) {
       c.buffer_bytes += bytes;
     } else {

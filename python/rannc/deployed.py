@@ -467,7 +467,7 @@ class Deployed:
                     f"{target.times.tracing:.2f} s, running plan {self.deployment.hash} made at "
                     f"the first call ({len(self.variants)} variants so far)"
                     f"{target._micro_batch_note()}")
-                target._warn_over_memory()
+                target._warn_over_memory(shapes == self.shapes)
         if trainable is not None:
             self.last_trained = target
         return target
@@ -567,16 +567,25 @@ class Deployed:
             return f"; {now} micro-batch(es) instead of the plan's {planned} (each replica needs a row of each)"
         return ""
 
-    def _warn_over_memory(self):
+    def _warn_over_memory(self, thawed: bool = False):
+        """Rank 0's warning where this variant's predicted peak is over the plan's limit:
+        at larger input sizes, or (`thawed`) with parameters unfrozen since the plan, which
+        now hold gradients and optimizer state ([Note: frozen parameters' memory] in
+        csrc/partition/cost/cost_model.h)."""
         fit = self.engine.memory_fit
         if fit.fits or not self.deployment.feasible:  # a plan over its limit said so when made
             return
+        where, cure = (("with the parameters unfrozen since the plan (their gradients and "
+                        "optimizer state)", "Wrap the model with every parameter it will train "
+                        "unfrozen (the plan counts what requires grad when it is made)")
+                       if thawed else
+                       ("at these input sizes", "Make the first call the largest batch and "
+                        "shapes (its plan fits them)"))
         _C.log_warn(
-            f"at these input sizes stage {fit.stage} is predicted to need "
+            f"{where} stage {fit.stage} is predicted to need "
             f"{format_bytes(fit.peak_bytes)} per device, above the {format_bytes(self.deployment.memory_limit)} "
             f"the plan was made for, even in {fit.micro_batches} micro-batches (the fewest "
-            "bytes any count gives): it may run out of memory. Make the first call the "
-            "largest batch and shapes (its plan fits them), or use more devices")
+            f"bytes any count gives): it may run out of memory. {cure}, or use more devices")
 
     def drop_forwards(self):
         """Frees the stashes of the fill-drain forwards whose outputs autograd freed."""

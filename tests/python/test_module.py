@@ -635,6 +635,50 @@ print("profiling", times.profiling, "pieces", times.pieces_measured)
     assert "profiling 0.0 pieces 0" in res.stdout, res.stdout[-2000:]
 
 
+def test_frozen_parameters_are_planned_with_their_weights_only(tmp_path):
+    """[Note: frozen parameters' memory] in csrc/partition/cost/cost_model.h: a model whose
+    parameters are mostly frozen (a LoRA model's base, a frozen backbone) is planned with
+    the weights of the frozen ones only, no gradient, Adam state or update (before, a
+    frozen parameter was charged as a trained one: four times its weights under Adam).
+    Unfreezing them after the plan charges them again, and where that no longer fits the
+    plan's memory rank 0 says so, naming the cure."""
+    res = _single_process("""
+import torch, rannc, zoo
+torch.set_num_threads(1)
+
+def planned(frozen, **options):
+    model, args, kwargs = zoo.make("gpt", batch=1)  # one row: no smaller micro-batches
+    for name, p in model.named_parameters():
+        p.requires_grad_(not (frozen and name.startswith("blocks.")))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    module = rannc.RaNNCModule(model, opt, num_stages=1, **options)
+    module(*args, **kwargs).backward()
+    opt.step(); opt.zero_grad()
+    return model, module, args, kwargs
+
+model, trained, _, _ = planned(False)
+blocks = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n.startswith("blocks."))
+model, frozen, args, kwargs = planned(True)
+st, sf = trained._deployed[True].deployment.stages[0], frozen._deployed[True].deployment.stages[0]
+assert st.param_bytes == sf.param_bytes, (st.param_bytes, sf.param_bytes)
+assert st.static_bytes - sf.static_bytes == 3 * blocks, (st.static_bytes, sf.static_bytes, blocks)
+assert sf.update_time < st.update_time, (sf.update_time, st.update_time)
+# a plan that fits the frozen model alone: unfreezing the blocks goes over it
+peak = frozen._deployed[True].engine.memory_fit.peak_bytes
+model, tight, args, kwargs = planned(True, device_memory=peak, memory_margin=0.0)
+assert tight._deployed[True].deployment.feasible
+for p in model.parameters():
+    p.requires_grad_(True)
+tight(*args, **kwargs).backward()
+print("thawed")
+""")
+    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
+    log = res.stdout + res.stderr
+    assert "thawed" in res.stdout, log[-3000:]
+    assert "with the parameters unfrozen since the plan (their gradients and optimizer state) stage 0" \
+        in log and "Wrap the model with every parameter it will train unfrozen" in log, log[-3000:]
+
+
 def test_one_rank_with_one_stage_takes_sequences_of_any_length():
     """[Note: new input shapes] in deployed.py: one rank running one stage in one micro-batch
     (the plan of a single GPU) trains sequences of other lengths than traced as PyTorch."""

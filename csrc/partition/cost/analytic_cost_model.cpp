@@ -159,7 +159,7 @@ AnalyticCostModel::AnalyticCostModel(const ir::Graph& graph, DeviceSpec device,
 // share] in stage/stage_cost.h).
 namespace {
 void weightPartWithoutGradInputs(PieceCost& c, bool grad_inputs) {
-  if (!grad_inputs && c.param_bytes > 0) c.weight_time = c.backward_time;
+  if (!grad_inputs && c.trainedBytes() > 0) c.weight_time = c.backward_time;
 }
 }  // namespace
 
@@ -187,6 +187,7 @@ bool AnalyticCostModel::computeCostDirect(const std::vector<ir::TaskId>& tasks, 
       const int64_t bytes = info.batch ? info.bytes * rows / g.batchSize() : info.bytes;
       if (info.role == ir::ValueRole::Param) {
         c.param_bytes += bytes;
+        if (!info.requires_grad) c.frozen_bytes += bytes;  // [Note: frozen parameters' memory]
       } else if (info.role == ir::ValueRole::Buffer) {
         c.buffer_bytes += bytes;
       } else if (info.role != ir::ValueRole::Constant) {
@@ -249,6 +250,7 @@ PieceCost AnalyticCostModel::computeCost(const ir::Subgraph& piece, int64_t rows
     const int64_t bytes = valueBytesAt(g, val, rows);
     if (val.role == ir::ValueRole::Param) {
       c.param_bytes += bytes;
+      if (!val.requires_grad) c.frozen_bytes += bytes;  // [Note: frozen parameters' memory]
     } else if (val.role == ir::ValueRole::Buffer) {
       c.buffer_bytes += bytes;
     } else if (val.role != ir::ValueRole::Constant) {

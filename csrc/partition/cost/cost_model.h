@@ -44,6 +44,14 @@ struct PieceCost {
   double weight_time = -1.0;
   int64_t activation_bytes = 0;  // kept from the forward for the backward (one micro-batch)
   int64_t param_bytes = 0;       // parameters read by the piece (each counted once)
+  // [Note: frozen parameters' memory] Of param_bytes, the parameters that do not require
+  // grad (a frozen backbone, a LoRA model's base): no gradient, no optimizer state, no
+  // all-reduce and no update. Before session 32 they were charged all four, so a LoRA
+  // model's plan reserved four times its base weights (fp32 Adam) and spread it over more
+  // stages than it needs. A parameter unfrozen after planning is checked when it trains
+  // (python/rannc/deployed.py, [Note: frozen parameters]).
+  int64_t frozen_bytes = 0;
+  int64_t trainedBytes() const { return param_bytes - frozen_bytes; }
   int64_t buffer_bytes = 0;      // buffers read by the piece
   int64_t input_bytes = 0;       // activations entering the piece (one micro-batch)
   int64_t output_bytes = 0;      // activations leaving the piece (one micro-batch)

@@ -11,7 +11,8 @@ namespace rannc::partition {
 // and `model_copies` copies of the parameters and buffers kept beside the model (an EMA,
 // a reference model: [Note: copies of a wrapped model] in python/rannc/copies.py).
 inline int64_t stateMemory(const PieceCost& cost, Optimizer optimizer, int model_copies = 0) {
-  return cost.param_bytes * (2 + optimizerStateFactor(optimizer) + model_copies) +
+  // the weights (and each copy's), then a gradient and the optimizer's state of the trained
+  return cost.param_bytes * (1 + model_copies) + cost.trainedBytes() * (1 + optimizerStateFactor(optimizer)) +
          cost.buffer_bytes * (1 + model_copies);
 }
 

@@ -62,15 +62,16 @@ StageEstimate estimateStage(const CostModel& costs, const PieceCost& cost, const
   e.forward_time = cost.forward_time;
   e.backward_time = cost.backward_time;
   e.weight_time = cost.weight_time >= 0.0 ? std::min(cost.weight_time, cost.backward_time)
-                  : cost.param_bytes > 0 ? kWeightGradientShare * cost.backward_time
+                  : cost.trainedBytes() > 0 ? kWeightGradientShare * cost.backward_time
                                          : 0.0;
   e.send_forward_time = last ? 0.0 : costs.commTime(cost.output_bytes, boundaryLink(slot.first_device + slot.devices));
   e.send_backward_time = first ? 0.0 : costs.commTime(cost.input_bytes, boundaryLink(slot.first_device));
   const int64_t lo = slot.first_device;
   const int64_t hi = static_cast<int64_t>(slot.pipelines - 1) * slot.pipeline_devices + slot.first_device + slot.devices - 1;
   const Link ring = node(lo) == node(hi) ? Link::IntraNode : Link::InterNode;
-  e.allreduce_time = costs.allReduceTime(cost.param_bytes, slot.devices * slot.pipelines, ring);
-  e.update_time = updateTime(costs, ctx, cost.param_bytes);
+  // frozen parameters are neither summed nor updated ([Note: frozen parameters' memory])
+  e.allreduce_time = costs.allReduceTime(cost.trainedBytes(), slot.devices * slot.pipelines, ring);
+  e.update_time = updateTime(costs, ctx, cost.trainedBytes());
 
   const int in_flight = maxInFlight(ctx.schedule, slot.index, slot.num_stages, slot.micro_batches);
   const int64_t plain = replicaMemory(cost, ctx.optimizer, in_flight, false, ctx.model_copies);

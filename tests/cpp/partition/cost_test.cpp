@@ -120,6 +120,41 @@ TEST(AReplicaMemory, AddsOptimizerStateAndInFlightActivations) {
   EXPECT_EQ(stateMemory(c, Optimizer::Sgd, 2), 400 + 15);
 }
 
+// [Note: frozen parameters' memory] A frozen parameter holds its weights only.
+TEST(AReplicaMemory, ChargesFrozenParametersTheirWeightsOnly) {
+  PieceCost c;
+  c.param_bytes = 100;
+  c.frozen_bytes = 60;  // a LoRA model's base: 40 bytes train
+  c.activation_bytes = 10;
+  EXPECT_EQ(stateMemory(c, Optimizer::Adam), 100 + 40 * 3);
+  EXPECT_EQ(replicaMemory(c, Optimizer::Sgd, 3, false), 100 + 40 + 30);
+  EXPECT_EQ(stateMemory(c, Optimizer::Adam, 1), 200 + 40 * 3);  // a copy holds weights
+  c.frozen_bytes = 100;
+  EXPECT_EQ(stateMemory(c, Optimizer::Adam), 100);
+}
+
+TEST(AnAnalyticCostModel, CountsTheFrozenParametersOfAPiece) {
+  ir::Graph g = uniformChain(4, 16);
+  AnalyticCostModel trained(g, DeviceSpec{});
+  std::vector<ir::TaskId> all;
+  for (ir::TaskId t = 0; t < static_cast<ir::TaskId>(g.numTasks()); ++t) all.push_back(t);
+  const PieceCost before = trained.cost(all, g.batchSize());
+  EXPECT_EQ(before.frozen_bytes, 0);
+  int64_t frozen = 0;
+  for (ir::ValueId v = 0; v < static_cast<ir::ValueId>(g.numValues()); ++v) {
+    if (g.value(v).role == ir::ValueRole::Param && frozen == 0) {
+      g.mutableValue(v).requires_grad = false;
+      frozen = g.value(v).bytes();
+    }
+  }
+  ASSERT_GT(frozen, 0);
+  AnalyticCostModel m(g, DeviceSpec{});
+  const PieceCost after = m.cost(all, g.batchSize());
+  EXPECT_EQ(after.param_bytes, before.param_bytes);
+  EXPECT_EQ(after.frozen_bytes, frozen);
+  EXPECT_EQ(after.trainedBytes(), before.param_bytes - frozen);
+}
+
 }  // namespace
 }  // namespace rannc::partition
 

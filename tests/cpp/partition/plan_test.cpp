@@ -333,6 +333,31 @@ TEST(ARebindDeployment, RunsThePlanOnTheSameProgramAtOtherShapes) {
   EXPECT_THROW(deserializeDeployment(serializeDeployment(r), planned), SerializationError);
 }
 
+// [Note: frozen parameters' memory] A plan made with frozen parameters charges them their
+// weights only; the same program with them unfrozen runs the plan, each stage holding a
+// gradient and the optimizer's state for what thawed.
+TEST(ARebindDeployment, ChargesParametersUnfrozenSinceThePlan) {
+  ir::Graph trained = uniformChain(8, 64);
+  ir::Graph frozen = trained;
+  for (ir::ValueId v = 0; v < static_cast<ir::ValueId>(frozen.numValues()); ++v) {
+    if (frozen.value(v).role == ir::ValueRole::Param) frozen.mutableValue(v).requires_grad = false;
+  }
+  AnalyticCostModel mt(trained, DeviceSpec{}), mf(frozen, DeviceSpec{});
+  Deployment dt = planChain(trained, mt), df = planChain(frozen, mf);
+  ASSERT_EQ(dt.numStages(), df.numStages());
+  Deployment thawed = rebindDeployment(df, frozen, trained);
+  const int factor = 1 + optimizerStateFactor(df.optimizer);
+  for (int s = 0; s < df.numStages(); ++s) {
+    const int64_t params = dt.stages[s].param_bytes;
+    ASSERT_GT(params, 0);
+    EXPECT_EQ(dt.stages[s].static_bytes - df.stages[s].static_bytes, params * factor) << s;
+    EXPECT_EQ(thawed.stages[s].static_bytes, dt.stages[s].static_bytes) << s;
+    EXPECT_EQ(df.stages[s].update_time, 0.0) << s;  // nothing to update
+  }
+  Deployment back = rebindDeployment(dt, trained, frozen);  // frozen again: given back
+  for (int s = 0; s < df.numStages(); ++s) EXPECT_EQ(back.stages[s].static_bytes, df.stages[s].static_bytes);
+}
+
 TEST(ARebindDeployment, NamesTheFirstOpThatDiffers) {
   ir::Graph planned = uniformChain(8, 64);
   AnalyticCostModel m(planned, DeviceSpec{});
