@@ -497,8 +497,11 @@ def _trace_once(model, state: ModelState, state_tensors: list, flat: FlatArgs, t
                                    tie_weights=True):
             args, kwargs = flat.rebuild(inputs[n_state:])
             out = model(*args, **kwargs)
-        leaves, spec = pytree.tree_flatten(out)
+        with_paths, spec = pytree.tree_flatten_with_path(out)
+        leaves = [x for _, x in with_paths]
         out_info["spec"], out_info["leaves"] = spec, leaves
+        out_info["paths"] = [".".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
+                                      for k in p) for p, _ in with_paths]
         return tuple(x for x in leaves if isinstance(x, torch.Tensor))
 
     example = tuple(_fresh_buffers(state, state_tensors)) + tuple(tensors)
@@ -529,10 +532,43 @@ def _trace_once(model, state: ModelState, state_tensors: list, flat: FlatArgs, t
     for w in caught:
         if issubclass(w.category, torch.jit.TracerWarning):
             tracer_notes.append(f"{w.filename}:{w.lineno}: {str(w.message).split('.')[0]}")
+    # [Note: outputs kept from tracing] What is kept of the run's outputs is their structure:
+    # a tensor becomes a meta tensor of its shape (each call returns the call's values in
+    # its place), and an output object that holds tensors (transformers' DynamicCache of
+    # past_key_values) becomes None. Kept as they were, they held the trace's autograd graph,
+    # every activation of the model on its device for as long as the module lived (a
+    # 1.3B-parameter GPT-2 at 256 tokens: 1.6 GiB per trace), and every call returned the
+    # same cache of the trace's stand-in values.
+    kept = []
+    for path, x in zip(out_info["paths"], out_info["leaves"]):
+        if isinstance(x, torch.Tensor):
+            kept.append(torch.empty_like(x, device="meta"))
+        elif _holds_tensors(x):
+            kept.append(None)
+            out_info.setdefault("dropped", []).append(f"{path or 'the output'} ({type(x).__name__})")
+        else:
+            kept.append(x)
+    out_info["leaves"] = kept
     graph = traced.graph
     torch._C._jit_pass_inline(graph)
     torch._C._jit_pass_lower_all_tuples(graph)
     return graph, example, out_info
+
+
+def _holds_tensors(x, depth: int = 4) -> bool:
+    """Whether the object `x` (not a tensor) reaches a tensor through its attributes,
+    lists, tuples and dicts within `depth` steps ([Note: outputs kept from tracing])."""
+    if isinstance(x, torch.Tensor):
+        return True
+    if depth == 0 or x is None or isinstance(x, (bool, int, float, complex, str, bytes, type)):
+        return False
+    if isinstance(x, dict):
+        items = list(x.values())
+    elif isinstance(x, (list, tuple, set, frozenset)):
+        items = list(x)
+    else:
+        items = list(getattr(x, "__dict__", {}).values())
+    return any(_holds_tensors(v, depth - 1) for v in items)
 
 
 def _user_frame(error: BaseException) -> str:
@@ -601,6 +637,11 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
             "rannc takes as the batch, and tracing with the batch in dimension 1 did not help: "
             "the model's layers from there on stay in one task (one stage). A model built "
             "with batch_first=True and fed [batch, sequence, ...] pipelines")
+    if out1.get("dropped"):  # [Note: outputs kept from tracing]
+        _C.log_info(f"the model's output {', '.join(out1['dropped'])} holds tensors that are not "
+                    "the model's outputs to rannc: each call returns None in its place "
+                    "(transformers models: pass use_cache=False, or set config.use_cache = False, "
+                    "not to compute a cache)")
     leaves = out1["leaves"]
     slots = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     return Trace(traced, state, state_tensors, home, flat, out1["spec"], leaves, slots, batch)
