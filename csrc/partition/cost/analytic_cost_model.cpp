@@ -136,6 +136,17 @@ AnalyticCostModel::AnalyticCostModel(const ir::Graph& graph, DeviceSpec device,
     };
     for (ir::ValueId v : t.inputs) addBytes(v);
     for (ir::ValueId v : t.outputs) addBytes(v);
+    bool params = false, trained = false, grad_inputs = false;
+    for (ir::ValueId v : t.inputs) {
+      const ir::Value& val = graph.value(v);
+      if (val.role == ir::ValueRole::Param) {
+        params = true;
+        trained = trained || val.requires_grad;
+      } else if (val.role != ir::ValueRole::Constant && val.role != ir::ValueRole::Buffer) {
+        grad_inputs = grad_inputs || val.requires_grad;
+      }
+    }
+    if (params && !trained) c.backward_factor = grad_inputs ? 1.0 : 0.0;
   }
   values_.resize(graph.numValues());
   for (const ir::Value& v : graph.values()) {
@@ -177,7 +188,7 @@ bool AnalyticCostModel::computeCostDirect(const std::vector<ir::TaskId>& tasks, 
   for (ir::TaskId t : tasks) {
     const double f = forwardTime(tasks_[t], scale);
     c.forward_time += f;
-    c.backward_time += 2.0 * f;
+    c.backward_time += tasks_[t].backward_factor * f;
     const ir::Task& task = g.task(t);
     for (ir::ValueId v : task.inputs) {
       const ValueInfo& info = values_[v];
@@ -236,7 +247,7 @@ PieceCost AnalyticCostModel::computeCost(const ir::Subgraph& piece, int64_t rows
   for (ir::TaskId t : piece.tasks) {
     const double f = forwardTime(tasks_[t], scale);
     c.forward_time += f;
-    c.backward_time += 2.0 * f;  // grads w.r.t. inputs and weights: two products per forward
+    c.backward_time += tasks_[t].backward_factor * f;  // grads w.r.t. inputs and weights
     if (pureConstant()[t] || tasks_[t].free) continue;  // recomputed from constants, never stashed
     for (ir::ValueId v : g.task(t).outputs) {
       const ir::Value& val = g.value(v);

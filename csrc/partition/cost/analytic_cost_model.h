@@ -31,6 +31,10 @@ class AnalyticCostModel : public CostModel {
     double batch_bytes = 0.0;  // bytes read and written that scale with rows (at traced size)
     double fixed_bytes = 0.0;  // bytes read and written that do not
     bool free = false;         // a view or size arithmetic: no time, nothing stashed
+    // backward time per forward time: the gradients of the inputs and of the weights, one
+    // product each; a task whose parameters are all frozen computes the first alone, or
+    // nothing where no other input takes a gradient ([Note: frozen parameters' memory])
+    double backward_factor = 2.0;
   };
   double forwardTime(const TaskCost& t, double scale) const;
 

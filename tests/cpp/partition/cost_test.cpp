@@ -153,6 +153,9 @@ TEST(AnAnalyticCostModel, CountsTheFrozenParametersOfAPiece) {
   EXPECT_EQ(after.param_bytes, before.param_bytes);
   EXPECT_EQ(after.frozen_bytes, frozen);
   EXPECT_EQ(after.trainedBytes(), before.param_bytes - frozen);
+  // the task of the frozen weight computes its input's gradient alone, or nothing
+  EXPECT_LT(after.backward_time, before.backward_time);
+  EXPECT_DOUBLE_EQ(after.forward_time, before.forward_time);
 }
 
 }  // namespace

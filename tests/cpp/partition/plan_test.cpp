@@ -344,18 +344,19 @@ TEST(ARebindDeployment, ChargesParametersUnfrozenSinceThePlan) {
   }
   AnalyticCostModel mt(trained, DeviceSpec{}), mf(frozen, DeviceSpec{});
   Deployment dt = planChain(trained, mt), df = planChain(frozen, mf);
-  ASSERT_EQ(dt.numStages(), df.numStages());
-  Deployment thawed = rebindDeployment(df, frozen, trained);
   const int factor = 1 + optimizerStateFactor(df.optimizer);
+  Deployment thawed = rebindDeployment(df, frozen, trained);
   for (int s = 0; s < df.numStages(); ++s) {
-    const int64_t params = dt.stages[s].param_bytes;
+    const int64_t params = df.stages[s].param_bytes;
     ASSERT_GT(params, 0);
-    EXPECT_EQ(dt.stages[s].static_bytes - df.stages[s].static_bytes, params * factor) << s;
-    EXPECT_EQ(thawed.stages[s].static_bytes, dt.stages[s].static_bytes) << s;
+    EXPECT_EQ(thawed.stages[s].static_bytes - df.stages[s].static_bytes, params * factor) << s;
     EXPECT_EQ(df.stages[s].update_time, 0.0) << s;  // nothing to update
+    EXPECT_GT(dt.stages[s].update_time, 0.0) << s;
   }
   Deployment back = rebindDeployment(dt, trained, frozen);  // frozen again: given back
-  for (int s = 0; s < df.numStages(); ++s) EXPECT_EQ(back.stages[s].static_bytes, df.stages[s].static_bytes);
+  for (int s = 0; s < dt.numStages(); ++s) {
+    EXPECT_EQ(dt.stages[s].static_bytes - back.stages[s].static_bytes, dt.stages[s].param_bytes * factor) << s;
+  }
 }
 
 TEST(ARebindDeployment, NamesTheFirstOpThatDiffers) {
