@@ -177,6 +177,9 @@ class RaNNCModule(torch.nn.Module):
         self._held_unsynced = False  # .grad holds shares that calls under no_sync() left
         registry.register(self)  # [Note: torch's clip_grad_norm_], [Note: agreed steps]
         self.gather_serial = handshake.register_source(self)  # [Note: gathers asked by some ranks]
+        # where the script imported transformers' Trainer: taught before a Trainer is made,
+        # which inspects its model at once ([Note: PEFT models in Trainer] in trainer_support.py)
+        trainer_support.prepare_trainer()
         # Callers that read the model's argument names from forward's signature (transformers'
         # Trainer drops the dataset's columns that forward does not name) see the model's.
         # torch.compile(RaNNCModule(...)): dynamo leaves the call to rannc's stages instead of

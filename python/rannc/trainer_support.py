@@ -46,7 +46,10 @@ def wrapped_peft_model(model):
 # PEFT model, which answers what Trainer then reads (peft_config, active_adapters,
 # get_base_model, base_model: the wrapped model's) and loads adapters itself (load_adapter).
 def prepare_trainer() -> None:
-    """Teach transformers' Trainer, once, about RaNNCModules (the two notes above)."""
+    """Teach transformers' Trainer, once, about RaNNCModules (the two notes above): when a
+    RaNNCModule is made, where the script has imported Trainer already, and when accelerate
+    prepares one (Trainer imported later), so that a Trainer made over a wrapped PEFT model
+    reads it as it reads a PeftModel from its construction on."""
     trainer = sys.modules.get("transformers.trainer")
     save = getattr(getattr(trainer, "Trainer", None), "_save", None)
     if save is None or getattr(save, "__rannc__", False):
