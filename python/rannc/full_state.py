@@ -33,8 +33,9 @@ def gather_state_dict(wrapped, *args, destination=None, prefix="", keep_vars=Fal
         return _untied(out) if untied else out
     comm, rank = _C.Communicator.world_cpu(), _C.get_rank()
     world = set(range(_C.get_world_size()))
-    wanted = None if only is None else {
-        id(v) for v in _only(placement.module_state_dict(keep_vars=True), only).values()}
+    out = _only(placement.module_state_dict(*args, destination=destination, prefix=prefix,
+                                            keep_vars=True), only, prefix)
+    wanted = None if only is None else {id(v) for v in out.values()}
     gathered = {}
     for i, (t, (owner, current)) in enumerate(zip(placement.tensors(), placement.sources())):
         if wanted is not None and id(t) not in wanted:
@@ -52,8 +53,6 @@ def gather_state_dict(wrapped, *args, destination=None, prefix="", keep_vars=Fal
             gathered[id(t)] = value
     if not keep:
         return None
-    out = _only(placement.module_state_dict(*args, destination=destination, prefix=prefix,
-                                            keep_vars=True), only, prefix)
     for k, v in out.items():
         if isinstance(v, torch.Tensor) and id(v) in gathered:
             out[k] = gathered[id(v)]

@@ -23,6 +23,15 @@ def wrapped_peft_model(model):
     return None
 
 
+def _required_peft_model(wrapped, what: str):
+    """The PEFT model `wrapped` wraps, or an AttributeError naming `what` needed it."""
+    peft_model = wrapped_peft_model(wrapped)
+    if peft_model is None:
+        raise AttributeError(f"{what}: the RaNNCModule wraps a {type(wrapped.module).__name__}, "
+                             "not a PEFT model")
+    return peft_model
+
+
 # [Note: Trainer's saved models] transformers' Trainer saves a model with save_pretrained only
 # where the model, or what accelerate's unwrap_model takes out of it (DDP, DataParallel,
 # DeepSpeed and FSDP, known by class), is a PreTrainedModel or a PEFT model; a RaNNCModule is
@@ -116,10 +125,7 @@ def adapter_names(peft_model, adapter_name: str) -> dict:
 def adapter_keys(wrapped) -> set[str]:
     """The names of every adapter's tensors in a RaNNCModule's PEFT model (what its
     save_pretrained saves), the same on every rank."""
-    peft_model = wrapped_peft_model(wrapped)
-    if peft_model is None:
-        raise AttributeError(f"the RaNNCModule wraps a {type(wrapped.module).__name__}, not a "
-                             "PEFT model: it has no adapters")
+    peft_model = _required_peft_model(wrapped, "adapters")
     return set().union(*(adapter_names(peft_model, a) for a in peft_model.peft_config))
 
 
@@ -134,10 +140,7 @@ def load_adapter(wrapped, model_id: str, adapter_name: str = "default", **kwargs
     plan was not made for), from `model_id` (a directory or a Hub id, as PEFT takes) into
     the ranks that keep them. Returns load_state_dict's missing and unexpected keys."""
     from peft.utils import load_peft_weights
-    peft_model = wrapped_peft_model(wrapped)
-    if peft_model is None:
-        raise AttributeError(f"load_adapter: the RaNNCModule wraps a {type(wrapped.module).__name__}, "
-                             "not a PEFT model")
+    peft_model = _required_peft_model(wrapped, "load_adapter")
     if adapter_name not in peft_model.peft_config:
         raise ValueError(
             f"load_adapter: the model has no adapter {adapter_name!r} (it has "
