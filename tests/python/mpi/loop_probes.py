@@ -164,12 +164,16 @@ def step_both(loss, ref_loss, opt, ref_opt):
         o.zero_grad()
 
 
-def same_stage_parameters(model, reference, rtol):
-    """The parameters of this rank's stages equal the reference's."""
+def same_stage_parameters(model, reference, rtol, atol=1e-5):
+    """The parameters of this rank's stages equal the reference's. The default atol is for
+    Adam at lr 1e-2: an element whose gradient is near zero takes a step of m / sqrt(v) that
+    turns summation-order differences (micro-batches, another CPU's vector width) into about
+    2e-6 after a few steps (CI, the unfreeze probe); a lost or doubled gradient moves a
+    parameter by about lr."""
     ref = dict(reference.named_parameters())
     for n, p in model.named_parameters():
         if p.numel():  # the others are freed on this rank
-            torch.testing.assert_close(p.detach().cpu(), ref[n].detach(), rtol=rtol, atol=1e-6,
+            torch.testing.assert_close(p.detach().cpu(), ref[n].detach(), rtol=rtol, atol=atol,
                                        msg=lambda m: f"{n}: {m}")
 
 
@@ -1073,7 +1077,7 @@ elif probe == "averaged_model":  # [Note: copies of a wrapped model] in copies.p
     loaded = copy.deepcopy(wrapped)
     loaded.load_checkpoint(directory)
     same_eval(loaded, ref_ema.module, "an average saved and loaded as a checkpoint")
-    same_stage_parameters(loaded.module, ref_ema.module, rtol=1e-6)
+    same_stage_parameters(loaded.module, ref_ema.module, rtol=1e-6, atol=1e-6)
     if rank == 0:
         shutil.rmtree(directory)
     print(f"OK rank {rank}", flush=True)
