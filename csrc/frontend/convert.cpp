@@ -15,6 +15,7 @@
 #include "frontend/dtypes.h"
 #include "frontend/interpreter.h"
 #include "frontend/masked_losses.h"
+#include "frontend/no_grad_regions.h"
 #include "frontend/scalar_updates.h"
 #include "ir/reduction.h"
 
@@ -1095,7 +1096,9 @@ void markGradientsAndLoss(ir::Graph& ir, const std::vector<at::Tensor>& inputs) 
   }
   for (ir::TaskId t : ir.topologicalOrder()) {
     bool grad = false;
-    for (ir::ValueId in : ir.task(t).inputs) grad = grad || ir.value(in).requires_grad;
+    if (ir.task(t).op != "aten::detach") {
+      for (ir::ValueId in : ir.task(t).inputs) grad = grad || ir.value(in).requires_grad;
+    }
     for (ir::ValueId out : ir.task(t).outputs) {
       ir::Value& v = ir.mutableValue(out);
       // Lists and tuples of tensors carry gradients to what is unpacked from them.
@@ -1131,6 +1134,9 @@ std::shared_ptr<TracedModel> buildTracedModel(
   // after the check, which compares the traces as the user's code made them
   if (int n = rewriteMaskedLosses(*first.graph)) {
     logDebug(std::to_string(n) + " loss(es) over the elements a boolean mask selects rewritten ([Note: masked losses])");
+  }
+  if (int n = detachNoGradInputs(first.graph)) {
+    logDebug(std::to_string(n) + " op(s) that ran without grad read detached inputs ([Note: no_grad in forward])");
   }
   if (int n = functionalScalarUpdates(first.graph)) {
     logDebug(std::to_string(n) + " in-place update(s) of a scalar made functional");

@@ -303,11 +303,12 @@ class Deployed:
         signature = repr([(n, tuple(full_shape(i, t)), str(t.dtype))
                           for i, (n, t) in enumerate(zip(self.graph._trace.state.names, state))])
         mine = torch.tensor([ir.content_hash() & 0x7FFFFFFFFFFFFFFF, self.graph.batch_size,
-                             zlib.crc32(signature.encode()), zlib.crc32(repr(self.shapes).encode())],
-                            dtype=torch.int64)
-        everyone = torch.empty(comm.size, 4, dtype=torch.int64)
+                             zlib.crc32(signature.encode()), zlib.crc32(repr(self.shapes).encode()),
+                             self.owner.held_bytes()], dtype=torch.int64)
+        everyone = torch.empty(comm.size, 5, dtype=torch.int64)
         comm.all_gather(mine, everyone).wait()
-        hashes, batches, models, arguments = (everyone[:, i].tolist() for i in range(4))
+        hashes, batches, models, arguments, held = (everyone[:, i].tolist() for i in range(5))
+        self.held_bytes = max(held)  # [Note: memory the programs before hold]
         if len(set(batches)) > 1:
             raise failure.agreed(f"local batches must have the same size on every rank; got "
                                  f"{dict(enumerate(batches))} (rank: rows)")
@@ -350,6 +351,22 @@ class Deployed:
         plain PyTorch instead of a profiling run."""
         return opts.cost_model == "profile" and opts.num_stages != 1 and world > 1
 
+    # [Note: memory the programs before hold] A program planned while others are deployed
+    # (an eval call after training, a training call with other arguments) shares the devices
+    # with their state: training's parameters, gradients and optimizer state stay through an
+    # evaluation. Each rank counts the bytes it holds on the stages' device (parameters,
+    # buffers, gradients, optimizer state; the first program counts none: what it does not
+    # use is freed after it deploys), and the plan gets what the fullest rank has left. It
+    # is conservative where the new program's stages reuse tensors the rank holds (their
+    # weights count twice), so that a plan never counts on memory another program has;
+    # before, an eval plan was given the whole device and could run a GPU out of memory at
+    # the first evaluation of a model whose training fills it.
+    def _programs_before(self) -> str:
+        modes = [("training" if m else "eval") for m in self.owner._deployed]
+        modes += [("training" if m else "eval") + " with other arguments"
+                  for m, _ in self.owner._deployed_by_arguments]
+        return ", ".join(f"{m} calls" for m in modes)
+
     def _make_plan(self, ir, world, opts):
         """Rank 0's plan; with the profiler and several ranks, the other ranks take part
         (profiling their share of the pieces) and get None."""
@@ -377,7 +394,13 @@ class Deployed:
                                         probe_bandwidth=opts.probe_bandwidth and not self.owner.nccl,
                                         cost_model="profile" if profiled else "analytic")
         device = _C.DeviceSpec()
-        device.memory_bytes = opts.device_memory or device_memory_default(self.owner.device)
+        whole = opts.device_memory or device_memory_default(self.owner.device)
+        device.memory_bytes = max(0, whole - self.held_bytes)
+        if self.held_bytes and _C.get_rank() == 0:
+            _C.log_info(f"planned within {format_bytes(device.memory_bytes)} per device: the "
+                        f"programs deployed before hold up to {format_bytes(self.held_bytes)} of "
+                        f"the {format_bytes(whole)} on a rank ([Note: memory the "
+                        "programs before hold] in deployed.py)")
         device.devices_per_node = max(1, _C.get_local_size())
         update_rate = None
         if profiled and training:
@@ -392,10 +415,16 @@ class Deployed:
             # CPU ranks: modest peak and bandwidth; only the ratios matter for the plan.
             device.peak_flops, device.memory_bandwidth = 50e9, 10e9
             device.intra_node_bandwidth = device.inter_node_bandwidth = 5e9
+        note = "" if not self.held_bytes else (
+            f"the programs deployed before, {self._programs_before()}, hold up to "
+            f"{format_bytes(self.held_bytes)} of the {format_bytes(whole)} per device in "
+            "parameters, buffers, gradients and optimizer state, which stay through this call: "
+            "use more devices, a smaller batch for this call, or set device_memory if the "
+            "devices have more; [Note: memory the programs before hold] in deployed.py")
         deployment = planning.plan_graph(
             self.graph, self.example_inputs, plan_opts, world_size=world, device=device,
             optimizer=optimizer, broadcast=False, profile_cache=self.owner.profile_cache,
-            times=self.times, update_seconds_per_byte=update_rate)
+            times=self.times, update_seconds_per_byte=update_rate, memory_note=note)
         if profiled and opts.profile_cache and _C.get_rank() == 0:
             self.owner.profile_cache.save(opts.profile_cache)
         return deployment

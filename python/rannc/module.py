@@ -388,6 +388,29 @@ class RaNNCModule(torch.nn.Module):
         collective, [Note: new input shapes])."""
         return self._deploy(self.module.training, args, kwargs, deployed.amp, plan_from=deployed)
 
+    def held_bytes(self) -> int:
+        """Bytes this rank holds on the stages' device for the programs deployed so far:
+        parameters, buffers, gradients and optimizer state, each storage once ([Note: memory
+        the programs before hold] in deployed.py). 0 before the first program deploys."""
+        if not (self._deployed or self._deployed_by_arguments):
+            return 0
+        storages = {}
+
+        def hold(t):
+            if isinstance(t, torch.Tensor) and t.device.type == self.device.type:
+                storage = t.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+
+        for t in itertools.chain(self.module.parameters(), self.module.buffers()):
+            hold(t)
+            hold(t.grad)
+        for optimizer in self.optimizer_share.optimizers:
+            for state in optimizer.state.values():
+                for value in state.values():
+                    hold(value)
+        storages.pop(0, None)  # empty storages (freed tensors)
+        return sum(storages.values())
+
     @property
     def deployments(self) -> dict:
         """The plans this rank runs, by mode: {"train": Deployment, "eval": Deployment}, each

@@ -261,17 +261,30 @@ def probe_bandwidth(fallback_inter: float) -> dict:
 
 def plan_graph(graph: TracedGraph, flat_inputs: list, opts: Options, *, world_size: int, device,
                optimizer: str = "adam", profile_cache=None, broadcast: bool = True,
-               times: PlanTimes | None = None, update_seconds_per_byte: float | None = None):
+               times: PlanTimes | None = None, update_seconds_per_byte: float | None = None,
+               memory_note: str = ""):
     """Plans an already traced graph with `opts` (Options). With opts.cost_model "profile"
     and several MPI ranks this is collective: rank 0 plans while the others profile their
     share; with `broadcast` every rank gets rank 0's Deployment, else the others get None.
-    `times` (PlanTimes) gets the seconds spent profiling and searching added."""
+    `times` (PlanTimes) gets the seconds spent profiling and searching added.
+    `memory_note`: why the device's memory is what it is, for the error when no plan fits."""
     start = time.perf_counter()
     times = times if times is not None else PlanTimes()
     popts = opts.planner_options(world_size, opts.batch_size or graph.batch_size * int(world_size),
                                  optimizer, update_seconds_per_byte)
+
+    def explained(e: Exception) -> Exception:
+        if not (memory_note and isinstance(e, _C.InfeasiblePlanError)):
+            return e
+        why = _C.InfeasiblePlanError(f"{e} ({memory_note})")
+        why.bytes_needed = getattr(e, "bytes_needed", 0)
+        return why
+
     if opts.cost_model == "analytic":
-        deployment = _C.plan_analytic(graph.ir, device, popts)
+        try:
+            deployment = _C.plan_analytic(graph.ir, device, popts)
+        except _C.InfeasiblePlanError as e:
+            raise explained(e) from e
         times.search += time.perf_counter() - start
         return deployment
     if opts.probe_bandwidth:
@@ -292,12 +305,20 @@ def plan_graph(graph: TracedGraph, flat_inputs: list, opts: Options, *, world_si
             parallel=parallel, progress=_Progress(bool(progress)), compose=opts.compose_costs,
             fit_tolerance=opts.profile_fit_tolerance, stats=stats)
     except Exception as e:
-        if parallel and _C.get_rank() == 0:  # the others are in collectives with rank 0
-            _C.report_failure(f"rank 0 could not plan: {type(e).__name__}: {e}")
-        raise
+        error = explained(e)
+        if not isinstance(error, _C.InfeasiblePlanError):
+            if parallel and _C.get_rank() == 0:  # the others are in collectives with rank 0
+                _C.report_failure(f"rank 0 could not plan: {type(error).__name__}: {error}")
+            raise
+        if not (parallel and broadcast):
+            raise error from e  # the caller's broadcast_plan tells every rank
+        deployment = error
     if parallel and broadcast:
-        planned = deployment
-        deployment = broadcast_plan(lambda: planned, graph.ir, popts.batch_size, popts.world_size)
+        def planned():
+            if isinstance(deployment, Exception):
+                raise deployment
+            return deployment
+        deployment = broadcast_plan(planned, graph.ir, popts.batch_size, popts.world_size)
     measuring = float(stats.get("measuring_seconds", 0.0))
     times.profiling += measuring
     times.search += max(0.0, time.perf_counter() - start - measuring)
@@ -316,19 +337,30 @@ def broadcast_plan(make, ir, batch_size: int = 0, world_size: int = 0):
     here, or in a profiling collective with rank 0. `batch_size`/`world_size` > 0: what
     the plan must be for (checked on every rank)."""
     comm = _C.Communicator.world_cpu()
-    data = b""
+    data, infeasible, needed = b"", 0, 0
     if _C.get_rank() == 0:
         try:
             data = make().to_bytes()
+        except _C.InfeasiblePlanError as e:
+            # No plan fits: the same on any rank, and rank 0 is well, so every rank raises
+            # it and the job may go on (evaluate with a smaller batch, save a checkpoint).
+            data, infeasible, needed = str(e).encode(), 1, int(getattr(e, "bytes_needed", 0) or 0)
         except Exception as e:
             _C.report_failure(f"rank 0 could not plan: {type(e).__name__}: {e}")
             raise
-    size = torch.tensor([len(data)], dtype=torch.int64)
-    comm.broadcast(size, 0).wait()
+    header = torch.tensor([len(data), infeasible, needed], dtype=torch.int64)
+    comm.broadcast(header, 0).wait()
+    size, infeasible, needed = header.tolist()
     buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if _C.get_rank() == 0
-           else torch.empty(int(size.item()), dtype=torch.uint8))
+           else torch.empty(size, dtype=torch.uint8))
     comm.broadcast(buf, 0).wait()
-    return _C.deployment_from_bytes(bytes(buf.numpy().tobytes()), ir, "the plan from rank 0",
+    data = bytes(buf.numpy().tobytes())
+    if infeasible:
+        error = _C.InfeasiblePlanError(data.decode())
+        error.bytes_needed = needed
+        error.on_every_rank = True  # failure.agreed: nobody waits, nothing to tell
+        raise error
+    return _C.deployment_from_bytes(data, ir, "the plan from rank 0",
                                     batch_size=batch_size, world_size=world_size)
 
 

@@ -100,6 +100,11 @@ behaviour and prints "OK rank r", or fails the way the test expects.
                                        as under DDP): it trains (it was cut out of the
                                        optimizer), state_dict() holds its state, and
                                        save_checkpoint works, warning that it is not saved
+    loop_probes.py eval_memory         an eval call after training is planned within what
+                                       training's state leaves of each device ([Note: memory
+                                       the programs before hold] in deployed.py); where no
+                                       plan fits there, every rank raises an error naming the
+                                       memory held, and training goes on
     loop_probes.py save_pretrained     transformers' model.save_pretrained(dir) on the wrapper,
                                        on every rank and on rank 0 alone: config.json and the
                                        whole trained weights, which from_pretrained loads
@@ -996,6 +1001,63 @@ elif probe == "forward_hook":  # [Note: hooks] in _trace.py
         torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
         step_both(loss, ref_loss, opt, ref_opt)
         same_stage_parameters(model, reference, rtol=1e-4)
+    print(f"OK rank {rank}", flush=True)
+elif probe == "eval_memory":  # [Note: memory the programs before hold] in deployed.py
+    from rannc.transport import all_gather_objects
+    model, args, _ = zoo.make("gpt", batch=4, seed=0)
+    zoo.no_dropout(model)
+    reference = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-5)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, eps=1e-5)
+    limit = 64 << 20
+    wrapped = rannc.RaNNCModule(model, opt, num_stages=2, device_memory=limit)
+    loss, ref_loss = wrapped(*args), reference(*args)
+    step_both(loss, ref_loss, opt, ref_opt)
+    # this rank's stage: its weights and AdamW's two moments (the gradients were set to
+    # None), its step counters and the buffers
+    own = sum(p.numel() * p.element_size() for p in model.parameters())
+    held = wrapped.held_bytes()
+    extra = sum(b.numel() * b.element_size() for b in model.buffers()) + 64 * len(opt.state)
+    assert 3 * own <= held <= 3 * own + extra, f"rank {rank}: held {held}, weights {own}"
+    most = max(all_gather_objects(held))
+    wrapped.eval()
+    reference.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(wrapped(*args), reference(*args), rtol=1e-5, atol=1e-6)
+    limits = {m: d.memory_limit for m, d in wrapped.deployments.items()}
+    assert limits["train"] == int(limit * 0.9), limits
+    assert abs(limits["eval"] - int((limit - most) * 0.9)) <= 1, (limits, most)
+    assert all(s.memory_bytes <= limits["eval"] for s in wrapped.deployments["eval"].stages)
+    # a rank that holds nearly the whole device: no eval plan fits, every rank says why
+    model2, _, _ = zoo.make("gpt", batch=4, seed=0)
+    zoo.no_dropout(model2)
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2, eps=1e-5)
+    wrapped2 = rannc.RaNNCModule(model2, opt2, num_stages=2, device_memory=limit)
+    train(wrapped2, opt2, args)
+    if rank == 1:
+        wrapped2.held_bytes = lambda: limit - 4096
+    wrapped2.eval()
+    try:
+        with torch.no_grad():
+            wrapped2(*args)
+        raise AssertionError(f"rank {rank}: an eval plan fit in 4 KiB")
+    except rannc.InfeasiblePlanError as e:
+        assert "programs deployed before, training calls, hold up to 64.0 MiB" in str(e), \
+            f"rank {rank}: {e}"
+        assert e.bytes_needed > 0, f"rank {rank}: {e.bytes_needed}"
+    # training goes on, equal to PyTorch
+    wrapped2.train()
+    train(wrapped2, opt2, args)
+    wrapped.train()
+    reference.train()
+    for step in range(2):
+        loss, ref_loss = wrapped(*args), reference(*args)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        step_both(loss, ref_loss, opt, ref_opt)
+    # (a rank's copy of a weight that only its eval stage uses is stale until the next eval)
+    for name, value in wrapped.state_dict().items():
+        torch.testing.assert_close(value, reference.state_dict()[name], rtol=1e-4, atol=1e-5,
+                                   msg=lambda m: f"rank {rank}: {name}: {m}")
     print(f"OK rank {rank}", flush=True)
 elif probe == "unfreeze":  # [Note: frozen parameters] in deployed.py
     model, args, _ = zoo.make("gpt", batch=4, seed=0)
