@@ -687,8 +687,17 @@ StepOutputs PipelineEngine::execute(const StepProgram& program,
         outputs_.clear();  // those no send took (the last stage's): not past the step
         if (has_backward) {
           step_grads_.clear();
-          for (const auto& [v, t] : own_) step_grads_[v] = t.grad().defined() ? t.grad() : at::zeros_like(t);
+          std::vector<ir::ValueId> reached_by_none;
+          for (const auto& [v, t] : own_) {
+            if (!t.grad().defined()) reached_by_none.push_back(v);
+            step_grads_[v] = t.grad().defined() ? t.grad() : at::zeros_like(t);
+          }
           if (grad_sync_) buckets_->finish(step_grads_);
+          // A parameter no gradient reached (read through a detach only: a teacher under
+          // torch.no_grad(), [Note: no_grad in forward]) keeps .grad None, as in PyTorch, so
+          // that AdamW does not decay it. Its replicas agree (one graph): the zeros their
+          // buckets summed say nothing.
+          for (ir::ValueId v : reached_by_none) step_grads_[v] = at::Tensor();
         }
         times_.wait += since(t0);
         break;
@@ -788,11 +797,8 @@ void PipelineEngine::syncHeldGrads() {
   buckets_->finish(sums);  // every bucket, from .grad (zeros where undefined)
   for (const auto& [v, sum] : sums) {
     at::Tensor& grad = own_.at(v).mutable_grad();
-    if (grad.defined()) {
-      grad.copy_(sum);
-    } else {
-      grad = sum.clone();
-    }
+    // undefined: no gradient reached it on any replica (one graph), so it stays None
+    if (grad.defined()) grad.copy_(sum);
   }
 }
 

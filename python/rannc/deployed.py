@@ -697,8 +697,9 @@ class Deployed:
             rest = step_grads.without(hooked)
             self.engine.apply_step_grads(rest, None if unit else scale)
             for i in hooked:
-                _accumulate_with_hooks(self.own_params[i], step_grads[i] if unit
-                                       else step_grads[i] * scale)
+                if step_grads[i] is not None:  # None: no gradient reached it
+                    _accumulate_with_hooks(self.own_params[i], step_grads[i] if unit
+                                           else step_grads[i] * scale)
         else:
             self.engine.apply_step_grads(step_grads, None if unit else scale)
 

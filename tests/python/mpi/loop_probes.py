@@ -105,6 +105,12 @@ behaviour and prints "OK rank r", or fails the way the test expects.
                                        the programs before hold] in deployed.py); where no
                                        plan fits there, every rank raises an error naming the
                                        memory held, and training goes on
+    loop_probes.py no_grad_forward     torch.no_grad() inside forward: a teacher evaluated
+                                       under it gets no gradient and AdamW leaves it alone,
+                                       and a buffer updated under it (DINO's center) holds
+                                       no autograd history; equal to PyTorch on 2 stages
+                                       ([Note: no_grad in forward] in
+                                       csrc/frontend/no_grad_regions.h)
     loop_probes.py save_pretrained     transformers' model.save_pretrained(dir) on the wrapper,
                                        on every rank and on rank 0 alone: config.json and the
                                        whole trained weights, which from_pretrained loads
@@ -1001,6 +1007,46 @@ elif probe == "forward_hook":  # [Note: hooks] in _trace.py
         torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
         step_both(loss, ref_loss, opt, ref_opt)
         same_stage_parameters(model, reference, rtol=1e-4)
+    print(f"OK rank {rank}", flush=True)
+elif probe == "no_grad_forward":  # [Note: no_grad in forward] in csrc/frontend/no_grad_regions.h
+    import torch.nn.functional as F
+    class Distilled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.student = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+            self.teacher = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+            self.register_buffer("center", torch.zeros(8))
+
+        def forward(self, x):
+            with torch.no_grad():
+                target = self.teacher(x)
+            h = self.student(x)
+            if self.training:
+                with torch.no_grad():
+                    self.center.mul_(0.9).add_(h.mean(0), alpha=0.1)
+            return F.mse_loss(h - self.center, target)
+
+    torch.manual_seed(0)
+    model = Distilled()
+    reference = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    # one micro-batch: the center's update sees the whole batch, as in PyTorch
+    wrapped = rannc.RaNNCModule(model, opt, num_stages=2, num_microbatches=1)
+    for step in range(4):
+        x = torch.randn(8, 8, generator=torch.Generator().manual_seed(step))
+        loss, ref_loss = wrapped(x[4 * rank:4 * rank + 4]), reference(x)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        loss.backward()
+        ref_loss.backward()
+        for p in model.teacher.parameters():
+            assert p.grad is None, f"rank {rank}: the teacher got a gradient"
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    for name, value in wrapped.state_dict().items():
+        torch.testing.assert_close(value, reference.state_dict()[name], rtol=1e-4, atol=1e-5,
+                                   msg=lambda m: f"rank {rank}: {name}: {m}")
     print(f"OK rank {rank}", flush=True)
 elif probe == "eval_memory":  # [Note: memory the programs before hold] in deployed.py
     from rannc.transport import all_gather_objects
