@@ -10,7 +10,6 @@ from ._C import (  # noqa: F401
     InvalidGraphError,
     SerializationError,
     TraceError,
-    barrier,
     get_local_rank,
     get_rank,
     get_world_size,
@@ -19,6 +18,7 @@ from ._C import (  # noqa: F401
 from . import amp, clipping, failure, optimizer_share
 from .amp import GradScaler  # noqa: F401
 from .empty_weights import empty_weights  # noqa: F401
+from .handshake import barrier  # noqa: F401
 from .graph import SplitGraph, TracedGraph, load_ir, trace  # noqa: F401
 from .module import RaNNCModule  # noqa: F401
 from .options import Options, option_docs  # noqa: F401

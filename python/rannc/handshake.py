@@ -47,7 +47,7 @@ from . import _C, failure
 NAMES = ("a training call", "an eval call", "a copy's call", "state_dict()", "load_state_dict()",
          "optimizer_state_dict()", "load_optimizer_state_dict()", "save_checkpoint()",
          "load_checkpoint()", "clip_grad_norm", "GradScaler.unscale_()", "generate()",
-         "the end of the script")
+         "the end of the script", "rannc.barrier()")
 # torch.distributed's collectives on the world, which agree with rannc's once a RaNNCModule
 # exists ([Note: torch.distributed agrees with rannc] in process_group.py)
 TORCH_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object",
@@ -87,6 +87,17 @@ def enter(what: str) -> None:
     """Every rank is in `what` (a collective), or every rank raises saying who is where."""
     if active():
         exchange(what, torch.zeros(0, dtype=torch.float64))
+
+
+def barrier() -> None:
+    """Blocks until every rank calls it (rannc.barrier). Once a RaNNCModule exists it is a
+    named collective: it serves a gather that ranks ask alone (DDP's `if rank == 0:
+    torch.save(model.state_dict(), p)` then a barrier; before, MPI_ERR_TRUNCATE), and
+    where a rank is in another collective, every rank raises naming where each is."""
+    if active() and sources_made():
+        enter("rannc.barrier()")  # an all-gather: no rank leaves before all came
+    else:
+        _C.barrier()
 
 
 def sources_made() -> bool:

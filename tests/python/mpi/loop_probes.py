@@ -537,6 +537,16 @@ elif probe == "rank0_only":
     saved_ref = copy.deepcopy({"model": reference.state_dict(), "optimizer": ref_opt.state_dict()})
     step_both(wrapped(*args), reference(*args), opt, ref_opt)
     saved = torch.load(path)  # written: rank 0 saved before this call of every rank
+    # the same with a barrier after the save, which serves the gathers (was MPI_ERR_TRUNCATE)
+    if rank == 0:
+        torch.save({"model": wrapped.state_dict()}, path + ".2")
+    rannc.barrier()
+    for k, v in torch.load(path + ".2")["model"].items():
+        torch.testing.assert_close(v, reference.state_dict()[k], rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"rank {rank}: {k} saved before a barrier: {m}")
+    rannc.barrier()
+    if rank == 0:
+        os.remove(path + ".2")
     for k, v in saved_ref["model"].items():
         torch.testing.assert_close(saved["model"][k], v, rtol=1e-5, atol=1e-6,
                                    msg=lambda m: f"{k}: {m}")
@@ -564,6 +574,11 @@ elif probe == "rank0_only":
     said = ("save_checkpoint() on rank 0; a training call on rank 1", "call it on every rank")
     if rank == 0:
         expect_error(lambda: wrapped.save_checkpoint(tempfile.mkdtemp()), *said)
+    else:
+        expect_error(lambda: wrapped(*args), *said)
+    said = ("rannc.barrier() on rank 0; a training call on rank 1", "the same calls")
+    if rank == 0:
+        expect_error(rannc.barrier, *said)
     else:
         expect_error(lambda: wrapped(*args), *said)
     said = ("an eval call on rank 0; a training call on rank 1", "evaluate on every rank")
