@@ -15,7 +15,6 @@
 #include "frontend/dtypes.h"
 #include "frontend/interpreter.h"
 #include "frontend/masked_losses.h"
-#include "frontend/no_grad_regions.h"
 #include "frontend/scalar_updates.h"
 #include "ir/reduction.h"
 
@@ -1134,9 +1133,6 @@ std::shared_ptr<TracedModel> buildTracedModel(
   // after the check, which compares the traces as the user's code made them
   if (int n = rewriteMaskedLosses(*first.graph)) {
     logDebug(std::to_string(n) + " loss(es) over the elements a boolean mask selects rewritten ([Note: masked losses])");
-  }
-  if (int n = detachNoGradInputs(first.graph)) {
-    logDebug(std::to_string(n) + " op(s) that ran without grad read detached inputs ([Note: no_grad in forward])");
   }
   if (int n = functionalScalarUpdates(first.graph)) {
     logDebug(std::to_string(n) + " in-place update(s) of a scalar made functional");

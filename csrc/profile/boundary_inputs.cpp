@@ -52,9 +52,10 @@ class KeepCpuRng {
 // except the model's own arguments, whose tensors usually do not (an image's gradient
 // would cost a whole backward-data convolution that training never runs).
 // Whether a floating boundary value is made a leaf that requires grad: where the stage's
-// would. A value without gradient (a mask, a detached teacher's output, [Note: no_grad in
-// forward]) given one timed a backward that never runs, and a buffer updated in place from
-// it (an EMA) took autograd history that the piece's next run backpropagated again.
+// would. A value without gradient (a mask, a detached teacher's output: [Note: no_grad
+// in forward] in _trace.py) given one timed a backward that never runs, and a buffer
+// updated in place from it (an EMA) took autograd history that the piece's next run
+// backpropagated again.
 bool leafNeedsGrad(const ir::Value& v) { return v.requires_grad && v.role != ir::ValueRole::Input; }
 
 }  // namespace

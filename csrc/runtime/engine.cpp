@@ -694,8 +694,8 @@ StepOutputs PipelineEngine::execute(const StepProgram& program,
           }
           if (grad_sync_) buckets_->finish(step_grads_);
           // A parameter no gradient reached (read through a detach only: a teacher under
-          // torch.no_grad(), [Note: no_grad in forward]) keeps .grad None, as in PyTorch, so
-          // that AdamW does not decay it. Its replicas agree (one graph): the zeros their
+          // torch.no_grad(), [Note: no_grad in forward] in python/rannc/_trace.py) keeps
+          // .grad None, as in PyTorch, so that AdamW does not decay it. Its replicas agree (one graph): the zeros their
           // buckets summed say nothing.
           for (ir::ValueId v : reached_by_none) step_grads_[v] = at::Tensor();
         }

@@ -372,6 +372,37 @@ class _RefuseTensorHooks(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+# [Note: no_grad in forward] A teacher evaluated inside the model (distillation, BYOL, mean
+# teacher: `with torch.no_grad(): t = self.teacher(x)`) or a buffer updated in forward
+# (DINO's center, a VQ-VAE's EMA codebook: `with torch.no_grad():
+# self.center.mul_(0.9).add_(h.mean(0), alpha=0.1)`) relies on grad mode, which a trace
+# does not record (nor, reliably, what each value's requires_grad was: a convolution's
+# output is typed requires_grad=0 in grad mode too). The stages run in grad mode, so the
+# teacher trained and the buffer took autograd history ("backward through the graph a
+# second time" at the next step). While a training call is traced, an op called with grad
+# disabled reads its inputs that require grad through detach(), recorded in the trace:
+# the same values, and the same autograd behaviour as when it ran, in place (the buffer's
+# add_) as out of place. A parameter that only such ops read gets no gradient, and its
+# .grad stays None as in PyTorch (so AdamW does not decay it; csrc/runtime/engine.cpp).
+_KEEP_ATTACHED = {torch.Tensor.requires_grad_, torch.Tensor.detach, torch.Tensor.detach_,
+                  torch.Tensor.retain_grad, torch.Tensor.register_hook,
+                  torch.Tensor.register_post_accumulate_grad_hook}
+
+
+class _DetachUnderNoGrad(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if (torch.is_grad_enabled() or func in _KEEP_ATTACHED
+                or getattr(func, "__name__", "") == "__get__"):  # attributes: as they are
+            return func(*args, **kwargs)
+
+        def detached(x):
+            return x.detach() if isinstance(x, torch.Tensor) and x.requires_grad else x
+
+        args, kwargs = pytree.tree_map(detached, (args, kwargs))
+        return func(*args, **kwargs)
+
+
 def module_hooks(model: torch.nn.Module, backward: bool) -> list[str]:
     """The names of `model`'s modules with forward hooks or pre-hooks (`backward`: backward
     hooks or pre-hooks), "every module" for hooks registered on all modules."""
@@ -512,7 +543,8 @@ def _trace_once(model, state: ModelState, state_tensors: list, flat: FlatArgs, t
             warnings.simplefilter("always", torch.jit.TracerWarning)
             warnings.filterwarnings("ignore", message=".*torch.jit.trace. is deprecated")
             with (_WatchRandomDecisions() if watch_random else contextlib.nullcontext(),
-                  _RefuseTensorHooks(), traceable_parts(model)):
+                  _RefuseTensorHooks(), traceable_parts(model),
+                  _DetachUnderNoGrad() if torch.is_grad_enabled() else contextlib.nullcontext()):
                 traced = torch.jit.trace(fn, example, check_trace=False, strict=False)
     except _RandomDecision as e:
         raise TraceError(

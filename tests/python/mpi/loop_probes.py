@@ -109,8 +109,7 @@ behaviour and prints "OK rank r", or fails the way the test expects.
                                        under it gets no gradient and AdamW leaves it alone,
                                        and a buffer updated under it (DINO's center) holds
                                        no autograd history; equal to PyTorch on 2 stages
-                                       ([Note: no_grad in forward] in
-                                       csrc/frontend/no_grad_regions.h)
+                                       ([Note: no_grad in forward] in _trace.py)
     loop_probes.py save_pretrained     transformers' model.save_pretrained(dir) on the wrapper,
                                        on every rank and on rank 0 alone: config.json and the
                                        whole trained weights, which from_pretrained loads
@@ -1023,7 +1022,7 @@ elif probe == "forward_hook":  # [Note: hooks] in _trace.py
         step_both(loss, ref_loss, opt, ref_opt)
         same_stage_parameters(model, reference, rtol=1e-4)
     print(f"OK rank {rank}", flush=True)
-elif probe == "no_grad_forward":  # [Note: no_grad in forward] in csrc/frontend/no_grad_regions.h
+elif probe == "no_grad_forward":  # [Note: no_grad in forward] in _trace.py
     import torch.nn.functional as F
     class Distilled(nn.Module):
         def __init__(self):
