@@ -230,6 +230,11 @@ class RaNNCModule(torch.nn.Module):
         arguments = None  # other arguments than the mode's first call ([Note: other arguments])
         if deployed is not None and not deployed.graph.takes(args, kwargs):
             arguments = TracedGraph.arguments_of(args, kwargs)
+        modes = tuple(m.training for m in self.module.modules())
+        if deployed is not None and modes != deployed.modes:
+            # [Note: modules' modes] in deployed.py: another program, as other arguments are
+            arguments = (arguments, "modules' modes", modes)
+        if arguments is not None:
             deployed = self._deployed_by_arguments.get((mode, arguments))
             # the collective names the program, so that ranks passing other arguments than
             # each other raise together instead of meeting in different programs
@@ -321,9 +326,13 @@ class RaNNCModule(torch.nn.Module):
                 "planned on its own. Pass a number that changes between calls as a tensor "
                 "(torch.tensor(value)), or keep the arguments' structure and constants fixed")
         if _C.get_rank() == 0:
-            _C.log_info(f"{'a training' if mode else 'an eval'} call with other arguments than "
-                        f"the first ({differs()}): traced and planned as another program "
-                        f"({programs + 1} so far; [Note: other arguments] in module.py)")
+            base = self._deployed[mode]
+            changed = (f"with {base._modes_changed(arguments[2])}"
+                       if len(arguments) == 3 and arguments[1] == "modules' modes"
+                       else f"with other arguments than the first ({differs()})")
+            _C.log_info(f"{'a training' if mode else 'an eval'} call {changed}: traced and "
+                        f"planned as another program ({programs + 1} so far; [Note: other "
+                        "arguments] in module.py)")
 
     # ---- deployment ([Note: freed state] in placement.py) ------------------------------------
     def _precision(self):

@@ -110,6 +110,10 @@ behaviour and prints "OK rank r", or fails the way the test expects.
                                        and a buffer updated under it (DINO's center) holds
                                        no autograd history; equal to PyTorch on 2 stages
                                        ([Note: no_grad in forward] in _trace.py)
+    loop_probes.py module_modes        batch norm put in eval() after the first training call
+                                       (its statistics frozen for fine-tuning): the next calls
+                                       trace again and train equal to PyTorch ([Note: modules'
+                                       modes] in deployed.py; the change was ignored)
     loop_probes.py save_pretrained     transformers' model.save_pretrained(dir) on the wrapper,
                                        on every rank and on rank 0 alone: config.json and the
                                        whole trained weights, which from_pretrained loads
@@ -1060,6 +1064,29 @@ elif probe == "no_grad_forward":  # [Note: no_grad in forward] in _trace.py
             o.zero_grad()
     for name, value in wrapped.state_dict().items():
         torch.testing.assert_close(value, reference.state_dict()[name], rtol=1e-4, atol=1e-5,
+                                   msg=lambda m: f"rank {rank}: {name}: {m}")
+    print(f"OK rank {rank}", flush=True)
+elif probe == "module_modes":  # [Note: modules' modes] in deployed.py
+    model, args, _ = zoo.make("resnet", batch=4, seed=0)
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    # one micro-batch per stage: batch norm's statistics see the whole batch, as in PyTorch
+    wrapped = rannc.RaNNCModule(model, opt, num_stages=2, num_microbatches=1)
+    _, whole, _ = zoo.make("resnet", batch=8, seed=1)
+    mine = tuple(t[4 * rank:4 * rank + 4] for t in whole)
+    for step in range(3):
+        if step == 1:  # freeze batch norm's statistics
+            for m in (model, reference):
+                for bn in m.modules():
+                    if isinstance(bn, nn.BatchNorm2d):
+                        bn.eval()
+        loss, ref_loss = wrapped(*mine), reference(*whole)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"rank {rank}: step {step}: {m}")
+        step_both(loss, ref_loss, opt, ref_opt)
+    for name, value in wrapped.state_dict().items():
+        torch.testing.assert_close(value, reference.state_dict()[name], rtol=1e-5, atol=1e-6,
                                    msg=lambda m: f"rank {rank}: {name}: {m}")
     print(f"OK rank {rank}", flush=True)
 elif probe == "eval_memory":  # [Note: memory the programs before hold] in deployed.py
