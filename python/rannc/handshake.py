@@ -89,15 +89,16 @@ def enter(what: str) -> None:
         exchange(what, torch.zeros(0, dtype=torch.float64))
 
 
-def barrier() -> None:
-    """Blocks until every rank calls it (rannc.barrier). Once a RaNNCModule exists it is a
-    named collective: it serves a gather that ranks ask alone (DDP's `if rank == 0:
-    torch.save(model.state_dict(), p)` then a barrier; before, MPI_ERR_TRUNCATE), and
-    where a rank is in another collective, every rank raises naming where each is."""
+def barrier(timeout_s: float | None = None) -> None:
+    """Blocks until every rank calls it (rannc.barrier; `timeout_s`: at most that long,
+    else the option comm_timeout). Once a RaNNCModule exists it is a named collective: it
+    serves a gather that ranks ask alone (DDP's `if rank == 0: torch.save(model.state_dict(),
+    p)` then a barrier; before, MPI_ERR_TRUNCATE), and where a rank is in another
+    collective, every rank raises naming where each is."""
     if active() and sources_made():
         enter("rannc.barrier()")  # an all-gather: no rank leaves before all came
     else:
-        _C.barrier()
+        _C.barrier(timeout_s)
 
 
 def sources_made() -> bool:
