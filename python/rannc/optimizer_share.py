@@ -27,6 +27,13 @@ looks for one among the live objects (`built_over`: transformers' Trainer builds
 before the first forward) and plans for the largest state found; an optimizer built after
 that call was not counted, and rank 0 warns when it is adopted.
 
+[Note: optimizers made anew] A script that builds a new optimizer over the same parameters
+(a second fine-tuning phase with a fresh AdamW, or SGD after AdamW) means the old one no
+longer steps them: the new one replaces every earlier optimizer whose parameters it all
+holds. Before, the old one stayed the module's first, so the new one's state_dict() gave
+the old one's state (a resume from it went wrong without a word), and it kept the old
+state's memory alive.
+
 [Note: the optimizer's own state_dict] Once its groups are cut, the optimizer's own
 state_dict() would number this rank's share from 0: a file that loads into nothing (DDP's
 `torch.save(optimizer.state_dict(), p)` on rank 0, transformers' Trainer checkpoints and
@@ -75,7 +82,16 @@ class OptimizerShare:
             self.add(optimizer)
 
     def add(self, optimizer: torch.optim.Optimizer) -> None:
-        """Adds `optimizer` (cut by the next cut())."""
+        """Adds `optimizer` (cut by the next cut()). An optimizer it holds every parameter
+        of is replaced ([Note: optimizers made anew])."""
+        held = {id(p) for params, _ in _groups_of(optimizer) for p in params}
+        for i in reversed(range(len(self.optimizers))):
+            params = [p for g, _ in (self._original[i] if self._original is not None
+                                     else _groups_of(self.optimizers[i])) for p in g]
+            if params and all(id(p) in held for p in params):
+                del self.optimizers[i]
+                if self._original is not None:
+                    del self._original[i]
         self.optimizers.append(optimizer)
         if self._original is not None:
             self._original.append(_groups_of(optimizer))

@@ -114,6 +114,10 @@ behaviour and prints "OK rank r", or fails the way the test expects.
                                        (its statistics frozen for fine-tuning): the next calls
                                        trace again and train equal to PyTorch ([Note: modules'
                                        modes] in deployed.py; the change was ignored)
+    loop_probes.py optimizer_anew      a second phase with a fresh AdamW, then SGD, over the
+                                       same parameters: each replaces the one before, so its
+                                       state_dict() is its own state ([Note: optimizers made
+                                       anew] in optimizer_share.py; it gave the first's)
     loop_probes.py save_pretrained     transformers' model.save_pretrained(dir) on the wrapper,
                                        on every rank and on rank 0 alone: config.json and the
                                        whole trained weights, which from_pretrained loads
@@ -1087,6 +1091,36 @@ elif probe == "module_modes":  # [Note: modules' modes] in deployed.py
         step_both(loss, ref_loss, opt, ref_opt)
     for name, value in wrapped.state_dict().items():
         torch.testing.assert_close(value, reference.state_dict()[name], rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"rank {rank}: {name}: {m}")
+    print(f"OK rank {rank}", flush=True)
+elif probe == "optimizer_anew":  # [Note: optimizers made anew] in optimizer_share.py
+    model, args, _ = zoo.make("gpt", batch=4, seed=0)
+    zoo.no_dropout(model)
+    reference = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-5)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, eps=1e-5)
+    wrapped = rannc.RaNNCModule(model, opt, num_stages=2)
+    for step in range(5):
+        if step == 3:  # phase 2: a fresh optimizer
+            opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-3, eps=1e-5)
+            ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, eps=1e-5)
+        step_both(wrapped(*args), reference(*args), opt, ref_opt)
+    state, ref_state = opt.state_dict(), ref_opt.state_dict()
+    assert state["param_groups"] == ref_state["param_groups"], state["param_groups"]
+    assert state["state"].keys() == ref_state["state"].keys()
+    for i, s in ref_state["state"].items():
+        assert float(state["state"][i]["step"]) == float(s["step"]) == 2.0, (i, state["state"][i])
+        torch.testing.assert_close(state["state"][i]["exp_avg"], s["exp_avg"], rtol=1e-4,
+                                   atol=1e-5, msg=lambda m: f"rank {rank}: state {i}: {m}")
+    assert wrapped.optimizers == [opt], wrapped.optimizers
+    # phase 3: SGD with momentum
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    step_both(wrapped(*args), reference(*args), opt, ref_opt)
+    state, ref_state = opt.state_dict(), ref_opt.state_dict()
+    assert {k for s in state["state"].values() for k in s} == {"momentum_buffer"}, state["state"][0]
+    for name, value in wrapped.state_dict().items():
+        torch.testing.assert_close(value, reference.state_dict()[name], rtol=1e-4, atol=1e-5,
                                    msg=lambda m: f"rank {rank}: {name}: {m}")
     print(f"OK rank {rank}", flush=True)
 elif probe == "eval_memory":  # [Note: memory the programs before hold] in deployed.py
