@@ -1108,7 +1108,7 @@ void markGradientsAndLoss(ir::Graph& ir, const std::vector<at::Tensor>& inputs) 
   }
   for (ir::ValueId id : ir.outputs()) {
     ir::Value& v = ir.mutableValue(id);
-    v.is_loss = v.isTensor() && v.shape.empty() && v.batch_dependent && v.requires_grad;
+    v.is_loss = v.isOneElementTensor() && !v.isBatch() && v.batch_dependent && v.requires_grad;
   }
 }
 

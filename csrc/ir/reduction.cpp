@@ -38,7 +38,7 @@ bool isBatchSize(const Value& v) {
   return v.int_batch_multiples.size() == 1 && v.int_batch_multiples[0] != 0;
 }
 
-bool isScalarTensor(const Value& v) { return v.isTensor() && v.shape.empty(); }
+bool isScalarTensor(const Value& v) { return v.isOneElementTensor() && !v.isBatch(); }
 
 BatchReduction combine(BatchReduction a, BatchReduction b) { return a == b ? a : BatchReduction::Unknown; }
 

@@ -76,6 +76,15 @@ struct Value {
 
   bool isBatch() const { return batch_dim >= 0; }
   bool isTensor() const { return kind == ValueKind::Tensor; }
+  // A tensor of one element: 0-dim, or [1] (a loss returned as loss.view(1), DataParallel's
+  // habit), which a loss and the reading of reductions treat alike.
+  bool isOneElementTensor() const {
+    if (!isTensor()) return false;
+    for (int64_t n : shape) {
+      if (n != 1) return false;
+    }
+    return true;
+  }
   bool isConstant() const { return role == ValueRole::Constant; }
   bool isModelState() const { return role == ValueRole::Param || role == ValueRole::Buffer; }
   int64_t numel() const;

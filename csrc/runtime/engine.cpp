@@ -429,6 +429,7 @@ at::Tensor PipelineEngine::outputGrad(ir::ValueId vid, int m, PostedByValue& pos
     if (s != sm->second.end()) {
       if (s->second.tensor.defined()) {
         grad = s->second.tensor.to(device_, /*non_blocking=*/false, /*copy=*/true);
+        if (shape_it != shapes_[m].end()) grad = grad.reshape(shape_it->second.first);  // a [1] loss
       } else {
         RANNC_CHECK(shape_it != shapes_[m].end(), "no forward output " << vid << " for micro-batch " << m);
         grad = at::full(shape_it->second.first, s->second.value,

@@ -49,6 +49,7 @@ class _ApplyStepGrads(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         _refuse_second_order()
+        grad = grad.reshape(())  # a [1] loss's too: the step's gradients scale by it
         # the step's gradients were seeded with the loss scale ([Note: scaled seeds])
         if isinstance(ctx.loss_scale, torch.Tensor):  # read on the device
             grad = grad / ctx.loss_scale.to(grad.device).reshape(grad.shape)
@@ -683,7 +684,7 @@ class Deployed:
                     continue
                 v = engine.value(vid)
                 dtype = engine.output_dtype(m, vid)
-                if v.batch_dependent and v.shape == []:
+                if _one_value_over_batch(v):
                     # the output is the row-weighted mean of the shares, or their sum
                     seeds.setdefault(m, {})[vid] = (sums[vid] * engine.share_weight(vid, m)).to(dtype)
                 elif m == 0 and engine.copy == 0 and engine.replica == 0:
@@ -779,7 +780,7 @@ class Deployed:
             v = engine.value(vid)
             if vid in batch_outputs:
                 tensors.append(batch_outputs[vid].to(self.out_device))
-            elif v.batch_dependent and v.kind == "Tensor" and v.shape == []:
+            elif _one_value_over_batch(v):
                 # a mean over the rows of each micro-batch share: weight by rows (a sum:
                 # add up); summed where the stage computed it, then one copy to the host (a
                 # GPU would stall once per micro-batch on a .cpu() each)
@@ -789,7 +790,7 @@ class Deployed:
                 if comm.size > 1:  # one rank: no copy, so no wait for the GPU's step to end
                     total = total.cpu()
                     comm.all_reduce(total).wait()
-                value = total.to(self.out_device, _dtype(v))
+                value = total.to(self.out_device, _dtype(v)).reshape(v.shape)  # () or [1]
                 if train and vid == engine.loss_vid:
                     value = _ApplyStepGrads.apply(self.owner._anchor, value, self, step_grads,
                                                   *self.grad_inputs)
@@ -878,9 +879,16 @@ def _summed(ir, vid: int, loss_reduction: str) -> bool:
 
 
 def _scalar_over_batch(ir, vid: int) -> bool:
-    """A 0-dim tensor computed from the batch (a loss, a metric)."""
-    v = ir.value(vid)
-    return v.batch_dependent and v.kind == "Tensor" and v.shape == []
+    """A one-element tensor computed from the batch (a loss, a metric)."""
+    return _one_value_over_batch(ir.value(vid))
+
+
+def _one_value_over_batch(v) -> bool:
+    """A tensor of one element (0-dim, or [1]: DataParallel's habit loss.view(1)) computed
+    from the batch: each share's value is combined (weighted by rows, or added). Before, a
+    [1] loss was no loss: the call ran fill-drain and returned micro-batch 0's value."""
+    return (v.batch_dependent and v.kind == "Tensor" and v.batch_dim < 0
+            and all(n == 1 for n in v.shape))
 
 
 def _shapes_but_batch(tensors_and_batch_dims) -> tuple:

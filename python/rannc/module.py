@@ -274,12 +274,16 @@ class RaNNCModule(torch.nn.Module):
                     self.placement.before_eval()
                 if copy is not None:
                     return copy.run(deployed, call, args, kwargs)
+                first_training = mode and arguments is None
+                before = self.placement.buffers_before() if first_training else None
                 out = deployed.run(call, args, kwargs)
                 # after the call: deploying new input shapes in it gathers current weights
                 if mode:
                     self.placement.trained()
                     if arguments is not None:  # [Note: other training arguments]
                         self.placement.after_other_training((mode, arguments))
+                    else:  # [Note: buffers of replicas] in placement.py
+                        self.placement.share_written_buffers(before)
                 return out
         except _C.CommError:
             raise

@@ -78,6 +78,7 @@ class StatePlacement:
         self._stale = False   # trained since the ranks that only evaluate a tensor got it
         self._copies = []     # weak references to the PlanSharingCopy objects of the module
         self._copy_view = False  # reading a copy's values: current only where trained
+        self._written = None  # the buffers a training forward writes ([Note: buffers of replicas])
         # the state's names in trace order, resolved on the module (the trace's once deployed)
         self._trace_state = ModelState.of(module)
         self._meta_built = self._empty_meta_parameters()
@@ -324,6 +325,36 @@ class StatePlacement:
         """Point-to-point copies [(owner, receivers, tensor)] listed alike on every rank (see
         _transfer)."""
         _transfer(copies)
+
+    # [Note: buffers of replicas] A stage's replicas each update its buffers (batch norm's
+    # running statistics) from their own share of the batch, so they drifted apart: the
+    # ranks' evaluations differed from each other and from the state_dict(), which takes
+    # the first replica's. DistributedDataParallel gives every rank rank 0's buffers before
+    # each forward (broadcast_buffers); here, after each training call, the buffers its
+    # forward writes go from the first rank using them to the others, with the same result.
+    # Which buffers are written is learnt at the first call (their values before and after,
+    # agreed by all ranks: batch norm's kernels write the statistics without bumping their
+    # version counters), so constant buffers (a causal mask) never move.
+    def buffers_before(self) -> dict[int, torch.Tensor] | None:
+        """Copies of the buffers while it is not known which ones training writes (see
+        share_written_buffers), else None."""
+        if self._written is not None:
+            return None
+        n_params = len(self._trace_state.param_names)
+        return {i: t.detach().clone() for i, t in enumerate(self.tensors()) if i >= n_params}
+
+    def share_written_buffers(self, before: dict[int, torch.Tensor] | None) -> None:
+        """After a call of the first training program: the buffers its forward writes go
+        from their first user to the other ranks using them."""
+        tensors = self.tensors()
+        if self._written is None:
+            mine = [i for i, b in before.items()
+                    if b.shape != tensors[i].shape or not torch.equal(b, tensors[i].detach())]
+            everyone = all_gather_objects(mine) if _C.get_world_size() > 1 else [mine]
+            self._written = sorted(set().union(*map(set, everyone)))
+        users = self._users[True]
+        _transfer([(min(users[i]), users[i] - {min(users[i])}, tensors[i].data)
+                   for i in self._written if len(users[i]) > 1])
 
     def after_other_training(self, key):
         """After a call of the training program `key`: the buffers its stages use (batch

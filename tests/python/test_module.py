@@ -738,7 +738,7 @@ def test_a_failure_while_tracing_new_shapes_says_so_with_both_shapes():
                                    "length_branch", "padded_lengths", "eval_after_new_length",
                                    "num_items_in_batch", "uneven_selection", "late_optimizer",
                                    "rank0_only", "process_group", "compiled", "sync_batch_norm",
-                                   "module_state_dict", "forward_hook", "unfreeze", "eval_memory", "no_grad_forward", "module_modes", "optimizer_anew",
+                                   "module_state_dict", "forward_hook", "unfreeze", "eval_memory", "no_grad_forward", "module_modes", "optimizer_anew", "loss_view1", "buffer_replicas",
                                    "averaged_model", "save_pretrained", "two_calls",
                                    "param_hooks", "retained_graph", "adversarial",
                                    "add_param_group", "outside_parameter"])

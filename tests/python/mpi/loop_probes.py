@@ -118,6 +118,13 @@ behaviour and prints "OK rank r", or fails the way the test expects.
                                        same parameters: each replaces the one before, so its
                                        state_dict() is its own state ([Note: optimizers made
                                        anew] in optimizer_share.py; it gave the first's)
+    loop_probes.py loss_view1          a loss returned as loss.view(1) (DataParallel's habit):
+                                       the 1F1B loss of the global batch, as a 0-dim loss is
+                                       (it ran fill-drain and returned micro-batch 0's value)
+    loop_probes.py buffer_replicas     a ResNet as one stage on both ranks (replicas): after
+                                       each training call the ranks hold the same batch norm
+                                       statistics, the state_dict()'s, and evaluate alike
+                                       ([Note: buffers of replicas] in placement.py)
     loop_probes.py save_pretrained     transformers' model.save_pretrained(dir) on the wrapper,
                                        on every rank and on rank 0 alone: config.json and the
                                        whole trained weights, which from_pretrained loads
@@ -1122,6 +1129,60 @@ elif probe == "optimizer_anew":  # [Note: optimizers made anew] in optimizer_sha
     for name, value in wrapped.state_dict().items():
         torch.testing.assert_close(value, reference.state_dict()[name], rtol=1e-4, atol=1e-5,
                                    msg=lambda m: f"rank {rank}: {name}: {m}")
+    print(f"OK rank {rank}", flush=True)
+elif probe == "loss_view1":  # _one_value_over_batch in deployed.py
+    class ViewedLoss(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, *args):
+            return self.inner(*args).view(1)
+
+    inner, args, _ = zoo.make("gpt", batch=4, seed=0)
+    zoo.no_dropout(inner)
+    model = ViewedLoss(inner)
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    wrapped = rannc.RaNNCModule(model, opt, num_stages=2, num_microbatches=2)
+    _, whole, _ = zoo.make("gpt", batch=8, seed=1)
+    mine = tuple(t[4 * rank:4 * rank + 4] for t in whole)
+    for step in range(3):
+        loss, ref_loss = wrapped(*mine), reference(*whole)
+        assert loss.shape == (1,), loss.shape
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"rank {rank}: step {step}: {m}")
+        step_both(loss, ref_loss, opt, ref_opt)
+    assert wrapped.deployments["train"].schedule != "fill_drain"
+    for name, value in wrapped.state_dict().items():
+        torch.testing.assert_close(value, reference.state_dict()[name], rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"rank {rank}: {name}: {m}")
+    print(f"OK rank {rank}", flush=True)
+elif probe == "buffer_replicas":  # [Note: buffers of replicas] in placement.py
+    from rannc.transport import all_gather_objects
+    model, _, _ = zoo.make("resnet", batch=4, seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    wrapped = rannc.RaNNCModule(model, opt, num_stages=1)
+    for step in range(2):
+        _, whole, _ = zoo.make("resnet", batch=8, seed=step)
+        loss = wrapped(*(t[4 * rank:4 * rank + 4] for t in whole))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        stats = {n: b.clone() for n, b in model.named_buffers() if "running" in n}
+        everyone = all_gather_objects(stats)
+        for n, b in stats.items():
+            torch.testing.assert_close(b, everyone[0][n], rtol=0, atol=0,
+                                       msg=lambda m: f"rank {rank}: step {step}: {n}: {m}")
+    assert len(wrapped.deployments["train"].stages[0].ranks) == 2  # replicas
+    state = wrapped.state_dict()
+    for n, b in stats.items():
+        torch.testing.assert_close(state[n], b, rtol=0, atol=0)
+    wrapped.eval()
+    with torch.no_grad():
+        _, whole, _ = zoo.make("resnet", batch=8, seed=5)
+        loss = wrapped(*whole[:1], whole[1])
     print(f"OK rank {rank}", flush=True)
 elif probe == "eval_memory":  # [Note: memory the programs before hold] in deployed.py
     from rannc.transport import all_gather_objects
