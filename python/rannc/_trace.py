@@ -679,6 +679,23 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
     return Trace(traced, state, state_tensors, home, flat, out1["spec"], leaves, slots, batch)
 
 
+def _batch_order_hint(flat: FlatArgs, batch: int) -> str:
+    """Where another argument holds more rows than the first tensor argument, from which the
+    batch size was taken (a [1, S] position_ids passed before input_ids): say so."""
+    if not flat.tensors:
+        return ""
+    more = [(flat.paths[slot], t.shape[0]) for t, slot in zip(flat.tensors, flat.tensor_slots)
+            if t.dim() and t.shape[0] > batch]
+    if not more:
+        return ""
+    first = flat.paths[flat.tensor_slots[0]]
+    name, rows = more[0]
+    return (f" Or is {name} the batch? rannc takes the batch size, {batch}, from the first "
+            f"tensor argument ({first}, shape {list(flat.tensors[0].shape)}), and {name} has "
+            f"{rows} rows: pass the batch's tensors first (keyword arguments count in the "
+            "order given)")
+
+
 def _trace_with_layout(model, state, state_tensors, flat: FlatArgs, home, batch: int, dims: list):
     """The model traced and analysed with the batch (`batch` rows) in dimension `dims[i]` of
     each tensor argument: (the traced model, the first trace's outputs)."""
@@ -699,7 +716,7 @@ def _trace_with_layout(model, state, state_tensors, flat: FlatArgs, home, batch:
             raise TraceError(
                 f"the model fails when run at batch size {batch2} instead of {batch}, so it cannot "
                 f"be split into micro-batches: {type(e).__name__}: {e} (at {_user_frame(e)}); "
-                "is the batch size written into a shape?") from e
+                f"is the batch size written into a shape?{_batch_order_hint(flat, batch)}") from e
         if out1["spec"] != out2["spec"]:
             raise TraceError("the structure of the model's output differs between batch sizes "
                              f"{batch} and {batch2}: {out1['spec']} vs {out2['spec']}")

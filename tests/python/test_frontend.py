@@ -782,3 +782,24 @@ def test_tracing_keeps_no_activation_and_no_output_object_of_its_run(capfd):
     torch.testing.assert_close(out["loss"], model(x)["loss"])
     err = capfd.readouterr().err
     assert "the model's output cache (_Holder) holds tensors" in err, err[-2000:]
+
+
+def test_an_argument_before_the_batch_is_named_in_the_error():
+    """transformers' habit of a [1, S] position_ids broadcast over the batch, passed before
+    input_ids: the batch size is taken from the first tensor argument (1 row), the second
+    trace fails, and the error says which argument holds the batch and what to do."""
+    class Embedded(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok = torch.nn.Embedding(10, 4)
+            self.pos = torch.nn.Embedding(8, 4)
+
+        def forward(self, position_ids, input_ids):
+            return (self.tok(input_ids) + self.pos(position_ids)).pow(2).mean()
+
+    ids = torch.randint(0, 10, (4, 6))
+    pos = torch.arange(6)[None]
+    with pytest.raises(rannc.TraceError, match=r"Or is kwargs\['input_ids'\] the batch\?.*pass "
+                                               r"the batch's tensors first"):
+        rannc.trace(Embedded(), (), {"position_ids": pos, "input_ids": ids})
+    rannc.trace(Embedded(), (), {"input_ids": ids, "position_ids": pos})  # the batch first
