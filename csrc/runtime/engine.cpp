@@ -206,7 +206,12 @@ void PipelineEngine::setInputGrads(std::set<ir::ValueId> ids) {
   for (Chunk& c : chunks_) {
     std::vector<ir::ValueId> no_grad;
     for (ir::ValueId v : c.executor->inputIds()) {
-      if (graph_inputs_.count(v) && !input_grad_ids_.count(v)) no_grad.push_back(v);
+      // a graph input nobody asked a gradient of, or a value without one (a mask, a
+      // teacher's output under no_grad: [Note: no_grad in forward] in _trace.py), which no
+      // transfer carries back; as a leaf that required grad it cost a backward, and a
+      // buffer updated in place from it took autograd history
+      const bool unasked = graph_inputs_.count(v) ? !input_grad_ids_.count(v) : !graph_.value(v).requires_grad;
+      if (unasked) no_grad.push_back(v);
     }
     c.executor->setNoGradInputs(no_grad);
   }

@@ -105,20 +105,31 @@ class _NoGradientPath(torch.autograd.Function):
     gradients cannot flow back through it, and trying says so."""
 
     @staticmethod
-    def forward(ctx, anchor, value, name):
-        ctx.name = name
+    def forward(ctx, anchor, value, why):
+        ctx.why = why
         # not a copy (a language model's logits are the step's largest tensor), nor a view
         # (autograd forbids in-place changes of a custom function's views)
         return value.detach()
 
     @staticmethod
     def backward(ctx, grad):
-        raise _C.Error(
-            f"the output {ctx.name} has no gradient path: rannc trains from the scalar loss "
-            "inside forward (synchronous 1F1B) and returns the other outputs without one. "
-            "Backpropagate from the loss output only, or select the fill-drain schedule "
-            "(option schedule='fill_drain', or RANNC_SCHEDULE=fill_drain), whose backward "
-            "takes gradients of any output.")
+        raise _C.Error(ctx.why)
+
+    @staticmethod
+    def of_training(name: str) -> str:
+        return (f"the output {name} has no gradient path: rannc trains from the scalar loss "
+                "inside forward (synchronous 1F1B) and returns the other outputs without one. "
+                "Backpropagate from the loss output only, or select the fill-drain schedule "
+                "(option schedule='fill_drain', or RANNC_SCHEDULE=fill_drain), whose backward "
+                "takes gradients of any output.")
+
+    @staticmethod
+    def of_eval(name: str) -> str:
+        return (f"the output {name} comes from an eval call (the module is in eval mode), "
+                "which rannc plans as forward only. To train with dropout off (PyTorch lets a "
+                "model in eval mode train), keep the module in train() and put its dropout "
+                "modules in eval(): such a call is planned with them off ([Note: modules' "
+                "modes] in deployed.py)")
 
 
 class _FillDrainOutputs(torch.autograd.Function):
@@ -818,7 +829,16 @@ class Deployed:
         if train:  # other float outputs: a clear error if the user backpropagates through them
             for i, (vid, t) in enumerate(zip(ir.outputs, tensors)):
                 if vid != engine.loss_vid and t.is_floating_point():
-                    tensors[i] = _NoGradientPath.apply(anchor, t, f"#{i} ({engine.value(vid).name or vid})")
+                    tensors[i] = _NoGradientPath.apply(
+                        anchor, t, _NoGradientPath.of_training(f"#{i} ({engine.value(vid).name or vid})"))
+        elif (schedule is None and torch.is_grad_enabled() and not self.owner.module.training
+              and any(p.requires_grad for p in self.params)):
+            # an eval call outside no_grad: its outputs require grad, as in PyTorch, and a
+            # backward through them says why it cannot train
+            for i, (vid, t) in enumerate(zip(ir.outputs, tensors)):
+                if t.is_floating_point():
+                    tensors[i] = _NoGradientPath.apply(
+                        anchor, t, _NoGradientPath.of_eval(f"#{i} ({engine.value(vid).name or vid})"))
         return self.graph._rebuild_output(tensors)
 
 

@@ -1099,6 +1099,12 @@ elif probe == "module_modes":  # [Note: modules' modes] in deployed.py
     for name, value in wrapped.state_dict().items():
         torch.testing.assert_close(value, reference.state_dict()[name], rtol=1e-5, atol=1e-6,
                                    msg=lambda m: f"rank {rank}: {name}: {m}")
+    # training with the whole module in eval mode (PyTorch allows it): eval calls are
+    # forward only, and a backward through their outputs says what to do instead
+    wrapped.eval()
+    out = wrapped(*mine)
+    assert out.requires_grad  # outside no_grad, as PyTorch's
+    expect_error(out.backward, "comes from an eval call", "put its dropout modules in eval()")
     print(f"OK rank {rank}", flush=True)
 elif probe == "optimizer_anew":  # [Note: optimizers made anew] in optimizer_share.py
     model, args, _ = zoo.make("gpt", batch=4, seed=0)
