@@ -189,6 +189,22 @@ def step_both(loss, ref_loss, opt, ref_opt):
         o.zero_grad()
 
 
+def sgd_pair(model, **options):
+    """(its plain copy, SGD over the model, SGD over the copy, the model wrapped with
+    `options`)."""
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    return reference, opt, ref_opt, rannc.RaNNCModule(model, opt, **options)
+
+
+def global_batch(name, rows=4, seed=1):
+    """Zoo model `name`'s arguments for 2 ranks of `rows` rows each: (the whole, this
+    rank's share)."""
+    _, whole, _ = zoo.make(name, batch=2 * rows, seed=seed)
+    return whole, tuple(t[rows * rank:rows * (rank + 1)] for t in whole)
+
+
 def same_stage_parameters(model, reference, rtol, atol=1e-5):
     """The parameters of this rank's stages equal the reference's. The default atol is for
     Adam at lr 1e-2: an element whose gradient is near zero takes a step of m / sqrt(v) that
@@ -1079,13 +1095,9 @@ elif probe == "no_grad_forward":  # [Note: no_grad in forward] in _trace.py
     print(f"OK rank {rank}", flush=True)
 elif probe == "module_modes":  # [Note: modules' modes] in deployed.py
     model, args, _ = zoo.make("resnet", batch=4, seed=0)
-    reference = copy.deepcopy(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     # one micro-batch per stage: batch norm's statistics see the whole batch, as in PyTorch
-    wrapped = rannc.RaNNCModule(model, opt, num_stages=2, num_microbatches=1)
-    _, whole, _ = zoo.make("resnet", batch=8, seed=1)
-    mine = tuple(t[4 * rank:4 * rank + 4] for t in whole)
+    reference, opt, ref_opt, wrapped = sgd_pair(model, num_stages=2, num_microbatches=1)
+    whole, mine = global_batch("resnet")
     for step in range(3):
         if step == 1:  # freeze batch norm's statistics
             for m in (model, reference):
@@ -1148,12 +1160,8 @@ elif probe == "loss_view1":  # _one_value_over_batch in deployed.py
     inner, args, _ = zoo.make("gpt", batch=4, seed=0)
     zoo.no_dropout(inner)
     model = ViewedLoss(inner)
-    reference = copy.deepcopy(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    wrapped = rannc.RaNNCModule(model, opt, num_stages=2, num_microbatches=2)
-    _, whole, _ = zoo.make("gpt", batch=8, seed=1)
-    mine = tuple(t[4 * rank:4 * rank + 4] for t in whole)
+    reference, opt, ref_opt, wrapped = sgd_pair(model, num_stages=2, num_microbatches=2)
+    whole, mine = global_batch("gpt")
     for step in range(3):
         loss, ref_loss = wrapped(*mine), reference(*whole)
         assert loss.shape == (1,), loss.shape
@@ -1171,8 +1179,8 @@ elif probe == "buffer_replicas":  # [Note: buffers of replicas] in placement.py
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     wrapped = rannc.RaNNCModule(model, opt, num_stages=1)
     for step in range(2):
-        _, whole, _ = zoo.make("resnet", batch=8, seed=step)
-        loss = wrapped(*(t[4 * rank:4 * rank + 4] for t in whole))
+        _, mine = global_batch("resnet", seed=step)
+        loss = wrapped(*mine)
         loss.backward()
         opt.step()
         opt.zero_grad()
