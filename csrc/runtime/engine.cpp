@@ -693,16 +693,16 @@ StepOutputs PipelineEngine::execute(const StepProgram& program,
         outputs_.clear();  // those no send took (the last stage's): not past the step
         if (has_backward) {
           step_grads_.clear();
-          std::vector<ir::ValueId> reached_by_none;
-          for (const auto& [v, t] : own_) {
-            if (!t.grad().defined()) reached_by_none.push_back(v);
-            step_grads_[v] = t.grad().defined() ? t.grad() : at::zeros_like(t);
-          }
-          if (grad_sync_) buckets_->finish(step_grads_);
           // A parameter no gradient reached (read through a detach only: a teacher under
           // torch.no_grad(), [Note: no_grad in forward] in python/rannc/_trace.py) keeps
-          // .grad None, as in PyTorch, so that AdamW does not decay it. Its replicas agree (one graph): the zeros their
-          // buckets summed say nothing.
+          // .grad None, as in PyTorch, so that AdamW does not decay it. Its replicas agree
+          // (one graph): the zeros their buckets sum for it say nothing.
+          std::vector<ir::ValueId> reached_by_none;
+          for (const auto& [v, t] : own_) {
+            step_grads_[v] = t.grad();
+            if (!t.grad().defined()) reached_by_none.push_back(v);
+          }
+          if (grad_sync_) buckets_->finish(step_grads_);  // the sums, from .grad
           for (ir::ValueId v : reached_by_none) step_grads_[v] = at::Tensor();
         }
         times_.wait += since(t0);

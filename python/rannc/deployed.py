@@ -198,7 +198,6 @@ class _Call:
     rows: int
     shapes: tuple
     trainable: tuple | None
-    modes: tuple = ()  # every module's training flag ([Note: modules' modes])
     flagged: bool = False  # some rank passed flag=True
 
 
@@ -262,10 +261,10 @@ class Deployed:
         # [Note: frozen parameters] which parameters require grad, as traced (training)
         self.params = state_tensors[:len(self.graph._trace.state.param_names)]
         self.trainable = self._trainable()
-        self.modes = self._modes()
-        self.variants = {(self.shapes, self.trainable, self.modes): self}
+        self.modes = module_modes(self.owner.module)  # [Note: modules' modes]
+        self.variants = {(self.shapes, self.trainable): self}
         self.last_trained = self  # the variant the last training call ran (its gradients)
-        self.unrunnable = {}  # a variants key -> why the plan cannot run it
+        self.unrunnable = {}  # (input shapes, trainable) -> why the plan cannot run them
         self.own = self.engine.own  # the parameters this rank updates
         self.own_params = list(self.own.values())  # in the engine's order
         self.grad_input_ids, self.grad_inputs = [], []  # arguments that require grad
@@ -454,12 +453,12 @@ class Deployed:
         flat = self.graph._flat_args(args, kwargs)
         local = dict(zip(self.input_ids, flat))
         call = _Call(flat, local, self._local_rows(local), self._shapes(local), self._trainable(),
-                     self._modes(), flag)
+                     flag)
         if not handshake.active():
             return call
         scalars = self._scalar_arguments(local)
         mine = torch.tensor([call.rows, zlib.crc32(repr(call.shapes).encode()),
-                             zlib.crc32(bytes(call.trainable or ()) + bytes(call.modes)), flag,
+                             zlib.crc32(bytes(call.trainable or ())), flag,
                              zlib.crc32(repr(scalars).encode())], dtype=torch.float64)
         everyone = handshake.exchange(what, mine).long()
         sizes, signatures, flags, raised, values = (everyone[:, i].tolist() for i in range(5))
@@ -470,10 +469,9 @@ class Deployed:
             raise _scalars_differ(values, scalars)
         if len(set(flags)) > 1:
             raise failure.agreed(
-                f"the ranks' models differ in which parameters require grad or which modules "
-                f"are in training mode ({sum(call.trainable or ())} parameters and "
-                f"{sum(call.modes)} modules on rank {_C.get_rank()}): freeze or unfreeze "
-                "parameters, and call train() or eval() on modules, on every rank alike")
+                f"the ranks' models differ in which parameters require grad "
+                f"({sum(call.trainable)} on rank {_C.get_rank()}): freeze or unfreeze "
+                "parameters on every rank alike")
         if len(set(sizes)) > 1:
             raise failure.agreed(f"local batches must have the same size on every rank in "
                                  f"each call; got {dict(enumerate(sizes))} (rank: rows)")
@@ -487,7 +485,7 @@ class Deployed:
         """The deployment that runs `call`: this one, or the one of this mode for the call's
         input shapes, deployed first if they are new ([Note: new input shapes])."""
         shapes, trainable = call.shapes, call.trainable
-        key = (shapes, trainable, call.modes)
+        key = (shapes, trainable)
         target = self.variants.get(key)
         if target is None:
             if key in self.unrunnable:  # the same error without tracing again
@@ -495,8 +493,7 @@ class Deployed:
             what = (f"new input shapes {self.describe_shapes(shapes)} (planned at "
                     f"{self.describe_shapes()})" if shapes != self.shapes
                     else f"{sum(trainable)} of {len(trainable)} parameters now require grad "
-                         f"({sum(self.trainable)} when planned)" if trainable != self.trainable
-                    else self._modes_changed(call.modes))
+                         f"({sum(self.trainable)} when planned)")
             try:
                 target = self.variants[key] = self.owner._deploy_shapes(self, args, kwargs)
                 target.routing_key = self.routing_key  # the same program's plan
@@ -523,10 +520,8 @@ class Deployed:
     # train() during evaluation (Monte Carlo dropout) was ignored without a word; such a call
     # is another program (module.py), traced and planned on its own as a call of other
     # arguments is ([Note: other arguments] in module.py): its ops differ (a batch norm in
-    # eval mode writes no statistics), so the first plan cannot run it.
-    def _modes(self) -> tuple:
-        return tuple(m.training for m in self.owner.module.modules())
-
+    # eval mode writes no statistics), so the first plan cannot run it. (Ranks whose modes
+    # differ are in differently named programs: the handshake names them.)
     def _modes_changed(self, modes: tuple) -> str:
         names = [name or "the model" for (name, _), now, then
                  in zip(self.owner.module.named_modules(), modes, self.modes) if now != then]
@@ -901,6 +896,11 @@ def _summed(ir, vid: int, loss_reduction: str) -> bool:
 def _scalar_over_batch(ir, vid: int) -> bool:
     """A one-element tensor computed from the batch (a loss, a metric)."""
     return _one_value_over_batch(ir.value(vid))
+
+
+def module_modes(module: torch.nn.Module) -> tuple:
+    """Every module's training flag, in named_modules() order ([Note: modules' modes])."""
+    return tuple(m.training for m in module.modules())
 
 
 def _one_value_over_batch(v) -> bool:

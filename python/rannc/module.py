@@ -23,7 +23,7 @@ import zlib
 import torch
 
 from . import _C, clipping, failure, full_state, handshake, registry, trainer_support
-from .deployed import autocast_off, Deployed
+from .deployed import autocast_off, Deployed, module_modes
 from .graph import TracedGraph
 from ._trace import autocast_dtype, traced_differently
 from ._trace import flatten_args as _trace_flat
@@ -230,7 +230,7 @@ class RaNNCModule(torch.nn.Module):
         arguments = None  # other arguments than the mode's first call ([Note: other arguments])
         if deployed is not None and not deployed.graph.takes(args, kwargs):
             arguments = TracedGraph.arguments_of(args, kwargs)
-        modes = tuple(m.training for m in self.module.modules())
+        modes = module_modes(self.module)
         if deployed is not None and modes != deployed.modes:
             # [Note: modules' modes] in deployed.py: another program, as other arguments are
             arguments = (arguments, "modules' modes", modes)
@@ -274,8 +274,7 @@ class RaNNCModule(torch.nn.Module):
                     self.placement.before_eval()
                 if copy is not None:
                     return copy.run(deployed, call, args, kwargs)
-                first_training = mode and arguments is None
-                before = self.placement.buffers_before() if first_training else None
+                before = self.placement.buffers_before() if mode and arguments is None else None
                 out = deployed.run(call, args, kwargs)
                 # after the call: deploying new input shapes in it gathers current weights
                 if mode:

@@ -78,7 +78,9 @@ class StatePlacement:
         self._stale = False   # trained since the ranks that only evaluate a tensor got it
         self._copies = []     # weak references to the PlanSharingCopy objects of the module
         self._copy_view = False  # reading a copy's values: current only where trained
-        self._written = None  # the buffers a training forward writes ([Note: buffers of replicas])
+        # (position, first user, other users) of the buffers a training forward writes that
+        # several ranks use ([Note: buffers of replicas])
+        self._buffer_routes = None
         # the state's names in trace order, resolved on the module (the trace's once deployed)
         self._trace_state = ModelState.of(module)
         self._meta_built = self._empty_meta_parameters()
@@ -338,7 +340,7 @@ class StatePlacement:
     def buffers_before(self) -> dict[int, torch.Tensor] | None:
         """Copies of the buffers while it is not known which ones training writes (see
         share_written_buffers), else None."""
-        if self._written is not None:
+        if self._buffer_routes is not None:
             return None
         n_params = len(self._trace_state.param_names)
         return {i: t.detach().clone() for i, t in enumerate(self.tensors()) if i >= n_params}
@@ -346,15 +348,18 @@ class StatePlacement:
     def share_written_buffers(self, before: dict[int, torch.Tensor] | None) -> None:
         """After a call of the first training program: the buffers its forward writes go
         from their first user to the other ranks using them."""
-        tensors = self.tensors()
-        if self._written is None:
+        if self._buffer_routes is None:
+            tensors = self.tensors()
             mine = [i for i, b in before.items()
                     if b.shape != tensors[i].shape or not torch.equal(b, tensors[i].detach())]
             everyone = all_gather_objects(mine) if _C.get_world_size() > 1 else [mine]
-            self._written = sorted(set().union(*map(set, everyone)))
-        users = self._users[True]
-        _transfer([(min(users[i]), users[i] - {min(users[i])}, tensors[i].data)
-                   for i in self._written if len(users[i]) > 1])
+            users = self._users[True]
+            self._buffer_routes = [(i, min(users[i]), users[i] - {min(users[i])})
+                                   for i in sorted(set().union(*map(set, everyone)))
+                                   if len(users[i]) > 1]
+        if self._buffer_routes:  # most models: none, and nothing to look up per call
+            tensors = self.tensors()
+            _transfer([(owner, others, tensors[i].data) for i, owner, others in self._buffer_routes])
 
     def after_other_training(self, key):
         """After a call of the training program `key`: the buffers its stages use (batch
