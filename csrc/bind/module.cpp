@@ -265,6 +265,10 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("jit_graph",
                              [](const frontend::TracedModel& t) { return t.jit_graph; })
       .def("describe_task", &frontend::TracedModel::describeTask)
+      .def_property_readonly(
+          "pairing_ops", [](const frontend::TracedModel& t) { return t.pairing_ops; },
+          "The ops that make a value pairing the batch's rows ([Note: rows paired] in "
+          "frontend/traced_model.h).")
       .def("run",
            [](const frontend::TracedModel& t, const std::vector<at::Tensor>& inputs) {
              std::vector<c10::IValue> outs;

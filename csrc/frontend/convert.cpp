@@ -637,7 +637,8 @@ Observed observe(const TracedModel& model, const std::vector<at::Tensor>& inputs
 // two runs, so a causal mask built from the sequence length is the same for every
 // micro-batch.
 std::vector<ir::ValueId> findBatchValues(ir::Graph& ir, const Observed& at1, const Observed& at2,
-                                         int64_t b1, int64_t b2) {
+                                         int64_t b1, int64_t b2,
+                                         std::vector<ir::ValueId>* paired = nullptr) {
   std::vector<ir::ValueId> interleaved;
   std::vector<char> dep(ir.numValues(), 0);
   for (ir::ValueId id : ir.inputs()) dep[id] = ir.value(id).role == ir::ValueRole::Input;
@@ -674,10 +675,12 @@ std::vector<ir::ValueId> findBatchValues(ir::Graph& ir, const Observed& at1, con
     if (!v.isTensor() || !at2.seen[id]) continue;
     const auto &s1 = at1.shapes[id], &s2 = at2.shapes[id];
     if (s1.size() != s2.size()) continue;
-    int changed = -1, nchanged = 0;
+    int changed = -1, nchanged = 0, scaled = 0;
     for (size_t d = 0; d < s1.size(); ++d) {
       if (s1[d] != s2[d]) changed = static_cast<int>(d), ++nchanged;
+      scaled += s1[d] != s2[d] && s1[d] % b1 == 0 && s1[d] / b1 * b2 == s2[d];
     }
+    if (paired && scaled >= 2) paired->push_back(id);  // [Note: rows paired]
     if (nchanged == 1 && s1[changed] % b1 == 0 && s1[changed] / b1 * b2 == s2[changed] &&
         at1.rows_agree[id] != 0) {
       v.batch_dim = changed;
@@ -1043,6 +1046,7 @@ std::shared_ptr<TracedModel> buildGluedModel(IrBuilder& builder, const TraceExam
   // 4 of the 10 s tracing took).
   Observed first_at1, first_at2;
   std::vector<const JitValue*> first_jit;
+  std::vector<std::string> pairing_ops;  // [Note: rows paired]
   for (int attempt = 0;; ++attempt) {
     std::vector<const JitValue*> jit_of;
     std::vector<std::pair<ir::ValueId, c10::IValue>> flags;
@@ -1073,10 +1077,25 @@ std::shared_ptr<TracedModel> buildGluedModel(IrBuilder& builder, const TraceExam
       }
       if (attempt == 0) first_at1 = at1, first_at2 = at2, first_jit = jit_of;
     }
-    std::vector<ir::ValueId> interleaved =
-        findBatchValues(model->graph, at1, at2, first.batch_size, second.batch_size);
+    std::vector<ir::ValueId> paired;
+    std::vector<ir::ValueId> interleaved = findBatchValues(
+        model->graph, at1, at2, first.batch_size, second.batch_size, attempt == 0 ? &paired : nullptr);
     if (attempt == 0) {  // [Note: data-sized values]: once, while tasks are single ops
       for (ir::ValueId id : dataSizedValues(model->graph, at1, at2)) interleaved.push_back(id);
+      // named where the pairing starts: ops none of whose inputs pair rows already
+      std::unordered_set<const JitValue*> pairs;
+      for (ir::ValueId id : paired) pairs.insert(jit_of[id]);
+      for (ir::ValueId id : paired) {
+        const Node* node = jit_of[id] ? jit_of[id]->node() : nullptr;
+        if (!node || std::any_of(node->inputs().begin(), node->inputs().end(),
+                                 [&](const JitValue* in) { return pairs.count(in) > 0; })) {
+          continue;
+        }
+        const std::string op = describeNodeIn(node, model->module_classes);
+        if (std::find(pairing_ops.begin(), pairing_ops.end(), op) == pairing_ops.end()) {
+          pairing_ops.push_back(op);
+        }
+      }
     }
     size_t before = glue.size();
     for (ir::ValueId id : interleaved) glue.insert(jit_of[id]);
@@ -1084,6 +1103,7 @@ std::shared_ptr<TracedModel> buildGluedModel(IrBuilder& builder, const TraceExam
     logDebug("gluing " + std::to_string(glue.size() - before) +
              " values whose rows cannot be cut apart into their tasks");
   }
+  model->pairing_ops = std::move(pairing_ops);
   return model;
 }
 

@@ -27,6 +27,14 @@ struct TracedModel {
   std::vector<ir::TaskId> order;                  // a topological order of the tasks
   // Module path -> class name, to name modules in messages ("encoder.layers.3 (Block)").
   std::unordered_map<std::string, std::string> module_classes;
+  // [Note: rows paired] The ops that make a value with the batch in two of its dimensions
+  // (`z1 @ z2.T` of an in-batch contrastive loss, `cdist(x, x)`): each of its entries pairs
+  // two rows of the batch, so a share of the rows (a micro-batch, a replica's rows) computes
+  // something else than the whole: a contrastive loss over a micro-batch has fewer
+  // negatives. The planner then runs one micro-batch per step, so that each replica of a
+  // stage pairs all the rows it holds, as DistributedDataParallel's ranks do
+  // (planning.plan_graph); "op aten::mm in module '<root>' (Clip) at model.py:12".
+  std::vector<std::string> pairing_ops;
   // Set by tokenMeanLosses() on its first call, which wraps those losses' operations.
   mutable std::shared_ptr<const TokenMeanLosses> token_means;
 

@@ -584,7 +584,24 @@ def _trace_once(model, state: ModelState, state_tensors: list, flat: FlatArgs, t
     graph = traced.graph
     torch._C._jit_pass_inline(graph)
     torch._C._jit_pass_lower_all_tuples(graph)
+    _outputs_made_by_ops(graph)
     return graph, example, out_info
+
+
+# [Note: outputs that are inputs] A model may return one of its parameters or buffers (a
+# learnt temperature for a loss computed outside, as `self.logit_scale`) or an argument as
+# it came (the labels, passed through). Such an output is no op's result: no stage makes it,
+# so every call failed with a KeyError where the outputs are gathered. An aten::alias of it
+# (a view, free to run, and differentiable, so a parameter's gradient from outside reaches
+# it through its stage) makes it an op's result like any other output.
+def _outputs_made_by_ops(graph) -> None:
+    ret = graph.return_node()
+    for i, value in enumerate(list(ret.inputs())):
+        if value.node().kind() == "prim::Param" and isinstance(value.type(), torch._C.TensorType):
+            alias = graph.create("aten::alias", [value], 1)
+            alias.insertBefore(ret)
+            alias.output().setType(value.type())
+            ret.replaceInput(i, alias.output())
 
 
 def _holds_tensors(x, depth: int = 4) -> bool:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _C
+from . import _C, failure
 from .graph import TracedGraph
 from .options import PLAN, Options, format_bytes, option_docs, parse_bytes  # noqa: F401 (option_docs: rannc.plan's CLI)
 from .update_cost import measure_update_rate
@@ -259,6 +259,32 @@ def probe_bandwidth(fallback_inter: float) -> dict:
     return _BANDWIDTH["result"]
 
 
+def _pair_rows_whole(graph: TracedGraph, opts: Options, popts) -> None:
+    """[Note: rows paired] in csrc/frontend/traced_model.h: a model that pairs the rows of its
+    batch (an in-batch contrastive loss) is planned with one micro-batch unless the user
+    fixed their number; rank 0 names the op and says what each replica pairs."""
+    ops = graph._trace.traced.pairing_ops
+    if not ops:
+        return
+    if not opts.num_microbatches:
+        popts.max_microbatches = 1
+    if _C.get_rank() != 0:
+        return
+    pairs = (f"{failure.some_of(ops)} pairs the rows of the batch (a value with the batch in "
+             "two dimensions, as an in-batch contrastive loss's similarities)")
+    if opts.num_microbatches > 1:
+        _C.log_warn(f"{pairs}, and num_microbatches={opts.num_microbatches} cuts the batch: each "
+                    "micro-batch pairs its own rows only, which is not the model's result on the "
+                    "whole batch. Leave num_microbatches unset to plan one micro-batch per step, "
+                    "or compute the loss outside the module from its outputs")
+    else:
+        _C.log_info(f"{pairs}: planned with one micro-batch, so that the stage that pairs them "
+                    "pairs all the rows each of its replicas holds (a share of the global batch, "
+                    "as each DistributedDataParallel rank pairs its own). To pipeline "
+                    "micro-batches, return what the pairs are made from and compute the loss "
+                    "outside the module")
+
+
 def plan_graph(graph: TracedGraph, flat_inputs: list, opts: Options, *, world_size: int, device,
                optimizer: str = "adam", profile_cache=None, broadcast: bool = True,
                times: PlanTimes | None = None, update_seconds_per_byte: float | None = None,
@@ -272,6 +298,7 @@ def plan_graph(graph: TracedGraph, flat_inputs: list, opts: Options, *, world_si
     times = times if times is not None else PlanTimes()
     popts = opts.planner_options(world_size, opts.batch_size or graph.batch_size * int(world_size),
                                  optimizer, update_seconds_per_byte)
+    _pair_rows_whole(graph, opts, popts)
 
     def explained(e: Exception) -> Exception:
         if not (memory_note and isinstance(e, _C.InfeasiblePlanError)):

@@ -803,3 +803,48 @@ def test_an_argument_before_the_batch_is_named_in_the_error():
                                                r"the batch's tensors first"):
         rannc.trace(Embedded(), (), {"position_ids": pos, "input_ids": ids})
     rannc.trace(Embedded(), (), {"input_ids": ids, "position_ids": pos})  # the batch first
+
+
+def test_outputs_that_are_parameters_buffers_or_arguments_are_returned():
+    """[Note: outputs that are inputs] in _trace.py: a model returning a parameter (a
+    temperature for a loss computed outside), a buffer or an argument as it came made no
+    op's result of them, and every call failed with a KeyError."""
+    class PassesThrough(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 3)
+            self.temperature = torch.nn.Parameter(torch.tensor(2.0))
+            self.register_buffer("center", torch.arange(3.0))
+
+        def forward(self, x, labels):
+            return self.lin(x), self.temperature, self.center, labels
+
+    model = PassesThrough()
+    x, labels = torch.randn(6, 4), torch.arange(6)
+    g = rannc.trace(model, (x, labels))
+    outputs = g(x, labels)
+    for got, expected in zip(outputs, model(x, labels)):
+        torch.testing.assert_close(got, expected)
+    aliased = [t.op for t in g.ir.tasks() if t.op == "aten::alias"]
+    assert len(aliased) == 3, [t.op for t in g.ir.tasks()]
+
+
+def test_a_value_pairing_the_rows_of_the_batch_names_its_op():
+    """[Note: rows paired] in csrc/frontend/traced_model.h: an in-batch contrastive loss
+    makes a value with the batch in two dimensions; the trace names the op that makes it
+    (the planner then plans one micro-batch), and a model computed row by row has none."""
+    class InBatch(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            z = self.lin(x)
+            similarity = z @ z.T  # the pairing op
+            return torch.nn.functional.cross_entropy(similarity, torch.arange(x.shape[0]))
+
+    x = torch.randn(6, 4)
+    ops = rannc.trace(InBatch(), (x,))._trace.traced.pairing_ops
+    assert len(ops) == 1 and ops[0].startswith("op aten::matmul") and "InBatch" in ops[0], ops
+    assert rannc.trace(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()),
+                       (x,))._trace.traced.pairing_ops == []

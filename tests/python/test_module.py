@@ -739,7 +739,7 @@ def test_a_failure_while_tracing_new_shapes_says_so_with_both_shapes():
                                    "num_items_in_batch", "uneven_selection", "late_optimizer",
                                    "rank0_only", "process_group", "compiled", "sync_batch_norm",
                                    "module_state_dict", "forward_hook", "unfreeze", "eval_memory", "no_grad_forward", "module_modes", "optimizer_anew", "loss_view1", "buffer_replicas",
-                                   "averaged_model", "save_pretrained", "two_calls",
+                                   "averaged_model", "save_pretrained", "two_calls", "pairs_rows",
                                    "param_hooks", "retained_graph", "adversarial",
                                    "add_param_group", "outside_parameter"])
 def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):

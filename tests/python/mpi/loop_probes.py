@@ -125,6 +125,15 @@ behaviour and prints "OK rank r", or fails the way the test expects.
                                        each training call the ranks hold the same batch norm
                                        statistics, the state_dict()'s, and evaluate alike
                                        ([Note: buffers of replicas] in placement.py)
+    loop_probes.py pairs_rows          an in-batch contrastive loss (CLIP's) inside forward:
+                                       planned with one micro-batch, each replica of its
+                                       stage pairing the rows it holds (equal to DDP's ranks
+                                       on one stage, to one process on two); computed
+                                       outside the module from the embeddings and the
+                                       temperature (or the raw parameter, [Note: outputs
+                                       that are inputs]) forward returns, the towers pipeline
+                                       4 micro-batches ([Note: rows paired]; it was cut into
+                                       micro-batches without a word)
     loop_probes.py save_pretrained     transformers' model.save_pretrained(dir) on the wrapper,
                                        on every rank and on rank 0 alone: config.json and the
                                        whole trained weights, which from_pretrained loads
@@ -1669,6 +1678,72 @@ elif probe == "outside_parameter":  # optimizer_share.py: parameters outside the
     all_gather_objects(None)
     if rank == 0:
         shutil.rmtree(directory)
+    print(f"OK rank {rank}", flush=True)
+elif probe == "pairs_rows":  # [Note: rows paired] in csrc/frontend/traced_model.h
+    class Contrastive(nn.Module):
+        """Two towers and CLIP's loss over the batch; with `returns` ("temperature" or
+        "parameter"), the loss is left to the caller, and forward returns the embeddings and
+        the temperature (as open_clip's models do) or the parameter it is made from."""
+
+        def __init__(self, returns=None):
+            super().__init__()
+            self.returns = returns
+            self.a = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
+            self.b = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 8))
+            self.scale = nn.Parameter(torch.tensor(2.0))
+
+        def forward(self, x, y):
+            za, zb = self.a(x), self.b(y)
+            if self.returns == "parameter":  # [Note: outputs that are inputs] in _trace.py
+                return za, zb, self.scale
+            if self.returns == "temperature":
+                return za, zb, self.scale.exp()
+            return clip_loss(za, zb, self.scale.exp())
+
+    def clip_loss(za, zb, temperature):
+        logits = (nn.functional.normalize(za, dim=-1) @ nn.functional.normalize(zb, dim=-1).T
+                  * temperature)
+        labels = torch.arange(za.shape[0], device=za.device)
+        return (nn.functional.cross_entropy(logits, labels)
+                + nn.functional.cross_entropy(logits.T, labels)) / 2
+
+    def loss_of(outputs, returns):
+        """The loss of a model's call, computed outside where the model leaves it."""
+        if returns is None:
+            return outputs
+        za, zb, t = outputs
+        return clip_loss(za, zb, t.exp() if returns == "parameter" else t)
+
+    def shares_loss(model, x, y, shares, returns=None):
+        """The mean of the loss over `shares` equal shares of the rows: the loss of DDP's
+        ranks, each pairing its own rows."""
+        return sum(loss_of(model(xs, ys), returns)
+                   for xs, ys in zip(x.chunk(shares), y.chunk(shares))) / shares
+
+    # (what forward returns, layout, the shares whose rows the loss pairs, micro-batches):
+    # the loss inside, on one stage on both ranks, pairs each rank's rows; on two stages of
+    # one rank each, the global batch's, as one process; both with one micro-batch. The
+    # loss outside: the towers pipeline four micro-batches on two stages, and each rank's
+    # loss pairs its own rows, as under DDP.
+    cases = ((None, {"num_stages": 1}, 2, 1), (None, {"num_stages": 2, "cost_model": "analytic"}, 1, 1),
+             ("temperature", {"num_stages": 2, "num_microbatches": 4}, 2, 4),
+             ("parameter", {"num_stages": 2, "num_microbatches": 4}, 2, 4))
+    for returns, layout, shares, micro_batches in cases:
+        torch.manual_seed(0)
+        reference, opt, ref_opt, wrapped = sgd_pair(Contrastive(returns), **layout)
+        for step in range(3):
+            gen = torch.Generator().manual_seed(step)
+            x, y = torch.randn(16, 8, generator=gen), torch.randn(16, 6, generator=gen)
+            mine = slice(8 * rank, 8 * (rank + 1))
+            loss = loss_of(wrapped(x[mine], y[mine]), returns)
+            ref_loss = shares_loss(reference, x, y, shares, returns)
+            expected = (ref_loss if returns is None
+                        else loss_of(reference(x[mine], y[mine]), returns))  # this rank's
+            torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6, msg=lambda m: (
+                f"rank {rank}: {returns} {layout} step {step}: {m}"))
+            step_both(loss, ref_loss, opt, ref_opt)
+        assert wrapped.deployments["train"].micro_batches == micro_batches, (returns, layout)
+        same_stage_parameters(wrapped.module, reference, rtol=1e-5)
     print(f"OK rank {rank}", flush=True)
 else:
     raise SystemExit(f"unknown probe {probe}")
