@@ -416,7 +416,7 @@ class Deployed:
                         "programs before hold] in deployed.py)")
         device.devices_per_node = max(1, _C.get_local_size())
         update_rate = None
-        if profiled and training:
+        if profiled and training and not opts.profile_fake_timer:  # fake: times from shapes
             from .update_cost import measure_update_rate
             # Only rank 0 plans; the others profile their share of the pieces.
             timed = time.perf_counter()

@@ -151,7 +151,8 @@ class Options:
                                            "(0: measure every row count)")
     compose_costs: bool = _option(True, "a range of blocks costs the sum of its parts' measurements "
                                   "instead of being measured whole")
-    profile_fake_timer: bool = _option(False, "deterministic times from shapes (tests)")
+    profile_fake_timer: bool = _option(False, "deterministic times from shapes (tests); the optimizer's "
+                                       "update is not timed either")
     profile_fake_noise: float = _option(0.0, "with profile_fake_timer: each measurement scaled by a "
                                         "reproducible draw in 1 +- this (tests of noisy clocks)")
     profile_fake_seed: int = _option(0, "the seed of profile_fake_noise's draws")
