@@ -21,11 +21,12 @@ import time
 import zlib
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from . import _C, clipping, failure, full_state, handshake, registry, trainer_support
 from .deployed import autocast_off, Deployed, module_modes
 from .graph import TracedGraph
-from ._trace import autocast_dtype, traced_differently
+from ._trace import autocast_dtype, module_hooks, traced_differently
 from ._trace import flatten_args as _trace_flat
 from .options import PRECISIONS, Options
 from .optimizer_share import OptimizerShare
@@ -201,8 +202,45 @@ class RaNNCModule(torch.nn.Module):
         if _C.get_rank() == 0:
             for warning in traced_differently(model):
                 _C.log_warn(warning)
+        # [Note: hooks registered later]
+        self._hook_ids = RemovableHandle.next_id
+        self._hooked = {kind: set(module_hooks(model, backward=kind == "backward"))
+                        for kind in ("forward", "backward")}
+
+    # [Note: hooks registered later] A module's hook registered after the model was traced
+    # (a feature extractor's forward hook added for evaluation, a backward hook added to
+    # watch gradients) never runs in rannc's steps, which run the traced graph; before, it
+    # was dropped without a word. Any hook registered anywhere takes the next id of torch's
+    # RemovableHandle, so a call looks at the modules' hooks only when that id moved, and
+    # rank 0 warns, naming the modules, once per hook's module.
+    def _watch_hooks(self) -> None:
+        self._hook_ids = RemovableHandle.next_id
+        traced = bool(self._deployed or self._deployed_by_arguments)
+        for kind in ("forward", "backward"):
+            now = set(module_hooks(self.module, backward=kind == "backward"))
+            new = sorted(now - self._hooked[kind])
+            self._hooked[kind] = now
+            if not new or _C.get_rank() != 0:
+                continue
+            where = failure.some_of(new)
+            if kind == "forward" and not traced:  # the first trace runs them, as at wrapping
+                _C.log_warn(f"forward hooks on {where} run while rannc traces the model, not in "
+                            "each step: their side effects (storing activations, logging) happen "
+                            "at tracing only ([Note: hooks] in _trace.py)")
+            elif kind == "forward":
+                _C.log_warn(f"forward hooks on {where} were registered after rannc traced the "
+                            "model: its steps run the traced graph, so they never run (register "
+                            "them before the first call to have them traced; their side effects "
+                            "happen at tracing only) ([Note: hooks registered later] in module.py)")
+            elif traced:  # before the first call, tracing refuses them
+                _C.log_warn(f"backward hooks on {where} were registered after rannc traced the "
+                            "model: they never run, and the gradients they would change train "
+                            "as they come. Remove them, or hook the parameters "
+                            "(param.register_hook) ([Note: hooks registered later] in module.py)")
 
     def forward(self, *args, **kwargs):
+        if RemovableHandle.next_id != self._hook_ids:  # [Note: hooks registered later]
+            self._watch_hooks()
         mode = self.module.training
         world = _C.get_world_size()
         if self._prepared_by_accelerate and world > 1 and \

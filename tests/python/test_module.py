@@ -770,7 +770,8 @@ def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
     module_state_dict: model.module.state_dict() on a rank that lacks tensors is an error
     naming them (it returned empty tensors), as are model.module.load_state_dict() and
     model.module(x) (they failed in some op on a size of 0).
-    forward_hook: a hook's returned value is traced; rank 0 warns of its side effects.
+    forward_hook: a hook's returned value is traced; rank 0 warns of its side effects, and
+    of hooks registered after the trace, which never run (no word before).
     unfreeze: parameters unfrozen or frozen between steps train as in PyTorch (the change
     was ignored: an unfrozen block never trained) ([Note: frozen parameters]).
     averaged_model: AveragedModel (an EMA made before the first call) and a frozen
@@ -821,6 +822,9 @@ def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
     if probe == "forward_hook":
         assert "forward hooks on blocks.1 run while rannc traces the model" in res.stdout, \
             res.stdout[-3000:]
+        for kind in ("forward", "backward"):
+            assert res.stdout.count(f"{kind} hooks on blocks.0 were registered after rannc "
+                                    "traced the model") == 1, res.stdout[-3000:]
     if probe == "sync_batch_norm":
         assert "SyncBatchNorm in stem.1, blocks.0.bn1, blocks.0.bn2 and 2 more: rannc" in res.stdout, res.stdout[-3000:]
     if probe == "compiled":

@@ -1063,6 +1063,14 @@ elif probe == "forward_hook":  # [Note: hooks] in _trace.py
         torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
         step_both(loss, ref_loss, opt, ref_opt)
         same_stage_parameters(model, reference, rtol=1e-4)
+    # registered after the trace: never run, and rank 0 says so once ([Note: hooks
+    # registered later] in module.py)
+    seen = []
+    model.blocks[0].register_forward_hook(lambda mod, inputs, out: seen.append(1))
+    model.blocks[0].register_full_backward_hook(lambda mod, grad_in, grad_out: seen.append(2))
+    for step in range(2):
+        train(wrapped, opt, args)
+    assert not seen, seen
     print(f"OK rank {rank}", flush=True)
 elif probe == "no_grad_forward":  # [Note: no_grad in forward] in _trace.py
     import torch.nn.functional as F
