@@ -57,14 +57,39 @@ at::Generator StageExecutor::generator() const {
   return at::globalContext().defaultGenerator(device_);
 }
 
-std::vector<c10::IValue> StageExecutor::run(const std::vector<c10::IValue>& inputs) {
+std::vector<c10::IValue> StageExecutor::run(const std::vector<c10::IValue>& inputs,
+                                            const std::unordered_map<ir::ValueId, at::Tensor>& instead) {
   std::vector<c10::IValue> all;
   size_t next = 0;
   for (ir::ValueId id : frontend::runPieceInputs(*model_, piece_)) {
-    auto it = state_.find(id);
+    auto replaced = instead.find(id);
+    auto it = replaced != instead.end() ? replaced : state_.find(id);
     all.push_back(it != state_.end() ? c10::IValue(it->second) : inputs[next++]);
   }
   return frontend::runPiece(*model_, piece_, all);
+}
+
+// [Note: buffers a recompute writes] A forward that writes into buffers (batch norm's
+// running statistics and its counter, an EMA center) wrote them again when a recomputing
+// stage rebuilt its graph in backward: under recomputation (recompute="always", or "auto"
+// where memory asks for it) batch norm's statistics moved twice per micro-batch, and
+// num_batches_tracked counted two, without a word. The first recomputing forward finds the
+// buffers it writes by their values (batch norm's kernels bump no version counter), and
+// each rebuild runs on copies of them, which the rebuilt graph keeps for its backward.
+std::vector<c10::IValue> StageExecutor::runFindingWrittenBuffers(const std::vector<c10::IValue>& inputs) {
+  std::vector<std::pair<ir::ValueId, at::Tensor>> before;
+  for (const auto& [id, t] : state_) {
+    if (model_->graph.value(id).role == ir::ValueRole::Buffer && t.defined()) {
+      before.emplace_back(id, t.clone());
+    }
+  }
+  std::vector<c10::IValue> outputs = run(inputs);
+  written_buffers_.emplace();
+  for (const auto& [id, old] : before) {
+    const at::Tensor& now = state_.at(id);
+    if (now.sizes() != old.sizes() || !now.equal(old)) written_buffers_->push_back(id);
+  }
+  return outputs;
 }
 
 std::vector<c10::IValue> StageExecutor::leaves(const std::vector<c10::IValue>& inputs) const {
@@ -106,7 +131,7 @@ std::vector<c10::IValue> StageExecutor::forward(int64_t mb, const std::vector<c1
       stash.rng_state = gen.get_state();
     }
     torch::NoGradGuard no_grad;
-    outputs = run(inputs);
+    outputs = written_buffers_ ? run(inputs) : runFindingWrittenBuffers(inputs);
   } else {
     stash.inputs = leaves(inputs);
     outputs = run(stash.inputs);
@@ -143,8 +168,12 @@ StageExecutor::Stash StageExecutor::takeForBackward(int64_t mb, const std::vecto
       gen.set_state(stash.rng_state);
     }
     stash.inputs = leaves(stash.inputs);
+    std::unordered_map<ir::ValueId, at::Tensor> copies;  // [Note: buffers a recompute writes]
+    if (written_buffers_) {
+      for (ir::ValueId id : *written_buffers_) copies.emplace(id, state_.at(id).clone());
+    }
     torch::AutoGradMode grad(true);
-    stash.outputs = run(stash.inputs);
+    stash.outputs = run(stash.inputs, copies);
     std::lock_guard<std::mutex> lock(gen.mutex());
     gen.set_state(current);
   }

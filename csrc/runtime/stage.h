@@ -9,6 +9,7 @@
 // frees it, so a 1F1B stage i of S holds at most min(S-i, M) stashes.
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <unordered_map>
 #include <vector>
 
@@ -89,8 +90,12 @@ class StageExecutor {
                         std::vector<at::Tensor>& roots, std::vector<at::Tensor>& grads,
                         bool retain = false);
 
-  std::vector<c10::IValue> run(const std::vector<c10::IValue>& inputs);
+  // Runs the piece on `inputs` and the state tensors, those in `instead` replaced.
+  std::vector<c10::IValue> run(const std::vector<c10::IValue>& inputs,
+                               const std::unordered_map<ir::ValueId, at::Tensor>& instead = {});
   std::vector<c10::IValue> leaves(const std::vector<c10::IValue>& inputs) const;
+  // [Note: buffers a recompute writes] The first recomputing forward finds them.
+  std::vector<c10::IValue> runFindingWrittenBuffers(const std::vector<c10::IValue>& inputs);
 
   std::shared_ptr<const frontend::TracedModel> model_;
   ir::Subgraph piece_;
@@ -100,6 +105,9 @@ class StageExecutor {
   std::vector<char> no_grad_;  // per input: gets no gradient (setNoGradInputs)
   std::unordered_map<int64_t, Stash> stash_;
   std::unordered_map<int64_t, std::shared_ptr<frontend::WeightPart>> pending_weights_;
+  // the buffers the forward writes (batch norm's statistics), once a recomputing forward
+  // found them ([Note: buffers a recompute writes])
+  std::optional<std::vector<ir::ValueId>> written_buffers_;
 };
 
 }  // namespace rannc::runtime

@@ -134,6 +134,9 @@ behaviour and prints "OK rank r", or fails the way the test expects.
                                        that are inputs]) forward returns, the towers pipeline
                                        4 micro-batches ([Note: rows paired]; it was cut into
                                        micro-batches without a word)
+    loop_probes.py recompute_buffers   batch norm on stages that recompute: its statistics
+                                       and counter move once per forward, equal to PyTorch
+                                       ([Note: buffers a recompute writes]; they moved twice)
     loop_probes.py save_pretrained     transformers' model.save_pretrained(dir) on the wrapper,
                                        on every rank and on rank 0 alone: config.json and the
                                        whole trained weights, which from_pretrained loads
@@ -1754,6 +1757,26 @@ elif probe == "pairs_rows":  # [Note: rows paired] in csrc/frontend/traced_model
             step_both(loss, ref_loss, opt, ref_opt)
         assert wrapped.deployments["train"].micro_batches == micro_batches, (returns, layout)
         same_stage_parameters(wrapped.module, reference, rtol=1e-5)
+    print(f"OK rank {rank}", flush=True)
+elif probe == "recompute_buffers":  # [Note: buffers a recompute writes] in runtime/stage.cpp
+    # A ResNet on 2 stages recomputing every stage, one micro-batch: the stages see the
+    # global batch as one process does, so batch norm's statistics and counters equal
+    # PyTorch's (each recompute wrote them again: twice the moves and the counts).
+    model, _, _ = zoo.make("resnet", batch=4, seed=0)
+    reference, opt, ref_opt, wrapped = sgd_pair(model, num_stages=2, num_microbatches=1,
+                                                recompute="always", cost_model="analytic")
+    for step in range(3):
+        whole, mine = global_batch("resnet", seed=step)
+        loss, ref_loss = wrapped(*mine), reference(*whole)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"rank {rank}: step {step}: {m}")
+        step_both(loss, ref_loss, opt, ref_opt)
+    assert all(s.recompute for s in wrapped.deployments["train"].stages)
+    state, ref_state = wrapped.state_dict(), reference.state_dict()
+    assert any("num_batches_tracked" in n for n in state)
+    for name, value in state.items():
+        torch.testing.assert_close(value, ref_state[name], rtol=1e-5, atol=1e-5,
+                                   msg=lambda m: f"rank {rank}: {name}: {m}")
     print(f"OK rank {rank}", flush=True)
 else:
     raise SystemExit(f"unknown probe {probe}")
