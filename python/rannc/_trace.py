@@ -478,6 +478,15 @@ def traced_differently(model: torch.nn.Module) -> list[str]:
     return found
 
 
+class _CheckpointRunPlainly:
+    """torch.utils.checkpoint's reentrant CheckpointFunction while a model is traced
+    ([Note: checkpoints in forward])."""
+
+    @staticmethod
+    def apply(function, preserve_rng_state, *args):
+        return function(*args)
+
+
 @contextlib.contextmanager
 def traceable_parts(model: torch.nn.Module):
     """Parts of the model that cannot be traced as written run as rannc runs them, while
@@ -495,8 +504,17 @@ def traceable_parts(model: torch.nn.Module):
     once torch.distributed is initialised (rannc.init_process_group(), accelerate), would
     record an all-gather over the world into the trace, which the stages, each on a few
     ranks, would run out of step (on the CPU it refuses outright).
+
+    [Note: checkpoints in forward] torch.utils.checkpoint.checkpoint called in forward with
+    use_reentrant=True (the default where the argument is left out, and transformers' for
+    its gradient checkpointing) is an autograd.Function that torch.jit.trace cannot record:
+    tracing failed with "unordered_map::at". It runs its function plainly, as the
+    non-reentrant form is traced: the ops are the same, and which stages recompute in the
+    backward is the plan's (option recompute).
     """
-    saved = []
+    import torch.utils.checkpoint as checkpoints
+    saved = [(checkpoints, "CheckpointFunction", checkpoints.CheckpointFunction)]
+    checkpoints.CheckpointFunction = _CheckpointRunPlainly
     for _, m in compiled_parts(model):
         if m.__dict__.get("_compiled_call_impl") is not None:  # Module.compile()
             saved.append((m, "_compiled_call_impl", m.__dict__["_compiled_call_impl"]))

@@ -848,3 +848,26 @@ def test_a_value_pairing_the_rows_of_the_batch_names_its_op():
     assert len(ops) == 1 and ops[0].startswith("op aten::matmul") and "InBatch" in ops[0], ops
     assert rannc.trace(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()),
                        (x,))._trace.traced.pairing_ops == []
+
+
+def test_a_reentrant_checkpoint_in_forward_traces_as_its_ops():
+    """[Note: checkpoints in forward] in _trace.py: torch.utils.checkpoint with
+    use_reentrant=True (the default where the argument is left out) made tracing fail with
+    "unordered_map::at"; it is traced as the ops it runs, as the non-reentrant form is."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)
+
+        def forward(self, x):
+            h = checkpoint(lambda t: torch.relu(self.a(t)), x, use_reentrant=True)
+            return self.b(h).pow(2).mean()
+
+    model = Checkpointed()
+    x = torch.randn(6, 4)
+    g = rannc.trace(model, (x,))
+    torch.testing.assert_close(g(x), model(x))
+    import torch.utils.checkpoint as checkpoints
+    assert checkpoints.CheckpointFunction.__name__ == "CheckpointFunction"  # restored
