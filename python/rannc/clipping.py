@@ -28,12 +28,15 @@ import torch
 from . import _C, handshake, registry
 
 _TORCH_CLIP = torch.nn.utils.clip_grad.clip_grad_norm_
+_TORCH_TOTAL_NORM = getattr(torch.nn.utils, "get_total_norm", None)  # torch >= 2.6
 
 
 def install() -> None:
-    """Puts clip_grad_norm_ where torch's callers look it up."""
+    """Puts clip_grad_norm_ and get_total_norm where torch's callers look them up."""
     torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
     torch.nn.utils.clip_grad.clip_grad_norm_ = clip_grad_norm_  # torch's deprecated alias calls it
+    if _TORCH_TOTAL_NORM is not None:
+        torch.nn.utils.get_total_norm = get_total_norm
 
 
 def warn_early_imports() -> None:
@@ -128,3 +131,43 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
     scale_(held + others, max_norm, total)
     device = (held + others)[0].device if held or others else total.device
     return total.float().to(device)
+
+
+# [Note: torch's get_total_norm] torch >= 2.6 splits clip_grad_norm_ into
+# `total = get_total_norm([p.grad for p in params])` and
+# `clip_grads_with_norm_(params, max_norm, total)` (for a norm to log, or a clip of one's
+# own). Each rank holds its stages' gradients, so torch's get_total_norm gave the norm of
+# this rank's stages (0.107 for 0.161 on 2 stages), and the clip scaled each stage by its
+# own, without a word. Here the gradients of a trained RaNNCModule's parameters among
+# `tensors` count over every stage (each parameter once, one collective, as in
+# clip_grad_norm_), and the others this rank's. clip_grads_with_norm_ scales by the total it
+# is given, so torch's is right as it is. A norm written by hand over `p.grad` still
+# measures this rank's stages only (docs/api.md).
+@torch.no_grad()
+def get_total_norm(tensors, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                   foreach: bool | None = None) -> torch.Tensor:
+    """torch.nn.utils.get_total_norm, with the gradients of a RaNNCModule's parameters
+    counted over every stage ([Note: torch's get_total_norm]). A collective when any of
+    `tensors` is the gradient of a parameter of a RaNNCModule that has trained."""
+    tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    given = {id(t) for t in tensors}
+    counted, claimed = [], set()
+    if _C.get_world_size() > 1:
+        for module in registry.modules():
+            if module._deployed.get(True) is None:
+                continue
+            mine = {id(p) for p in module.module.parameters()
+                    if p.grad is not None and id(p.grad) in given}
+            if mine:
+                counted += counted_grads(module, mine)
+                claimed |= {id(p.grad) for p in module.module.parameters() if id(p) in mine}
+    if not claimed:
+        return _TORCH_TOTAL_NORM(tensors, norm_type, error_if_nonfinite, foreach)
+    norm_type = float(norm_type)
+    total = global_norm(counted, [t for t in tensors if id(t) not in claimed], norm_type)
+    if error_if_nonfinite and not math.isfinite(float(total)):
+        raise RuntimeError(
+            f"The total norm of order {norm_type} for gradients from `parameters` is "
+            "non-finite, so it cannot be clipped. To disable this error and scale the "
+            "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
+    return total.float().to(tensors[0].device)

@@ -87,13 +87,15 @@ def test_training_equals_pytorch(ranks, model, stages, micro, extra):
     (4, "gpt", 2, 2, ["--clip-by", "torch_subset", "--opt", "replicas=1,3"]),
     (3, "gpt", 3, 3, ["--clip-by", "torch", "--opt", "schedule=zb_h1"]),
     (2, "transformer", 2, 2, ["--clip-by", "torch", "--mode", "outside"]),  # fill-drain
+    (2, "gpt", 2, 2, ["--clip-by", "total_norm"]),
 ])
 def test_torchs_clip_grad_norm_clips_by_the_models_norm(ranks, model, stages, micro, extra):
     """torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm), as training loops and
     transformers' Trainer write it, measures the norm over every stage (before, each stage
     was clipped by its own): gradients and parameters equal PyTorch's, with a max_norm that
     clips every step, over all parameters and over a subset that spans the stages
-    ([Note: torch's clip_grad_norm_] in clipping.py)."""
+    ([Note: torch's clip_grad_norm_] in clipping.py); likewise get_total_norm followed by
+    clip_grads_with_norm_ ([Note: torch's get_total_norm]; it measured each stage's)."""
     res = mpirun("train_check.py", ranks, model, "--stages", stages, "--micro", micro,
                  "--steps", 3, "--clip", 0.05, *extra, timeout=300,
                  env={"RANNC_COMM_TIMEOUT": "60"})

@@ -28,6 +28,7 @@ eval()/no_grad outputs. Exits non-zero on the first mismatch (on every rank).
     --scaler torch: fp16 on rannc's side with torch.amp.GradScaler, not rannc.GradScaler
             (`import rannc` makes torch's agree across the ranks, [Note: agreed steps])
     --clip-by torch|torch_subset: clip with torch.nn.utils.clip_grad_norm_ on rannc's side
+    --clip-by total_norm: with torch.nn.utils.get_total_norm and clip_grads_with_norm_
             too (after unscale_ with a scaler), over model.parameters() or over every other
             parameter by name (a subset that spans the stages); the norm is the model's
     --show-stages: rank 0 prints the ops of each stage ("stage 0 ops: aten::linear,...")
@@ -60,7 +61,7 @@ ap.add_argument("--amp", default="", choices=["", "bf16", "fp16"])
 ap.add_argument("--inject-inf", type=int, default=-1)
 ap.add_argument("--clip", type=float, default=0.0, help="clip the gradients' global norm")
 ap.add_argument("--scaler", default="rannc", choices=["rannc", "torch"])
-ap.add_argument("--clip-by", default="rannc", choices=["rannc", "torch", "torch_subset"])
+ap.add_argument("--clip-by", default="rannc", choices=["rannc", "torch", "torch_subset", "total_norm"])
 ap.add_argument("--show-stages", action="store_true", help="rank 0 prints each stage's ops")
 a = ap.parse_args()
 options = dict(o.split("=", 1) for o in a.opt)
@@ -260,6 +261,10 @@ for step in range(a.steps):
         clipped = set(clipped[::2] if a.clip_by == "torch_subset" else clipped)
         if a.clip_by == "rannc":
             norm = wrapped.clip_grad_norm(a.clip, scaler=scaler)
+        elif a.clip_by == "total_norm":  # torch >= 2.6's two halves ([Note: torch's get_total_norm])
+            params = list(wrapped.parameters())
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+            torch.nn.utils.clip_grads_with_norm_(params, a.clip, norm)
         else:  # what training loops write ([Note: torch's clip_grad_norm_])
             if scaler is not None:
                 scaler.unscale_(opt)
