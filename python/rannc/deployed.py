@@ -343,6 +343,7 @@ class Deployed:
     def _plan(self, ir, world, opts):
         # A plan runs only for the batch and world it was made for: local batch x ranks.
         batch = self.graph.batch_size * world
+        opts = self._whole_gradient_optimizers(world, opts)
         if opts.load_plan:
             self.owner._planned_optimizer_kind = None  # the file's plan counted what it did
             return _C.load_deployment(opts.load_plan, ir, batch_size=batch, world_size=world)
@@ -354,6 +355,38 @@ class Deployed:
         if opts.save_plan and _C.get_rank() == 0:
             deployment.save(opts.save_plan)
         return deployment
+
+    # [Note: optimizers that read every gradient] torch.optim.LBFGS flattens its
+    # parameters' gradients into one vector and takes dot products, norms and a line search
+    # over it; each rank holds its stages' gradients only, so on several stages every rank
+    # stepped by its stages' curvature alone (the loss after a step read 2.29 for PyTorch's
+    # 0.32), without a word. One stage holds every gradient, summed over the replicas, on
+    # every rank, so a model trained by such an optimizer is planned as one stage, and a
+    # plan of more (num_stages, or a plan's file) is an error on every rank naming it.
+    _WHOLE_GRADIENT_OPTIMIZERS = ("LBFGS",)
+
+    def _whole_gradient_optimizers(self, world: int, opts):
+        if world == 1 or not self.owner.module.training:
+            return opts
+        from .optimizer_share import built_over
+        optimizers = self.owner.optimizers or built_over(self.owner)
+        names = sorted({type(o).__name__ for o in optimizers
+                        if type(o).__name__ in self._WHOLE_GRADIENT_OPTIMIZERS})
+        if not names:
+            return opts
+        if opts.num_stages > 1 or opts.load_plan:
+            given = (f"num_stages={opts.num_stages}" if opts.num_stages > 1
+                     else f"the plan in {opts.load_plan}")
+            raise failure.agreed(
+                f"{' and '.join(names)} reads every gradient of the model at each step, but "
+                f"{given} cuts the model into stages, each rank holding its stages' gradients "
+                "only: plan one stage (leave num_stages unset, or 1), or use another optimizer "
+                "([Note: optimizers that read every gradient] in deployed.py)")
+        if _C.get_rank() == 0:
+            _C.log_info(f"{' and '.join(names)} reads every gradient of the model at each step: "
+                        "planned as one stage, replicated on every rank ([Note: optimizers that "
+                        "read every gradient] in deployed.py)")
+        return dataclasses.replace(opts, num_stages=1)
 
     @staticmethod
     def _profiled(opts, world: int) -> bool:

@@ -741,7 +741,7 @@ def test_a_failure_while_tracing_new_shapes_says_so_with_both_shapes():
                                    "num_items_in_batch", "uneven_selection", "late_optimizer",
                                    "rank0_only", "process_group", "compiled", "sync_batch_norm",
                                    "module_state_dict", "forward_hook", "unfreeze", "eval_memory", "no_grad_forward", "module_modes", "optimizer_anew", "loss_view1", "buffer_replicas",
-                                   "averaged_model", "save_pretrained", "two_calls", "pairs_rows", "recompute_buffers",
+                                   "averaged_model", "save_pretrained", "two_calls", "pairs_rows", "recompute_buffers", "lbfgs",
                                    "param_hooks", "retained_graph", "adversarial",
                                    "add_param_group", "outside_parameter"])
 def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
@@ -811,7 +811,9 @@ def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
     (each micro-batch paired its own rows), equal to DDP on one stage and to one process on
     two; outside the module, the towers pipeline micro-batches ([Note: rows paired]).
     recompute_buffers: batch norm on recomputing stages moves its statistics once per
-    forward, as PyTorch ([Note: buffers a recompute writes]; twice before)."""
+    forward, as PyTorch ([Note: buffers a recompute writes]; twice before).
+    lbfgs: LBFGS is planned as one stage and trains as PyTorch; num_stages=2 with it is an
+    error on every rank ([Note: optimizers that read every gradient])."""
     ranks = 3 if probe == "param_hooks" else 2
     res = mpirun("loop_probes.py", ranks, probe, timeout=300, env={"RANNC_COMM_TIMEOUT": "60"})
     assert res.returncode == 0, res.stdout[-4000:]

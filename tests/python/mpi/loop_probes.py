@@ -137,6 +137,10 @@ behaviour and prints "OK rank r", or fails the way the test expects.
     loop_probes.py recompute_buffers   batch norm on stages that recompute: its statistics
                                        and counter move once per forward, equal to PyTorch
                                        ([Note: buffers a recompute writes]; they moved twice)
+    loop_probes.py lbfgs               LBFGS with a closure: planned as one stage (it reads
+                                       every gradient), equal to PyTorch; num_stages=2 is an
+                                       error on every rank naming it ([Note: optimizers that
+                                       read every gradient]; each rank stepped by its stages)
     loop_probes.py save_pretrained     transformers' model.save_pretrained(dir) on the wrapper,
                                        on every rank and on rank 0 alone: config.json and the
                                        whole trained weights, which from_pretrained loads
@@ -1777,6 +1781,42 @@ elif probe == "recompute_buffers":  # [Note: buffers a recompute writes] in runt
     for name, value in state.items():
         torch.testing.assert_close(value, ref_state[name], rtol=1e-5, atol=1e-5,
                                    msg=lambda m: f"rank {rank}: {name}: {m}")
+    print(f"OK rank {rank}", flush=True)
+elif probe == "lbfgs":  # [Note: optimizers that read every gradient] in deployed.py
+    def lbfgs(model):
+        return torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4, history_size=5)
+
+    torch.manual_seed(0)
+    model = Regression()
+    reference = copy.deepcopy(model)
+    opt, ref_opt = lbfgs(model), lbfgs(reference)
+    wrapped = rannc.RaNNCModule(model, opt, num_microbatches=2, cost_model="analytic")
+    for step in range(3):
+        gen = torch.Generator().manual_seed(step)
+        x, y = torch.randn(16, 4, generator=gen), torch.randn(16, 1, generator=gen)
+        mine = slice(8 * rank, 8 * (rank + 1))
+
+        def closure():
+            opt.zero_grad()
+            loss = wrapped(x[mine], y[mine])
+            loss.backward()
+            return loss
+
+        def ref_closure():
+            ref_opt.zero_grad()
+            loss = reference(x, y)
+            loss.backward()
+            return loss
+
+        loss, ref_loss = opt.step(closure), ref_opt.step(ref_closure)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"rank {rank}: step {step}: {m}")
+    assert wrapped.deployments["train"].num_stages == 1
+    same_stage_parameters(model, reference, rtol=1e-4, atol=1e-4)  # LBFGS amplifies rounding
+    # cut into stages on purpose: an error on every rank, naming the optimizer
+    model = Regression()
+    staged = rannc.RaNNCModule(model, lbfgs(model), num_stages=2, cost_model="analytic")
+    expect_error(lambda: staged(x[mine], y[mine]), "LBFGS reads every gradient", "num_stages=2")
     print(f"OK rank {rank}", flush=True)
 else:
     raise SystemExit(f"unknown probe {probe}")
