@@ -215,6 +215,8 @@ class Trace:
     out_leaves: list[Any]  # output leaves; non-tensors are returned as traced
     out_tensor_slots: list[int]
     batch_size: int
+    # the modules' plain attributes the forward read, as traced ([Note: attributes read])
+    attributes: list = dataclasses.field(default_factory=list)
 
 
 def _second_batch(flat: FlatArgs, batch: int, dims: list, mirror: bool = True
@@ -649,6 +651,71 @@ def _user_frame(error: BaseException) -> str:
     return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
 
 
+# [Note: attributes read] A module's attribute that forward reads as a Python number
+# (`logits / self.temperature`, `if self.use_extra:`, dropout's `p`) is a constant of the
+# trace. A training loop that changes it between steps (an annealed temperature, a
+# curriculum flag) had it ignored without a word. While the model is traced, every read of
+# an int, float or bool from a module's own __dict__ is recorded (nn.Module's
+# __getattribute__, swapped for the trace and put back); a call whose values differ from
+# the traced ones is another program, traced with the new values ([Note: other arguments]
+# in module.py). An attribute that forward itself changes (a counter) is not watched, as
+# the steps run the graph and change none: rank 0 warns, naming it.
+_MODULE_INTERNALS = frozenset(torch.nn.Module().__dict__) | {"training"}
+_PLAIN = (int, float, bool)
+
+
+class _AttributeReads:
+    def __init__(self, model: torch.nn.Module):
+        self.names = {id(m): name for name, m in model.named_modules()}
+        self.first = {}  # (id of the module, attribute) -> (module, attribute, value first read)
+
+    def __enter__(self):
+        names, first = self.names, self.first
+        get = object.__getattribute__
+
+        def recording(module, attribute):
+            value = get(module, attribute)
+            if (type(value) in _PLAIN and attribute not in _MODULE_INTERNALS
+                    and (id(module), attribute) not in first and id(module) in names
+                    and attribute in get(module, "__dict__")):
+                first[(id(module), attribute)] = (module, attribute, value)
+            return value
+
+        torch.nn.Module.__getattribute__ = recording
+        return self
+
+    def __exit__(self, *exc):
+        del torch.nn.Module.__getattribute__
+
+    def watched(self) -> list:
+        """(module name, module, attribute, value) of each attribute read and left as read;
+        rank 0 warns of those forward changed."""
+        kept, changed = [], []
+        for module, attribute, value in self.first.values():
+            name = self.names[id(module)] or "the model"
+            now = module.__dict__.get(attribute, _MISSING)
+            if now == value and type(now) is type(value):
+                kept.append((name, module, attribute, value))
+            elif (id(module), attribute) not in _WARNED_CHANGES:  # once per attribute
+                _WARNED_CHANGES.add((id(module), attribute))
+                changed.append(f"{attribute} of {name} ({value!r} -> {now!r})")
+        if changed and _C.get_rank() == 0:
+            _C.log_warn(f"the forward changes {failure.some_of(changed)}: a trace runs the "
+                        "forward's Python, rannc's steps run the traced graph, which changes no "
+                        "attribute. Keep a count in a buffer (register_buffer) to have the steps "
+                        "update it ([Note: attributes read] in _trace.py)")
+        return kept
+
+
+_MISSING = object()
+_WARNED_CHANGES = set()  # (id of the module, attribute) that forward changes, named once
+
+
+def attribute_values(watched: list) -> tuple:
+    """The current values of the attributes `watched` ([Note: attributes read])."""
+    return tuple(module.__dict__.get(attribute, _MISSING) for _, module, attribute, _ in watched)
+
+
 def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
           state_tensors: list | None = None, home: torch.device | None = None) -> Trace:
     """`state_tensors`: what to trace the model's parameters and buffers with, in
@@ -674,15 +741,18 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
     state = ModelState.of(model)
     if state_tensors is None:
         state_tensors = state_for_tracing(model, state, home)
-    traced, out1 = _trace_with_layout(model, state, state_tensors, flat, home, batch,
-                                      _leading_batch_dims(flat.tensors, batch))
+    reads = _AttributeReads(model)  # [Note: attributes read]
+    with reads:
+        traced, out1 = _trace_with_layout(model, state, state_tensors, flat, home, batch,
+                                          _leading_batch_dims(flat.tensors, batch))
     # [Note: batch dimensions]
     ops = _RECURRENT_OPS + (_ATTENTION_OPS if sequence_first_attention(model) else ())
     along = recurrent_along_batch(traced.ir, ops)
     layout = _sequence_first_layout(flat.tensors) if along else None
     if layout is not None:
         try:
-            traced2, out2 = _trace_with_layout(model, state, state_tensors, flat, home, *layout)
+            with reads:
+                traced2, out2 = _trace_with_layout(model, state, state_tensors, flat, home, *layout)
         except TraceError:
             traced2 = None
         if traced2 is not None and not recurrent_along_batch(traced2.ir, ops):
@@ -711,7 +781,8 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
                     "not to compute a cache)")
     leaves = out1["leaves"]
     slots = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-    return Trace(traced, state, state_tensors, home, flat, out1["spec"], leaves, slots, batch)
+    return Trace(traced, state, state_tensors, home, flat, out1["spec"], leaves, slots, batch,
+                 attributes=reads.watched())
 
 
 def _batch_order_hint(flat: FlatArgs, batch: int) -> str:

@@ -262,6 +262,9 @@ class Deployed:
         self.params = state_tensors[:len(self.graph._trace.state.param_names)]
         self.trainable = self._trainable()
         self.modes = module_modes(self.owner.module)  # [Note: modules' modes]
+        # [Note: attributes read] in _trace.py: what the forward read, as traced
+        self.attributes = self.graph._trace.attributes
+        self.attribute_values = tuple(value for *_, value in self.attributes)
         self.variants = {(self.shapes, self.trainable): self}
         self.last_trained = self  # the variant the last training call ran (its gradients)
         self.unrunnable = {}  # (input shapes, trainable) -> why the plan cannot run them
@@ -555,6 +558,13 @@ class Deployed:
     # arguments is ([Note: other arguments] in module.py): its ops differ (a batch norm in
     # eval mode writes no statistics), so the first plan cannot run it. (Ranks whose modes
     # differ are in differently named programs: the handshake names them.)
+    def _attributes_changed(self, values: tuple) -> str:
+        changed = [f"{attribute} of {name} ({then!r} -> {now!r})"
+                   for (name, _, attribute, then), now in zip(self.attributes, values) if now != then]
+        return (f"the attribute{'s' if len(changed) > 1 else ''} {failure.some_of(changed)} "
+                "changed since the model was traced (a number that changes every step is "
+                "better kept in a buffer: [Note: attributes read] in _trace.py)")
+
     def _modes_changed(self, modes: tuple) -> str:
         names = [name or "the model" for (name, _), now, then
                  in zip(self.owner.module.named_modules(), modes, self.modes) if now != then]

@@ -26,7 +26,7 @@ from torch.utils.hooks import RemovableHandle
 from . import _C, clipping, failure, full_state, handshake, registry, trainer_support
 from .deployed import autocast_off, Deployed, module_modes
 from .graph import TracedGraph
-from ._trace import autocast_dtype, module_hooks, traced_differently
+from ._trace import attribute_values, autocast_dtype, module_hooks, traced_differently
 from ._trace import flatten_args as _trace_flat
 from .options import PRECISIONS, Options
 from .optimizer_share import OptimizerShare
@@ -272,6 +272,10 @@ class RaNNCModule(torch.nn.Module):
         if deployed is not None and modes != deployed.modes:
             # [Note: modules' modes] in deployed.py: another program, as other arguments are
             arguments = (arguments, "modules' modes", modes)
+        if deployed is not None and deployed.attributes:
+            values = attribute_values(deployed.attributes)
+            if values != deployed.attribute_values:  # [Note: attributes read] in _trace.py
+                arguments = (arguments, "modules' attributes", values)
         if arguments is not None:
             deployed = self._deployed_by_arguments.get((mode, arguments))
             # the collective names the program, so that ranks passing other arguments than
@@ -359,6 +363,15 @@ class RaNNCModule(torch.nn.Module):
         if (mode, arguments) in self._deployed_by_arguments:
             return  # a program it has
         programs = sum(1 for m, _ in self._deployed_by_arguments if m == mode)
+        attributes = len(arguments) == 3 and arguments[1] == "modules' attributes"
+        if programs >= self._MAX_PROGRAMS and attributes:
+            raise failure.agreed(
+                f"{'training' if mode else 'eval'} calls have met {programs + 1} different "
+                f"values of the model's attributes ({self._deployed[mode]._attributes_changed(arguments[2])}): "
+                "a number the forward reads from a module is baked into a trace, so each value "
+                "is another program, traced and planned on its own. Keep a number that changes "
+                "every step in a buffer (self.register_buffer('temperature', torch.tensor(1.0)), "
+                "then module.temperature.fill_(t)): the steps read it as an input")
         if programs >= self._MAX_PROGRAMS:
             raise failure.agreed(
                 f"{'training' if mode else 'eval'} calls have passed {programs + 1} different sets "
@@ -370,6 +383,7 @@ class RaNNCModule(torch.nn.Module):
             base = self._deployed[mode]
             changed = (f"with {base._modes_changed(arguments[2])}"
                        if len(arguments) == 3 and arguments[1] == "modules' modes"
+                       else f"with {base._attributes_changed(arguments[2])}" if attributes
                        else f"with other arguments than the first ({differs()})")
             _C.log_info(f"{'a training' if mode else 'an eval'} call {changed}: traced and "
                         f"planned as another program ({programs + 1} so far; [Note: other "

@@ -141,6 +141,10 @@ behaviour and prints "OK rank r", or fails the way the test expects.
                                        every gradient), equal to PyTorch; num_stages=2 is an
                                        error on every rank naming it ([Note: optimizers that
                                        read every gradient]; each rank stepped by its stages)
+    loop_probes.py attributes          a temperature and a flag of the model set between
+                                       steps: each set of values is traced again, equal to
+                                       PyTorch; a count forward keeps draws a warning
+                                       ([Note: attributes read]; they were ignored)
     loop_probes.py save_pretrained     transformers' model.save_pretrained(dir) on the wrapper,
                                        on every rank and on rank 0 alone: config.json and the
                                        whole trained weights, which from_pretrained loads
@@ -1817,6 +1821,40 @@ elif probe == "lbfgs":  # [Note: optimizers that read every gradient] in deploye
     model = Regression()
     staged = rannc.RaNNCModule(model, lbfgs(model), num_stages=2, cost_model="analytic")
     expect_error(lambda: staged(x[mine], y[mine]), "LBFGS reads every gradient", "num_stages=2")
+    print(f"OK rank {rank}", flush=True)
+elif probe == "attributes":  # [Note: attributes read] in _trace.py
+    class Annealed(nn.Module):
+        """A temperature and a flag the loop sets between steps, and a count forward keeps."""
+
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 16), nn.Linear(16, 3)
+            self.temperature, self.use_extra, self.calls = 1.0, False, 0
+
+        def forward(self, x, y):
+            self.calls += 1  # changed by forward: not watched, rank 0 warns
+            h = torch.tanh(self.a(x))
+            logits = self.b(h) / self.temperature
+            if self.use_extra:
+                logits = logits + h[:, :3]
+            return nn.functional.cross_entropy(logits, y)
+
+    torch.manual_seed(0)
+    reference, opt, ref_opt, wrapped = sgd_pair(Annealed(), num_stages=2, num_microbatches=2,
+                                                cost_model="analytic")
+    for step, (temperature, extra) in enumerate(((1.0, False), (0.5, False), (0.5, True),
+                                                 (0.25, True), (0.5, True))):
+        for m in (wrapped.module, reference):
+            m.temperature, m.use_extra = temperature, extra
+        gen = torch.Generator().manual_seed(step)
+        x, y = torch.randn(16, 4, generator=gen), torch.randint(0, 3, (16,), generator=gen)
+        mine = slice(8 * rank, 8 * (rank + 1))
+        loss, ref_loss = wrapped(x[mine], y[mine]), reference(x, y)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"rank {rank}: step {step}: {m}")
+        step_both(loss, ref_loss, opt, ref_opt)
+    same_stage_parameters(wrapped.module, reference, rtol=1e-5)
+    assert len(wrapped._deployed_by_arguments) == 3  # (0.5, F), (0.5, T), (0.25, T)
     print(f"OK rank {rank}", flush=True)
 else:
     raise SystemExit(f"unknown probe {probe}")
