@@ -480,6 +480,35 @@ def traced_differently(model: torch.nn.Module) -> list[str]:
     return found
 
 
+# [Note: cumulative batch norm] A batch norm with momentum=None keeps the cumulative average
+# of the batches' statistics (as torch.optim.swa_utils.update_bn sets it to recompute them):
+# its forward computes the factor 1 / num_batches_tracked in Python, which a trace fixes at
+# its value then, so every step moved the statistics by the traced factor (0.43 off
+# PyTorch's after 4 steps). While traced, such a module computes the same with tensor ops:
+# the factor from the counter, the batch's mean and unbiased variance over every dimension
+# but the channels, and the statistics moved in place (no gradient), around a batch norm
+# that normalises by the batch's own statistics, as PyTorch's kernel does.
+def _cumulative_average(m: torch.nn.Module) -> bool:
+    return (isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training
+            and m.track_running_stats and m.momentum is None and m.running_mean is not None
+            and m.num_batches_tracked is not None)
+
+
+def _cumulative_batch_norm(self, input: torch.Tensor) -> torch.Tensor:
+    self._check_input_dim(input)
+    self.num_batches_tracked.add_(1)
+    out = torch.nn.functional.batch_norm(input, None, None, self.weight, self.bias, True, 0.0,
+                                         self.eps)
+    with torch.no_grad():
+        factor = 1.0 / self.num_batches_tracked
+        dims = [d for d in range(input.dim()) if d != 1]
+        mean = input.mean(dims).to(self.running_mean.dtype)
+        var = input.var(dims, correction=1).to(self.running_var.dtype)
+        self.running_mean.mul_(1.0 - factor).add_(mean * factor)
+        self.running_var.mul_(1.0 - factor).add_(var * factor)
+    return out
+
+
 class _CheckpointRunPlainly:
     """torch.utils.checkpoint's reentrant CheckpointFunction while a model is traced
     ([Note: checkpoints in forward])."""
@@ -525,7 +554,10 @@ def traceable_parts(model: torch.nn.Module):
             saved.append((m, "forward", m.__dict__["forward"]))
             m.forward = m._orig_mod.__call__
     for m in model.modules():
-        if isinstance(m, torch.nn.SyncBatchNorm):
+        if _cumulative_average(m):  # [Note: cumulative batch norm]
+            saved.append((m, "forward", m.__dict__.get("forward")))
+            m.forward = types.MethodType(_cumulative_batch_norm, m)
+        elif isinstance(m, torch.nn.SyncBatchNorm):
             saved.append((m, "forward", m.__dict__.get("forward")))
             m.forward = types.MethodType(torch.nn.modules.batchnorm._BatchNorm.forward, m)
     try:
@@ -654,14 +686,14 @@ def _user_frame(error: BaseException) -> str:
 # [Note: attributes read] A module's attribute that forward reads as a Python number
 # (`logits / self.temperature`, `if self.use_extra:`, dropout's `p`) is a constant of the
 # trace. A training loop that changes it between steps (an annealed temperature, a
-# curriculum flag) had it ignored without a word. While the model is traced, every read of
-# an int, float or bool from a module's own __dict__ is recorded (nn.Module's
+# curriculum flag, update_bn's momentum=None) had it ignored without a word. While the model
+# is traced, every read of an int, float, bool or None from a module's own __dict__ is recorded (nn.Module's
 # __getattribute__, swapped for the trace and put back); a call whose values differ from
 # the traced ones is another program, traced with the new values ([Note: other arguments]
 # in module.py). An attribute that forward itself changes (a counter) is not watched, as
 # the steps run the graph and change none: rank 0 warns, naming it.
 _MODULE_INTERNALS = frozenset(torch.nn.Module().__dict__) | {"training"}
-_PLAIN = (int, float, bool)
+_PLAIN = (int, float, bool, type(None))
 
 
 class _AttributeReads:
@@ -802,6 +834,25 @@ def _batch_order_hint(flat: FlatArgs, batch: int) -> str:
             "order given)")
 
 
+# [Note: numbers in the outputs] An output that is a Python number computed from tensors
+# (`return loss, loss.item()`, an accuracy's `.item()`) is no op of the trace: every call
+# returned the number the trace computed, frozen (each rank its own shard's), without a
+# word. The two traces run other data: a number that differs between them comes from the
+# data, and tracing stops, naming the output and the cure. One that agrees (a constant, a
+# flag passed through) is returned as traced.
+def _refuse_numbers_of_data(out1: dict, out2: dict, notes: list) -> None:
+    for path, a, b in zip(out1["paths"], out1["leaves"], out2["leaves"]):
+        if isinstance(a, (int, float, complex)) and not isinstance(a, bool) and a != b:
+            where = [n for n in notes if "Python number" in n or "Python float" in n
+                     or "Python integer" in n]
+            raise TraceError(
+                f"the model's output {path or 'value'} is a Python number computed from the data "
+                f"({a!r} in one trace, {b!r} in the other: .item(), float() or int() of a "
+                "tensor): a trace fixes it, so every call would return the same number. Return "
+                "the tensor instead (loss.detach(), not loss.item())"
+                + (f"; the tracer warned at: {'; '.join(dict.fromkeys(where))}" if where else ""))
+
+
 def _trace_with_layout(model, state, state_tensors, flat: FlatArgs, home, batch: int, dims: list):
     """The model traced and analysed with the batch (`batch` rows) in dimension `dims[i]` of
     each tensor argument: (the traced model, the first trace's outputs)."""
@@ -826,6 +877,7 @@ def _trace_with_layout(model, state, state_tensors, flat: FlatArgs, home, batch:
         if out1["spec"] != out2["spec"]:
             raise TraceError("the structure of the model's output differs between batch sizes "
                              f"{batch} and {batch2}: {out1['spec']} vs {out2['spec']}")
+        _refuse_numbers_of_data(out1, out2, notes)
         names = state.names + [f"input:{flat.paths[s]}" for s in flat.tensor_slots]
         roles = (["param"] * len(state.param_names) + ["buffer"] * len(state.buffer_names)
                  + ["input"] * len(flat.tensors))

@@ -871,3 +871,55 @@ def test_a_reentrant_checkpoint_in_forward_traces_as_its_ops():
     torch.testing.assert_close(g(x), model(x))
     import torch.utils.checkpoint as checkpoints
     assert checkpoints.CheckpointFunction.__name__ == "CheckpointFunction"  # restored
+
+
+@pytest.mark.parametrize("norm", ["batch_norm_without_statistics", "instance_norm"])
+def test_norms_without_running_statistics_trace(norm):
+    """[Note: norms without running statistics] in csrc/frontend/convert.cpp: a batch norm
+    built with track_running_stats=False (MAML's) and an instance norm (its default) have
+    no running statistics, and tracing failed while observing the rows apart ("running_mean
+    must be defined in evaluation mode"). They trace, and the graph computes the model's
+    outputs and gradients in training mode."""
+    torch.manual_seed(0)
+    layer = (torch.nn.BatchNorm2d(4, track_running_stats=False) if norm.startswith("batch")
+             else torch.nn.InstanceNorm2d(4, affine=True))
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), layer, torch.nn.ReLU(),
+                                torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 2))
+    x = torch.randn(6, 3, 8, 8)
+    g = rannc.trace(model, (x,))
+    torch.testing.assert_close(g(x), model(x))
+
+
+def test_a_cumulative_batch_norm_moves_its_statistics_as_pytorch():
+    """[Note: cumulative batch norm] in _trace.py: momentum=None (a cumulative average, as
+    update_bn sets it) computed its factor in Python, fixed by the trace; the traced graph
+    moves the statistics by 1 / num_batches_tracked at every run, as PyTorch does."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3, momentum=None))
+    reference = copy.deepcopy(model)
+    x = torch.randn(6, 4)
+    g = rannc.trace(model, (x,))
+    state = dict(model.named_buffers())
+    for step in range(3):
+        batch = torch.randn(6, 4, generator=torch.Generator().manual_seed(step)) * (step + 1)
+        torch.testing.assert_close(g(batch), reference(batch))
+    for name, buffer in reference.named_buffers():
+        torch.testing.assert_close(state[name], buffer, msg=lambda m: f"{name}: {m}")
+    assert int(state["1.num_batches_tracked"]) == 3
+
+
+def test_a_python_number_of_the_data_in_the_outputs_is_named():
+    """[Note: numbers in the outputs] in _trace.py: `return loss, loss.item()` returned the
+    traced number at every call (each rank its own shard's), without a word."""
+    class ReturnsItem(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 1)
+
+        def forward(self, x):
+            loss = self.lin(x).pow(2).mean()
+            return loss, loss.item(), 3  # the constant 3 is returned as traced
+
+    with pytest.raises(rannc.TraceError, match=r"output 1 is a Python number computed from "
+                                               r"the data .*loss.detach\(\), not loss.item\(\)"):
+        rannc.trace(ReturnsItem(), (torch.randn(6, 4),))

@@ -145,6 +145,10 @@ behaviour and prints "OK rank r", or fails the way the test expects.
                                        steps: each set of values is traced again, equal to
                                        PyTorch; a count forward keeps draws a warning
                                        ([Note: attributes read]; they were ignored)
+    loop_probes.py cumulative_bn       swa_utils.update_bn on the wrapped model after training
+                                       (batch norm's momentum=None, a cumulative average):
+                                       the statistics equal PyTorch's ([Note: cumulative
+                                       batch norm]; the traced factor was fixed)
     loop_probes.py save_pretrained     transformers' model.save_pretrained(dir) on the wrapper,
                                        on every rank and on rank 0 alone: config.json and the
                                        whole trained weights, which from_pretrained loads
@@ -1855,6 +1859,44 @@ elif probe == "attributes":  # [Note: attributes read] in _trace.py
         step_both(loss, ref_loss, opt, ref_opt)
     same_stage_parameters(wrapped.module, reference, rtol=1e-5)
     assert len(wrapped._deployed_by_arguments) == 3  # (0.5, F), (0.5, T), (0.25, T)
+    print(f"OK rank {rank}", flush=True)
+elif probe == "cumulative_bn":  # [Note: cumulative batch norm] in _trace.py
+    # Two stages of one rank each, one micro-batch: each stage sees the global batch, as one
+    # process. Trained with momentum 0.1, then the statistics recomputed by swa_utils's
+    # update_bn (momentum=None: a cumulative average), as SWA does: equal to PyTorch's.
+    class Classifier(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(4, 16), nn.BatchNorm1d(16), nn.ReLU(),
+                                      nn.Linear(16, 8), nn.BatchNorm1d(8), nn.ReLU())
+            self.head = nn.Linear(8, 3)
+
+        def forward(self, x):
+            return self.head(self.body(x))
+
+    torch.manual_seed(0)
+    reference, opt, ref_opt, wrapped = sgd_pair(Classifier(), num_stages=2, num_microbatches=1,
+                                                cost_model="analytic")
+    batches = [torch.randn(16, 4, generator=torch.Generator().manual_seed(s)) * (s + 1)
+               for s in range(3)]
+    mine = slice(8 * rank, 8 * (rank + 1))
+    for step, x in enumerate(batches):
+        y = torch.arange(16) % 3
+        loss = nn.functional.cross_entropy(wrapped(x[mine]), y[mine])
+        ref_loss = nn.functional.cross_entropy(reference(x), y)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        step_both(loss * 2, ref_loss, opt, ref_opt)  # DDP's mean of the two ranks' losses
+    torch.optim.swa_utils.update_bn([x[mine] for x in batches], wrapped)
+    torch.optim.swa_utils.update_bn(batches, reference)
+    state, ref_state = wrapped.state_dict(), reference.state_dict()
+    for name, value in ref_state.items():
+        torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-5,
+                                   msg=lambda m: f"rank {rank}: {name}: {m}")
+    assert wrapped.module.body[1].momentum == 0.1  # update_bn put it back
+    # and training goes on with momentum 0.1 (the first program again)
+    loss = nn.functional.cross_entropy(wrapped(batches[0][mine]), (torch.arange(16) % 3)[mine])
+    ref_loss = nn.functional.cross_entropy(reference(batches[0]), torch.arange(16) % 3)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
     print(f"OK rank {rank}", flush=True)
 else:
     raise SystemExit(f"unknown probe {probe}")
