@@ -636,10 +636,31 @@ Observed observe(const TracedModel& model, const std::vector<at::Tensor>& inputs
 // a non-tensor (a size, a shape list) depends on the batch only if it differs between the
 // two runs, so a causal mask built from the sequence length is the same for every
 // micro-batch.
+// [Note: integers of sizes] A 0-dim integer tensor's value is read as a size (a batch
+// multiple where it scales with the batch) only where the trace made it from sizes
+// (aten::size, prim::NumToTensor, arithmetic over such values and constants). A count of
+// the data (`(logits.argmax(-1) == y).sum()`, an accuracy's numerator) could scale with
+// the batch on one rank's shard and not on another's: the ranks' graphs then differed, and
+// every rank failed with "the model's control flow depends on its input data".
+std::vector<char> madeFromSizes(const ir::Graph& ir) {
+  std::vector<char> sized(ir.numValues(), 0);
+  for (const ir::Value& v : ir.values()) sized[v.id] = v.role == ir::ValueRole::Constant;
+  for (ir::TaskId t : ir.topologicalOrder()) {
+    const ir::Task& task = ir.task(t);
+    const bool reads_sizes = task.op == "aten::size" || task.op == "aten::numel" || task.op == "aten::dim" ||
+                             task.op == "aten::sym_size" || task.op == "aten::sym_numel";
+    bool all = !task.inputs.empty();
+    for (ir::ValueId in : task.inputs) all = all && sized[in];
+    for (ir::ValueId out : task.outputs) sized[out] = reads_sizes || all;
+  }
+  return sized;
+}
+
 std::vector<ir::ValueId> findBatchValues(ir::Graph& ir, const Observed& at1, const Observed& at2,
                                          int64_t b1, int64_t b2,
                                          std::vector<ir::ValueId>* paired = nullptr) {
   std::vector<ir::ValueId> interleaved;
+  const std::vector<char> sized = madeFromSizes(ir);  // [Note: integers of sizes]
   std::vector<char> dep(ir.numValues(), 0);
   for (ir::ValueId id : ir.inputs()) dep[id] = ir.value(id).role == ir::ValueRole::Input;
   for (ir::TaskId t : ir.topologicalOrder()) {
@@ -657,7 +678,8 @@ std::vector<ir::ValueId> findBatchValues(ir::Graph& ir, const Observed& at1, con
     v.dtype = toDType(at1.dtypes[id]);
     v.shape = at1.shapes[id];
     v.batch_dependent = dep[id];
-    if (at1.has_ints[id] && at2.has_ints[id] && at1.ints[id].size() == at2.ints[id].size()) {
+    if (at1.has_ints[id] && at2.has_ints[id] && at1.ints[id].size() == at2.ints[id].size() &&
+        (!v.isTensor() || sized[id])) {
       v.int_values = at1.ints[id];
       v.int_batch_multiples.assign(v.int_values.size(), 0);
       bool linear = true;

@@ -570,6 +570,31 @@ def traceable_parts(model: torch.nn.Module):
                 setattr(m, name, value)
 
 
+# [Note: dataclass outputs] A forward that returns a plain @dataclass (not transformers'
+# ModelOutput, which pytree knows) had the whole object read as one leaf that is no tensor:
+# the trace recorded no output, and planning failed with "cannot plan a graph without
+# tasks". Such classes are registered with pytree, so their fields are the outputs and each
+# call returns an instance of the class, as the model does.
+def _register_dataclasses(x, depth: int = 6) -> None:
+    if depth == 0 or isinstance(x, torch.Tensor):
+        return
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        if type(x) not in pytree.SUPPORTED_NODES:
+            try:
+                pytree.register_dataclass(type(x))
+            except Exception:  # fields that init cannot take: left as a leaf
+                return
+        items = [getattr(x, f.name) for f in dataclasses.fields(x)]
+    elif isinstance(x, dict):
+        items = list(x.values())
+    elif isinstance(x, (list, tuple)):
+        items = list(x)
+    else:
+        return
+    for item in items:
+        _register_dataclasses(item, depth - 1)
+
+
 def _trace_once(model, state: ModelState, state_tensors: list, flat: FlatArgs, tensors,
                 tracer_notes: list, watch_random: bool = False):
     n_state = len(state.names)
@@ -580,6 +605,7 @@ def _trace_once(model, state: ModelState, state_tensors: list, flat: FlatArgs, t
                                    tie_weights=True):
             args, kwargs = flat.rebuild(inputs[n_state:])
             out = model(*args, **kwargs)
+        _register_dataclasses(out)
         with_paths, spec = pytree.tree_flatten_with_path(out)
         leaves = [x for _, x in with_paths]
         out_info["spec"], out_info["leaves"] = spec, leaves

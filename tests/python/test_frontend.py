@@ -923,3 +923,31 @@ def test_a_python_number_of_the_data_in_the_outputs_is_named():
     with pytest.raises(rannc.TraceError, match=r"output 1 is a Python number computed from "
                                                r"the data .*loss.detach\(\), not loss.item\(\)"):
         rannc.trace(ReturnsItem(), (torch.randn(6, 4),))
+
+
+def test_a_dataclass_output_is_traced_and_returned_as_its_class():
+    """[Note: dataclass outputs] in _trace.py: a plain @dataclass output was one leaf that
+    is no tensor, and planning failed with "cannot plan a graph without tasks"."""
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Result:
+        loss: torch.Tensor
+        logits: torch.Tensor
+        note: str = "kept"
+
+    class ReturnsDataclass(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 3)
+
+        def forward(self, x):
+            logits = self.lin(x)
+            return Result(logits.pow(2).mean(), logits)
+
+    model = ReturnsDataclass()
+    x = torch.randn(6, 4)
+    out = rannc.trace(model, (x,))(x)
+    assert isinstance(out, Result) and out.note == "kept"
+    torch.testing.assert_close(out.logits, model(x).logits)
+    torch.testing.assert_close(out.loss, model(x).loss)
