@@ -33,7 +33,7 @@ struct TracedModel {
   // something else than the whole: a contrastive loss over a micro-batch has fewer
   // negatives. The planner then runs one micro-batch per step, so that each replica of a
   // stage pairs all the rows it holds, as DistributedDataParallel's ranks do
-  // (planning.plan_graph); "op aten::mm in module '<root>' (Clip) at model.py:12".
+  // ([Note: rows coupled] in planning.py); "op aten::mm in module '<root>' (Clip) at model.py:12".
   std::vector<std::string> pairing_ops;
   // Set by tokenMeanLosses() on its first call, which wraps those losses' operations.
   mutable std::shared_ptr<const TokenMeanLosses> token_means;

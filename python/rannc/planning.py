@@ -259,30 +259,75 @@ def probe_bandwidth(fallback_inter: float) -> dict:
     return _BANDWIDTH["result"]
 
 
-def _pair_rows_whole(graph: TracedGraph, opts: Options, popts) -> None:
-    """[Note: rows paired] in csrc/frontend/traced_model.h: a model that pairs the rows of its
-    batch (an in-batch contrastive loss) is planned with one micro-batch unless the user
-    fixed their number; rank 0 names the op and says what each replica pairs."""
-    ops = graph._trace.traced.pairing_ops
-    if not ops:
+# [Note: rows coupled] Micro-batches give the model's result only where each row's values
+# are its own until the loss, and the loss is a mean or a sum of the rows' terms. Three ways
+# a model couples its rows otherwise, each computed per micro-batch without a word before:
+# - rows paired: a value with the batch in two dimensions (an in-batch contrastive loss;
+#   [Note: rows paired] in csrc/frontend/traced_model.h);
+# - a statistic over the rows that flows back into rows: a float tensor made from a batch
+#   value that holds no batch dimension, from which a batch value is computed (batch
+#   centering `(h - h.mean(0)) / h.std(0)`, hardest examples mined over the batch);
+# - a loss whose reduction over the rows is neither a mean nor a sum (a max, a logsumexp,
+#   a median or a listwise loss over the batch: ir::outputReduction "unknown").
+# Such a model is planned with one micro-batch unless the user fixed their number, so each
+# replica of a stage computes over all the rows it holds, as each DistributedDataParallel
+# rank does over its own; rank 0 names the ops. A statistic that only reaches the outputs (a
+# mixture of experts' load-balancing loss, a count) stays per micro-batch, as Megatron's.
+def rows_coupled(graph: TracedGraph) -> list[str]:
+    """What couples the rows of `graph`'s batch ([Note: rows coupled]), for a message."""
+    ir, traced = graph.ir, graph._trace.traced
+    found = [f"{op} pairs the rows of the batch (a value with the batch in two dimensions, as "
+             "an in-batch contrastive loss's similarities)" for op in traced.pairing_ops]
+    tasks = ir.tasks()
+    values = [ir.value(i) for i in range(ir.num_values)]
+    reaches_rows = [False] * len(values)
+    for task in reversed(tasks):
+        if any(values[o].batch_dim >= 0 or reaches_rows[o] for o in task.outputs):
+            for i in task.inputs:
+                reaches_rows[i] = True
+    statistics = [t for t in tasks
+                  if any(values[i].batch_dim >= 0 for i in t.inputs)
+                  and any(_row_statistic(values[o]) and reaches_rows[o] for o in t.outputs)]
+    if statistics:
+        ops = failure.some_of([traced.describe_task(t.id) for t in statistics], shown=2)
+        found.append(f"{ops} makes a statistic over the rows of the batch from which later rows "
+                     "are computed")
+    for vid in ir.outputs if not traced.pairing_ops else ():  # pairs: named once
+        v = ir.value(vid)
+        if v.is_loss and ir.output_reduction(vid) == "unknown" and v.producer >= 0:
+            found.append(f"the loss ({traced.describe_task(v.producer)}) is not a mean or a sum "
+                         "of the rows' terms")
+    return found
+
+
+def _row_statistic(v) -> bool:
+    return (v.kind == "Tensor" and v.batch_dependent and v.batch_dim < 0
+            and v.dtype in ("Float32", "Float64", "Float16", "BFloat16"))
+
+
+def _rows_kept_whole(graph: TracedGraph, opts: Options, popts) -> None:
+    """[Note: rows coupled]: a model that couples the rows of its batch is planned with one
+    micro-batch unless the user fixed their number; rank 0 names what couples them."""
+    coupled = rows_coupled(graph)
+    if not coupled:
         return
     if not opts.num_microbatches:
         popts.max_microbatches = 1
     if _C.get_rank() != 0:
         return
-    pairs = (f"{failure.some_of(ops)} pairs the rows of the batch (a value with the batch in "
-             "two dimensions, as an in-batch contrastive loss's similarities)")
+    what = "; ".join(coupled)
     if opts.num_microbatches > 1:
-        _C.log_warn(f"{pairs}, and num_microbatches={opts.num_microbatches} cuts the batch: each "
-                    "micro-batch pairs its own rows only, which is not the model's result on the "
-                    "whole batch. Leave num_microbatches unset to plan one micro-batch per step, "
-                    "or compute the loss outside the module from its outputs")
+        _C.log_warn(f"{what}; and num_microbatches={opts.num_microbatches} cuts the batch: each "
+                    "micro-batch computes that over its own rows only, which is not the model's "
+                    "result on the whole batch. Leave num_microbatches unset to plan one "
+                    "micro-batch per step, or compute the loss outside the module from its "
+                    "outputs ([Note: rows coupled] in planning.py)")
     else:
-        _C.log_info(f"{pairs}: planned with one micro-batch, so that the stage that pairs them "
-                    "pairs all the rows each of its replicas holds (a share of the global batch, "
-                    "as each DistributedDataParallel rank pairs its own). To pipeline "
-                    "micro-batches, return what the pairs are made from and compute the loss "
-                    "outside the module")
+        _C.log_info(f"{what}: planned with one micro-batch, so that each replica of a stage "
+                    "computes over all the rows it holds (a share of the global batch, as each "
+                    "DistributedDataParallel rank over its own). To pipeline micro-batches, "
+                    "return what the loss is made from and compute it outside the module "
+                    "([Note: rows coupled] in planning.py)")
 
 
 def plan_graph(graph: TracedGraph, flat_inputs: list, opts: Options, *, world_size: int, device,
@@ -298,7 +343,7 @@ def plan_graph(graph: TracedGraph, flat_inputs: list, opts: Options, *, world_si
     times = times if times is not None else PlanTimes()
     popts = opts.planner_options(world_size, opts.batch_size or graph.batch_size * int(world_size),
                                  optimizer, update_seconds_per_byte)
-    _pair_rows_whole(graph, opts, popts)
+    _rows_kept_whole(graph, opts, popts)
 
     def explained(e: Exception) -> Exception:
         if not (memory_note and isinstance(e, _C.InfeasiblePlanError)):

@@ -951,3 +951,53 @@ def test_a_dataclass_output_is_traced_and_returned_as_its_class():
     assert isinstance(out, Result) and out.note == "kept"
     torch.testing.assert_close(out.logits, model(x).logits)
     torch.testing.assert_close(out.loss, model(x).loss)
+
+
+class _LossOverRows(torch.nn.Module):
+    """A classifier whose loss reads the batch's rows in the way `case` says."""
+
+    def __init__(self, case):
+        super().__init__()
+        self.case = case
+        self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+        self.bn = torch.nn.BatchNorm1d(16)
+
+    def forward(self, x, y):
+        h = torch.relu(self.a(x))
+        if self.case == "batch_norm":
+            h = self.bn(h)
+        if self.case == "centered":
+            h = (h - h.mean(0, keepdim=True)) / (h.std(0, keepdim=True) + 1e-3)
+        logits = self.b(h)
+        losses = torch.nn.functional.cross_entropy(logits, y, reduction="none")
+        if self.case == "max":
+            return losses.max()
+        if self.case == "logsumexp":
+            return torch.logsumexp(losses, 0)
+        if self.case == "hardest":
+            return losses.topk(2).values.mean()
+        if self.case == "load_balancing":  # a statistic that reaches the loss only
+            share = torch.softmax(logits, -1).mean(0)
+            return losses.mean() + 0.01 * (share * share).sum()
+        if self.case == "masked":
+            mask = (y != 0).float()
+            return (losses * mask).sum() / mask.sum().clamp(min=1)
+        return losses.mean()
+
+
+@pytest.mark.parametrize("case,coupled", [
+    ("mean", False), ("batch_norm", False), ("load_balancing", False), ("masked", False),
+    ("centered", True), ("max", True), ("logsumexp", True), ("hardest", True)])
+def test_losses_that_couple_the_rows_are_planned_with_one_micro_batch(case, coupled):
+    """[Note: rows coupled] in planning.py: a statistic over the batch that later rows are
+    computed from, or a loss that is not a mean or a sum of the rows' terms (a max, a
+    logsumexp, the hardest examples), was computed per micro-batch without a word (a max
+    loss read 1.82 for PyTorch's 1.85); such a model is planned with one micro-batch, and a
+    loss of the rows' terms (a mean, batch norm's, a masked mean, a statistic reaching the
+    loss only) still pipelines."""
+    from rannc.planning import rows_coupled
+    model = _LossOverRows(case)
+    args = (torch.randn(16, 8), torch.randint(0, 4, (16,)))
+    assert bool(rows_coupled(rannc.trace(model, args))) == coupled
+    plan = rannc.plan(model, args, world_size=2, num_stages=2, cost_model="analytic")
+    assert (plan.micro_batches == 1) == coupled, plan.micro_batches
