@@ -125,6 +125,11 @@ bool looksLikeBatchSize(const c10::IValue& a, const c10::IValue& b, int64_t b1, 
   auto ints = [](const c10::IValue& v) -> std::vector<int64_t> {
     if (v.isInt()) return {v.toInt()};
     if (v.isIntList()) return v.toIntVector();
+    // `loss / len(x)`: the tracer makes a 0-dim integer tensor constant of the Python int
+    if (v.isTensor() && v.toTensor().dim() == 0 && !v.toTensor().is_floating_point() &&
+        !v.toTensor().is_complex() && v.toTensor().scalar_type() != at::kBool) {
+      return {v.toTensor().item<int64_t>()};
+    }
     return {};
   };
   std::vector<int64_t> x = ints(a), y = ints(b);
@@ -183,8 +188,8 @@ void checkSameProgram(const TraceExample& a, const TraceExample& b,
           os << "the batch size is baked into a shape: " << describeNodeIn(user, classes)
              << " uses the constant " << printConstant(cx) << " when traced at batch size "
              << a.batch_size << " and " << printConstant(cy) << " at batch size " << b.batch_size
-             << ". Compute it from the input (x.size(0), or -1 in view/reshape) so that "
-                "micro-batches of any size work.";
+             << ". Compute it from the input (x.size(0), or -1 in view/reshape; not len(x), "
+                "which a trace fixes) so that micro-batches of any size work.";
         } else {
           os << "the traced program depends on the input values: " << describeNodeIn(user, classes)
              << " uses a constant that was " << printConstant(cx) << " in one trace and "

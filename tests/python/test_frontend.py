@@ -1001,3 +1001,19 @@ def test_losses_that_couple_the_rows_are_planned_with_one_micro_batch(case, coup
     assert bool(rows_coupled(rannc.trace(model, args))) == coupled
     plan = rannc.plan(model, args, world_size=2, num_stages=2, cost_model="analytic")
     assert (plan.micro_batches == 1) == coupled, plan.micro_batches
+
+
+def test_a_loss_divided_by_len_of_the_batch_names_the_batch_size():
+    """`cross_entropy(..., reduction="sum") / len(x)`: the tracer makes len(x) a tensor
+    constant, and the error read as values the program depends on; it names the baked
+    batch size and len()."""
+    class DividedByLen(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 3)
+
+        def forward(self, x, y):
+            return torch.nn.functional.cross_entropy(self.lin(x), y, reduction="sum") / len(x)
+
+    with pytest.raises(rannc.TraceError, match=r"the batch size is baked into a shape.*not len\(x\)"):
+        rannc.trace(DividedByLen(), (torch.randn(6, 4), torch.randint(0, 3, (6,))))
