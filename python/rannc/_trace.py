@@ -729,7 +729,8 @@ class _AttributeReads:
 
     def __enter__(self):
         names, first = self.names, self.first
-        get = object.__getattribute__
+        self.own = torch.nn.Module.__dict__.get("__getattribute__")  # None: object's
+        get = self.own or object.__getattribute__
 
         def recording(module, attribute):
             value = get(module, attribute)
@@ -743,7 +744,10 @@ class _AttributeReads:
         return self
 
     def __exit__(self, *exc):
-        del torch.nn.Module.__getattribute__
+        if self.own is None:
+            del torch.nn.Module.__getattribute__
+        else:
+            torch.nn.Module.__getattribute__ = self.own
 
     def watched(self) -> list:
         """(module name, module, attribute, value) of each attribute read and left as read;
