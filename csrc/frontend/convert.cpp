@@ -900,12 +900,12 @@ class IrBuilder {
     for (Node* node : nodes) {
       for (const RowCouplingFlag& f : rowCouplingFlags()) {
         if (node->kind() != f.op || f.argument >= node->inputs().size()) continue;
-        std::optional<std::pair<ir::ValueId, c10::IValue>> statistics;
+        std::vector<std::pair<ir::ValueId, c10::IValue>> statistics;
         if (isNorm(node) && !runningStatistics(node, statistics)) continue;
         const JitValue* v = node->inputs()[f.argument];
         if (v->node()->kind() == c10::prim::Constant && ids_.count(v)) {
           out.emplace_back(ids_.at(v), f.off);
-          if (statistics) out.push_back(*statistics);
+          out.insert(out.end(), statistics.begin(), statistics.end());
         }
       }
     }
@@ -920,27 +920,32 @@ class IrBuilder {
   // norm built with track_running_stats=False (MAML's, some GANs') or an instance norm (its
   // default) has none, and the observation failed ("running_mean must be defined in
   // evaluation mode"), so such models could not be traced at all. An instance norm's
-  // statistics are each row's own: its flag stays. A batch norm's None statistics (one
-  // constant, which the trace makes for this op alone, affine=False's weight and bias
-  // included) read as ones of its channels while observing, the rows then apart as with
+  // statistics are each row's own: its flag stays. A batch norm's None statistics
+  // (constants the trace makes for this op alone, affine=False's weight and bias included)
+  // read as ones of its channels while observing, the rows then apart as with
   // running statistics. False where the flag must stay; `statistics`: what to observe the
-  // None constant as.
+  // None constants as.
   bool runningStatistics(const Node* node,
-                         std::optional<std::pair<ir::ValueId, c10::IValue>>& statistics) const {
-    const JitValue* mean = node->inputs()[3];
-    if (!mean->type()->cast<c10::NoneType>()) return true;
+                         std::vector<std::pair<ir::ValueId, c10::IValue>>& statistics) const {
+    if (!node->inputs()[3]->type()->cast<c10::NoneType>()) return true;
     if (node->kind() == c10::aten::instance_norm) return false;
     const auto input = node->inputs()[0]->type()->cast<c10::TensorType>();
     const auto sizes = input ? input->sizes().concrete_sizes() : std::nullopt;
-    if (!sizes || sizes->size() < 2 || mean->node()->kind() != c10::prim::Constant || !ids_.count(mean)) {
-      return false;
+    if (!sizes || sizes->size() < 2) return false;
+    const at::Tensor ones = at::ones({(*sizes)[1]}, at::TensorOptions()
+                                                        .dtype(input->scalarType().value_or(at::kFloat))
+                                                        .device(input->device().value_or(at::kCPU)));
+    std::vector<const JitValue*> nones;  // the statistics' (and weight's, bias's) None constants
+    for (size_t k = 1; k <= 4; ++k) {
+      const JitValue* v = node->inputs()[k];
+      if (!v->type()->cast<c10::NoneType>() || std::find(nones.begin(), nones.end(), v) != nones.end()) continue;
+      if (v->node()->kind() != c10::prim::Constant || !ids_.count(v)) return false;
+      for (const torch::jit::Use& use : v->uses()) {
+        if (use.user != node || use.offset < 1 || use.offset > 4) return false;
+      }
+      nones.push_back(v);
     }
-    for (const torch::jit::Use& use : mean->uses()) {
-      if (use.user != node || use.offset < 1 || use.offset > 4) return false;
-    }
-    statistics.emplace(ids_.at(mean), at::ones({(*sizes)[1]}, at::TensorOptions()
-                                                   .dtype(input->scalarType().value_or(at::kFloat))
-                                                   .device(input->device().value_or(at::kCPU))));
+    for (const JitValue* v : nones) statistics.emplace_back(ids_.at(v), ones);
     return true;
   }
 
