@@ -149,6 +149,10 @@ behaviour and prints "OK rank r", or fails the way the test expects.
                                        (batch norm's momentum=None, a cumulative average):
                                        the statistics equal PyTorch's ([Note: cumulative
                                        batch norm]; the traced factor was fixed)
+    loop_probes.py count_output        a count of the labels next to the loss, scaling with
+                                       the batch on one rank's shard only: trains, the count
+                                       the global batch's ([Note: integers of sizes]; every
+                                       rank failed naming control flow on data)
     loop_probes.py save_pretrained     transformers' model.save_pretrained(dir) on the wrapper,
                                        on every rank and on rank 0 alone: config.json and the
                                        whole trained weights, which from_pretrained loads
@@ -1900,6 +1904,30 @@ elif probe == "cumulative_bn":  # [Note: cumulative batch norm] in _trace.py
     loss = nn.functional.cross_entropy(wrapped(batches[0][mine]), y[mine])
     ref_loss = nn.functional.cross_entropy(reference(batches[0])[mine], y[mine])
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    print(f"OK rank {rank}", flush=True)
+elif probe == "count_output":  # [Note: integers of sizes] in csrc/frontend/convert.cpp
+    # A count of the data next to the loss: with these labels it scales with the batch on
+    # one rank's shard and not on the other's, whose graphs then differed ("the model's
+    # control flow depends on its input data" on every rank).
+    class Counts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x, y):
+            return nn.functional.cross_entropy(self.lin(x), y), (y == 0).sum()
+
+    torch.manual_seed(0)
+    reference, opt, ref_opt, wrapped = sgd_pair(Counts(), num_stages=2, num_microbatches=2,
+                                                cost_model="analytic")
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+    y = torch.tensor([1, 3, 3, 0, 1, 0, 0, 1])
+    mine = slice(4 * rank, 4 * (rank + 1))
+    for step in range(2):
+        (loss, count), (ref_loss, _) = wrapped(x[mine], y[mine]), reference(x, y)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        assert int(count) == int((y == 0).sum()), (rank, count)  # added over the ranks
+        step_both(loss, ref_loss, opt, ref_opt)
     print(f"OK rank {rank}", flush=True)
 else:
     raise SystemExit(f"unknown probe {probe}")
