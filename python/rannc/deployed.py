@@ -335,6 +335,27 @@ class Deployed:
                                  "buffers differ in names, shapes or dtypes); every rank must "
                                  "build the same model")
         if len(set(hashes)) > 1:
+            from .transport import all_gather_objects
+            where = _first_difference(all_gather_objects(_task_signatures(self.graph)))
+            if where is not None and where[1] == "op":
+                raise failure.agreed(
+                    f"the ranks traced different graphs from the same model: {where[0]}. The "
+                    "model's control flow depends on its input data (an `if` on a tensor's "
+                    "value, a loop over data), and the ranks' batches took different branches. "
+                    "rannc traces one program for every batch: make the branch independent of "
+                    "the data (torch.where, masks), or pass the deciding value as a constant "
+                    "argument")
+            if where is not None:
+                raise failure.agreed(
+                    f"the ranks traced different graphs from the same model: {where[0]}. "
+                    + ("A value as large as the data decides (a packed sequence's rows, as "
+                       "many as the lengths add up to) has another size on each rank: compute "
+                       "what follows from the output of pad_packed_sequence(..., "
+                       "total_length=T), whose size is fixed"
+                       if where[1] == "shape" else
+                       "Whether its rows depend on each other read differently on each rank's "
+                       "data (a loss over the hardest examples of the batch, a mask made from "
+                       "several rows): compute such a loss outside the module from its outputs"))
             raise failure.agreed(
                 f"the ranks traced different graphs from the same model (graph hash per rank: "
                 f"{[hex(h) for h in hashes]}): the model's control flow depends on its input "
@@ -939,6 +960,37 @@ def _summed(ir, vid: int, loss_reduction: str) -> bool:
 def _scalar_over_batch(ir, vid: int) -> bool:
     """A one-element tensor computed from the batch (a loss, a metric)."""
     return _one_value_over_batch(ir.value(vid))
+
+
+def _task_signatures(graph) -> list:
+    """Per task, in the trace's order: (its op, its outputs' shapes, their batch dimensions,
+    the task described), to find where the ranks' graphs part ([Note: named collectives])."""
+    ir, traced = graph.ir, graph._trace.traced
+    return [(t.op, [tuple(ir.value(o).shape) for o in t.outputs],
+             [ir.value(o).batch_dim for o in t.outputs], traced.describe_task(t.id))
+            for t in ir.tasks()]
+
+
+def _first_difference(signatures: list) -> tuple[str, str] | None:
+    """Where the ranks' task lists first differ: (what differs, "op", "shape" or "batch")."""
+    mine = signatures[0]
+    for rank, theirs in enumerate(signatures[1:], start=1):
+        for k, ((op, shapes, dims, said), (op2, shapes2, dims2, said2)) in enumerate(zip(mine, theirs)):
+            if op != op2:
+                return f"rank 0 runs {said} where rank {rank} runs {said2}", "op"
+            if shapes != shapes2:
+                return (f"{said} makes {_shapes_text(shapes)} on rank 0 and "
+                        f"{_shapes_text(shapes2)} on rank {rank}", "shape")
+            if dims != dims2:
+                return (f"{said} makes a value whose batch dimension is {dims} on rank 0 and "
+                        f"{dims2} on rank {rank} (-1: none)", "batch")
+        if len(mine) != len(theirs):
+            return f"rank 0 traced {len(mine)} tasks and rank {rank} {len(theirs)}", "op"
+    return None
+
+
+def _shapes_text(shapes: list) -> str:
+    return ", ".join(str(list(s)) for s in shapes)
 
 
 def module_modes(module: torch.nn.Module) -> tuple:

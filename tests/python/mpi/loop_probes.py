@@ -153,6 +153,9 @@ behaviour and prints "OK rank r", or fails the way the test expects.
                                        the batch on one rank's shard only: trains, the count
                                        the global batch's ([Note: integers of sizes]; every
                                        rank failed naming control flow on data)
+    loop_probes.py graphs_part         an LSTM over packed sequences whose lengths add up
+                                       differently on the ranks: every rank's error names the
+                                       op and the sizes on each rank (it named none)
     loop_probes.py save_pretrained     transformers' model.save_pretrained(dir) on the wrapper,
                                        on every rank and on rank 0 alone: config.json and the
                                        whole trained weights, which from_pretrained loads
@@ -1928,6 +1931,31 @@ elif probe == "count_output":  # [Note: integers of sizes] in csrc/frontend/conv
         torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
         assert int(count) == int((y == 0).sum()), (rank, count)  # added over the ranks
         step_both(loss, ref_loss, opt, ref_opt)
+    print(f"OK rank {rank}", flush=True)
+elif probe == "graphs_part":  # _first_difference in deployed.py
+    # An LSTM over packed sequences whose lengths add up differently on the ranks: the
+    # error names the op whose value's size the data decides (it named none).
+    from torch.nn.utils.rnn import pack_padded_sequence
+
+    class Packed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.lstm = nn.Embedding(20, 8), nn.LSTM(8, 8, batch_first=True)
+            self.head = nn.Linear(8, 3)
+
+        def forward(self, ids, lengths, y):
+            packed = pack_padded_sequence(self.emb(ids), lengths, batch_first=True,
+                                          enforce_sorted=False)
+            _, (h, _) = self.lstm(packed)
+            return nn.functional.cross_entropy(self.head(h[-1]), y)
+
+    model = Packed()
+    wrapped = rannc.RaNNCModule(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                cost_model="analytic")
+    lengths = torch.tensor([[3, 6, 2, 6], [6, 6, 5, 6]][rank])
+    expect_error(lambda: wrapped(torch.randint(0, 20, (4, 6)), lengths, torch.arange(4) % 3),
+                 "the ranks traced different graphs from the same model: op ",
+                 "makes [17, 8]", "on rank 0 and [23, 8]", "pad_packed_sequence(..., total_length=T)")
     print(f"OK rank {rank}", flush=True)
 else:
     raise SystemExit(f"unknown probe {probe}")
