@@ -293,7 +293,7 @@ class Deployed:
                 elif (opts.loss_reduction == "auto" and _scalar_over_batch(ir, vid)
                       and ir.output_reduction(vid) == "unknown"):
                     _C.log_info(f"output #{i}{name}: the graph does not show whether it is a mean "
-                                "or a sum over the batch (a function of one, such as exp of a mean): "
+                                "or a sum over the batch (a max, a norm, exp of a mean): "
                                 "each micro-batch's and rank's value is weighted by its rows, as "
                                 "for a mean (option loss_reduction)")
             for term in self.engine.token_means["unknown_terms"]:
