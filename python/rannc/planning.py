@@ -292,11 +292,13 @@ def rows_coupled(graph: TracedGraph) -> list[str]:
         ops = failure.some_of([traced.describe_task(t.id) for t in statistics], shown=2)
         found.append(f"{ops} makes a statistic over the rows of the batch from which later rows "
                      "are computed")
-    for vid in ir.outputs if not traced.pairing_ops else ():  # pairs: named once
-        v = ir.value(vid)
-        if v.is_loss and ir.output_reduction(vid) == "unknown" and v.producer >= 0:
-            found.append(f"the loss ({traced.describe_task(v.producer)}) is not a mean or a sum "
-                         "of the rows' terms")
+    # the loss, or every output that could be it (a mixture of experts' model returns its
+    # load-balancing loss beside the total, a mean: the total is the loss trained)
+    losses = [ir.value(vid) for vid in ir.outputs if ir.value(vid).is_loss]
+    if (losses and not traced.pairing_ops  # pairs: named once
+            and all(ir.output_reduction(v.id) == "unknown" for v in losses)):
+        ops = failure.some_of([traced.describe_task(v.producer) for v in losses if v.producer >= 0])
+        found.append(f"the loss ({ops}) is not a mean or a sum of the rows' terms")
     return found
 
 
