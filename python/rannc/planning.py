@@ -280,9 +280,12 @@ def rows_coupled(graph: TracedGraph) -> list[str]:
              "an in-batch contrastive loss's similarities)" for op in traced.pairing_ops]
     tasks = ir.tasks()
     values = [ir.value(i) for i in range(ir.num_values)]
+    # whether rows are computed from a value: a batch value is made from it, or it meets a
+    # batch value in one task (ops glued together hide the batch values they make)
     reaches_rows = [False] * len(values)
     for task in reversed(tasks):
-        if any(values[o].batch_dim >= 0 or reaches_rows[o] for o in task.outputs):
+        if any(values[o].batch_dim >= 0 or reaches_rows[o] for o in task.outputs) or \
+                any(values[i].batch_dim >= 0 for i in task.inputs):
             for i in task.inputs:
                 reaches_rows[i] = True
     statistics = [t for t in tasks
@@ -296,10 +299,29 @@ def rows_coupled(graph: TracedGraph) -> list[str]:
     # load-balancing loss beside the total, a mean: the total is the loss trained)
     losses = [ir.value(vid) for vid in ir.outputs if ir.value(vid).is_loss]
     if (losses and not traced.pairing_ops  # pairs: named once
-            and all(ir.output_reduction(v.id) == "unknown" for v in losses)):
+            and all(ir.output_reduction(v.id) == "unknown" and _reads_rows_together(ir, v)
+                    for v in losses)):
         ops = failure.some_of([traced.describe_task(v.producer) for v in losses if v.producer >= 0])
         found.append(f"the loss ({ops}) is not a mean or a sum of the rows' terms")
     return found
+
+
+# Ops that read the rows together where they reduce over the batch. A loss made inside a
+# task of many ops glued together (transformers' masks index rows by position, which glues
+# a Llama classifier from the mask to its cross entropy) hides its reduction from
+# ir::outputReduction: it is coupled only where such an op is among them.
+_ROWS_TOGETHER = frozenset({
+    "aten::std", "aten::var", "aten::std_mean", "aten::var_mean", "aten::max", "aten::amax",
+    "aten::min", "aten::amin", "aten::logsumexp", "aten::topk", "aten::sort", "aten::argsort",
+    "aten::median", "aten::kthvalue", "aten::quantile", "aten::cumsum", "aten::logcumsumexp",
+    "aten::flip"})
+
+
+def _reads_rows_together(ir, loss) -> bool:
+    if loss.producer < 0:
+        return False
+    ops = ir.task(loss.producer).op.split("+")
+    return len(ops) == 1 or any(op in _ROWS_TOGETHER for op in ops)
 
 
 def _row_statistic(v) -> bool:
