@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import glob
 import json
 import os
@@ -508,6 +509,24 @@ class _Pending:
     optimizer: bool = False
     what: str = ""
     groups: dict | None = None      # the checkpoint's optimizer groups and values
+    # [Note: edits after a load] entry name -> (the tensor, its fingerprint) at the load
+    at_load: dict = dataclasses.field(default_factory=dict)
+    early: bool = False  # loaded before the first call: the groups took its hyperparameters
+
+
+# [Note: edits after a load] load_checkpoint before the first call reads the tensors once
+# the plan says which ranks keep them. A fine-tuning script edits the model after loading
+# (a new head: `model.module.fc.weight.normal_()`, a new lr: `group["lr"] = 2e-3`), and the
+# first call read the checkpoint over those edits without a word. So the checkpoint's
+# hyperparameters go to the optimizer's groups at the load (its state still waits), and at
+# the first call a tensor that is no longer the one loaded into (a module replaced) or
+# whose values changed since the load (a fingerprint: sum and sum of squares in float64;
+# `.data` edits bump no version counter) keeps what the script gave it; rank 0 names them.
+def _fingerprint(t: torch.Tensor) -> tuple:
+    if t.is_meta or not t.numel():
+        return ()
+    d = t.detach().double()
+    return (float(d.sum()), float((d * d).sum()))
 
 
 def load_checkpoint(wrapped, path: str, strict: bool = True):
@@ -551,9 +570,26 @@ def _open_pending(wrapped, path, strict: bool, what: str):
     groups = source.optimizer_groups() if wrapped.optimizer is not None else None
     pending = _Pending(source, matched, weights=True, optimizer=groups is not None, what=what,
                        groups=groups)
+    if not wrapped.deployments:  # [Note: edits after a load]
+        pending.at_load = {e.name: (e.tensor, _fingerprint(e.tensor)) for e in _entries(wrapped)
+                           if e.here and e.name in matched and not e.tensor.is_meta}
+        if groups is not None:
+            pending.early = _hyperparameters_now(wrapped, groups)
     forget_pending(wrapped)
     _PENDING[wrapped] = pending
     return source, missing, unexpected
+
+
+def _hyperparameters_now(wrapped, saved: dict) -> bool:
+    """The checkpoint's hyperparameters (lr, betas, weight decay) into the optimizer's groups
+    at the load ([Note: edits after a load]); False where the group counts differ (the
+    state's load names that)."""
+    groups = wrapped.optimizer_share.groups()
+    if len(groups) != len(saved["param_groups"]):
+        return False
+    for group, saved_group in zip(groups, saved["param_groups"]):
+        group.update({k: v for k, v in saved_group.items() if k not in ("params", "param_names")})
+    return True
 
 
 def _match(entries, source: Source, strict: bool, model: str) -> tuple[dict, list, list]:
@@ -626,10 +662,11 @@ def apply_pending(wrapped, everything: bool = False) -> None:
     if pending is None or wrapped.placement.without_values():
         return  # built on meta: nothing has storage before the first call
     entries = _entries(wrapped)
+    edited = _edited_since_load(pending, entries)  # [Note: edits after a load]
     if pending.weights:
         def read_weights():
             for e in entries:
-                if e.here and e.name in pending.matched:
+                if e.here and e.name in pending.matched and e.name not in edited:
                     pending.source.read(pending.matched[e.name], e.tensor)
         try:
             _agree(pending.what, read_weights)
@@ -637,13 +674,29 @@ def apply_pending(wrapped, everything: bool = False) -> None:
             forget_pending(wrapped)
             raise
         wrapped.placement.current_everywhere()
-        wrapped.placement.loaded([e.tensor for e in entries if e.here and e.name in pending.matched])
+        wrapped.placement.loaded([e.tensor for e in entries if e.here and e.name in pending.matched
+                                  and e.name not in edited])
         forget_pending(wrapped, weights=True, optimizer=False)
     if pending.optimizer and (wrapped.optimizer_share.patched or everything):
         try:
             _agree(pending.what, lambda: _load_optimizer(wrapped, pending, entries))
         finally:
             forget_pending(wrapped, weights=False, optimizer=True)
+
+
+def _edited_since_load(pending: _Pending, entries) -> set:
+    """The entries the script replaced or changed since load_checkpoint ([Note: edits after
+    a load]); rank 0 names those it holds."""
+    edited = set()
+    for e in entries:
+        loaded = pending.at_load.get(e.name)
+        if loaded is not None and (loaded[0] is not e.tensor or _fingerprint(e.tensor) != loaded[1]):
+            edited.add(e.name)
+    if edited and _C.get_rank() == 0:
+        _C.log_info(f"{failure.some_of(sorted(edited))} changed after {pending.what}: kept as the "
+                    "script set them, not read from the checkpoint ([Note: edits after a load] "
+                    "in checkpoint.py)")
+    return edited
 
 
 def _load_optimizer(wrapped, pending: _Pending, entries) -> None:
@@ -660,7 +713,10 @@ def _load_optimizer(wrapped, pending: _Pending, entries) -> None:
     index = 0
     for g, (group, saved_group) in enumerate(zip(groups, saved["param_groups"])):
         in_saved = set(saved_group["params"])
-        mine = {k: v for k, v in saved_group.items() if k not in ("params", "param_names")}
+        # the hyperparameters went to the groups at the load, and the script may have set
+        # them since ([Note: edits after a load])
+        hyper = group if pending.early else saved_group
+        mine = {k: v for k, v in hyper.items() if k not in ("params", "param_names")}
         mine["params"] = []
         if "param_names" in group:
             mine["param_names"] = list(group["param_names"])

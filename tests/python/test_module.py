@@ -741,7 +741,7 @@ def test_a_failure_while_tracing_new_shapes_says_so_with_both_shapes():
                                    "num_items_in_batch", "uneven_selection", "late_optimizer",
                                    "rank0_only", "process_group", "compiled", "sync_batch_norm",
                                    "module_state_dict", "forward_hook", "unfreeze", "eval_memory", "no_grad_forward", "module_modes", "optimizer_anew", "loss_view1", "buffer_replicas",
-                                   "averaged_model", "save_pretrained", "two_calls", "pairs_rows", "recompute_buffers", "lbfgs", "attributes", "cumulative_bn", "count_output", "graphs_part",
+                                   "averaged_model", "save_pretrained", "two_calls", "pairs_rows", "recompute_buffers", "lbfgs", "attributes", "cumulative_bn", "count_output", "graphs_part", "edits_after_load",
                                    "param_hooks", "retained_graph", "adversarial",
                                    "add_param_group", "outside_parameter"])
 def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
@@ -820,7 +820,9 @@ def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
     ([Note: cumulative batch norm]; momentum=None's factor was fixed by the trace).
     count_output: a count of the data beside the loss no longer makes the ranks' graphs
     differ ([Note: integers of sizes]).
-    graphs_part: ranks whose graphs differ are told where: the op and each rank's sizes."""
+    graphs_part: ranks whose graphs differ are told where: the op and each rank's sizes.
+    edits_after_load: a new head and lr set after load_checkpoint, before the first call,
+    are kept ([Note: edits after a load]; the checkpoint was read over them)."""
     ranks = 3 if probe == "param_hooks" else 2
     res = mpirun("loop_probes.py", ranks, probe, timeout=300, env={"RANNC_COMM_TIMEOUT": "60"})
     assert res.returncode == 0, res.stdout[-4000:]

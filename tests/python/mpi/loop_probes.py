@@ -156,6 +156,10 @@ behaviour and prints "OK rank r", or fails the way the test expects.
     loop_probes.py graphs_part         an LSTM over packed sequences whose lengths add up
                                        differently on the ranks: every rank's error names the
                                        op and the sizes on each rank (it named none)
+    loop_probes.py edits_after_load    load_checkpoint into a fresh module, then a new head
+                                       and a new lr before the first call: both kept, equal
+                                       to PyTorch ([Note: edits after a load]; the first call
+                                       read the checkpoint over them)
     loop_probes.py save_pretrained     transformers' model.save_pretrained(dir) on the wrapper,
                                        on every rank and on rank 0 alone: config.json and the
                                        whole trained weights, which from_pretrained loads
@@ -1956,6 +1960,53 @@ elif probe == "graphs_part":  # _first_difference in deployed.py
     expect_error(lambda: wrapped(torch.randint(0, 20, (4, 6)), lengths, torch.arange(4) % 3),
                  "the ranks traced different graphs from the same model: op ",
                  "makes [17, 8]", "on rank 0 and [23, 8]", "pad_packed_sequence(..., total_length=T)")
+    print(f"OK rank {rank}", flush=True)
+elif probe == "edits_after_load":  # [Note: edits after a load] in checkpoint.py
+    # Fine-tuning from a checkpoint: load it into a fresh module, then a new head and a new
+    # lr before the first call; the first call read the checkpoint over both.
+    import shutil
+    import tempfile
+
+    def adamw(model):
+        return torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def new_head(model):
+        with torch.no_grad():
+            model.b.weight.copy_(torch.linspace(-0.5, 0.5, model.b.weight.numel()).view_as(model.b.weight))
+            model.b.bias.data.zero_()  # `.data`: no version counter moves
+
+    torch.manual_seed(0)
+    model = Regression()
+    reference = copy.deepcopy(model)
+    opt, ref_opt = adamw(model), adamw(reference)
+    wrapped = rannc.RaNNCModule(model, opt, num_stages=2, num_microbatches=2, cost_model="analytic")
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    y = torch.randn(8, 1, generator=torch.Generator().manual_seed(2))
+    mine = slice(4 * rank, 4 * (rank + 1))
+    for step in range(2):
+        step_both(wrapped(x[mine], y[mine]), reference(x, y), opt, ref_opt)
+    from rannc.transport import all_gather_objects
+    directory = all_gather_objects(tempfile.mkdtemp() if rank == 0 else None)[0]
+    wrapped.save_checkpoint(directory)
+    fresh = Regression()
+    opt2 = adamw(fresh)
+    wrapped2 = rannc.RaNNCModule(fresh, opt2, num_stages=2, num_microbatches=2, cost_model="analytic")
+    wrapped2.load_checkpoint(directory)
+    new_head(fresh)
+    new_head(reference)
+    for o in (opt2, ref_opt):
+        for group in o.param_groups:
+            group["lr"] = 2e-3
+    for step in range(2):
+        loss, ref_loss = wrapped2(x[mine], y[mine]), reference(x, y)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"rank {rank}: step {step}: {m}")
+        step_both(loss, ref_loss, opt2, ref_opt)
+    assert opt2.param_groups[0]["lr"] == 2e-3
+    same_stage_parameters(fresh, reference, rtol=1e-5)
+    rannc.barrier()
+    if rank == 0:
+        shutil.rmtree(directory)
     print(f"OK rank {rank}", flush=True)
 else:
     raise SystemExit(f"unknown probe {probe}")
