@@ -158,6 +158,14 @@ void checkSameProgram(const TraceExample& a, const TraceExample& b,
        << b.batch_size << " it runs " << (y ? describeNodeIn(y, classes) : "nothing more") << " "
        << how << ". Make the computation independent of tensor values (torch.where instead of "
        << "`if`, no .item()/.tolist() in forward).";
+    if (a.batch_size == 1 || b.batch_size == 1) {
+      // transformers' masks expand position ids only for several rows where no
+      // attention_mask is given (masking_utils), as other models take a path of their own
+      // for one row
+      os << " Traced at one row, a model may take a path of its own for a single row "
+            "(transformers without an attention_mask): pass an attention_mask, or give each "
+            "rank 2 rows or more.";
+    }
     throw TraceError(os.str());
   };
   const size_t n = std::min(na.size(), nb.size());

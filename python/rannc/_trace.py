@@ -422,10 +422,13 @@ def module_hooks(model: torch.nn.Module, backward: bool) -> list[str]:
 
 
 def _needless_here(hook) -> bool:
-    """transformers' enable_input_require_grads hook (gradient checkpointing with frozen
-    embeddings, PEFT): it makes the embeddings' output require grad so that reentrant
-    checkpoints pass gradients; rannc's stages recompute and pass them without it."""
-    return (getattr(hook, "__name__", "") == "make_inputs_require_grads"
+    """transformers' own hooks that need no word: enable_input_require_grads's (gradient
+    checkpointing with frozen embeddings, PEFT), which makes the embeddings' output require
+    grad so that reentrant checkpoints pass gradients (rannc's stages recompute and pass
+    them without it), and the hooks that capture hidden states and attentions for a call
+    with output_hidden_states=True (installed at the first such call, inert in the others;
+    what they capture is an output of the trace)."""
+    return (getattr(hook, "__name__", "") in ("make_inputs_require_grads", "output_capturing_hook")
             and getattr(hook, "__module__", "").startswith("transformers."))
 
 

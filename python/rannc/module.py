@@ -44,6 +44,23 @@ def _inspected_model(model) -> torch.nn.Module:
     return model
 
 
+def _agree_on_rows(args, kwargs) -> None:
+    """Ranks whose first tensor arguments have different rows (dimension 0) are an error on
+    every rank before tracing: a trace that fails on one rank alone (one row takes a path of
+    its own) left the others in a collective, and the job ended instead of raising the
+    agreed error on every rank that the check after tracing gives."""
+    tensors = [t for t in _trace_flat(args, kwargs).tensors if t.dim() >= 1]
+    mine = torch.tensor([tensors[0].shape[0] if tensors else -1], dtype=torch.int64)
+    comm = _C.Communicator.world_cpu()
+    everyone = torch.empty(comm.size, 1, dtype=torch.int64)
+    comm.all_gather(mine, everyone).wait()
+    rows = everyone[:, 0].tolist()
+    if len(set(rows)) > 1:
+        raise failure.agreed(f"local batches must have the same size on every rank; got "
+                             f"{dict(enumerate(rows))} (rank: rows of dimension 0 of the first "
+                             "tensor argument)")
+
+
 def _checkpointing_on(model) -> bool:
     """Whether a transformers model's activation (gradient) checkpointing is on."""
     on = getattr(model, "is_activation_checkpointing", None)  # transformers 5
@@ -406,6 +423,8 @@ class RaNNCModule(torch.nn.Module):
         eval call's arguments other than the mode's first ([Note: other arguments])."""
         # Profiling runs the pieces on the module's own buffers, and a batch norm in training
         # mode updates its running statistics each time: keep the values from before.
+        if plan_from is None and _C.get_world_size() > 1:
+            _agree_on_rows(args, kwargs)
         buffers = [(b, b.detach().clone()) for b in self.module.buffers()]
         try:
             # Traced where the model is, in the precision the stages' device would compute in.

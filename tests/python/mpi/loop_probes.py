@@ -333,6 +333,25 @@ elif probe == "mismatched_rows":
                      "local batches must have the same size on every rank in each call",
                      "{0: 4, 1: 3}")
     train(wrapped, opt, args)
+
+    # at a module's first call too, where one rank's trace alone would fail (one row taking
+    # a path of its own): the agreed error on every rank, and the job goes on (_agree_on_rows)
+    class NoSingleRow(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+
+        def forward(self, x):
+            if x.shape[0] == 1:
+                raise ValueError("one row")
+            return self.a(x).pow(2).mean()
+
+    single = NoSingleRow()
+    fresh = rannc.RaNNCModule(single, torch.optim.SGD(single.parameters(), lr=0.1))
+    x = torch.randn(2, 4)
+    expect_error(lambda: fresh(x[:1] if rank == 1 else x),
+                 "local batches must have the same size on every rank", "{0: 2, 1: 1}")
+    fresh(x).backward()
     train(wrapped, opt, short)  # the same smaller size everywhere is fine
     print(f"OK rank {rank}", flush=True)
 
