@@ -1017,3 +1017,23 @@ def test_a_loss_divided_by_len_of_the_batch_names_the_batch_size():
 
     with pytest.raises(rannc.TraceError, match=r"the batch size is baked into a shape.*not len\(x\)"):
         rannc.trace(DividedByLen(), (torch.randn(6, 4), torch.randint(0, 3, (6,))))
+
+
+def test_a_trace_at_one_row_that_differs_names_the_single_row_path():
+    """transformers' masks without an attention_mask take a path of their own for one row,
+    so a trace at one row differs from the one at two; the error says so and names the
+    cure (it named control flow on data only)."""
+    class OneRowPath(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.lin(x)
+            if x.shape[0] != 1:  # as masking_utils expands position ids for several rows
+                h = torch.tanh(h)
+            return h.sum()
+
+    with pytest.raises(rannc.TraceError, match="Traced at one row, a model may take a path of "
+                                               "its own for a single row"):
+        rannc.trace(OneRowPath(), (torch.randn(1, 4),))
