@@ -427,7 +427,12 @@ def _needless_here(hook) -> bool:
     grad so that reentrant checkpoints pass gradients (rannc's stages recompute and pass
     them without it), and the hooks that capture hidden states and attentions for a call
     with output_hidden_states=True (installed at the first such call, inert in the others;
-    what they capture is an output of the trace)."""
+    what they capture is an output of the trace); and torch's older spectral_norm and
+    weight_norm, whose pre-hooks compute the weight, which the trace records."""
+    from torch.nn.utils.spectral_norm import SpectralNorm
+    from torch.nn.utils.weight_norm import WeightNorm
+    if isinstance(hook, (SpectralNorm, WeightNorm)):
+        return True  # torch's older spectral and weight norms: the weight they make is traced
     return (getattr(hook, "__name__", "") in ("make_inputs_require_grads", "output_capturing_hook")
             and getattr(hook, "__module__", "").startswith("transformers."))
 

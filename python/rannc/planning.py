@@ -354,6 +354,40 @@ def _rows_kept_whole(graph: TracedGraph, opts: Options, popts) -> None:
                     "([Note: rows coupled] in planning.py)")
 
 
+# [Note: spectral norm per micro-batch] A spectral norm (torch.nn.utils.parametrizations's,
+# or the older hook) runs one power iteration per forward and writes its vectors `u`, `v`
+# into buffers. A stage runs the forward once per micro-batch, so with several micro-batches
+# each uses another normalised weight, and the vectors move as many times per step (logits
+# 1e-3 off PyTorch after 2 steps of 2 micro-batches; one micro-batch is exact). Rank 0 says
+# so where a training plan has several.
+def _spectral_norms(model) -> list[str]:
+    import torch.nn.utils.parametrize as parametrize
+    from torch.nn.utils.parametrizations import _SpectralNorm
+    from torch.nn.utils.spectral_norm import SpectralNorm
+    found = []
+    for name, m in model.named_modules():
+        hooked = any(isinstance(h, SpectralNorm) for h in m._forward_pre_hooks.values())
+        parametrized = parametrize.is_parametrized(m) and any(
+            isinstance(p, _SpectralNorm) for ps in m.parametrizations.values() for p in ps)
+        if hooked or parametrized:
+            found.append(name or "the model")
+    return found
+
+
+def _say_spectral_norms(graph: TracedGraph, deployment) -> None:
+    model = getattr(graph, "_model", None)
+    if (_C.get_rank() != 0 or model is None or not model.training
+            or isinstance(deployment, Exception) or deployment.micro_batches <= 1):
+        return
+    found = _spectral_norms(model)
+    if found:
+        _C.log_warn(f"spectral norm in {failure.some_of(found)} runs its power iteration once "
+                    f"per micro-batch: with {deployment.micro_batches} micro-batches each uses "
+                    "another normalised weight and its vectors move as many times per step, "
+                    "unlike one process (num_microbatches=1 is exact; [Note: spectral norm per "
+                    "micro-batch] in planning.py)")
+
+
 def plan_graph(graph: TracedGraph, flat_inputs: list, opts: Options, *, world_size: int, device,
                optimizer: str = "adam", profile_cache=None, broadcast: bool = True,
                times: PlanTimes | None = None, update_seconds_per_byte: float | None = None,
@@ -382,6 +416,7 @@ def plan_graph(graph: TracedGraph, flat_inputs: list, opts: Options, *, world_si
         except _C.InfeasiblePlanError as e:
             raise explained(e) from e
         times.search += time.perf_counter() - start
+        _say_spectral_norms(graph, deployment)
         return deployment
     if opts.probe_bandwidth:
         bw = probe_bandwidth(device.inter_node_bandwidth)
@@ -423,6 +458,8 @@ def plan_graph(graph: TracedGraph, flat_inputs: list, opts: Options, *, world_si
     times.records_fitted += int(stats.get("records_fitted", 0))
     if progress:
         sys.stderr.write(times.line() + "\n")
+    if deployment is not None:
+        _say_spectral_norms(graph, deployment)
     return deployment
 
 

@@ -1037,3 +1037,20 @@ def test_a_trace_at_one_row_that_differs_names_the_single_row_path():
     with pytest.raises(rannc.TraceError, match="Traced at one row, a model may take a path of "
                                                "its own for a single row"):
         rannc.trace(OneRowPath(), (torch.randn(1, 4),))
+
+
+@pytest.mark.parametrize("style", ["parametrization", "hook"])
+def test_spectral_norm_with_several_micro_batches_is_named(style, capfd):
+    """[Note: spectral norm per micro-batch] in planning.py: its power iteration runs once
+    per micro-batch, so several micro-batches train another model than one process, without
+    a word before; rank 0 says so, for the parametrization and the older hook form."""
+    from torch.nn.utils import parametrizations, spectral_norm
+    norm = parametrizations.spectral_norm if style == "parametrization" else spectral_norm
+    model = torch.nn.Sequential(norm(torch.nn.Linear(8, 16)), torch.nn.ReLU(),
+                                norm(torch.nn.Linear(16, 1)))
+    args = (torch.randn(16, 8),)
+    rannc.plan(model, args, world_size=2, num_stages=2, num_microbatches=2, cost_model="analytic")
+    err = capfd.readouterr().err
+    assert "spectral norm in 0, 2 runs its power iteration once per micro-batch" in err, err[-2000:]
+    rannc.plan(model, args, world_size=2, num_stages=2, num_microbatches=1, cost_model="analytic")
+    assert "spectral norm" not in capfd.readouterr().err
