@@ -337,15 +337,7 @@ class Deployed:
         if len(set(hashes)) > 1:
             from .transport import all_gather_objects
             where = _first_difference(all_gather_objects(_task_signatures(self.graph)))
-            if where is not None and where[1] == "op":
-                raise failure.agreed(
-                    f"the ranks traced different graphs from the same model: {where[0]}. The "
-                    "model's control flow depends on its input data (an `if` on a tensor's "
-                    "value, a loop over data), and the ranks' batches took different branches. "
-                    "rannc traces one program for every batch: make the branch independent of "
-                    "the data (torch.where, masks), or pass the deciding value as a constant "
-                    "argument")
-            if where is not None:
+            if where is not None and where[1] != "op":
                 raise failure.agreed(
                     f"the ranks traced different graphs from the same model: {where[0]}. "
                     + ("A value as large as the data decides (a packed sequence's rows, as "
@@ -356,13 +348,13 @@ class Deployed:
                        "Whether its rows depend on each other read differently on each rank's "
                        "data (a loss over the hardest examples of the batch, a mask made from "
                        "several rows): compute such a loss outside the module from its outputs"))
+            found = where[0] if where is not None else f"graph hash per rank: {[hex(h) for h in hashes]}"
             raise failure.agreed(
-                f"the ranks traced different graphs from the same model (graph hash per rank: "
-                f"{[hex(h) for h in hashes]}): the model's control flow depends on its input "
-                "data (an `if` on a tensor's value, a loop over data), and the ranks' batches "
-                "took different branches. rannc traces one program for every batch: make the "
-                "branch independent of the data (torch.where, masks), or pass the deciding "
-                "value as a constant argument")
+                f"the ranks traced different graphs from the same model ({found}): the model's "
+                "control flow depends on its input data (an `if` on a tensor's value, a loop "
+                "over data), and the ranks' batches took different branches. rannc traces one "
+                "program for every batch: make the branch independent of the data "
+                "(torch.where, masks), or pass the deciding value as a constant argument")
 
     def _plan(self, ir, world, opts):
         # A plan runs only for the batch and world it was made for: local batch x ranks.
@@ -975,7 +967,7 @@ def _first_difference(signatures: list) -> tuple[str, str] | None:
     """Where the ranks' task lists first differ: (what differs, "op", "shape" or "batch")."""
     mine = signatures[0]
     for rank, theirs in enumerate(signatures[1:], start=1):
-        for k, ((op, shapes, dims, said), (op2, shapes2, dims2, said2)) in enumerate(zip(mine, theirs)):
+        for (op, shapes, dims, said), (op2, shapes2, dims2, said2) in zip(mine, theirs):
             if op != op2:
                 return f"rank 0 runs {said} where rank {rank} runs {said2}", "op"
             if shapes != shapes2:
