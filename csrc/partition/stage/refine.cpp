@@ -132,15 +132,15 @@ class Recutter {
     return greedy(hi_bound, cut);
   }
 
-  // The simulated iteration of `cut` for `devices` (infinite when a stage does not fit);
-  // stage estimates are cached per replica layout, so moving one boundary costs two.
-  double simulated(const std::vector<int>& devices, const std::vector<int>& cut) {
+  // The estimates of `cut`'s stages for `devices`, or empty when a stage does not fit;
+  // cached per replica layout, so moving one boundary costs two.
+  std::vector<const StageEstimate*> estimates(const std::vector<int>& devices, const std::vector<int>& cut) {
     const int S = static_cast<int>(devices.size());
     if (devices != sim_devices_) {
       sim_devices_ = devices;
       sim_cache_.clear();
     }
-    std::vector<SimStage> sim(S);
+    std::vector<const StageEstimate*> out(S);
     int offset = 0, D = 0;
     for (int d : devices) D += d;
     for (int s = 0; s < S; ++s) {
@@ -152,12 +152,40 @@ class Recutter {
           it->second = estimateStage(costs_, stageCost(cut[s], cut[s + 1], rows), slot, ctx_);
         }
       }
-      const StageEstimate& e = it->second;
-      if (!e.feasible) return std::numeric_limits<double>::infinity();
-      static_cast<StageTimes&>(sim[s]) = e;
+      if (!it->second.feasible) return {};
+      out[s] = &it->second;
       offset += devices[s];
     }
+    return out;
+  }
+
+  // The simulated iteration of `cut` for `devices` (infinite when a stage does not fit).
+  double simulated(const std::vector<int>& devices, const std::vector<int>& cut) {
+    const std::vector<const StageEstimate*> stages = estimates(devices, cut);
+    if (stages.empty()) return std::numeric_limits<double>::infinity();
+    std::vector<SimStage> sim(stages.size());
+    for (size_t s = 0; s < stages.size(); ++s) static_cast<StageTimes&>(sim[s]) = *stages[s];
     return simulate(sim, ctx_.schedule, micro_batches_).iteration_time;
+  }
+
+  // [Note: one micro-batch's boundaries] With one micro-batch nothing overlaps: the stages
+  // run one after another, every cut takes about the same time, and a send a few bytes
+  // smaller would pull a boundary to the model's edge (a stage of four ops beside one
+  // holding the whole model, seen on GPT-2 forced to 2 stages). Such stages are there for
+  // memory, so with M = 1 the moves on the simulator (polish, leanPolish, settle) keep the
+  // largest stage score within `slack` of the cut they start from, the min-max cut's
+  // balance; with more micro-batches the simulated time itself weighs the balance.
+  double balanceLimit(const std::vector<int>& devices, const std::vector<int>& cut, double slack) {
+    if (micro_batches_ != 1) return std::numeric_limits<double>::infinity();
+    return largestScore(devices, cut) * (1 + slack);
+  }
+
+  double largestScore(const std::vector<int>& devices, const std::vector<int>& cut) {
+    double largest = 0.0;
+    const std::vector<const StageEstimate*> stages = estimates(devices, cut);
+    if (stages.empty()) return std::numeric_limits<double>::infinity();
+    for (const StageEstimate* e : stages) largest = std::max(largest, e->score);
+    return largest;
   }
 
   // Pattern search on the simulated iteration: each boundary moves by +-step pieces while
@@ -169,6 +197,7 @@ class Recutter {
     std::vector<int>& c = *cut;
     double best = simulated(devices, c);
     if (best == std::numeric_limits<double>::infinity()) return;
+    const double balance = balanceLimit(devices, c, 0.0);
     int step = 1;
     while (step * 2 <= pieces() / (4 * S)) step *= 2;
     for (; step >= 1; step /= 2) {
@@ -182,7 +211,7 @@ class Recutter {
             const int was = c[b];
             c[b] = to;
             const double t = simulated(devices, c);
-            if (t < best * (1 - 1e-12)) {
+            if (t < best * (1 - 1e-12) && largestScore(devices, c) <= balance) {
               best = t;
               moved = true;
             } else {
@@ -238,6 +267,7 @@ class Recutter {
     const int S = static_cast<int>(devices.size());
     double best = simulated(devices, c);
     if (best == std::numeric_limits<double>::infinity()) return;
+    const double balance = balanceLimit(devices, c, 0.0);
     for (int round = 0; round < kMaxRounds; ++round) {
       bool moved = false;
       for (int b = 1; b < S; ++b) {
@@ -251,8 +281,9 @@ class Recutter {
             ++trials;
             c[b] = p;
             const double t = simulated(devices, c);
+            const bool balanced = largestScore(devices, c) <= balance;
             c[b] = home;
-            if (t < to_time * (1 - 1e-12)) {
+            if (t < to_time * (1 - 1e-12) && balanced) {
               to = p;
               to_time = t;
             }
@@ -282,6 +313,8 @@ class Recutter {
     const std::vector<int64_t>& bytes = crossingBytes();
     std::vector<int>& c = *cut;
     const int S = static_cast<int>(devices.size());
+    const double start = simulated(devices, c);
+    const double balance = balanceLimit(devices, c, std::max(0.0, bound / start - 1));
     for (int b = 1; b < S; ++b) {
       const int home = c[b];
       std::map<int, double> within{{home, simulated(devices, c)}};  // position -> time
@@ -294,9 +327,10 @@ class Recutter {
           ++trials;
           c[b] = p;
           const double t = simulated(devices, c);
+          const bool balanced = largestScore(devices, c) <= balance;
           c[b] = home;
           logger().debug("settle boundary {}: piece {} ({} bytes) {:.6f} s", b, p, bytes[p], t);
-          if (!(t <= bound)) {
+          if (!(t <= bound) || !balanced) {
             ++misses;
             continue;
           }

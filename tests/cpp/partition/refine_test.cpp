@@ -45,6 +45,26 @@ TEST(ARefinement, RaisesTheMicroBatchCountOfAPipelineThatHasOne) {
   EXPECT_NO_THROW(validateDeployment(g, fine));
 }
 
+// [Note: one micro-batch's boundaries] Two stages forced on one micro-batch run one after
+// the other, every cut about as fast; the fewest bytes cross at the narrow input, but the
+// boundaries stay where the stages are balanced, not beside an empty first stage.
+TEST(ARefinement, KeepsTheStagesOfOneMicroBatchBalanced) {
+  ir::Graph g = testing::linearChain(std::vector<int64_t>(8, 256), /*batch=*/8, /*in_width=*/4);
+  AnalyticCostModel m(g, device());
+  PlannerOptions o;
+  o.world_size = 2;
+  o.batch_size = 8;
+  o.num_stages = 2;
+  o.num_microbatches = 1;
+  o.memory_limit = 1LL << 40;
+  o.update_seconds_per_byte = 0.0;  // as profiled without timing the update: no time to balance
+  const Deployment d = planTrace(g, m, o).deployment;
+  ASSERT_EQ(d.numStages(), 2);
+  ASSERT_EQ(d.micro_batches, 1);
+  const double f0 = d.stages[0].forward_time, f1 = d.stages[1].forward_time;
+  EXPECT_LT(std::max(f0, f1), 1.5 * std::min(f0, f1)) << "stage forwards " << f0 << " and " << f1 << " s";
+}
+
 // A fixed layout 3/1 on a chain whose layers are all alike puts three quarters of the
 // work behind one replica's worth of rows; moving replicas reaches a faster layout that
 // still uses the four devices, and never returns anything slower than it was given.
