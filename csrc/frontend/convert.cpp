@@ -669,6 +669,15 @@ std::vector<char> madeFromSizes(const ir::Graph& ir) {
   return sized;
 }
 
+// [Note: the type of self] `x.new_ones(n, n)` (Funnel Transformer's mask of its [CLS]
+// token) reads the dtype and device of `x`, not its data: made from a batch value, it
+// depends on the batch no more than a constant does, and is no statistic of its rows
+// ([Note: rows coupled] in planning.py).
+bool readsOnlyTheTypeOfSelf(const std::string& op) {
+  return op == "aten::new_ones" || op == "aten::new_zeros" || op == "aten::new_empty" ||
+         op == "aten::new_full" || op == "aten::new_empty_strided";
+}
+
 std::vector<ir::ValueId> findBatchValues(ir::Graph& ir, const Observed& at1, const Observed& at2,
                                          int64_t b1, int64_t b2,
                                          std::vector<ir::ValueId>* paired = nullptr) {
@@ -677,8 +686,11 @@ std::vector<ir::ValueId> findBatchValues(ir::Graph& ir, const Observed& at1, con
   std::vector<char> dep(ir.numValues(), 0);
   for (ir::ValueId id : ir.inputs()) dep[id] = ir.value(id).role == ir::ValueRole::Input;
   for (ir::TaskId t : ir.topologicalOrder()) {
+    const ir::Task& task = ir.task(t);
     bool any = false;
-    for (ir::ValueId in : ir.task(t).inputs) any = any || dep[in];
+    for (size_t i = readsOnlyTheTypeOfSelf(task.op) ? 1 : 0; i < task.inputs.size(); ++i) {
+      any = any || dep[task.inputs[i]];
+    }
     for (ir::ValueId out : ir.task(t).outputs) {
       const bool tensor = ir.value(out).isTensor();
       dep[out] = any && (tensor || !at1.seen[out] || at1.scalars[out].empty() ||

@@ -725,7 +725,10 @@ def _user_frame(error: BaseException) -> str:
 # __getattribute__, swapped for the trace and put back); a call whose values differ from
 # the traced ones is another program, traced with the new values ([Note: other arguments]
 # in module.py). An attribute that forward itself changes (a counter) is not watched, as
-# the steps run the graph and change none: rank 0 warns, naming it.
+# the steps run the graph and change none: rank 0 warns, naming it. One that forward sets
+# before it reads it (Funnel Transformer's `self.pooling_mult = 1`, then doubled per block)
+# carries nothing from one call to the next: neither watched nor named (writes through
+# nn.Module's __setattr__, swapped the same way).
 _MODULE_INTERNALS = frozenset(torch.nn.Module().__dict__) | {"training"}
 _PLAIN = (int, float, bool, type(None))
 
@@ -734,24 +737,34 @@ class _AttributeReads:
     def __init__(self, model: torch.nn.Module):
         self.names = {id(m): name for name, m in model.named_modules()}
         self.first = {}  # (id of the module, attribute) -> (module, attribute, value first read)
+        self.set_first = set()  # (id of the module, attribute) written before any read
 
     def __enter__(self):
-        names, first = self.names, self.first
+        names, first, set_first = self.names, self.first, self.set_first
         self.own = torch.nn.Module.__dict__.get("__getattribute__")  # None: object's
-        get = self.own or object.__getattribute__
+        self.own_set = torch.nn.Module.__setattr__
+        get, put = self.own or object.__getattribute__, self.own_set
 
         def recording(module, attribute):
             value = get(module, attribute)
             if (type(value) in _PLAIN and attribute not in _MODULE_INTERNALS
                     and (id(module), attribute) not in first and id(module) in names
+                    and (id(module), attribute) not in set_first
                     and attribute in get(module, "__dict__")):
                 first[(id(module), attribute)] = (module, attribute, value)
             return value
 
+        def writing(module, attribute, value):
+            if (id(module), attribute) not in first:
+                set_first.add((id(module), attribute))
+            put(module, attribute, value)
+
         torch.nn.Module.__getattribute__ = recording
+        torch.nn.Module.__setattr__ = writing
         return self
 
     def __exit__(self, *exc):
+        torch.nn.Module.__setattr__ = self.own_set
         if self.own is None:
             del torch.nn.Module.__getattribute__
         else:

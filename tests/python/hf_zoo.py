@@ -116,8 +116,14 @@ def make(name, batch=4, seed=0, length=None):
             labels[i, 3 + i % 3:] = -100  # transcripts of other lengths
         return tf.Wav2Vec2ForCTC(cfg), (), {"input_values": torch.randn(batch, 400, generator=g),
                                             "labels": labels}
+    if name == "hf_funnel":  # pooled along the sequence; x.new_ones for its [CLS] mask
+        cfg = tf.FunnelConfig(vocab_size=VOCAB, block_sizes=[1, 1], n_head=2, d_model=32, d_head=8,
+                              d_inner=64, num_decoder_layers=1, hidden_dropout=0.0,
+                              attention_dropout=0.0, activation_dropout=0.0, num_labels=3)
+        return tf.FunnelForSequenceClassification(cfg), (), {
+            "input_ids": _lm_batch(batch, g, seq), "labels": torch.randint(0, 3, (batch,), generator=g)}
     raise KeyError(name)
 
 
 NAMES = ["hf_bert", "hf_gpt2", "hf_llama", "hf_t5", "hf_vit", "hf_swin", "hf_convbert", "hf_mixtral",
-         "hf_gpt_oss", "hf_deepseek_v3", "hf_qwen3_next", "hf_wav2vec2_ctc"]
+         "hf_gpt_oss", "hf_deepseek_v3", "hf_qwen3_next", "hf_wav2vec2_ctc", "hf_funnel"]

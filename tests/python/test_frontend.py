@@ -968,6 +968,8 @@ class _LossOverRows(torch.nn.Module):
             h = self.bn(h)
         if self.case == "centered":
             h = (h - h.mean(0, keepdim=True)) / (h.std(0, keepdim=True) + 1e-3)
+        if self.case == "new_ones":  # h's type, not its rows ([Note: the type of self])
+            h = h * h.new_ones(h.shape[1]).cumsum(0)
         logits = self.b(h)
         losses = torch.nn.functional.cross_entropy(logits, y, reduction="none")
         if self.case == "max":
@@ -987,7 +989,7 @@ class _LossOverRows(torch.nn.Module):
 
 @pytest.mark.parametrize("case,coupled", [
     ("mean", False), ("batch_norm", False), ("load_balancing", False), ("masked", False),
-    ("centered", True), ("max", True), ("logsumexp", True), ("hardest", True)])
+    ("new_ones", False), ("centered", True), ("max", True), ("logsumexp", True), ("hardest", True)])
 def test_losses_that_couple_the_rows_are_planned_with_one_micro_batch(case, coupled):
     """[Note: rows coupled] in planning.py: a statistic over the batch that later rows are
     computed from, or a loss that is not a mean or a sum of the rows' terms (a max, a
@@ -1054,3 +1056,29 @@ def test_spectral_norm_with_several_micro_batches_is_named(style, capfd):
     assert "spectral norm in 0, 2 runs its power iteration once per micro-batch" in err, err[-2000:]
     rannc.plan(model, args, world_size=2, num_stages=2, num_microbatches=1, cost_model="analytic")
     assert "spectral norm" not in capfd.readouterr().err
+
+
+def test_an_attribute_forward_sets_before_reading_it_is_neither_watched_nor_named(capfd):
+    """[Note: attributes read] in _trace.py: Funnel Transformer sets `self.pooling_mult = 1`
+    at each call and doubles it per block; it carries nothing between calls, but was named
+    as a count forward keeps (1 -> 2). A count forward reads first is still named."""
+    class SetThenRead(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+            self.mult, self.calls = None, 0
+
+        def forward(self, x):
+            self.mult = 1
+            for _ in range(2):
+                x = self.lin(x) * self.mult
+                self.mult *= 2
+            self.calls += 1
+            return x.sum()
+
+    graph = rannc.trace(SetThenRead(), (torch.randn(6, 4),))
+    watched = [attribute for _, _, attribute, _ in graph._trace.attributes]
+    assert "mult" not in watched and "calls" not in watched, watched
+    err = capfd.readouterr().err
+    assert "the forward changes calls of the model" in err, err[-2000:]
+    assert "mult" not in err, err[-2000:]

@@ -1,5 +1,5 @@
 """Hugging Face transformers models (tests/python/hf_zoo.py: BERT, GPT-2, Llama, T5, ViT,
-Swin, ConvBERT, Mixtral; small configs, random weights), as a user passes them: planned from real
+Swin, ConvBERT, Mixtral, Funnel; small configs, random weights), as a user passes them: planned from real
 profiles into several stages, the stages chained equal to the model; trained with
 RaNNCModule under mpirun equal to plain PyTorch on the global batch (loss, gradients,
 parameters after Adam steps, logits, eval)."""
@@ -8,6 +8,7 @@ import torch
 
 import rannc
 import hf_zoo
+from rannc.planning import rows_coupled
 from mpirun import mpirun
 
 FAST = dict(profile_warmup=0, profile_repetitions=1)
@@ -22,6 +23,8 @@ def test_hf_models_plan_from_profiles_into_stages_that_run_like_the_model(name):
     plan.validate()
     d = plan.deployment
     assert d.feasible and d.num_stages == 3
+    # none of them couples its rows ([Note: rows coupled]; Funnel's x.new_ones did)
+    assert not rows_coupled(plan.graph), rows_coupled(plan.graph)
     g = plan.graph
     flat = g._flat_inputs(args, kwargs)
     torch.manual_seed(0)
@@ -51,6 +54,7 @@ HF_LAYOUTS = [
     (2, "hf_wav2vec2_ctc", 2, 2, []),                        # CTC over masked labels, a sum
     (2, "hf_t5", 2, 2, ["--lengths", "16,12,20"]),           # dynamic padding: new lengths
     (2, "hf_llama", 2, 2, ["--lengths", "16,9,20"]),
+    (2, "hf_funnel", 2, 2, []),                              # pooled along the sequence
 ]
 
 
