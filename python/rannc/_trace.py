@@ -267,6 +267,12 @@ def _second_batch(flat: FlatArgs, batch: int, dims: list, mirror: bool = True
 # So where the model has such modules, a task whose attention takes a batch value and makes
 # none is traced again the same way (not for batch-first models, whose attention may be
 # glued for other reasons: a padding mask's row positions).
+# A trace that fails with the batch in dimension 0 is tried with the batch elsewhere before
+# its error is raised: in dimension 1 of the arguments that have it there but not in 0 (a
+# batch-first LSTM's hidden state, [layers, batch, hidden] whatever batch_first says,
+# passed in for truncated backpropagation: the second trace cut the inputs alone, and the
+# LSTM refused the hidden state), then sequence first (a sequence-first model's short last
+# chunk, whose length may equal the layers of its hidden state).
 _RECURRENT_OPS = ("aten::lstm", "aten::gru", "aten::rnn_tanh", "aten::rnn_relu", "aten::_cudnn_rnn")
 _ATTENTION_OPS = ("aten::scaled_dot_product_attention", "aten::_native_multi_head_attention",
                   "aten::softmax", "aten::_softmax")
@@ -275,6 +281,14 @@ _ATTENTION_OPS = ("aten::scaled_dot_product_attention", "aten::_native_multi_hea
 def _leading_batch_dims(tensors: list, batch: int) -> list:
     """Dimension 0 for the tensors with `batch` rows there, None for the others."""
     return [0 if t.dim() >= 1 and t.shape[0] == batch else None for t in tensors]
+
+
+def _hidden_state_layout(tensors: list, batch: int):
+    """(batch, dims) with the batch in dimension 1 of the tensors that have `batch` there
+    and not in dimension 0 ([Note: batch dimensions]); None where there are none."""
+    dims = [0 if t.dim() >= 1 and t.shape[0] == batch
+            else 1 if t.dim() >= 2 and t.shape[1] == batch else None for t in tensors]
+    return (batch, dims) if 1 in dims else None
 
 
 def _sequence_first_layout(tensors: list):
@@ -825,13 +839,22 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
     if state_tensors is None:
         state_tensors = state_for_tracing(model, state, home)
     reads = _AttributeReads(model)  # [Note: attributes read]
-    with reads:
-        traced, out1 = _trace_with_layout(model, state, state_tensors, flat, home, batch,
-                                          _leading_batch_dims(flat.tensors, batch))
+    sequence_first = _sequence_first_layout(flat.tensors)
+    try:
+        with reads:
+            traced, out1 = _trace_with_layout(model, state, state_tensors, flat, home, batch,
+                                              _leading_batch_dims(flat.tensors, batch))
+    except TraceError as leading_failed:  # [Note: batch dimensions]: the batch elsewhere?
+        traced, out1, batch = _traced_in_another_layout(
+            model, state, state_tensors, flat, home, reads,
+            [(_hidden_state_layout(flat.tensors, batch), "a hidden state's"), (sequence_first, "")],
+            leading_failed)
+        if batch != batched[0].shape[0]:
+            sequence_first = None  # traced so already
     # [Note: batch dimensions]
     ops = _RECURRENT_OPS + (_ATTENTION_OPS if sequence_first_attention(model) else ())
     along = recurrent_along_batch(traced.ir, ops)
-    layout = _sequence_first_layout(flat.tensors) if along else None
+    layout = sequence_first if along else None
     if layout is not None:
         try:
             with reads:
@@ -866,6 +889,29 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
     slots = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     return Trace(traced, state, state_tensors, home, flat, out1["spec"], leaves, slots, batch,
                  attributes=reads.watched())
+
+
+def _traced_in_another_layout(model, state, state_tensors, flat, home, reads, layouts: list,
+                              leading_failed: TraceError):
+    """The first of `layouts` ((batch, dims) or None, and what has the batch in dimension 1)
+    that traces: (the traced model, the first trace's outputs, the batch size); else
+    `leading_failed`, the error with the batch in dimension 0 ([Note: batch dimensions])."""
+    for layout, what in layouts:
+        if layout is None:
+            continue
+        try:
+            with reads:
+                traced, out1 = _trace_with_layout(model, state, state_tensors, flat, home, *layout)
+        except TraceError:
+            continue
+        batch, dims = layout
+        named = [flat.paths[slot] for slot, d in zip(flat.tensor_slots, dims) if d == 1]
+        _C.log_info(f"the batch ({batch} rows) is dimension 1 of {failure.some_of(named)}"
+                    + (f" ({what} layout)" if what else " (sequence first)")
+                    + ": traced so, as with the batch in dimension 0 the model failed "
+                    "([Note: batch dimensions] in _trace.py)")
+        return traced, out1, batch
+    raise leading_failed
 
 
 def _batch_order_hint(flat: FlatArgs, batch: int) -> str:

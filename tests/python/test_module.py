@@ -1016,7 +1016,9 @@ def test_sequence_first_models_train_as_pytorch(ranks, stages, replicas):
     batch], the hidden state passed in and carried on, loss outside: fill-drain) and its
     nn.Transformer language-model tutorial (sequence first, causal mask; its layers were
     glued into one task before session 31) train equal to PyTorch with their batch in
-    dimension 1, in 2 micro-batches (mpi/seq_first_check.py)."""
+    dimension 1, in 2 micro-batches (mpi/seq_first_check.py). The language model's last
+    chunk is as long as its LSTM has layers, and a batch-first LSTM takes its hidden state
+    [layers, batch, hidden]: both failed to trace before session 35."""
     res = mpirun("seq_first_check.py", ranks, stages, *([replicas] if replicas else []),
                  timeout=300, env={"RANNC_COMM_TIMEOUT": "60"})
     assert res.returncode == 0, res.stdout[-4000:]

@@ -6,7 +6,11 @@ on the global batch.
 classifier: nn.LSTM without batch_first over x [sequence, batch, features], labels [batch],
 the loss inside (1F1B). lm: PyTorch's word language model, tokens [sequence, batch], the
 hidden state [layers, batch, hidden] passed in and carried to the next call detached
-(truncated backpropagation through time), the loss made outside (fill-drain).
+(truncated backpropagation through time), the loss made outside (fill-drain); its last
+chunk is as long as the LSTM has layers (word_language_model's get_batch cuts it short), so
+dimension 0 of every argument has as many rows: traced again, it failed, taking the
+sequence as the batch. batch_first_lm: an LSTM with batch_first=True, whose hidden state is
+[layers, batch, hidden] all the same, passed in: it failed, as its batch is in dimension 1.
 transformer_lm: PyTorch's language-model tutorial (nn.TransformerEncoder without
 batch_first, a causal mask, tokens [sequence, batch], the loss inside). Each trains 3 SGD
 steps equal to PyTorch on the rows of every rank, in 2 micro-batches; the batch is
@@ -55,6 +59,18 @@ class WordLM(torch.nn.Module):
         return self.decoder(out), hidden
 
 
+class BatchFirstLM(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder = torch.nn.Embedding(VOCAB, 16)
+        self.rnn = torch.nn.LSTM(16, 16, num_layers=2, batch_first=True)
+        self.decoder = torch.nn.Linear(16, VOCAB)
+
+    def forward(self, tokens, hidden, targets):
+        out, hidden = self.rnn(self.encoder(tokens), hidden)
+        return F.cross_entropy(self.decoder(out).reshape(-1, VOCAB), targets.reshape(-1)), hidden
+
+
 class TransformerLM(torch.nn.Module):
     """PyTorch's tutorial language model ("Language modeling with nn.Transformer"):
     sequence first, sinusoidal positions, a causal mask."""
@@ -79,7 +95,7 @@ class TransformerLM(torch.nn.Module):
         return F.cross_entropy(out.view(-1, VOCAB), targets.reshape(-1))
 
 
-def check(name, make, step):
+def check(name, make, step, batch_dim=1):
     torch.manual_seed(0)
     model = make()
     reference = copy.deepcopy(model)
@@ -99,7 +115,7 @@ def check(name, make, step):
                                    msg=lambda m: f"rank {rank}, {name}, {key}: {m}")
     traced = wrapped._deployed[True].graph
     dims = [traced.ir.value(v).batch_dim for v in traced.ir.inputs if traced.ir.value(v).role == "input"]
-    assert dims[0] == 1, (name, dims)
+    assert dims[0] == batch_dim, (name, dims)
     if name == "transformer_lm":  # no task glues every layer together (14 tasks then)
         sizes = [len(s.tasks) for s in wrapped.deployments["train"].stages]
         assert len(sizes) == stages and sum(sizes) > 100, (name, sizes)
@@ -122,7 +138,8 @@ def classifier_step(wrapped, reference, i, state):
 
 def lm_step(wrapped, reference, i, state):
     g = torch.Generator().manual_seed(10 + i)
-    data = torch.randint(0, VOCAB, (SEQ + 1, ROWS * world), generator=g)
+    length = SEQ if i < 2 else 2  # the last chunk: as long as the LSTM has layers
+    data = torch.randint(0, VOCAB, (length + 1, ROWS * world), generator=g)
     tokens, targets = data[:-1], data[1:]
     if state is None:
         state = [tuple(torch.zeros(2, ROWS * world, 16) for _ in range(2))] * 2
@@ -136,6 +153,23 @@ def lm_step(wrapped, reference, i, state):
     F.cross_entropy(ref_out.reshape(-1, VOCAB), targets.reshape(-1)).backward()
     # truncated backpropagation through time: the hidden state goes on, detached; every
     # rank's rows of it in the next call, as the reference's whole
+    full = tuple(torch.cat(rannc_all_gather(h.detach()), dim=1) for h in hidden)
+    return [full, tuple(h.detach() for h in ref_hidden)]
+
+
+def batch_first_lm_step(wrapped, reference, i, state):
+    g = torch.Generator().manual_seed(30 + i)
+    data = torch.randint(0, VOCAB, (ROWS * world, SEQ + 1), generator=g)
+    tokens, targets = data[:, :-1], data[:, 1:]
+    if state is None:
+        state = [tuple(torch.zeros(2, ROWS * world, 16) for _ in range(2))] * 2
+    mine, theirs = state
+    loss, hidden = wrapped(rows(tokens, 0), tuple(rows(h, 1) for h in mine), rows(targets, 0))
+    ref, ref_hidden = reference(tokens, theirs, targets)
+    torch.testing.assert_close(loss.detach(), ref.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(hidden[0], rows(ref_hidden[0], 1), rtol=1e-5, atol=1e-6)
+    loss.backward()
+    ref.backward()
     full = tuple(torch.cat(rannc_all_gather(h.detach()), dim=1) for h in hidden)
     return [full, tuple(h.detach() for h in ref_hidden)]
 
@@ -161,5 +195,6 @@ def transformer_step(wrapped, reference, i, state):
 
 check("classifier", Classifier, classifier_step)
 check("lm", WordLM, lm_step)
+check("batch_first_lm", BatchFirstLM, batch_first_lm_step, batch_dim=0)
 check("transformer_lm", TransformerLM, transformer_step)
 print(f"OK rank {rank}", flush=True)
