@@ -217,6 +217,9 @@ class Trace:
     batch_size: int
     # the modules' plain attributes the forward read, as traced ([Note: attributes read])
     attributes: list = dataclasses.field(default_factory=list)
+    # outputs that grow with the batch but are not cut into rows ([Note: outputs not cut
+    # into rows] in planning.py), by their paths
+    outputs_not_cut: list = dataclasses.field(default_factory=list)
 
 
 def _second_batch(flat: FlatArgs, batch: int, dims: list, mirror: bool = True
@@ -267,12 +270,14 @@ def _second_batch(flat: FlatArgs, batch: int, dims: list, mirror: bool = True
 # So where the model has such modules, a task whose attention takes a batch value and makes
 # none is traced again the same way (not for batch-first models, whose attention may be
 # glued for other reasons: a padding mask's row positions).
-# A trace that fails with the batch in dimension 0 is tried with the batch elsewhere before
-# its error is raised: in dimension 1 of the arguments that have it there but not in 0 (a
-# batch-first LSTM's hidden state, [layers, batch, hidden] whatever batch_first says,
-# passed in for truncated backpropagation: the second trace cut the inputs alone, and the
-# LSTM refused the hidden state), then sequence first (a sequence-first model's short last
-# chunk, whose length may equal the layers of its hidden state).
+# A trace of a recurrent model that fails with the batch in dimension 0 is tried with the
+# batch elsewhere before its error is raised: in dimension 1 of the arguments that have it
+# there but not in 0, where an RNN is batch first (its hidden state is [layers, batch,
+# hidden] all the same, passed in for truncated backpropagation: the second trace cut the
+# inputs alone, and the LSTM refused the hidden state); then sequence first, where an RNN
+# or attention is (a sequence-first model's short last chunk, whose length may equal the
+# layers of its hidden state). Not for other models, where dimension 1 is most often the
+# sequence.
 _RECURRENT_OPS = ("aten::lstm", "aten::gru", "aten::rnn_tanh", "aten::rnn_relu", "aten::_cudnn_rnn")
 _ATTENTION_OPS = ("aten::scaled_dot_product_attention", "aten::_native_multi_head_attention",
                   "aten::softmax", "aten::_softmax")
@@ -845,10 +850,14 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
             traced, out1 = _trace_with_layout(model, state, state_tensors, flat, home, batch,
                                               _leading_batch_dims(flat.tensors, batch))
     except TraceError as leading_failed:  # [Note: batch dimensions]: the batch elsewhere?
+        rnns = [m for m in model.modules() if isinstance(m, torch.nn.RNNBase)]
+        hidden = (_hidden_state_layout(flat.tensors, batch)
+                  if any(m.batch_first for m in rnns) else None)
+        first = (sequence_first if any(not m.batch_first for m in rnns)
+                 or sequence_first_attention(model) else None)
         traced, out1, batch = _traced_in_another_layout(
             model, state, state_tensors, flat, home, reads,
-            [(_hidden_state_layout(flat.tensors, batch), "a hidden state's"), (sequence_first, "")],
-            leading_failed)
+            [(hidden, "a hidden state's"), (first, "")], leading_failed)
         if batch != batched[0].shape[0]:
             sequence_first = None  # traced so already
     # [Note: batch dimensions]
@@ -887,8 +896,11 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
                     "not to compute a cache)")
     leaves = out1["leaves"]
     slots = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+    ir = traced.ir
+    not_cut = [out1["paths"][slot] for vid, slot in zip(ir.outputs, slots)
+               if slot in out1["resized"] and ir.value(vid).batch_dim < 0]
     return Trace(traced, state, state_tensors, home, flat, out1["spec"], leaves, slots, batch,
-                 attributes=reads.watched())
+                 attributes=reads.watched(), outputs_not_cut=not_cut)
 
 
 def _traced_in_another_layout(model, state, state_tensors, flat, home, reads, layouts: list,
@@ -975,6 +987,9 @@ def _trace_with_layout(model, state, state_tensors, flat: FlatArgs, home, batch:
             raise TraceError("the structure of the model's output differs between batch sizes "
                              f"{batch} and {batch2}: {out1['spec']} vs {out2['spec']}")
         _refuse_numbers_of_data(out1, out2, notes)
+        out1["resized"] = {i for i, (a, b) in enumerate(zip(out1["leaves"], out2["leaves"]))
+                           if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                           and a.shape != b.shape}
         names = state.names + [f"input:{flat.paths[s]}" for s in flat.tensor_slots]
         roles = (["param"] * len(state.param_names) + ["buffer"] * len(state.buffer_names)
                  + ["input"] * len(flat.tensors))

@@ -354,6 +354,34 @@ def _rows_kept_whole(graph: TracedGraph, opts: Options, popts) -> None:
                     "([Note: rows coupled] in planning.py)")
 
 
+# [Note: outputs not cut into rows] An output whose size grows with the batch but that
+# holds no dimension of rows (a sequence-first model's `decoded.view(-1, ntoken)`, PyTorch's
+# word language model: rows of the sequence and the batch interleaved; rows selected by the
+# data) cannot be cut into each rank's rows nor put together from micro-batches. Such an
+# output came back as micro-batch 0's of the first replica on every rank, so a loss made
+# outside from it trained on rank 0's rows without a word (parameters 1.2e-2 off after 3
+# steps). With one rank, one micro-batch returns it whole; with several ranks it is an
+# error on every rank, naming the output and the cure.
+def _outputs_kept_whole(graph: TracedGraph, opts: Options, popts, world_size: int) -> None:
+    paths = getattr(graph._trace, "outputs_not_cut", [])
+    if not paths:
+        return
+    named = [f"#{p}" if p.replace(".", "").isdigit() else p for p in paths if p]
+    what = (f"the model's output{' ' + failure.some_of(named) if named else ''} grows with the "
+            "batch but holds no "
+            "dimension of its rows (a batch flattened with another dimension, as a "
+            "sequence-first model's decoded.view(-1, ntoken), or rows the data selects)")
+    cure = ("Return it with the batch as a dimension of its own (the [sequence, batch, ...] "
+            "value before the view) and flatten it outside, or compute the loss inside the "
+            "module ([Note: outputs not cut into rows] in planning.py)")
+    if world_size > 1:
+        raise _C.TraceError(f"{what}: it cannot be cut into each rank's rows. {cure}")
+    if opts.num_microbatches > 1:
+        raise _C.TraceError(f"{what}: it cannot be put together from {opts.num_microbatches} "
+                         f"micro-batches. {cure}")
+    popts.max_microbatches = 1
+
+
 # [Note: spectral norm per micro-batch] A spectral norm (torch.nn.utils.parametrizations's,
 # or the older hook) runs one power iteration per forward and writes its vectors `u`, `v`
 # into buffers. A stage runs the forward once per micro-batch, so with several micro-batches
@@ -402,6 +430,7 @@ def plan_graph(graph: TracedGraph, flat_inputs: list, opts: Options, *, world_si
     popts = opts.planner_options(world_size, opts.batch_size or graph.batch_size * int(world_size),
                                  optimizer, update_seconds_per_byte)
     _rows_kept_whole(graph, opts, popts)
+    _outputs_kept_whole(graph, opts, popts, int(world_size))
 
     def explained(e: Exception) -> Exception:
         if not (memory_note and isinstance(e, _C.InfeasiblePlanError)):

@@ -1082,3 +1082,38 @@ def test_an_attribute_forward_sets_before_reading_it_is_neither_watched_nor_name
     err = capfd.readouterr().err
     assert "the forward changes calls of the model" in err, err[-2000:]
     assert "mult" not in err, err[-2000:]
+
+
+class _FlatWordLM(torch.nn.Module):
+    """PyTorch's word language model: sequence first, its logits flattened to [T * B, V]."""
+
+    def __init__(self, flat):
+        super().__init__()
+        self.flat = flat
+        self.encoder, self.rnn = torch.nn.Embedding(20, 8), torch.nn.LSTM(8, 16)
+        self.decoder = torch.nn.Linear(16, 20)
+
+    def forward(self, tokens):
+        out, _ = self.rnn(self.encoder(tokens))
+        decoded = self.decoder(out)
+        return (torch.log_softmax(decoded.view(-1, 20), 1) if self.flat else decoded), out
+
+
+def test_an_output_that_grows_with_the_batch_without_its_rows_is_named():
+    """[Note: outputs not cut into rows] in planning.py: the word language model's logits
+    [T * B, V] interleave the sequence's and the batch's rows; it came back as micro-batch
+    0's of the first replica on every rank (a loss made outside trained on rank 0's rows).
+    With several ranks it is an error naming the output and the cure; with one, it is
+    planned with one micro-batch; the unflattened [T, B, V] pipelines."""
+    tokens = torch.randint(0, 20, (5, 8))
+    with pytest.raises(rannc.TraceError, match=r"output #0 grows with the batch but holds no "
+                                               r"dimension of its rows.*flatten it outside"):
+        rannc.plan(_FlatWordLM(True), (tokens,), world_size=2, cost_model="analytic")
+    with pytest.raises(rannc.TraceError, match="cannot be put together from 2 micro-batches"):
+        rannc.plan(_FlatWordLM(True), (tokens,), world_size=1, num_microbatches=2,
+                   cost_model="analytic")
+    plan = rannc.plan(_FlatWordLM(True), (tokens,), world_size=1, cost_model="analytic")
+    assert plan.micro_batches == 1
+    plan = rannc.plan(_FlatWordLM(False), (tokens,), world_size=2, num_stages=2,
+                      num_microbatches=2, cost_model="analytic")
+    assert plan.micro_batches == 2
