@@ -141,7 +141,9 @@ class Classifier {
 
  private:
   // Computed from a batch tensor (a value the same for any rows, such as an argument
-  // without a batch dimension, a count passed in, or a constant, is not).
+  // without a batch dimension, a count passed in, or a constant, is not; nor is a size
+  // that is not the batch's: fairseq's label smoothing weighs its terms by
+  // eps / (lprobs.size(-1) - 1), which made its loss a term of no known kind).
   bool fromRows(ValueId id) {
     if (from_rows_.empty()) {  // once, along a topological order (no recursion over the model)
       from_rows_.resize(g_.numValues());
@@ -149,10 +151,20 @@ class Classifier {
       for (TaskId t : g_.topologicalOrder()) {
         bool any = false;
         for (ValueId in : g_.task(t).inputs) any = any || from_rows_[in];
-        for (ValueId out : g_.task(t).outputs) from_rows_[out] = from_rows_[out] || any;
+        for (ValueId out : g_.task(t).outputs) {
+          from_rows_[out] = from_rows_[out] || (any && !aSizeOfOtherDimensions(g_.value(out)));
+        }
       }
     }
     return from_rows_[id];
+  }
+
+  // A number the trace found the same at both batch sizes, no multiple of the batch: a size
+  // or a shape of dimensions other than the batch's ([Note: batch values]).
+  static bool aSizeOfOtherDimensions(const Value& v) {
+    if (v.isTensor() || v.batch_dependent || v.int_values.empty()) return false;
+    return std::all_of(v.int_batch_multiples.begin(), v.int_batch_multiples.end(),
+                       [](int64_t k) { return k == 0; });
   }
 
  private:
