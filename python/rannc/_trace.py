@@ -940,7 +940,10 @@ def _batch_order_hint(flat: FlatArgs, batch: int) -> str:
     return (f" Or is {name} the batch? rannc takes the batch size, {batch}, from the first "
             f"tensor argument ({first}, shape {list(flat.tensors[0].shape)}), and {name} has "
             f"{rows} rows: pass the batch's tensors first (keyword arguments count in the "
-            "order given)")
+            "order given). Or are its rows not the batch's (each row's items concatenated, as "
+            "CTC's 1-D targets)? rannc cuts the arguments whose dimension 0 holds the batch's "
+            "rows and passes the others whole to every micro-batch: pad it to [batch, ...] "
+            "(CTCLoss takes targets [batch, longest target] with their lengths)")
 
 
 # [Note: numbers in the outputs] An output that is a Python number computed from tensors
