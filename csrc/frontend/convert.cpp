@@ -567,11 +567,52 @@ bool remapObserved(const Observed& from, const std::vector<const torch::jit::Val
 // could be cut). Their rows are not compared; their shapes still decide. Dropout and
 // batch statistics are switched off instead ([Note: row-coupling flags]); a draw of
 // indices (randperm, randint, multinomial) and what integers are computed from random
-// values are compared as before.
+// values are compared as before, but for integers drawn below a constant (a diffusion
+// model's timesteps, `torch.randint(0, T, (x.shape[0],))`, and their casts and
+// arithmetic): they index no rows, and returned beside the loss they came back as micro-
+// batch 0's of the first replica on every rank (kDrawnNotRows).
+constexpr char kDrawnNotRows = 2;
+
+bool drawsBelowAConstant(const ir::Graph& ir, const ir::Task& task) {
+  // randint(high, size, ...), randint(low, high, size, ...), randint_like(self, high, ...),
+  // randint_like(self, low, high, ...): the bounds are the leading ints
+  if (task.op != "aten::randint" && task.op != "aten::randint_like") return false;
+  const size_t first = task.op == "aten::randint_like" ? 1 : 0;
+  bool any = false;
+  for (size_t i = first; i < task.inputs.size() && i < first + 2; ++i) {
+    const ir::Value& v = ir.value(task.inputs[i]);
+    if (v.kind != ir::ValueKind::Int) break;  // the size list
+    if (v.role != ir::ValueRole::Constant) return false;
+    any = true;
+  }
+  return any;
+}
+
+bool keepsDrawnValues(const std::string& op) {
+  for (const char* o : {"aten::to", "aten::long", "aten::int", "aten::clone", "aten::contiguous",
+                        "aten::detach", "aten::add", "aten::sub", "aten::mul", "aten::remainder",
+                        "aten::clamp", "aten::view", "aten::reshape", "aten::unsqueeze", "aten::squeeze"}) {
+    if (op == o) return true;
+  }
+  return false;
+}
+
 std::vector<char> randomValues(const ir::Graph& ir) {
   std::vector<char> random(ir.numValues(), 0);
   for (ir::TaskId t : ir.topologicalOrder()) {
     const ir::Task& task = ir.task(t);
+    const bool below = drawsBelowAConstant(ir, task) ||
+                       (keepsDrawnValues(task.op) &&
+                        std::any_of(task.inputs.begin(), task.inputs.end(),
+                                    [&](ir::ValueId in) { return random[in] == kDrawnNotRows; }) &&
+                        std::none_of(task.inputs.begin(), task.inputs.end(), [&](ir::ValueId in) {
+                          return random[in] != kDrawnNotRows && ir.value(in).isTensor() &&
+                                 ir.value(in).role != ir::ValueRole::Constant;
+                        }));
+    if (below) {
+      for (ir::ValueId out : task.outputs) random[out] = kDrawnNotRows;
+      continue;
+    }
     bool drawn = false;
     for (size_t b = 0; b <= task.op.size() && !drawn;) {  // each op of a glued task
       const size_t e = std::min(task.op.find('+', b), task.op.size());
@@ -612,7 +653,8 @@ Observed observe(const TracedModel& model, const std::vector<at::Tensor>& inputs
       o.shapes[id] = t.sizes().vec();
       o.dtypes[id] = t.scalar_type();
       if (keep) o.tensors[id] = t;
-      const bool drawn = kept && random[id] && (t.is_floating_point() || t.is_complex());
+      const bool drawn =
+          kept && (random[id] == kDrawnNotRows || (random[id] && (t.is_floating_point() || t.is_complex())));
       if (kept && !drawn && kept->tensors.size() > static_cast<size_t>(id) && kept->tensors[id].defined()) {
         const at::Tensor& other = kept->tensors[id];
         if (other.dim() == t.dim()) {

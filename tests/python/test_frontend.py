@@ -1117,3 +1117,25 @@ def test_an_output_that_grows_with_the_batch_without_its_rows_is_named():
     plan = rannc.plan(_FlatWordLM(False), (tokens,), world_size=2, num_stages=2,
                       num_microbatches=2, cost_model="analytic")
     assert plan.micro_batches == 2
+
+
+def test_timesteps_drawn_in_forward_are_rows_of_the_batch():
+    """[Note: random values] in convert.cpp: a diffusion model's timesteps drawn inside
+    forward, `torch.randint(0, T, (x.shape[0],))` (and `.long()` of them), returned beside
+    the loss, are a batch value; they read as interleaved, so every rank got micro-batch
+    0's of the first replica (garbage where the shapes differed, MPI_ERR_TRUNCATE with two
+    stages). A permutation of the rows (randperm) still is not."""
+    class Diffusion(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 1)
+
+        def forward(self, x):
+            t = torch.randint(0, 100, (x.shape[0],)).long()
+            perm = torch.randperm(x.shape[0])
+            loss = self.lin(x * (t[:, None].float() / 100) + x[perm]).pow(2).mean()
+            return loss, t, perm
+
+    graph = rannc.trace(Diffusion(), (torch.randn(8, 4),))
+    dims = [graph.ir.value(v).batch_dim for v in graph.ir.outputs]
+    assert dims[1] == 0 and dims[2] < 0, dims
