@@ -244,7 +244,10 @@ c10::IValue BoundaryInputs::build(const ir::Value& v, int64_t rows) const {
     throw Error("cannot build the profiling input " + ir::describe(v) + " (a " +
                 std::string(ir::valueKindName(v.kind)) + " that was not observed)");
   }
-  at::Tensor t = at::randn(batch > 0 ? shapeAt(v, rows) : v.shape,
+  // Uniform in [0, 1): the time is the same, and ops that take probabilities accept them
+  // (binary_cross_entropy after a sigmoid failed on normal draws, "all elements of input
+  // should be between 0 and 1"; multinomial refuses negative weights).
+  at::Tensor t = at::rand(batch > 0 ? shapeAt(v, rows) : v.shape,
                           at::TensorOptions().dtype(frontend::toScalarType(v.dtype)));
   return t.is_floating_point() ? t.requires_grad_(true) : t;
 }

@@ -3,7 +3,8 @@
 //
 // [Note: data values] A piece's inputs are of two sorts. Activations (floating tensors
 // that require grad) only need the right shape: their values do not change the time of
-// dense ops, so they are drawn at random, the batch dimension scaled to the rows. Every
+// dense ops, so they are drawn at random (uniform in [0, 1), which ops on probabilities
+// accept), the batch dimension scaled to the rows. Every
 // other value is data whose content matters: token ids, masks, index tensors, position
 // buckets computed in floating point (T5), additive masks, rotary tables, sizes. An
 // index invented or cut from another batch size can point outside what it indexes (a

@@ -583,3 +583,22 @@ def test_a_second_plan_from_the_cache_measures_nothing_under_a_noisy_clock():
         second = rannc.plan(model, args, kwargs, profile_cache=cache, **opts)
         assert second.times.pieces_measured == 0, (seed, second.times.line())
         assert second.hash == first.hash and second.iteration_time == first.iteration_time, seed
+
+
+def test_pieces_that_take_probabilities_are_profiled():
+    """[Note: data values] in csrc/profile/boundary_inputs.h: the VAE loss of PyTorch's
+    examples, binary_cross_entropy(sigmoid(logits), x), profiled on its own got normal draws
+    for its input and failed ("all elements of input should be between 0 and 1"); boundary
+    activations are drawn in [0, 1)."""
+    class Vae(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.enc, self.dec = nn.Linear(8, 4), nn.Linear(4, 8)
+
+        def forward(self, x):
+            recon = torch.sigmoid(self.dec(torch.relu(self.enc(x))))
+            return nn.functional.binary_cross_entropy(recon, x, reduction="sum") / x.shape[0]
+
+    args = (torch.rand(8, 8),)
+    plan = rannc.plan(Vae(), args, world_size=2, num_stages=2, num_blocks=8, **FAST)
+    assert plan.deployment.feasible and plan.deployment.num_stages == 2
