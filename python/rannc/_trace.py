@@ -410,6 +410,70 @@ _KEEP_ATTACHED = {torch.Tensor.requires_grad_, torch.Tensor.detach, torch.Tensor
                   torch.Tensor.register_post_accumulate_grad_hook}
 
 
+# [Note: writes through .data] What forward does to a tensor's `.data` (a VQ-VAE codebook's
+# EMA update `self.cluster_size.data.mul_(d)`, Glow's ActNorm initialised from the first
+# batch `self.loc.data.copy_(-mean)`, `out.data.clamp_(...)`) is no op of the trace: the
+# steps never did it, without a word, and the trace itself did it to the real parameters,
+# with the tracer's inputs. While tracing, each `.data` taken is watched (its own version
+# counter); one written, or a `.data =` assignment, is a TraceError naming the tensor, the
+# line and the cure, and the parameters it wrote are put back as they were. A `.data` only
+# read is traced as detach(), which it is for the forward: traced as it was, it became a
+# constant of the trace (a weight's norm read through .data never moved with training).
+_DATA = torch._C.TensorBase.__dict__["data"]
+
+
+class _WatchDataWrites(torch.overrides.TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.names = {}     # id of a state tensor while traced -> its name (fn fills it)
+        self.taken = []     # (the .data alias, its version then, name or None, source line)
+        self.assigned = []  # (name or None, source line)
+        self.originals = {}  # id -> (the state tensor, a copy of it when .data was first taken)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if getattr(func, "__self__", None) is _DATA and args:
+            owner = args[0]
+            name = self.names.get(id(owner))
+            if name is not None and id(owner) not in self.originals:
+                with torch.no_grad():
+                    self.originals[id(owner)] = (owner, _DATA.__get__(owner).clone())
+            where = _caller_line()
+            if func.__name__ == "__get__" and isinstance(out, torch.Tensor):
+                out = owner.detach()
+                self.taken.append((out, out._version, name, where))
+            elif func.__name__ == "__set__":
+                self.assigned.append((name, where))
+        return out
+
+    def refuse_writes(self) -> None:
+        written = [(name, where) for alias, version, name, where in self.taken
+                   if alias._version != version] + self.assigned
+        if not written:
+            return
+        with torch.no_grad():  # the trace wrote them with its own inputs: put them back
+            for owner, original in self.originals.values():
+                _DATA.__get__(owner).copy_(original)
+        what = failure.some_of(list(dict.fromkeys(
+            f"{repr(name) if name else 'a tensor'} at {where}" for name, where in written)))
+        raise TraceError(
+            f"the forward writes through .data: {what}. A trace does not record what is done "
+            "to .data, so rannc's steps would never do it. Write it under torch.no_grad() "
+            "without .data (`with torch.no_grad(): self.buf.mul_(d)`), which is recorded; "
+            "initialise from the data (Glow's ActNorm) before wrapping, by running the plain "
+            "model once on a batch before RaNNCModule(model) ([Note: writes through .data] "
+            "in _trace.py)")
+
+
+def _caller_line() -> str:
+    """file:line of the innermost frame of the current stack outside torch and rannc."""
+    torch_dir, ours = os.path.dirname(torch.__file__), os.path.dirname(__file__)
+    for frame in reversed(traceback.extract_stack()):
+        if not frame.filename.startswith((torch_dir, ours)):
+            return f"{frame.filename}:{frame.lineno}"
+    return "?"
+
+
 class _DetachUnderNoGrad(torch.overrides.TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -626,8 +690,10 @@ def _trace_once(model, state: ModelState, state_tensors: list, flat: FlatArgs, t
                 tracer_notes: list, watch_random: bool = False):
     n_state = len(state.names)
     out_info = {}
+    watch_data = _WatchDataWrites()  # [Note: writes through .data]
 
     def fn(*inputs):
+        watch_data.names.update({id(t): name for name, t in zip(state.names, inputs[:n_state])})
         with _reparametrize_module(model, dict(zip(state.names, inputs[:n_state])),
                                    tie_weights=True):
             args, kwargs = flat.rebuild(inputs[n_state:])
@@ -649,8 +715,10 @@ def _trace_once(model, state: ModelState, state_tensors: list, flat: FlatArgs, t
             warnings.filterwarnings("ignore", message=".*torch.jit.trace. is deprecated")
             with (_WatchRandomDecisions() if watch_random else contextlib.nullcontext(),
                   _RefuseTensorHooks(), traceable_parts(model),
-                  _DetachUnderNoGrad() if torch.is_grad_enabled() else contextlib.nullcontext()):
+                  _DetachUnderNoGrad() if torch.is_grad_enabled() else contextlib.nullcontext(),
+                  watch_data):
                 traced = torch.jit.trace(fn, example, check_trace=False, strict=False)
+        watch_data.refuse_writes()
     except _RandomDecision as e:
         raise TraceError(
             f"the model decides in Python on a random number ({e} at {_user_frame(e)}), as "

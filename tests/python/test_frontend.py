@@ -1139,3 +1139,47 @@ def test_timesteps_drawn_in_forward_are_rows_of_the_batch():
     graph = rannc.trace(Diffusion(), (torch.randn(8, 4),))
     dims = [graph.ir.value(v).batch_dim for v in graph.ir.outputs]
     assert dims[1] == 0 and dims[2] < 0, dims
+
+
+class _DataWrites(torch.nn.Module):
+    """Glow's ActNorm initialised from the first batch through .data, a codebook's counts
+    kept by an EMA through .data, or .data only read (a detached copy for a statistic)."""
+
+    def __init__(self, case):
+        super().__init__()
+        self.case = case
+        self.loc = torch.nn.Parameter(torch.zeros(4))
+        self.register_buffer("initialized", torch.tensor(0))
+        self.register_buffer("counts", torch.zeros(4))
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        if self.case == "actnorm" and self.initialized.item() == 0:
+            with torch.no_grad():
+                self.loc.data.copy_(-x.mean(0))
+                self.initialized.fill_(1)
+        if self.case == "ema":
+            self.counts.data.mul_(0.9).add_(x.detach().abs().mean(0), alpha=0.1)
+        scale = x.data.abs().mean() * self.lin.weight.data.norm() if self.case == "read" else 1.0
+        return self.lin(x + self.loc).pow(2).mean() * scale
+
+
+@pytest.mark.parametrize("case", ["actnorm", "ema"])
+def test_writes_through_data_are_named_and_leave_the_model_as_it_was(case):
+    """[Note: writes through .data] in _trace.py: a trace does not record them, so the
+    steps never made them without a word (a VQ-VAE's codebook never moved), and the trace
+    wrote the real parameters with its own inputs (ActNorm's loc). A TraceError names the
+    tensor and the cure, and the parameters are put back."""
+    model = _DataWrites(case)
+    before = model.loc.detach().clone()
+    with pytest.raises(rannc.TraceError, match=rf"writes through .data: '{'loc' if case == 'actnorm' else 'counts'}'"
+                                               r" at .*test_frontend.py:\d+.*torch.no_grad\(\)"):
+        rannc.trace(model, (torch.randn(8, 4) + 3,))
+    assert torch.equal(model.loc.detach(), before)
+    # only read: traced as detach(), so it follows the weights (it was a constant)
+    model = _DataWrites("read")
+    x = torch.randn(8, 4)
+    graph = rannc.trace(model, (x,))
+    with torch.no_grad():
+        model.lin.weight.mul_(2)
+    torch.testing.assert_close(graph(x), model(x))
