@@ -419,6 +419,10 @@ _KEEP_ATTACHED = {torch.Tensor.requires_grad_, torch.Tensor.detach, torch.Tensor
 # line and the cure, and the parameters it wrote are put back as they were. A `.data` only
 # read is traced as detach(), which it is for the forward: traced as it was, it became a
 # constant of the trace (a weight's norm read through .data never moved with training).
+# The same holds for a decision in Python on a buffer the forward writes (ActNorm's
+# `if self.initialized.item() == 0: initialise; self.initialized.fill_(1)` under no_grad):
+# both traces start from the same buffers, so the decision was fixed for every step (an
+# initialisation from each batch) without a word; it is a TraceError too.
 _DATA = torch._C.TensorBase.__dict__["data"]
 
 
@@ -429,15 +433,27 @@ class _WatchDataWrites(torch.overrides.TorchFunctionMode):
         self.taken = []     # (the .data alias, its version then, name or None, source line)
         self.assigned = []  # (name or None, source line)
         self.originals = {}  # id -> (the state tensor, a copy of it when .data was first taken)
+        self.versions = {}  # id of a state tensor -> (it, its version when the trace began)
+        self.decided = []  # (name, source line) of each state tensor turned into a Python value
+
+    def watch(self, names: list, tensors) -> None:
+        """The state tensors the trace runs with (`fn` calls it first)."""
+        for name, t in zip(names, tensors):
+            self.names[id(t)] = name
+            self.versions.setdefault(id(t), (t, t._version))
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if (args and isinstance(args[0], torch.Tensor) and id(args[0]) in self.names
+                and getattr(func, "__name__", "").endswith("_")):
+            self._keep_original(args[0])  # an in-place write: to put back on an error
         out = func(*args, **(kwargs or {}))
+        if getattr(func, "__name__", "") in _TO_PYTHON and args and id(args[0]) in self.names:
+            self.decided.append((self.names[id(args[0])], _caller_line()))
         if getattr(func, "__self__", None) is _DATA and args:
             owner = args[0]
             name = self.names.get(id(owner))
-            if name is not None and id(owner) not in self.originals:
-                with torch.no_grad():
-                    self.originals[id(owner)] = (owner, _DATA.__get__(owner).clone())
+            if name is not None:
+                self._keep_original(owner)
             where = _caller_line()
             if func.__name__ == "__get__" and isinstance(out, torch.Tensor):
                 out = owner.detach()
@@ -446,23 +462,42 @@ class _WatchDataWrites(torch.overrides.TorchFunctionMode):
                 self.assigned.append((name, where))
         return out
 
+    def _keep_original(self, owner: torch.Tensor) -> None:
+        if id(owner) not in self.originals:
+            with torch.no_grad():
+                self.originals[id(owner)] = (owner, _DATA.__get__(owner).clone())
+
+    def _put_back(self) -> None:
+        """The state tensors as before the trace, which wrote them with its own inputs."""
+        with torch.no_grad():
+            for owner, original in self.originals.values():
+                _DATA.__get__(owner).copy_(original)
+
     def refuse_writes(self) -> None:
         written = [(name, where) for alias, version, name, where in self.taken
                    if alias._version != version] + self.assigned
-        if not written:
-            return
-        with torch.no_grad():  # the trace wrote them with its own inputs: put them back
-            for owner, original in self.originals.values():
-                _DATA.__get__(owner).copy_(original)
-        what = failure.some_of(list(dict.fromkeys(
-            f"{repr(name) if name else 'a tensor'} at {where}" for name, where in written)))
-        raise TraceError(
-            f"the forward writes through .data: {what}. A trace does not record what is done "
-            "to .data, so rannc's steps would never do it. Write it under torch.no_grad() "
-            "without .data (`with torch.no_grad(): self.buf.mul_(d)`), which is recorded; "
-            "initialise from the data (Glow's ActNorm) before wrapping, by running the plain "
-            "model once on a batch before RaNNCModule(model) ([Note: writes through .data] "
-            "in _trace.py)")
+        changed = {self.names[i] for i, (t, version) in self.versions.items() if t._version != version}
+        decided = [(name, where) for name, where in self.decided if name in changed]
+        if written or decided:
+            self._put_back()
+        if written:
+            what = failure.some_of(list(dict.fromkeys(
+                f"{repr(name) if name else 'a tensor'} at {where}" for name, where in written)))
+            raise TraceError(
+                f"the forward writes through .data: {what}. A trace does not record what is "
+                "done to .data, so rannc's steps would never do it. Write it under "
+                "torch.no_grad() without .data (`with torch.no_grad(): self.buf.mul_(d)`), "
+                "which is recorded; initialise from the data (Glow's ActNorm) before wrapping, "
+                "by running the plain model once on a batch before RaNNCModule(model) ([Note: "
+                "writes through .data] in _trace.py)")
+        if decided:
+            what = failure.some_of(list(dict.fromkeys(f"{name!r} at {where}" for name, where in decided)))
+            raise TraceError(
+                f"the forward decides in Python on {what}, which it also writes (as Glow's "
+                "ActNorm initialises itself at the first call): a trace fixes the decision for "
+                "every step. Initialise before wrapping, by running the plain model once on a "
+                "batch before RaNNCModule(model), or decide with tensor ops (torch.where) "
+                "([Note: writes through .data] in _trace.py)")
 
 
 def _caller_line() -> str:
@@ -693,7 +728,7 @@ def _trace_once(model, state: ModelState, state_tensors: list, flat: FlatArgs, t
     watch_data = _WatchDataWrites()  # [Note: writes through .data]
 
     def fn(*inputs):
-        watch_data.names.update({id(t): name for name, t in zip(state.names, inputs[:n_state])})
+        watch_data.watch(state.names, inputs[:n_state])
         with _reparametrize_module(model, dict(zip(state.names, inputs[:n_state])),
                                    tie_weights=True):
             args, kwargs = flat.rebuild(inputs[n_state:])
@@ -713,10 +748,10 @@ def _trace_once(model, state: ModelState, state_tensors: list, flat: FlatArgs, t
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", torch.jit.TracerWarning)
             warnings.filterwarnings("ignore", message=".*torch.jit.trace. is deprecated")
-            with (_WatchRandomDecisions() if watch_random else contextlib.nullcontext(),
+            with (watch_data,
+                  _WatchRandomDecisions() if watch_random else contextlib.nullcontext(),
                   _RefuseTensorHooks(), traceable_parts(model),
-                  _DetachUnderNoGrad() if torch.is_grad_enabled() else contextlib.nullcontext(),
-                  watch_data):
+                  _DetachUnderNoGrad() if torch.is_grad_enabled() else contextlib.nullcontext()):
                 traced = torch.jit.trace(fn, example, check_trace=False, strict=False)
         watch_data.refuse_writes()
     except _RandomDecision as e:
