@@ -3,6 +3,7 @@
 // rest. Torch's own pybind11 is used so torch._C.Graph and tensors pass through.
 #include <torch/extension.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
+#include <torch/csrc/jit/python/python_ir.h>
 
 #include "bind/bindings.h"
 #include "comm/communicator.h"
@@ -21,6 +22,48 @@ namespace py = pybind11;
 using namespace rannc;
 
 namespace {
+
+// [Note: Functions of several outputs] in frontend/convert.h: a prim::PythonOp of several
+// outputs runs its Function's apply as TorchScript's operator does for one (constant
+// arguments from the node, the others from the stack) and pushes each output it returns.
+torch::jit::Operation severalOutputsPythonOp(const torch::jit::Node* node) {
+  py::gil_scoped_acquire gil;
+  auto* op = const_cast<torch::jit::ConcretePythonOp*>(static_cast<const torch::jit::ConcretePythonOp*>(node));
+  auto release = [](auto* p) {  // Python objects go with the GIL held
+    py::gil_scoped_acquire held;
+    delete p;
+  };
+  std::shared_ptr<py::object> f(new py::object(py::reinterpret_borrow<py::object>(py::handle(op->pyobj.get()))),
+                                release);
+  std::shared_ptr<std::vector<py::object>> sc(new std::vector<py::object>(), release);
+  for (auto& a : op->scalar_args) sc->push_back(py::reinterpret_borrow<py::object>(py::handle(a.get())));
+  const std::string cconv = op->cconv;
+  const size_t num_inputs = std::count(cconv.begin(), cconv.end(), 'd');
+  std::vector<c10::TypePtr> types;
+  for (const torch::jit::Value* out : node->outputs()) types.push_back(out->type());
+  return torch::jit::Operation([f, sc, cconv, num_inputs, types](torch::jit::Stack& stack) {
+    py::gil_scoped_acquire held;
+    py::tuple args(cconv.size());
+    size_t next_scalar = 0, next_tensor = 0;
+    for (size_t i = 0; i < cconv.size(); ++i) {
+      args[i] = cconv[i] == 'c' ? (*sc)[next_scalar++]
+                                : torch::jit::toPyObject(torch::jit::peek(stack, next_tensor++, num_inputs));
+    }
+    torch::jit::drop(stack, num_inputs);
+    py::object out;
+    try {
+      out = (*f)(*args);
+    } catch (py::error_already_set& e) {
+      throw std::runtime_error(e.what());
+    }
+    py::tuple items = py::cast<py::tuple>(out);
+    if (items.size() != types.size()) {
+      throw std::runtime_error("an autograd.Function traced with " + std::to_string(types.size()) +
+                               " outputs returned " + std::to_string(items.size()));
+    }
+    for (size_t k = 0; k < types.size(); ++k) stack.push_back(torch::jit::returnToIValue(types[k], items[k]));
+  });
+}
 
 std::vector<c10::IValue> toIValues(const std::vector<at::Tensor>& tensors) {
   return {tensors.begin(), tensors.end()};
@@ -85,6 +128,7 @@ py::list stageBackward(const std::vector<std::optional<at::Tensor>>& grads,
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "rannc core: IR, TorchScript frontend, subgraph execution";
+  frontend::setPythonOpFactory(severalOutputsPythonOp);
 
   auto error = py::register_exception<Error>(m, "Error", PyExc_RuntimeError);
   py::register_exception<InvalidGraphError>(m, "InvalidGraphError", error);

@@ -224,6 +224,11 @@ void checkSameProgram(const TraceExample& a, const TraceExample& b,
   }
 }
 
+PythonOpFactory& pythonOpFactory() {
+  static PythonOpFactory factory;
+  return factory;
+}
+
 // The operator a node runs. The prim ops that build and take apart lists and tuples
 // have no registered operator (TorchScript's interpreter runs them as instructions, with
 // helpers it does not export), so they are written here.
@@ -279,6 +284,9 @@ torch::jit::Operation resolveOperation(Node* node,
         stack.emplace_back(std::move(dict));
       });
     }
+    case c10::prim::PythonOp:  // [Note: Functions of several outputs] in convert.h
+      if (nout != 1 && pythonOpFactory()) return pythonOpFactory()(node);
+      break;
   default:
       break;
   }
@@ -1299,5 +1307,7 @@ std::shared_ptr<TracedModel> buildTracedModel(
           " batch values");
   return model;
 }
+
+void setPythonOpFactory(PythonOpFactory factory) { pythonOpFactory() = std::move(factory); }
 
 }  // namespace rannc::frontend

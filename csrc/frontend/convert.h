@@ -4,6 +4,7 @@
 // the example batch size B1 and once at B2 (python/rannc/_trace.py). Conversion checks
 // that both traces are the same program, runs the graph at both sizes to record every
 // value's dtype and shape, and finds the values that carry the batch dimension.
+#include <functional>
 #include <memory>
 #include <string>
 #include <unordered_map>
@@ -27,6 +28,14 @@ struct TraceExample {
   // data (see sharedRowsAgree, [Note: row positions]).
   std::vector<at::Tensor> observe_inputs;
 };
+
+// [Note: Functions of several outputs] A torch.autograd.Function is recorded as a
+// prim::PythonOp that calls its apply. TorchScript's own operator for it runs only those of
+// one output (an internal assert otherwise: "op->outputs().size() == 1"), so one returning
+// two tensors could not be traced. The Python side (csrc/bind) sets the factory that runs
+// those of several outputs; the frontend itself stays free of Python.
+using PythonOpFactory = std::function<torch::jit::Operation(const torch::jit::Node*)>;
+void setPythonOpFactory(PythonOpFactory factory);
 
 // Builds the traced model from two traces at different batch sizes.
 // Throws TraceError when the traces differ (control flow on input data, the batch size
