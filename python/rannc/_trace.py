@@ -386,6 +386,28 @@ class _TensorHook(Exception):
     pass
 
 
+# - torch.autograd.grad inside forward (an R1 or WGAN-GP gradient penalty computed in the
+#   discriminator's forward): the backward it runs is no op of the trace, so its result
+#   would be a constant; tracing failed with torch.jit's "Cannot insert a Tensor that
+#   requires grad as a constant". A TraceError names the line and the cure.
+class _GradInForward(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def _refuse_grad_in_forward():
+    own = torch.autograd.grad
+
+    def refused(*args, **kwargs):
+        raise _GradInForward()
+
+    torch.autograd.grad = refused
+    try:
+        yield
+    finally:
+        torch.autograd.grad = own
+
+
 class _RefuseTensorHooks(torch.overrides.TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is torch.Tensor.register_hook and args and args[0].requires_grad:
@@ -750,7 +772,7 @@ def _trace_once(model, state: ModelState, state_tensors: list, flat: FlatArgs, t
             warnings.filterwarnings("ignore", message=".*torch.jit.trace. is deprecated")
             with (watch_data,
                   _WatchRandomDecisions() if watch_random else contextlib.nullcontext(),
-                  _RefuseTensorHooks(), traceable_parts(model),
+                  _RefuseTensorHooks(), _refuse_grad_in_forward(), traceable_parts(model),
                   _DetachUnderNoGrad() if torch.is_grad_enabled() else contextlib.nullcontext()):
                 traced = torch.jit.trace(fn, example, check_trace=False, strict=False)
         watch_data.refuse_writes()
@@ -760,6 +782,13 @@ def _trace_once(model, state: ModelState, state_tensors: list, flat: FlatArgs, t
             "LayerDrop does (if torch.rand([]) < p: skip a layer); a trace fixes one draw for "
             "every step. Draw with tensor ops instead (torch.where), or set the probability to 0 "
             "(transformers: layerdrop=0.0, encoder_layerdrop=0.0, decoder_layerdrop=0.0)") from None
+    except _GradInForward as e:
+        raise TraceError(
+            f"the model calls torch.autograd.grad in its forward (at {_user_frame(e)}), as a "
+            "gradient penalty (R1, WGAN-GP) computed inside a discriminator does: a trace "
+            "records the forward's ops, not the backward run inside it, and the stages' "
+            "backwards are not differentiable (create_graph=True). Compute such a penalty "
+            "on a model outside the RaNNCModule ([Note: hooks] in _trace.py)") from None
     except _TensorHook as e:
         raise TraceError(
             f"the model registers a gradient hook on a tensor in its forward (register_hook at "

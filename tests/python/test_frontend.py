@@ -1190,3 +1190,24 @@ def test_writes_through_data_are_named_and_leave_the_model_as_it_was(case):
     with torch.no_grad():
         model.lin.weight.mul_(2)
     torch.testing.assert_close(graph(x), model(x))
+
+
+def test_a_gradient_penalty_inside_forward_is_named():
+    """An R1 penalty computed in the discriminator's forward (torch.autograd.grad with
+    create_graph=True) failed with torch.jit's "Cannot insert a Tensor that requires grad as
+    a constant"; the TraceError names the call's line and the cure."""
+    class Discriminator(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Softplus(),
+                                           torch.nn.Linear(16, 1))
+
+        def forward(self, real):
+            real = real.detach().requires_grad_(True)
+            d_real = self.net(real)
+            g, = torch.autograd.grad(d_real.sum(), real, create_graph=True)
+            return torch.nn.functional.softplus(-d_real).mean() + g.pow(2).sum(1).mean()
+
+    with pytest.raises(rannc.TraceError, match=r"calls torch.autograd.grad in its forward "
+                                               r"\(at .*test_frontend.py:\d+\).*outside the RaNNCModule"):
+        rannc.trace(Discriminator(), (torch.randn(4, 8),))
