@@ -136,6 +136,8 @@ bool looksLikeBatchSize(const c10::IValue& a, const c10::IValue& b, int64_t b1, 
   if (x.empty() || x.size() != y.size()) return false;
   for (size_t i = 0; i < x.size(); ++i) {
     if (x[i] != y[i] && x[i] > 0 && x[i] % b1 == 0 && y[i] == x[i] / b1 * b2) return true;
+    // a number made from it: a mixture of experts' capacity, int(f * tokens / experts)
+    if (x[i] != y[i] && x[i] > 0 && y[i] > 0 && x[i] * b2 == y[i] * b1) return true;
   }
   return false;
 }
@@ -193,11 +195,13 @@ void checkSameProgram(const TraceExample& a, const TraceExample& b,
         }
         std::ostringstream os;
         if (looksLikeBatchSize(cx, cy, a.batch_size, b.batch_size)) {
-          os << "the batch size is baked into a shape: " << describeNodeIn(user, classes)
-             << " uses the constant " << printConstant(cx) << " when traced at batch size "
-             << a.batch_size << " and " << printConstant(cy) << " at batch size " << b.batch_size
-             << ". Compute it from the input (x.size(0), or -1 in view/reshape; not len(x), "
-                "which a trace fixes) so that micro-batches of any size work.";
+          os << "the batch size is baked into a shape, or a number made from it: "
+             << describeNodeIn(user, classes) << " uses the constant " << printConstant(cx)
+             << " when traced at batch size " << a.batch_size << " and " << printConstant(cy)
+             << " at batch size " << b.batch_size
+             << ". Compute it from the input with tensor ops (x.size(0), or -1 in view/reshape; "
+                "not len(x) or int(...) of it, which a trace fixes: a capacity of experts as "
+                "int(f * tokens / experts) is one) so that micro-batches of any size work.";
         } else {
           os << "the traced program depends on the input values: " << describeNodeIn(user, classes)
              << " uses a constant that was " << printConstant(cx) << " in one trace and "
