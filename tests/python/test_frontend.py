@@ -658,7 +658,7 @@ def test_control_flow_on_tensor_data_is_an_error_naming_the_module():
 
 def test_batch_size_baked_into_a_shape_is_an_error_naming_the_op():
     with pytest.raises(rannc.TraceError,
-                       match=r"batch size is baked into a shape: op aten::zeros in module 'head' \(BakedHead\)"):
+                       match=r"batch size is baked into a shape, or a number made from it: op aten::zeros in module 'head' \(BakedHead\)"):
         rannc.trace(Baked(), (torch.randn(4, 4),))
 
 
@@ -1211,3 +1211,53 @@ def test_a_gradient_penalty_inside_forward_is_named():
     with pytest.raises(rannc.TraceError, match=r"calls torch.autograd.grad in its forward "
                                                r"\(at .*test_frontend.py:\d+\).*outside the RaNNCModule"):
         rannc.trace(Discriminator(), (torch.randn(4, 8),))
+
+
+def test_a_capacity_made_from_the_batch_size_is_named_as_such():
+    """A Switch router's capacity, int(f * tokens / experts), is a number that scales with the
+    batch; the error blamed the input values ("control flow on tensor data?"); it names the
+    batch size and int()."""
+    class Switch(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate = torch.nn.Linear(8, 4, bias=False)
+
+        def forward(self, x):
+            tok = x.reshape(-1, 8)
+            mask = torch.nn.functional.one_hot(self.gate(tok).argmax(-1), 4).float()
+            capacity = int(1.0 * tok.shape[0] / 4)
+            keep = (torch.cumsum(mask, 0) * mask <= capacity).float() * mask
+            return (keep.sum(-1, keepdim=True) * tok).pow(2).mean()
+
+    with pytest.raises(rannc.TraceError, match=r"baked into a shape, or a number made from it: "
+                                               r"op aten::le.*int\(\.\.\.\)"):
+        rannc.trace(Switch(), (torch.randn(8, 6, 8),))
+
+
+def test_an_autograd_function_of_two_outputs_runs():
+    """[Note: Functions of several outputs] in csrc/frontend/convert.h: TorchScript's
+    operator for a Function runs those of one output only (an internal assert otherwise);
+    one returning two tensors now traces and runs, its backward too."""
+    class SplitHalves(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, scale):
+            ctx.scale = scale
+            a, b = x.chunk(2, dim=-1)
+            return a.clone() * scale, b.clone()
+
+        @staticmethod
+        def backward(ctx, ga, gb):
+            return torch.cat([ga * ctx.scale, gb], dim=-1), None
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l1, self.l2 = torch.nn.Linear(8, 16), torch.nn.Linear(8, 1)
+
+        def forward(self, x):
+            a, b = SplitHalves.apply(self.l1(x), 2.0)
+            return self.l2(a * b).pow(2).mean()
+
+    model, x = Net(), torch.randn(4, 8)
+    graph = rannc.trace(model, (x,))
+    torch.testing.assert_close(graph(x), model(x))
