@@ -522,11 +522,29 @@ class _WatchDataWrites(torch.overrides.TorchFunctionMode):
                 "([Note: writes through .data] in _trace.py)")
 
 
-def _caller_line() -> str:
-    """file:line of the innermost frame of the current stack outside torch and rannc."""
+def _noting_where(caught: list):
+    """A warnings.showwarning that records each warning with `where`: its line, or the
+    user's line where it points into torch or rannc (a conversion that rannc's modes ran
+    for the forward)."""
     torch_dir, ours = os.path.dirname(torch.__file__), os.path.dirname(__file__)
+
+    def note(message, category, filename, lineno, file=None, line=None):
+        w = warnings.WarningMessage(message, category, filename, lineno, file, line)
+        w.where = (_caller_line() if filename.startswith((torch_dir, ours))
+                   else f"{filename}:{lineno}")
+        caught.append(w)
+
+    return note
+
+
+def _caller_line() -> str:
+    """file:line of the innermost frame of the current stack outside torch, rannc and
+    Python's own library (warnings, contextlib)."""
+    skipped = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
+    python_lib = os.path.dirname(warnings.__file__) + os.sep
     for frame in reversed(traceback.extract_stack()):
-        if not frame.filename.startswith((torch_dir, ours)):
+        f = frame.filename
+        if not f.startswith(skipped) and not (f.startswith(python_lib) and "-packages" not in f):
             return f"{frame.filename}:{frame.lineno}"
     return "?"
 
@@ -768,6 +786,8 @@ def _trace_once(model, state: ModelState, state_tensors: list, flat: FlatArgs, t
     torch.jit._trace._trace_module_map = {m: name for name, m in model.named_modules()}
     try:
         with warnings.catch_warnings(record=True) as caught:
+            # the user's line, where the warning's own is a frame of rannc's modes
+            warnings.showwarning = _noting_where(caught)
             warnings.simplefilter("always", torch.jit.TracerWarning)
             warnings.filterwarnings("ignore", message=".*torch.jit.trace. is deprecated")
             with (watch_data,
@@ -800,7 +820,7 @@ def _trace_once(model, state: ModelState, state_tensors: list, flat: FlatArgs, t
         torch.jit._trace._trace_module_map = old_map
     for w in caught:
         if issubclass(w.category, torch.jit.TracerWarning):
-            tracer_notes.append(f"{w.filename}:{w.lineno}: {str(w.message).split('.')[0]}")
+            tracer_notes.append(f"{w.where}: {str(w.message).split('.')[0]}")
     # [Note: outputs kept from tracing] What is kept of the run's outputs is their structure:
     # a tensor becomes a meta tensor of its shape (each call returns the call's values in
     # its place), and an output object that holds tensors (transformers' DynamicCache of
