@@ -76,7 +76,17 @@ void GradBuckets::launch(bool all) {
       }
     }
     std::vector<at::Tensor> parts;
-    for (ir::ValueId v : b.ids) parts.push_back(gradOf(v).reshape(-1));
+    for (ir::ValueId v : b.ids) {
+      at::Tensor g = gradOf(v);
+      // [Note: sparse gradients] nn.Embedding(sparse=True): summed dense over the replicas
+      // (a reshape of a sparse tensor failed on every rank), then sparse again for
+      // SparseAdam, its rows those of the sum that are not all zeros
+      if (g.is_sparse()) {
+        sparse_dims_[v] = g.sparse_dim();
+        g = g.to_dense();
+      }
+      parts.push_back(g.reshape(-1));
+    }
     at::Tensor flat = at::cat(parts);
     comm::WorkPtr work;
     if (staged_ && !flat.is_cpu()) {
@@ -98,10 +108,13 @@ void GradBuckets::finish(std::map<ir::ValueId, at::Tensor>& grads) {
     for (ir::ValueId v : l.bucket->ids) {
       const at::Tensor& p = own_.at(v);
       grads[v] = l.flat.narrow(0, offset, p.numel()).view(p.sizes());
+      auto sparse = sparse_dims_.find(v);
+      if (sparse != sparse_dims_.end()) grads[v] = grads[v].to_sparse(sparse->second);
       offset += p.numel();
     }
   }
   launched_.clear();
+  sparse_dims_.clear();
 }
 
 }  // namespace rannc::runtime

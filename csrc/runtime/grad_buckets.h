@@ -67,6 +67,7 @@ class GradBuckets {
   std::map<ir::ValueId, at::Tensor> own_;
   bool staged_ = false;
   std::vector<Launched> launched_;
+  std::map<ir::ValueId, int64_t> sparse_dims_;  // [Note: sparse gradients] in grad_buckets.cpp
   std::set<ir::ValueId> ready_;
   std::vector<std::function<void()>> unhook_;  // one per armed hook
 };
