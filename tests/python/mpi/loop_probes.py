@@ -165,6 +165,11 @@ behaviour and prints "OK rank r", or fails the way the test expects.
                                        whole trained weights, which from_pretrained loads
                                        equal to PyTorch's, tied as the model ties them;
                                        model.module.save_pretrained is an error naming it
+    loop_probes.py sparse_embedding    a recommender's nn.Embedding(sparse=True) with
+                                       SparseAdam, Adam for the rest, on one stage of two
+                                       replicas: equal to PyTorch ([Note: sparse gradients]
+                                       in runtime/grad_buckets.cpp; "reshape is not
+                                       implemented for sparse tensors" on every rank)
 """
 import copy
 import os
@@ -2030,6 +2035,43 @@ elif probe == "edits_after_load":  # [Note: edits after a load] in checkpoint.py
     rannc.barrier()
     if rank == 0:
         shutil.rmtree(directory)
+    print(f"OK rank {rank}", flush=True)
+elif probe == "sparse_embedding":  # [Note: sparse gradients] in runtime/grad_buckets.cpp
+    class Recommender(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.items = nn.Embedding(50, 8, sparse=True)
+            self.mlp = nn.Sequential(nn.Linear(24, 16), nn.ReLU(), nn.Linear(16, 1))
+
+        def forward(self, items, y):
+            scores = self.mlp(self.items(items).flatten(1)).squeeze(-1)
+            return nn.functional.binary_cross_entropy_with_logits(scores, y)
+
+    def optimizers(m):
+        return [torch.optim.SparseAdam(list(m.items.parameters()), lr=1e-2),
+                torch.optim.Adam(m.mlp.parameters(), lr=1e-2)]
+
+    torch.manual_seed(0)
+    model = Recommender()
+    reference = copy.deepcopy(model)
+    opts, ref_opts = optimizers(model), optimizers(reference)
+    wrapped = rannc.RaNNCModule(model, opts, cost_model="analytic")
+    for step in range(3):
+        gen = torch.Generator().manual_seed(step)
+        items = torch.randint(0, 50, (8, 3), generator=gen)
+        y = (torch.rand(8, generator=gen) > 0.5).float()
+        mine = slice(4 * rank, 4 * (rank + 1))
+        loss, ref_loss = wrapped(items[mine], y[mine]), reference(items, y)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"rank {rank}: step {step}: {m}")
+        loss.backward()
+        ref_loss.backward()
+        assert model.items.weight.grad.is_sparse
+        for o in opts + ref_opts:
+            o.step()
+            o.zero_grad()
+    assert wrapped.deployments["train"].num_stages == 1  # one stage, two replicas
+    same_stage_parameters(model, reference, rtol=1e-5)
     print(f"OK rank {rank}", flush=True)
 else:
     raise SystemExit(f"unknown probe {probe}")
