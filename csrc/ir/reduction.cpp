@@ -66,6 +66,12 @@ class Classifier {
     }
     if (reduces_a_batch_tensor && t.op == "aten::mean") return BatchReduction::Mean;
     if (reduces_a_batch_tensor && t.op == "aten::sum") return BatchReduction::Sum;
+    // torch.dot(per_row, weights): the sum of the rows' products (a weighted loss written so
+    // read as a term of no known kind: each replica then divided by its own weights)
+    if (t.op == "aten::dot" && t.inputs.size() == 2 && g_.value(t.inputs[0]).isBatch() &&
+        g_.value(t.inputs[1]).isBatch()) {
+      return BatchReduction::Sum;
+    }
     if (t.op == "aten::add" || t.op == "aten::sub") {
       BatchReduction r = of(batch_inputs[0], depth + 1);
       for (size_t i = 1; i < batch_inputs.size(); ++i) r = combine(r, of(batch_inputs[i], depth + 1));
