@@ -157,6 +157,7 @@ except RuntimeError as e:
     (4, "masked", 2, 2, ["--opt", "replicas=1,3", "schedule=zb_h1", "recompute=always"]),
     (3, "counted", 3, 3, ["--opt", "schedule=fill_drain"]),
     (2, "fairseq", 2, 2, []),
+    (2, "dot", 1, 2, ["--opt", "replicas=2"]),
     # over the tokens a boolean mask selects ([Note: masked losses])
     (4, "selected", 2, 2, ["--opt", "replicas=2,2"]),
     (2, "selected_sum", 2, 2, []),

@@ -23,6 +23,8 @@ A sum divided by a count of the batch (a masked mean written by hand):
     masked    per-token cross entropy (reduction="none") times a float mask, summed, over
               mask.sum().clamp(min=1)
     counted   cross entropy with reduction="sum" over (labels != -100).sum(), an integer
+    dot       a weighted mean written torch.dot(per_token, weights) / weights.sum() (read as
+              a term of no known kind before session 35: each share divided by its own weights)
     fairseq   fairseq's label-smoothed loss: its nll and smoothing sums weighed by
               eps / (lprobs.size(-1) - 1), over the count of kept labels (the vocabulary's
               size read as a value of the rows: weighted by rows before session 35)
@@ -65,7 +67,7 @@ import rannc
 
 ap = argparse.ArgumentParser()
 ap.add_argument("case", choices=["mlm_nsp", "weighted", "nll_nd", "teacher", "items", "einsum",
-                                    "masked", "counted", "fairseq",
+                                    "masked", "counted", "fairseq", "dot",
                                     "selected", "selected_sum", "selected_mean",
                                     "mse_selected", "unread", "aux",
                                     "penalty", "items_aux", "inplace", "forced_mean", "ctc", "ctc_mean",
@@ -114,6 +116,10 @@ class Model(nn.Module):
         if self.case == "counted":
             return (F.cross_entropy(scores.flatten(0, 1), labels.flatten(), reduction="sum")
                     / (labels != -100).sum())
+        if self.case == "dot":
+            each = F.cross_entropy(scores.flatten(0, 1), labels.clamp(min=0).flatten(), reduction="none")
+            w = ((labels.flatten() >= 0) * (1 + ids.flatten() % 3)).to(each.dtype)
+            return torch.dot(each, w) / w.sum()
         if self.case == "fairseq":
             lprobs = F.log_softmax(scores, -1).view(-1, scores.size(-1))
             target = labels.view(-1, 1)
