@@ -1083,11 +1083,23 @@ def _batch_order_hint(flat: FlatArgs, batch: int) -> str:
     batch size was taken (a [1, S] position_ids passed before input_ids): say so."""
     if not flat.tensors:
         return ""
+    first = flat.paths[flat.tensor_slots[0]]
+    # integers that point at rows (a graph's edge_index over its nodes) in an argument
+    # that is not cut: rows that refer to each other
+    indexing = [flat.paths[slot] for t, slot in zip(flat.tensors, flat.tensor_slots)
+                if t.dim() and t.shape[0] != batch and t.numel() > 1 and not t.is_floating_point()
+                and t.dtype != torch.bool and 0 <= int(t.min()) and batch // 2 <= int(t.max()) < batch]
+    if indexing:
+        return (f" Or does {indexing[0]} hold indices of the batch's rows (integers below "
+                f"{batch}, as a graph's edge_index over its nodes)? rannc takes dimension 0 of "
+                f"{first} as the batch and cuts its rows into micro-batches and replicas: rows "
+                "that refer to each other (the nodes of one graph) cannot be cut. Give each "
+                "sample its own rows (a batch of graphs padded to [graphs, nodes, ...] with "
+                "their adjacency [graphs, nodes, nodes])")
     more = [(flat.paths[slot], t.shape[0]) for t, slot in zip(flat.tensors, flat.tensor_slots)
             if t.dim() and t.shape[0] > batch]
     if not more:
         return ""
-    first = flat.paths[flat.tensor_slots[0]]
     name, rows = more[0]
     return (f" Or is {name} the batch? rannc takes the batch size, {batch}, from the first "
             f"tensor argument ({first}, shape {list(flat.tensors[0].shape)}), and {name} has "

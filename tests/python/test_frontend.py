@@ -1261,3 +1261,23 @@ def test_an_autograd_function_of_two_outputs_runs():
     model, x = Net(), torch.randn(4, 8)
     graph = rannc.trace(model, (x,))
     torch.testing.assert_close(graph(x), model(x))
+
+
+def test_rows_that_index_each_other_are_named():
+    """A graph neural network whose batch is the nodes of one graph, with an edge_index over
+    them: the trace at half the nodes fails; the error said "Or is args[2] the batch?" and
+    nothing of the cause; it names the index argument and the cure."""
+    class Gnn(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp, self.out = torch.nn.Linear(6, 16), torch.nn.Linear(32, 1)
+
+        def forward(self, x, edge_index, y):
+            h = torch.relu(self.inp(x))
+            agg = torch.zeros_like(h).index_add_(0, edge_index[1], h.index_select(0, edge_index[0]))
+            return torch.nn.functional.mse_loss(self.out(torch.cat([h, agg], -1)).squeeze(-1), y)
+
+    edges = torch.stack([torch.arange(8), torch.arange(8).roll(1)]).repeat(1, 2)
+    with pytest.raises(rannc.TraceError, match=r"Or does args\[1\] hold indices of the batch's rows.*"
+                                               r"cannot be cut"):
+        rannc.trace(Gnn(), (torch.randn(8, 6), edges, torch.randn(8)))
