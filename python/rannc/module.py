@@ -122,6 +122,28 @@ def _optimizer_kind(optimizer) -> str:
     return "sgd" if name == "sgd" else "adam"
 
 
+# [Note: buffers written per micro-batch] A stage runs its forward once per micro-batch, so
+# a buffer the forward writes (a VQ-VAE's codebook kept by an EMA under no_grad, DINO's
+# centre) moves once per micro-batch and each later micro-batch reads what the earlier ones
+# wrote: with several micro-batches the step differs from one process (a codebook 34% off
+# after a few steps), as documented, but without a word. Rank 0 names such buffers at the
+# first training call; batch norm's statistics, per micro-batch as in GPipe, are not named.
+def _say_buffers_per_micro_batch(model: torch.nn.Module, written: list[str], deployed) -> None:
+    micro_batches = getattr(getattr(deployed, "deployment", None), "micro_batches", 1)
+    if _C.get_rank() != 0 or micro_batches <= 1:
+        return
+    norms = {f"{name}.{b}" if name else b for name, m in model.named_modules()
+             if isinstance(m, torch.nn.modules.batchnorm._NormBase)
+             for b, _ in m.named_buffers(recurse=False)}
+    named = [n for n in written if n not in norms]
+    if named:
+        _C.log_warn(f"the forward writes the buffer(s) {failure.some_of(named)}, which a stage "
+                    f"writes once per micro-batch: with {micro_batches} micro-batches they move "
+                    f"{micro_batches} times per step, each micro-batch reading what the ones "
+                    "before wrote, unlike one process (num_microbatches=1 is exact; [Note: "
+                    "buffers written per micro-batch] in module.py)")
+
+
 class RaNNCModule(torch.nn.Module):
     """Wraps `model` so that it trains pipelined and data-parallel across the MPI ranks.
 
@@ -341,7 +363,9 @@ class RaNNCModule(torch.nn.Module):
                     if arguments is not None:  # [Note: other training arguments]
                         self.placement.after_other_training((mode, arguments))
                     else:  # [Note: buffers of replicas] in placement.py
-                        self.placement.share_written_buffers(before)
+                        written = self.placement.share_written_buffers(before)
+                        if written:
+                            _say_buffers_per_micro_batch(self.module, written, deployed)
                 return out
         except _C.CommError:
             raise

@@ -345,21 +345,25 @@ class StatePlacement:
         n_params = len(self._trace_state.param_names)
         return {i: t.detach().clone() for i, t in enumerate(self.tensors()) if i >= n_params}
 
-    def share_written_buffers(self, before: dict[int, torch.Tensor] | None) -> None:
+    def share_written_buffers(self, before: dict[int, torch.Tensor] | None) -> list[str] | None:
         """After a call of the first training program: the buffers its forward writes go
-        from their first user to the other ranks using them."""
+        from their first user to the other ranks using them. Returns the names of those
+        buffers at the first call (when they are learnt), else None."""
+        written = None
         if self._buffer_routes is None:
             tensors = self.tensors()
             mine = [i for i, b in before.items()
                     if b.shape != tensors[i].shape or not torch.equal(b, tensors[i].detach())]
             everyone = all_gather_objects(mine) if _C.get_world_size() > 1 else [mine]
             users = self._users[True]
+            indices = sorted(set().union(*map(set, everyone)))
             self._buffer_routes = [(i, min(users[i]), users[i] - {min(users[i])})
-                                   for i in sorted(set().union(*map(set, everyone)))
-                                   if len(users[i]) > 1]
+                                   for i in indices if len(users[i]) > 1]
+            written = [self._trace_state.names[i] for i in indices]
         if self._buffer_routes:  # most models: none, and nothing to look up per call
             tensors = self.tensors()
             _transfer([(owner, others, tensors[i].data) for i, owner, others in self._buffer_routes])
+        return written
 
     def after_other_training(self, key):
         """After a call of the training program `key`: the buffers its stages use (batch

@@ -1028,3 +1028,35 @@ def test_sequence_first_models_train_as_pytorch(ranks, stages, replicas):
     assert res.returncode == 0, res.stdout[-4000:]
     for r in range(ranks):
         assert f"OK rank {r}" in res.stdout, res.stdout[-4000:]
+
+
+def test_buffers_a_forward_writes_with_several_micro_batches_are_named():
+    """[Note: buffers written per micro-batch] in module.py: a VQ codebook kept by an EMA
+    under no_grad moves once per micro-batch, unlike one process, without a word before;
+    rank 0 names such buffers at the first training call, not batch norm's statistics, and
+    nothing with one micro-batch."""
+    res = _single_process("""
+import torch, torch.nn.functional as F, rannc
+class Codebook(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.bn = torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)
+        self.register_buffer("embed", torch.randn(8, 4))
+    def forward(self, x):
+        z = self.bn(self.lin(x))
+        onehot = F.one_hot(torch.cdist(z, self.embed).argmin(1), 8).float()
+        with torch.no_grad():
+            self.embed.mul_(0.9).add_(onehot.t() @ z, alpha=0.1)
+        return (z - x).pow(2).mean()
+for micro in (2, 1):
+    model = Codebook()
+    module = rannc.RaNNCModule(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                               num_microbatches=micro, cost_model="analytic")
+    module(torch.randn(8, 4)).backward()
+    print("done", micro, flush=True)
+""")
+    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
+    assert "writes the buffer(s) embed, which a stage writes once per micro-batch: with 2" \
+        in res.stderr, res.stderr[-3000:]
+    assert res.stderr.count("writes the buffer(s)") == 1, res.stderr[-3000:]
+    assert "bn.running_mean" not in res.stderr, res.stderr[-3000:]
