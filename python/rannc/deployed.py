@@ -969,7 +969,15 @@ def _first_difference(signatures: list) -> tuple[str, str] | None:
     for rank, theirs in enumerate(signatures[1:], start=1):
         for (op, shapes, dims, said), (op2, shapes2, dims2, said2) in zip(mine, theirs):
             if op != op2:
-                return f"rank 0 runs {said} where rank {rank} runs {said2}", "op"
+                if said == said2:  # ops glued into one task that part inside it
+                    ops, ops2 = op.split("+"), op2.split("+")
+                    k = next((i for i, (a, b) in enumerate(zip(ops, ops2)) if a != b),
+                             min(len(ops), len(ops2)))
+                    said = f"{said}, whose op {k + 1} is {ops[k] if k < len(ops) else 'none'}"
+                    said2 = f"{ops2[k] if k < len(ops2) else 'none'} there"
+                hint = (" (pad_packed_sequence pads to each rank's longest sequence: pass "
+                        "total_length=)" if "aten::_pad_packed_sequence" in op + op2 else "")
+                return f"rank 0 runs {said} where rank {rank} runs {said2}{hint}", "op"
             if shapes != shapes2:
                 return (f"{said} makes {_shapes_text(shapes)} on rank 0 and "
                         f"{_shapes_text(shapes2)} on rank {rank}", "shape")
