@@ -136,8 +136,9 @@ bool looksLikeBatchSize(const c10::IValue& a, const c10::IValue& b, int64_t b1, 
   if (x.empty() || x.size() != y.size()) return false;
   for (size_t i = 0; i < x.size(); ++i) {
     if (x[i] != y[i] && x[i] > 0 && x[i] % b1 == 0 && y[i] == x[i] / b1 * b2) return true;
-    // a number made from it: a mixture of experts' capacity, int(f * tokens / experts)
-    if (x[i] != y[i] && x[i] > 0 && y[i] > 0 && x[i] * b2 == y[i] * b1) return true;
+    // a Python int made from it: a mixture of experts' capacity, int(f * tokens / experts)
+    // (not a tensor constant: `x * 2` and `x - 1` on two branches are 2 and 1 by chance)
+    if (a.isInt() && x[i] != y[i] && x[i] > 0 && y[i] > 0 && x[i] * b2 == y[i] * b1) return true;
   }
   return false;
 }
