@@ -297,11 +297,16 @@ class Deployed:
                                 "each micro-batch's and rank's value is weighted by its rows, as "
                                 "for a mean (option loss_reduction)")
             for term in self.engine.token_means["unknown_terms"]:
-                # [Note: mixed terms] in csrc/frontend/token_means.h
-                _C.log_info(f"the {term}: the graph does not show whether it is a mean or a "
-                            "sum over the batch (a function of one, such as a product of means): "
-                            "each micro-batch's and rank's value is weighted by its rows, as for "
-                            "a mean")
+                # [Note: mixed terms] in csrc/frontend/token_means.h; with several
+                # micro-batches such a term (a mixture of experts' load-balancing loss) is
+                # each micro-batch's, over fewer rows than a DDP rank's: a warning
+                say = _C.log_warn if deployment.micro_batches > 1 else _C.log_info
+                say(f"the {term}: the graph does not show whether it is a mean or a sum over "
+                    "the batch (a function of one, such as a product of means): each "
+                    "micro-batch's and rank's value is weighted by its rows, as for a mean"
+                    + (f"; with {deployment.micro_batches} micro-batches each computes it over "
+                       "its own rows, fewer than a DistributedDataParallel rank's "
+                       "(num_microbatches=1 gives DDP's)" if deployment.micro_batches > 1 else ""))
             for why in self.engine.token_means["row_weighted"]:
                 # [Note: token-mean losses] in csrc/frontend/token_means.h
                 _C.log_info(f"the mean loss {why}: micro-batches and replicas weigh it by their "
