@@ -835,6 +835,9 @@ std::vector<ir::ValueId> dataSizedValues(const ir::Graph& ir, const Observed& at
         if (selects || std::find(from.begin(), from.end(), dim) != from.end()) {
           sized[v] = dim;
           if (ir.value(v).role == ir::ValueRole::Intermediate) out.push_back(v);
+          if (logEnabled(LogLevel::Debug)) {
+            logDebug("value " + ir::describe(ir.value(v)) + " of " + task.op + " is sized by the data");
+          }
           break;
         }
       }

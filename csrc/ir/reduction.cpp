@@ -268,6 +268,14 @@ bool selectsByData(const Graph& g, const Task& task) {
     const DType d = g.value(v).dtype;
     return g.value(v).isTensor() && (d == DType::Bool || d == DType::UInt8);
   };
+  // The list built in the task: its items and the tensor indexed are all inputs. A boolean
+  // tensor indexed by integers (transformers' padding_mask[batch_idx, kv_idx], which glued
+  // every layer of a Llama given an attention_mask into one task) selects nothing by the
+  // data: where the output is boolean, one boolean input is what is indexed.
+  if (task.op == "prim::ListConstruct+aten::index" && !task.outputs.empty()) {
+    const int masks = static_cast<int>(std::count_if(task.inputs.begin(), task.inputs.end(), isMask));
+    return masks >= (isMask(task.outputs[0]) ? 2 : 1);
+  }
   for (ValueId id : task.inputs) {
     const Value& in = g.value(id);
     if (isMask(id)) return true;

@@ -116,6 +116,18 @@ def make(name, batch=4, seed=0, length=None):
             labels[i, 3 + i % 3:] = -100  # transcripts of other lengths
         return tf.Wav2Vec2ForCTC(cfg), (), {"input_values": torch.randn(batch, 400, generator=g),
                                             "labels": labels}
+    if name == "hf_llama_cls":  # padded rows and their attention_mask; the last real token's logits
+        cfg = tf.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64,
+                             num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                             max_position_embeddings=32, use_cache=False, pad_token_id=0,
+                             num_labels=3)
+        ids = _lm_batch(batch, g, seq).clamp(min=1)
+        mask = torch.ones(batch, seq, dtype=torch.long)
+        for i in range(batch):
+            mask[i, seq - 1 - i % 4:] = 0  # right padding of other lengths
+        return tf.LlamaForSequenceClassification(cfg), (), {
+            "input_ids": ids * mask, "attention_mask": mask,
+            "labels": torch.randint(0, 3, (batch,), generator=g)}
     if name == "hf_funnel":  # pooled along the sequence; x.new_ones for its [CLS] mask
         cfg = tf.FunnelConfig(vocab_size=VOCAB, block_sizes=[1, 1], n_head=2, d_model=32, d_head=8,
                               d_inner=64, num_decoder_layers=1, hidden_dropout=0.0,
@@ -126,4 +138,5 @@ def make(name, batch=4, seed=0, length=None):
 
 
 NAMES = ["hf_bert", "hf_gpt2", "hf_llama", "hf_t5", "hf_vit", "hf_swin", "hf_convbert", "hf_mixtral",
-         "hf_gpt_oss", "hf_deepseek_v3", "hf_qwen3_next", "hf_wav2vec2_ctc", "hf_funnel"]
+         "hf_gpt_oss", "hf_deepseek_v3", "hf_qwen3_next", "hf_wav2vec2_ctc", "hf_funnel",
+         "hf_llama_cls"]

@@ -55,6 +55,7 @@ HF_LAYOUTS = [
     (2, "hf_t5", 2, 2, ["--lengths", "16,12,20"]),           # dynamic padding: new lengths
     (2, "hf_llama", 2, 2, ["--lengths", "16,9,20"]),
     (2, "hf_funnel", 2, 2, []),                              # pooled along the sequence
+    (2, "hf_llama_cls", 2, 2, []),                           # padding mask: no longer one task
 ]
 
 
@@ -180,3 +181,15 @@ def test_peft_lora_trains_and_saves_its_adapters(tmp_path, ranks):
     assert res.returncode == 0, res.stdout[-4000:]
     for r in range(ranks):
         assert f"OK rank {r}" in res.stdout, res.stdout[-4000:]
+
+
+@pytest.mark.parametrize("name", ["hf_llama_cls"])
+def test_a_padding_mask_leaves_the_layers_apart(name):
+    """transformers' masks index the padding mask by integer positions
+    (padding_mask[batch_idx, kv_idx]); the boolean mask indexed read as a selection by the
+    data, which glued every layer of a Llama given an attention_mask into one task (199 ops:
+    one stage, nothing to pipeline)."""
+    model, args, kwargs = hf_zoo.make(name, batch=4)
+    graph = rannc.trace(model, args, kwargs)
+    largest = max(len(t.op.split("+")) for t in graph.ir.tasks())
+    assert largest < 20, largest
