@@ -462,7 +462,8 @@ class _WatchDataWrites(torch.overrides.TorchFunctionMode):
         """The state tensors the trace runs with (`fn` calls it first)."""
         for name, t in zip(names, tensors):
             self.names[id(t)] = name
-            self.versions.setdefault(id(t), (t, t._version))
+            if not t.is_inference():  # under torch.inference_mode() nothing can be written
+                self.versions.setdefault(id(t), (t, t._version))
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if (args and isinstance(args[0], torch.Tensor) and id(args[0]) in self.names
@@ -479,7 +480,8 @@ class _WatchDataWrites(torch.overrides.TorchFunctionMode):
             where = _caller_line()
             if func.__name__ == "__get__" and isinstance(out, torch.Tensor):
                 out = owner.detach()
-                self.taken.append((out, out._version, name, where))
+                if not out.is_inference():
+                    self.taken.append((out, out._version, name, where))
             elif func.__name__ == "__set__":
                 self.assigned.append((name, where))
         return out

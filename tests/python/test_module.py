@@ -1060,3 +1060,31 @@ for micro in (2, 1):
         in res.stderr, res.stderr[-3000:]
     assert res.stderr.count("writes the buffer(s)") == 1, res.stderr[-3000:]
     assert "bn.running_mean" not in res.stderr, res.stderr[-3000:]
+
+
+def test_evaluation_under_inference_mode_traces_new_programs():
+    """timm's and torchvision's evaluation, `with torch.inference_mode(): model(x)`: a call
+    that traces a new program (the first eval, a model with buffers called first under it)
+    failed with "Inference tensors do not track version counter" (session 35's watch of
+    writes through .data read their versions); equal to PyTorch's eval."""
+    res = _single_process("""
+import copy, torch, rannc
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(),
+                            torch.nn.Linear(8, 2))
+reference = copy.deepcopy(model)
+first = rannc.RaNNCModule(copy.deepcopy(model), cost_model="analytic")
+first.eval()
+x = torch.randn(6, 4)
+with torch.inference_mode():
+    out = first(x)
+reference.eval()
+torch.testing.assert_close(out, reference(x))
+module = rannc.RaNNCModule(model, torch.optim.SGD(model.parameters(), lr=0.1), cost_model="analytic")
+module(torch.randn(8, 4)).sum().backward()
+module.eval()
+with torch.inference_mode():
+    print("eval", module(torch.randn(5, 4)).shape, flush=True)
+""")
+    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
+    assert "eval torch.Size([5, 2])" in res.stdout, res.stdout + res.stderr[-3000:]
