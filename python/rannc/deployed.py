@@ -456,7 +456,14 @@ class Deployed:
         if copies and _C.get_rank() == 0:
             _C.log_info(f"the plan counts {copies} cop{'y' if copies == 1 else 'ies'} of the "
                         "parameters and buffers beside the model (an EMA) in each stage's memory")
+        # A num_microbatches fixed for training, more than a small first evaluation's batch
+        # holds (global batch 2 under num_microbatches=4), made planning it fail on every
+        # rank; an eval program runs at most as many as its batch allows.
+        micro = opts.num_microbatches
+        if micro and not training:
+            micro = min(micro, max(1, (opts.batch_size or self.graph.batch_size * world) // world))
         plan_opts = dataclasses.replace(opts, training=training, schedule=self.schedule,
+                                        num_microbatches=micro,
                                         model_copies=copies, profile_device=where,
                                         probe_bandwidth=opts.probe_bandwidth and not self.owner.nccl,
                                         cost_model="profile" if profiled else "analytic")

@@ -1088,3 +1088,25 @@ with torch.inference_mode():
 """)
     assert res.returncode == 0, res.stdout + res.stderr[-3000:]
     assert "eval torch.Size([5, 2])" in res.stdout, res.stdout + res.stderr[-3000:]
+
+
+def test_a_small_first_evaluation_runs_fewer_micro_batches_than_fixed():
+    """num_microbatches=4 fixed for training, then a first eval call of 2 rows: planning it
+    failed on every rank ("num_microbatches=4 needs at least 4 rows"); an eval program runs
+    as many as its batch allows, equal to PyTorch."""
+    res = _single_process("""
+import copy, torch, rannc
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+reference = copy.deepcopy(model)
+module = rannc.RaNNCModule(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                           num_microbatches=4, cost_model="analytic")
+module(torch.randn(8, 4)).sum().backward()
+module.eval()
+x = torch.randn(2, 4)
+with torch.no_grad():
+    torch.testing.assert_close(module(x), reference(x))
+print("eval ok", flush=True)
+""")
+    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
+    assert "eval ok" in res.stdout
