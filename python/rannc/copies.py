@@ -23,6 +23,14 @@ from its owner to the ranks that evaluate it, as the RaNNCModule's own before_ev
 state_dict() gathers the copy's values from those owners; load_state_dict() (directly, or
 through AveragedModel's) loads each rank's share of the whole state it is passed.
 
+[Note: writes into a copy's state_dict] timm's ModelEmaV2 and YOLOv5's ModelEMA update the
+average in place through the copy's state_dict() values (`ema_v.copy_(d * ema_v + (1 - d) *
+model_v)`), which are views of the parameters in PyTorch. Here they are gathered copies, so
+the average never moved, without a word. The tensors state_dict() last returned are kept
+with their versions: before the copy is next used (a call, state_dict(), a save), those
+written since are copied into the copy's own tensors where this rank holds their current
+value (every rank runs the same update, so each owner writes its own share).
+
 The copies follow the RaNNCModule's placement when a later mode is deployed (storage where
 its new stages need it, with the owner's value; freed where no stage does); this is a
 collective, so every rank must make the same copies, as every DDP rank keeps its own EMA
@@ -78,6 +86,8 @@ class PlanSharingCopy(torch.nn.Module):
         for t in self._tensors():
             t.grad = None  # the copy is never trained
         self._seen = None  # the tensors' versions when the ranks last shared them
+        self._given = None  # state_dict()'s last values and their versions ([Note: writes
+        #                     into a copy's state_dict])
         self._writes = 0  # train-mode calls and loads change tensors behind the versions
         placement.add_copy(self)
         self.gather_serial = handshake.register_source(self)  # [Note: gathers asked by some ranks]
@@ -106,6 +116,7 @@ class PlanSharingCopy(torch.nn.Module):
 
     # ---- calls ------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        self._write_back()
         mode = self.module.training
         self._check_traced_attributes()
         with _modes_from(self._module_pairs):
@@ -151,13 +162,39 @@ class PlanSharingCopy(torch.nn.Module):
         """The copy's full state under the model's names on every rank (a collective), as
         the RaNNCModule's state_dict() gathers its own."""
         handshake.gather("state_dict()", self)
-        return self._gather_state(*args, destination=destination, prefix=prefix,
-                                  keep_vars=keep_vars)
+        out = self._gather_state(*args, destination=destination, prefix=prefix,
+                                 keep_vars=keep_vars)
+        self._given = (prefix, out, {k: v._version for k, v in out.items()
+                                     if isinstance(v, torch.Tensor)})
+        return out
 
     def _gather_state(self, *args, keep=True, **kwargs):
         from . import full_state
+        self._write_back()
         with self._as_model(writes=False):
             return full_state.gather_state_dict(self._source, *args, keep=keep, **kwargs)
+
+    def _write_back(self) -> None:
+        """[Note: writes into a copy's state_dict]: what was written into the values
+        state_dict() last returned goes into the copy's tensors this rank holds current."""
+        if self._given is None:
+            return
+        prefix, values, versions = self._given
+        self._given = None
+        written = {k for k, v in values.items() if isinstance(v, torch.Tensor)
+                   and k in versions and v._version != versions[k]}
+        if not written:
+            return
+        names = self._source.placement._trace_state.names
+        with self._as_model(writes=False):
+            sources = self._source.placement.sources()
+        rank = _C.get_rank()
+        with torch.no_grad():
+            for name, t, (_, current) in zip(names, self._tensors(), sources):
+                v = values.get(prefix + name)
+                if (prefix + name in written and rank in current and t.numel()
+                        and v.numel() == t.numel()):
+                    t.copy_(v.reshape(t.shape))
 
     def serve_gather(self, what: str, part: int = 0) -> None:
         """Takes part in a gather of the copy's state that other ranks asked for
@@ -170,6 +207,7 @@ class PlanSharingCopy(torch.nn.Module):
         average of a model is a model checkpoint (transformers' from_pretrained reads it)."""
         source = self._source
         handshake.enter("save_checkpoint()")  # [Note: named collectives]
+        self._write_back()
         weights_only = types.SimpleNamespace(placement=source.placement, module=source.module,
                                              optimizer=None, optimizer_share=OptimizerShare([]),
                                              deployments=source.deployments)
@@ -180,6 +218,7 @@ class PlanSharingCopy(torch.nn.Module):
         """Reads the weights of a checkpoint (save_checkpoint's, a Hugging Face directory or
         a state_dict file) into the copy; each rank reads its share (a collective)."""
         handshake.enter("load_checkpoint()")
+        self._given = None  # what the load reads replaces what was written into them
         with self._as_model(writes=True):
             _checkpoint().load_weights(self._source, path, strict)
         self._writes += 1
@@ -243,6 +282,7 @@ def _load_share(copy: PlanSharingCopy, state_dict, prefix, *_):
     """Load pre-hook (also under AveragedModel's load_state_dict): every rank is passed the
     whole state under the model's names, as state_dict() gives it, and loads what it holds;
     the tensors freed here are left out."""
+    copy._given = None  # what is loaded replaces what was written into state_dict()'s values
     for key in copy.module.state_dict(keep_vars=True):
         if prefix + key in state_dict and prefix + "module." + key not in state_dict:
             state_dict[prefix + "module." + key] = state_dict.pop(prefix + key)

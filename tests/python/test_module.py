@@ -743,7 +743,7 @@ def test_a_failure_while_tracing_new_shapes_says_so_with_both_shapes():
                                    "num_items_in_batch", "uneven_selection", "late_optimizer",
                                    "rank0_only", "process_group", "compiled", "sync_batch_norm",
                                    "module_state_dict", "forward_hook", "unfreeze", "eval_memory", "no_grad_forward", "module_modes", "optimizer_anew", "loss_view1", "buffer_replicas",
-                                   "averaged_model", "save_pretrained", "two_calls", "pairs_rows", "recompute_buffers", "lbfgs", "attributes", "cumulative_bn", "count_output", "graphs_part", "edits_after_load", "sparse_embedding",
+                                   "averaged_model", "save_pretrained", "two_calls", "pairs_rows", "recompute_buffers", "lbfgs", "attributes", "cumulative_bn", "count_output", "graphs_part", "edits_after_load", "sparse_embedding", "ema_state_dict",
                                    "param_hooks", "retained_graph", "adversarial",
                                    "add_param_group", "outside_parameter"])
 def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
@@ -825,6 +825,8 @@ def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
     graphs_part: ranks whose graphs differ are told where: the op and each rank's sizes.
     sparse_embedding: nn.Embedding(sparse=True) with SparseAdam on a replicated stage trains
     as PyTorch ([Note: sparse gradients]; "reshape is not implemented for sparse tensors").
+    ema_state_dict: timm's ModelEmaV2 updating a copy through its state_dict() values
+    averages as PyTorch's ([Note: writes into a copy's state_dict]; it never moved).
     edits_after_load: a new head and lr set after load_checkpoint, before the first call,
     are kept ([Note: edits after a load]; the checkpoint was read over them)."""
     ranks = 3 if probe == "param_hooks" else 2

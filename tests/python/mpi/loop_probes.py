@@ -170,6 +170,11 @@ behaviour and prints "OK rank r", or fails the way the test expects.
                                        replicas: equal to PyTorch ([Note: sparse gradients]
                                        in runtime/grad_buckets.cpp; "reshape is not
                                        implemented for sparse tensors" on every rank)
+    loop_probes.py ema_state_dict      timm's ModelEmaV2 over copy.deepcopy of the wrapper,
+                                       updated in place through the copy's state_dict()
+                                       values, on two stages: the average and its eval
+                                       equal PyTorch's ([Note: writes into a copy's
+                                       state_dict] in copies.py; it never moved)
 """
 import copy
 import os
@@ -2072,6 +2077,37 @@ elif probe == "sparse_embedding":  # [Note: sparse gradients] in runtime/grad_bu
             o.zero_grad()
     assert wrapped.deployments["train"].num_stages == 1  # one stage, two replicas
     same_stage_parameters(model, reference, rtol=1e-5)
+    print(f"OK rank {rank}", flush=True)
+elif probe == "ema_state_dict":  # [Note: writes into a copy's state_dict] in copies.py
+    class ModelEmaV2(nn.Module):  # timm.utils.model_ema.ModelEmaV2's update
+        def __init__(self, model, decay=0.9):
+            super().__init__()
+            self.module, self.decay = copy.deepcopy(model), decay
+            self.module.eval()
+
+        def update(self, model):
+            with torch.no_grad():
+                for ema_v, model_v in zip(self.module.state_dict().values(),
+                                          model.state_dict().values()):
+                    ema_v.copy_(self.decay * ema_v + (1.0 - self.decay) * model_v)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    reference, opt, ref_opt, wrapped = sgd_pair(model, num_stages=2, cost_model="analytic")
+    ema, ref_ema = ModelEmaV2(wrapped), ModelEmaV2(reference)
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    mine = slice(4 * rank, 4 * (rank + 1))
+    for step in range(3):
+        loss = nn.functional.mse_loss(wrapped(x[mine]), y[mine])
+        step_both(loss, nn.functional.mse_loss(reference(x), y), opt, ref_opt)
+        ema.update(wrapped)
+        ref_ema.update(reference)
+    got, expected = ema.module.state_dict(), ref_ema.module.state_dict()
+    for key, value in expected.items():
+        torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"rank {rank}: EMA {key}: {m}")
+    with torch.no_grad():
+        torch.testing.assert_close(ema.module(x[mine]), ref_ema.module(x)[mine], rtol=1e-5, atol=1e-6)
     print(f"OK rank {rank}", flush=True)
 else:
     raise SystemExit(f"unknown probe {probe}")
