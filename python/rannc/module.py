@@ -426,9 +426,15 @@ class RaNNCModule(torch.nn.Module):
                        if len(arguments) == 3 and arguments[1] == "modules' modes"
                        else f"with {base._attributes_changed(arguments[2])}" if attributes
                        else f"with other arguments than the first ({differs()})")
-            _C.log_info(f"{'a training' if mode else 'an eval'} call {changed}: traced and "
-                        f"planned as another program ({programs + 1} so far; [Note: other "
-                        "arguments] in module.py)")
+            plain = not attributes and not (len(arguments) == 3 and arguments[1] == "modules' modes")
+            # a third program of other arguments: most likely a number that changes every
+            # step (mixup's lam), each value traced and planned again
+            say = _C.log_warn if plain and programs >= 2 else _C.log_info
+            say(f"{'a training' if mode else 'an eval'} call {changed}: traced and planned as "
+                f"another program ({programs + 1} so far; [Note: other arguments] in module.py)"
+                + ("; a number that changes between calls (mixup's lam) is better passed as a "
+                   "tensor, torch.tensor(value), which the steps read as an input"
+                   if plain and programs >= 2 else ""))
 
     # ---- deployment ([Note: freed state] in placement.py) ------------------------------------
     def _precision(self):
