@@ -466,11 +466,13 @@ class _WatchDataWrites(torch.overrides.TorchFunctionMode):
                 self.versions.setdefault(id(t), (t, t._version))
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if (args and isinstance(args[0], torch.Tensor) and id(args[0]) in self.names
-                and getattr(func, "__name__", "").endswith("_")):
+        # on every op of the trace: cheap tests first (most ops read no state tensor first)
+        state = bool(args) and id(args[0]) in self.names
+        name = getattr(func, "__name__", "") if state else ""
+        if state and name.endswith("_"):
             self._keep_original(args[0])  # an in-place write: to put back on an error
         out = func(*args, **(kwargs or {}))
-        if getattr(func, "__name__", "") in _TO_PYTHON and args and id(args[0]) in self.names:
+        if state and name in _TO_PYTHON:
             self.decided.append((self.names[id(args[0])], _caller_line()))
         if getattr(func, "__self__", None) is _DATA and args:
             owner = args[0]
