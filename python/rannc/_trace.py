@@ -530,27 +530,19 @@ def _noting_where(caught: list):
     """A warnings.showwarning that records each warning with `where`: its line, or the
     user's line where it points into torch or rannc (a conversion that rannc's modes ran
     for the forward)."""
-    torch_dir, ours = os.path.dirname(torch.__file__), os.path.dirname(__file__)
+    ours = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
 
     def note(message, category, filename, lineno, file=None, line=None):
         w = warnings.WarningMessage(message, category, filename, lineno, file, line)
-        w.where = (_caller_line() if filename.startswith((torch_dir, ours))
-                   else f"{filename}:{lineno}")
+        w.where = _caller_line() if filename.startswith(ours) else f"{filename}:{lineno}"
         caught.append(w)
 
     return note
 
 
 def _caller_line() -> str:
-    """file:line of the innermost frame of the current stack outside torch, rannc and
-    Python's own library (warnings, contextlib)."""
-    skipped = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
-    python_lib = os.path.dirname(warnings.__file__) + os.sep
-    for frame in reversed(traceback.extract_stack()):
-        f = frame.filename
-        if not f.startswith(skipped) and not (f.startswith(python_lib) and "-packages" not in f):
-            return f"{frame.filename}:{frame.lineno}"
-    return "?"
+    """file:line of the user's innermost frame of the current stack (_innermost_user_line)."""
+    return _innermost_user_line(traceback.extract_stack()) or "?"
 
 
 class _DetachUnderNoGrad(torch.overrides.TorchFunctionMode):
@@ -884,12 +876,22 @@ def _holds_tensors(x, depth: int = 4) -> bool:
 def _user_frame(error: BaseException) -> str:
     """file:line of the innermost frame of the error outside torch and rannc."""
     frames = traceback.extract_tb(error.__traceback__)
-    torch_dir = os.path.dirname(torch.__file__)
-    ours = os.path.dirname(__file__)
-    for frame in reversed(frames):
-        if not frame.filename.startswith((torch_dir, ours)):
-            return f"{frame.filename}:{frame.lineno}"
+    found = _innermost_user_line(frames)
+    if found:
+        return found
     return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
+
+
+def _innermost_user_line(frames) -> str | None:
+    """file:line of the innermost of `frames` outside torch, rannc and Python's own library
+    (warnings, contextlib; not its site-packages), or None."""
+    skipped = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
+    python_lib = os.path.dirname(warnings.__file__) + os.sep
+    for frame in reversed(frames):
+        f = frame.filename
+        if not f.startswith(skipped) and not (f.startswith(python_lib) and "-packages" not in f):
+            return f"{f}:{frame.lineno}"
+    return None
 
 
 # [Note: attributes read] A module's attribute that forward reads as a Python number

@@ -129,12 +129,17 @@ def _optimizer_kind(optimizer) -> str:
 # after a few steps), as documented, but without a word. Rank 0 names such buffers at the
 # first training call; batch norm's statistics, per micro-batch as in GPipe, are not named.
 def _say_buffers_per_micro_batch(model: torch.nn.Module, written: list[str], deployed) -> None:
-    micro_batches = getattr(getattr(deployed, "deployment", None), "micro_batches", 1)
+    from .planning import spectral_norms
+    micro_batches = deployed.deployment.micro_batches
     if _C.get_rank() != 0 or micro_batches <= 1:
         return
+    # batch norms' statistics (as GPipe's), and spectral norms' vectors, which planning
+    # names already ([Note: spectral norm per micro-batch] in planning.py)
+    named_elsewhere = set(spectral_norms(model))
     norms = {f"{name}.{b}" if name else b for name, m in model.named_modules()
              if isinstance(m, torch.nn.modules.batchnorm._NormBase)
-             for b, _ in m.named_buffers(recurse=False)}
+             or (name or "the model") in named_elsewhere
+             for b, _ in m.named_buffers()}
     named = [n for n in written if n not in norms]
     if named:
         _C.log_warn(f"the forward writes the buffer(s) {failure.some_of(named)}, which a stage "

@@ -363,7 +363,7 @@ def _rows_kept_whole(graph: TracedGraph, opts: Options, popts) -> None:
 # steps). With one rank, one micro-batch returns it whole; with several ranks it is an
 # error on every rank, naming the output and the cure.
 def _outputs_kept_whole(graph: TracedGraph, opts: Options, popts, world_size: int) -> None:
-    paths = getattr(graph._trace, "outputs_not_cut", [])
+    paths = graph._trace.outputs_not_cut
     if not paths:
         return
     named = [f"#{p}" if p.replace(".", "").isdigit() else p for p in paths if p]
@@ -388,7 +388,7 @@ def _outputs_kept_whole(graph: TracedGraph, opts: Options, popts, world_size: in
 # each uses another normalised weight, and the vectors move as many times per step (logits
 # 1e-3 off PyTorch after 2 steps of 2 micro-batches; one micro-batch is exact). Rank 0 says
 # so where a training plan has several.
-def _spectral_norms(model) -> list[str]:
+def spectral_norms(model) -> list[str]:
     import torch.nn.utils.parametrize as parametrize
     from torch.nn.utils.parametrizations import _SpectralNorm
     from torch.nn.utils.spectral_norm import SpectralNorm
@@ -407,7 +407,7 @@ def _say_spectral_norms(graph: TracedGraph, deployment) -> None:
     if (_C.get_rank() != 0 or model is None or not model.training
             or isinstance(deployment, Exception) or deployment.micro_batches <= 1):
         return
-    found = _spectral_norms(model)
+    found = spectral_norms(model)
     if found:
         _C.log_warn(f"spectral norm in {failure.some_of(found)} runs its power iteration once "
                     f"per micro-batch: with {deployment.micro_batches} micro-batches each uses "
