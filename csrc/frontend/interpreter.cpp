@@ -1,9 +1,44 @@
 #include "frontend/interpreter.h"
 
 #include "common/error.h"
+#include "frontend/dtypes.h"
 
 namespace rannc::frontend {
 namespace {
+
+std::string joinShape(c10::IntArrayRef sizes) {
+  std::string out;
+  for (size_t i = 0; i < sizes.size(); ++i) out += (i ? ", " : "") + std::to_string(sizes[i]);
+  return out;
+}
+
+// The arguments a failed task ran on against what the trace saw, so that an error names
+// the one that differs (a dtype autocast did not cast, a device, a shape): "Float32[4, 8]
+// on cuda:0 (traced BFloat16[4, 8])".
+std::string describeArguments(const TracedModel& model, const ir::Task& task,
+                              const std::vector<c10::IValue>& env) {
+  std::string out;
+  for (size_t i = 0; i < task.inputs.size(); ++i) {
+    const ir::Value& traced = model.graph.value(task.inputs[i]);
+    const c10::IValue& v = traced.isConstant() ? model.constants[task.inputs[i]] : env[task.inputs[i]];
+    std::string item;
+    if (v.isTensor()) {
+      const at::Tensor& t = v.toTensor();
+      item = t.defined() ? std::string(ir::dtypeName(toDType(t.scalar_type()))) + "[" + joinShape(t.sizes()) +
+                               "] on " + t.device().str()
+                         : "undefined tensor";
+      if (traced.kind == ir::ValueKind::Tensor && traced.dtype != ir::DType::Undefined) {
+        item += " (traced " + std::string(ir::dtypeName(traced.dtype)) + "[" + joinShape(traced.shape) + "])";
+      }
+    } else if (traced.isConstant()) {
+      continue;
+    } else {
+      item = v.tagKind();
+    }
+    out += (out.empty() ? "" : ", ") + ("#" + std::to_string(i) + " " + item);
+  }
+  return out.empty() ? "" : "; its arguments: " + out;
+}
 
 void runTaskOn(const TracedModel& model, ir::TaskId t, std::vector<c10::IValue>& env,
                torch::jit::Stack& stack, const ValueObserver& observe) {
@@ -16,7 +51,8 @@ void runTaskOn(const TracedModel& model, ir::TaskId t, std::vector<c10::IValue>&
   try {
     model.operations[t](stack);
   } catch (const c10::Error& e) {
-    throw Error("running " + model.describeTask(t) + " failed: " + e.what_without_backtrace());
+    throw Error("running " + model.describeTask(t) + " failed: " + e.what_without_backtrace() +
+                describeArguments(model, task, env));
   }
   RANNC_CHECK(stack.size() == task.outputs.size(),
               model.describeTask(t) << " left " << stack.size() << " values, expected "

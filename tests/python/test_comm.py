@@ -25,6 +25,18 @@ def test_a_failing_rank_ends_every_rank_with_its_name():
     assert time.monotonic() - start < 100
 
 
+def test_a_failed_run_shows_where_a_rank_outside_collectives_was():
+    """When one rank fails, mpirun stops the others; a rank stuck elsewhere than rannc (in a
+    DataLoader, a lock) printed nothing before, and the test's output tail held only the
+    failing rank's traceback (a CI failure of the Trainer test said no more). The test
+    harness (rank_main.py, mpirun.first_errors) puts both at the end of the output."""
+    res = mpirun("stuck_rank.py", 2, timeout=120)
+    assert res.returncode != 0
+    tail = res.stdout[-2000:]
+    assert "RuntimeError: rank 1 fails on purpose" in tail, res.stdout
+    assert "in waiting_for_something_else" in tail, res.stdout
+
+
 def test_a_stuck_peer_times_out_instead_of_hanging():
     start = time.monotonic()
     res = mpirun("failure_check.py", 3, "hang", timeout=120)

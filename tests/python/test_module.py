@@ -252,6 +252,9 @@ def test_a_failing_stage_ends_every_rank_naming_it():
     assert res.returncode != 0
     assert "FAILED on rank 0" in res.stdout, res.stdout[-3000:]
     assert "aten::embedding" in res.stdout and "'tok'" in res.stdout, res.stdout[-3000:]
+    # the arguments it ran on, against the trace's (a dtype autocast left, a device)
+    assert "its arguments: #0 Float32[50, 16] on cpu (traced Float32[50, 16]), #1 Int64[" \
+        in res.stdout, res.stdout[-3000:]
     assert "rank 1 stops because rank 0 failed: rank 0 | stage 0 failed" in res.stdout, \
         res.stdout[-3000:]
     assert time.monotonic() - start < 150
