@@ -2,13 +2,14 @@
 as __main__ after asking faulthandler to print every thread's Python stack when the rank is
 terminated. When one rank fails, mpirun sends the others SIGTERM (then SIGKILL a second
 later), so a rank stuck elsewhere than a collective (a DataLoader worker, a lock) says where
-it was instead of vanishing silently from the test's output."""
+it was instead of vanishing silently from the test's output; so does a rank that crashes."""
 import faulthandler
 import os
 import runpy
 import signal
 import sys
 
+faulthandler.enable(all_threads=True)  # a crash (SIGSEGV, SIGABRT) too
 faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
 script = os.path.abspath(sys.argv[1])
 sys.argv = sys.argv[1:]
