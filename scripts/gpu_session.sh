@@ -29,7 +29,7 @@
 # killed); a failing part does not stop the others. All of it fits RANNC_GPU_BUDGET
 # seconds (default 570; the device tool stops a command at 600): a part gets at most its
 # own limit and what is left, and is skipped when less than 30 s is left.
-#   RANNC_GPU_PARTS="tests hf models bench plans plans_large table" (default: all)
+#   RANNC_GPU_PARTS="bench tests plans plans_large models hf table" (default: all, in this order)
 #   RANNC_GPU_LIMIT_<PART>=seconds overrides a part's own limit (RANNC_GPU_LIMIT_TESTS=240).
 # A session's device time is 15 minutes, the machine's start included: one call of this
 # script is all it gets, so pick the parts and limits that answer the open issues first.
@@ -46,7 +46,11 @@ BUILD_LOG="$OUT/build.log"
 : > "$LOG"
 : > "$BUILD_LOG"
 BUDGET="${RANNC_GPU_BUDGET:-570}"
-PARTS=" ${RANNC_GPU_PARTS:-tests hf models bench plans plans_large table} "
+# the order the open issues need them in: the speed and mixed-precision measurements first
+PARTS=" ${RANNC_GPU_PARTS:-bench tests plans plans_large models hf table} "
+# a failed test's cause the moment it fails (tests/python/report.py): a part stopped by its
+# limit never reaches pytest's summary
+export RANNC_FAILURES_AT_ONCE=1
 failed=0
 
 note() { echo "$*" | tee -a "$SUMMARY"; }
@@ -99,7 +103,14 @@ import sys, torch
 cuda = torch.cuda.is_available()
 nccl = '.'.join(map(str, torch.cuda.nccl.version())) if cuda else '-'
 print('python', sys.version.split()[0], '| torch', torch.__version__, '| CUDA', torch.version.cuda,
-      '| device', torch.cuda.get_device_name() if cuda else 'none', '| NCCL', nccl)" 2>&1 | tail -3
+      '| device', torch.cuda.get_device_name() if cuda else 'none', '| NCCL', nccl)
+import importlib.metadata as md
+def version(p):
+    try:
+        return md.version(p)
+    except md.PackageNotFoundError:
+        return 'none'
+print(' | '.join(f'{p} {version(p)}' for p in ('transformers', 'accelerate', 'peft', 'pytest')))" 2>&1 | tail -4
   # compare with the same command here: which sources this session built or ran
   echo "sources: $(find csrc CMakeLists.txt setup.py -type f | LC_ALL=C sort | xargs cat \
     | sha256sum | cut -c1-12) (C++: csrc CMakeLists.txt setup.py), $(find python bench tests \
@@ -157,14 +168,14 @@ part() {  # part NAME LIMIT_S COMMAND (RANNC_GPU_LIMIT_<NAME> overrides LIMIT_S)
 # limit still says which tests passed and which one hung.
 PER_TEST=""
 python3 -c "import pytest_timeout" 2>/dev/null && PER_TEST="--timeout=150"
-part tests 420 "bash scripts/gpu_tests.sh"
-part hf 240 "python3 -m pytest -v -rA $PER_TEST tests/python -k 'hf or transformers'"
-part models 300 "rc=0; for args in '' '--precision bf16' '--eval'; do python3 bench/hf_models.py --device cuda \$args || rc=1; done; exit \$rc"
+stamp="$(mktemp)"  # the results the parts write into bench/results go to $OUT
 part bench 360 "python3 bench/runtime.py --device cuda --out '$OUT'"
-stamp="$(mktemp)"
+part tests 420 "bash scripts/gpu_tests.sh"
 part plans 240 "python3 bench/plan_time.py --device cuda --skip-whole"
 # the plans-in-seconds issue's GPU cases: BERT-large's first step, its plan for 32 devices
 part plans_large 300 "python3 bench/plan_time.py --device cuda --skip-whole --models bert_large --seq 128 --batch 16 --world 32 --device-memory 80GiB"
+part models 300 "rc=0; for args in '' '--precision bf16' '--eval'; do python3 bench/hf_models.py --device cuda \$args || rc=1; done; exit \$rc"
+part hf 240 "python3 -m pytest -v -rA $PER_TEST tests/python -k 'hf or transformers'"
 part table 600 "python3 bench/profile_vs_stage.py --device cuda ${RANNC_GPU_TABLE_ARGS:-}"
 find bench/results -maxdepth 1 \( -name 'profile_vs_stage_*' -o -name 'plan_time_cuda*' \) -newer "$stamp" \
   -exec cp {} "$OUT/" \;

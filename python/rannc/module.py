@@ -460,6 +460,9 @@ class RaNNCModule(torch.nn.Module):
         # mode updates its running statistics each time: keep the values from before.
         if plan_from is None and _C.get_world_size() > 1:
             _agree_on_rows(args, kwargs)
+        if not (self._deployed or self._deployed_by_arguments) and _C.get_world_size() == 1 \
+                and self.device.type == "cuda":
+            self._move(self.device)  # [Note: one rank traces on its GPU]
         buffers = [(b, b.detach().clone()) for b in self.module.buffers()]
         try:
             # Traced where the model is, in the precision the stages' device would compute in.
@@ -700,6 +703,11 @@ class RaNNCModule(torch.nn.Module):
                                "to run it elsewhere")
             self.device = self.placement.device = device
             torch.cuda.set_device(device)
+        # [Note: one rank traces on its GPU] One rank runs the whole model on its GPU, so the
+        # model goes there before the first trace too, wrapped on the CPU or not: tracing on
+        # the CPU ran a BERT-large forward twice on the host (26 s of the first step on an
+        # H200, where the GPU takes 0.1 s), and under torch.autocast("cuda") it recorded the
+        # CPU's autocast casts, not the ones plain PyTorch makes on the GPU.
         if one and not self._deployed and self._home != self.device \
                 and not self.placement.not_current_here():
             self.module.to(self.device)

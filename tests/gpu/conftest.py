@@ -16,6 +16,8 @@ sys.path.insert(0, os.path.join(HERE, "..", "..", "python"))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "examples"))
 torch.set_num_threads(1)
 
+from report import pytest_runtest_logreport  # noqa: E402,F401 (a hook)
+
 
 def pytest_sessionstart(session):
     from rannc import _C

@@ -8,3 +8,5 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..', '..', 'python'))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..', '..', 'examples'))
 torch.set_num_threads(1)
+
+from report import pytest_runtest_logreport  # noqa: E402,F401 (a hook)
