@@ -1,5 +1,5 @@
 """RaNNCModule with its stages on the GPU ([Note: placement] in python/rannc/placement.py):
-training equals plain PyTorch (on the CPU, float32 without TF32) step by step, for the zoo
+training equals plain PyTorch (on the same GPU, float32 without TF32) step by step, for the zoo
 and the transformers models (tests/python/hf_zoo.py), one rank
 with the NCCL data plane's collectives, two ranks sharing the one GPU over MPI through host
 memory (NCCL refuses two ranks on one device); recomputation restores the CUDA generator
@@ -71,7 +71,7 @@ def test_new_sequence_lengths_on_cuda_equal_pytorch(ranks, model, lengths, extra
     (1, "bf16", []), (2, "bf16", ["data_plane=mpi"]), (1, "fp16", []),
     (2, "fp16", ["data_plane=mpi"])])
 def test_mixed_precision_on_cuda_equals_pytorch_under_autocast(ranks, amp, extra):
-    """rannc under torch.autocast("cuda") against the CPU reference under autocast("cpu"),
+    """rannc under torch.autocast("cuda") against PyTorch on the same GPU under it too,
     within the low-precision tolerance of train_check.py; fp16 with rannc.GradScaler("cuda")."""
     res = mpirun("train_check.py", ranks, "gpt", "--stages", ranks, "--micro", 2, "--steps", 4,
                  "--amp", amp, "--opt", "device=cuda", *extra, timeout=300)

@@ -22,7 +22,7 @@ eval()/no_grad outputs. Exits non-zero on the first mismatch (on every rank).
             reference's (this rank's rows times the ranks, as DDP's for a mean loss over the
             rank's rows, [Note: input gradients] in csrc/runtime/engine.h; or the whole
             gradient of a tensor without a batch)
-    --amp bf16|fp16: both run under torch.autocast("cpu", dtype) (fp16 with loss scaling:
+    --amp bf16|fp16: both run under torch.autocast(device, dtype) (fp16 with loss scaling:
             rannc.GradScaler, the reference torch's), compared within that precision
     --clip NORM: clip_grad_norm(NORM, scaler=...) against PyTorch's unscale_ + clip_grad_norm_
     --scaler torch: fp16 on rannc's side with torch.amp.GradScaler, not rannc.GradScaler
@@ -101,14 +101,33 @@ def local(x):
 REL = {"bf16": 5e-2, "fp16": 1e-2}.get(a.amp)
 AMP_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(a.amp)
 # With option device=cuda (tests/gpu) rannc's stages compute on the GPU, under the user's
-# autocast for cuda; the reference stays on the CPU under autocast for the CPU.
+# autocast for cuda, and so does the reference: plain PyTorch on the same GPU, with the same
+# kernels (cuDNN, attention) and CUDA's autocast op lists (a CPU reference, as before,
+# compared other kernels and CPU autocast's lists).
 STAGE_DEVICE = "cuda" if options.get("device", "cpu").startswith("cuda") else "cpu"
+REF_DEVICE = STAGE_DEVICE
+reference.to(REF_DEVICE)  # its optimizer holds the same Parameter objects, moved in place
 SCALER = rannc.GradScaler if a.scaler == "rannc" else torch.amp.GradScaler
 scaler = SCALER(STAGE_DEVICE, init_scale=2.0 ** 10) if a.amp == "fp16" else None
-ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) if a.amp == "fp16" else None
+ref_scaler = torch.amp.GradScaler(REF_DEVICE, init_scale=2.0 ** 10) if a.amp == "fp16" else None
 
 
-def autocast(device_type="cpu"):
+def on_ref(tree):
+    """The reference's arguments on its device (the CPU: unchanged); a leaf that requires
+    grad stays a leaf, whose .grad the input-gradient check reads."""
+    if REF_DEVICE == "cpu":
+        return tree
+
+    def move(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        if t.is_leaf and t.requires_grad:
+            return t.detach().to(REF_DEVICE).requires_grad_()
+        return t.to(REF_DEVICE)
+    return pytree.tree_map(move, tree)
+
+
+def autocast(device_type=REF_DEVICE):
     return (torch.autocast(device_type, dtype=AMP_DTYPE) if AMP_DTYPE is not None
             else torch.autocast(device_type, enabled=False))
 
@@ -214,6 +233,7 @@ for step in range(a.steps):
     length = step_lengths[step % len(step_lengths)] if step_lengths else None
     for call in range(calls):
         (g_args, g_kwargs), (l_args, l_kwargs) = batches(100 + 10 * step + call, n, a.input_grad, length)
+        g_args, g_kwargs = on_ref((g_args, g_kwargs))
         unsynced = no_sync and call < calls - 1
         with autocast_for_rannc(), wrapped.no_sync() if unsynced else contextlib.nullcontext():
             out = wrapped(*l_args, **l_kwargs)
@@ -225,7 +245,7 @@ for step in range(a.steps):
             seed = 100 + 10 * step + call
             mine = slice(rank * n, (rank + 1) * n)
             outside_loss(out, labels(seed, mine, n * world)).backward()
-            outside_loss(ref_out, labels(seed, slice(None), n * world)).backward()
+            outside_loss(ref_out, labels(seed, slice(None), n * world).to(REF_DEVICE)).backward()
             if unsynced:
                 check_unsynced()
             if not isinstance(out, dict):
@@ -318,6 +338,7 @@ assert counts.min().item() >= 1, "some parameter is updated by no rank"
 
 if a.eval:
     (g_args, g_kwargs), (l_args, l_kwargs) = batches(999)
+    g_args, g_kwargs = on_ref((g_args, g_kwargs))
     wrapped.eval()
     reference.eval()
     with torch.no_grad():
@@ -333,6 +354,7 @@ if a.eval:
     reference.train()
     # training goes on after eval, on the parameters both modes share
     (g_args, g_kwargs), (l_args, l_kwargs) = batches(1000)
+    g_args, g_kwargs = on_ref((g_args, g_kwargs))
     opt.zero_grad()
     with autocast_for_rannc():
         out = wrapped(*l_args, **l_kwargs)
