@@ -16,6 +16,7 @@
 #include "frontend/interpreter.h"
 #include "frontend/masked_losses.h"
 #include "frontend/scalar_updates.h"
+#include "frontend/state_shapes.h"
 #include "ir/reduction.h"
 
 namespace rannc::frontend {
@@ -1300,6 +1301,9 @@ std::shared_ptr<TracedModel> buildTracedModel(
   // after the check, which compares the traces as the user's code made them
   if (int n = rewriteMaskedLosses(*first.graph)) {
     logDebug(std::to_string(n) + " loss(es) over the elements a boolean mask selects rewritten ([Note: masked losses])");
+  }
+  if (int n = foldStateShapes(*first.graph, inputs, first.inputs)) {
+    logDebug(std::to_string(n) + " size(s) of parameters and buffers read as constants ([Note: shapes of the model's state])");
   }
   if (int n = functionalScalarUpdates(first.graph)) {
     logDebug(std::to_string(n) + " in-place update(s) of a scalar made functional");

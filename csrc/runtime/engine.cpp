@@ -695,15 +695,10 @@ StepOutputs PipelineEngine::execute(const StepProgram& program,
           step_grads_.clear();
           // A parameter no gradient reached (read through a detach only: a teacher under
           // torch.no_grad(), [Note: no_grad in forward] in python/rannc/_trace.py) keeps
-          // .grad None, as in PyTorch, so that AdamW does not decay it. Its replicas agree
-          // (one graph): the zeros their buckets sum for it say nothing.
-          std::vector<ir::ValueId> reached_by_none;
-          for (const auto& [v, t] : own_) {
-            step_grads_[v] = t.grad();
-            if (!t.grad().defined()) reached_by_none.push_back(v);
-          }
+          // .grad None, as in PyTorch, so that AdamW does not decay it; one that another
+          // stage's gradient reached gets the sum ([Note: gradients reached elsewhere]).
+          for (const auto& [v, t] : own_) step_grads_[v] = t.grad();
           if (grad_sync_) buckets_->finish(step_grads_);  // the sums, from .grad
-          for (ir::ValueId v : reached_by_none) step_grads_[v] = at::Tensor();
         }
         times_.wait += since(t0);
         break;
@@ -802,9 +797,15 @@ void PipelineEngine::syncHeldGrads() {
   std::map<ir::ValueId, at::Tensor> sums;
   buckets_->finish(sums);  // every bucket, from .grad (zeros where undefined)
   for (const auto& [v, sum] : sums) {
+    // undefined: no rank's stage reached it, so it stays None ([Note: gradients reached
+    // elsewhere] in grad_buckets.h)
+    if (!sum.defined()) continue;
     at::Tensor& grad = own_.at(v).mutable_grad();
-    // undefined: no gradient reached it on any replica (one graph), so it stays None
-    if (grad.defined()) grad.copy_(sum);
+    if (grad.defined()) {
+      grad.copy_(sum);
+    } else {
+      grad = sum.clone();
+    }
   }
 }
 

@@ -37,6 +37,7 @@ void GradBuckets::arm() {
   // what a step that failed midway launched must not pass for this step's
   ready_.clear();
   launched_.clear();
+  none_here_.clear();
   for (const auto& b : buckets_) {
     for (ir::ValueId v : b.ids) {
       auto acc = torch::autograd::impl::grad_accumulator(own_.at(v));
@@ -76,8 +77,12 @@ void GradBuckets::launch(bool all) {
       }
     }
     std::vector<at::Tensor> parts;
+    std::vector<float> reached;  // [Note: gradients reached elsewhere]
     for (ir::ValueId v : b.ids) {
       at::Tensor g = gradOf(v);
+      const bool here = own_.at(v).grad().defined();
+      reached.push_back(here ? 1.0F : 0.0F);
+      if (!here) none_here_.insert(v);
       // [Note: sparse gradients] nn.Embedding(sparse=True): summed dense over the replicas
       // (a reshape of a sparse tensor failed on every rank), then sparse again for
       // SparseAdam, its rows those of the sum that are not all zeros
@@ -87,6 +92,7 @@ void GradBuckets::launch(bool all) {
       }
       parts.push_back(g.reshape(-1));
     }
+    parts.push_back(at::tensor(reached).to(parts.front().options()));
     at::Tensor flat = at::cat(parts);
     comm::WorkPtr work;
     if (staged_ && !flat.is_cpu()) {
@@ -112,9 +118,18 @@ void GradBuckets::finish(std::map<ir::ValueId, at::Tensor>& grads) {
       if (sparse != sparse_dims_.end()) grads[v] = grads[v].to_sparse(sparse->second);
       offset += p.numel();
     }
+    // the parameters no rank's stage reached keep .grad None (one host read, only where
+    // this rank's own stage did not reach one)
+    for (size_t i = 0; i < l.bucket->ids.size(); ++i) {
+      const ir::ValueId v = l.bucket->ids[i];
+      if (none_here_.count(v) && l.flat[offset + static_cast<int64_t>(i)].item<double>() == 0.0) {
+        grads[v] = at::Tensor();
+      }
+    }
   }
   launched_.clear();
   sparse_dims_.clear();
+  none_here_.clear();
 }
 
 }  // namespace rannc::runtime

@@ -13,6 +13,15 @@
 // On CUDA autograd runs those hooks on its device thread, not the caller's: a staged (MPI)
 // all-reduce started there needs MPI_THREAD_MULTIPLE, so without it every bucket starts
 // in finish(), on the caller's thread.
+//
+// [Note: gradients reached elsewhere] A parameter that two stages read (a tied weight) may
+// get a gradient from one stage only: the other reads it through a detach, or for its
+// type (`torch.zeros_like(w)`). The sum over the group is then its gradient on every
+// holder, and each holder steps with it; keeping .grad None where this rank's stage gave
+// none (right for a stage's replicas, which run one graph) left that copy stale: a
+// GPT whose head reads the embedding detached trained another model on the head's stage.
+// So each bucket sums one flag per parameter besides the gradients, 1 where a rank's
+// stage reached it: a parameter stays None only where no rank's did.
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -67,6 +76,7 @@ class GradBuckets {
   std::map<ir::ValueId, at::Tensor> own_;
   bool staged_ = false;
   std::vector<Launched> launched_;
+  std::set<ir::ValueId> none_here_;  // this step, no gradient from this rank's stage
   std::map<ir::ValueId, int64_t> sparse_dims_;  // [Note: sparse gradients] in grad_buckets.cpp
   std::set<ir::ValueId> ready_;
   std::vector<std::function<void()>> unhook_;  // one per armed hook

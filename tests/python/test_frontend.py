@@ -1281,3 +1281,34 @@ def test_rows_that_index_each_other_are_named():
     with pytest.raises(rannc.TraceError, match=r"Or does args\[1\] hold indices of the batch's rows.*"
                                                r"cannot be cut"):
         rannc.trace(Gnn(), (torch.randn(8, 6), edges, torch.randn(8)))
+
+
+class ShapeReadingLayerNorm(torch.nn.Module):
+    """nanoGPT's LayerNorm: its normalized shape is read from its own weight."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(n))
+        self.bias = torch.nn.Parameter(torch.zeros(n))
+
+    def forward(self, x):
+        return torch.nn.functional.layer_norm(x, self.weight.shape, self.weight, self.bias, 1e-5)
+
+
+def test_sizes_of_parameters_are_constants_of_the_graph():
+    """[Note: shapes of the model's state] in csrc/frontend/state_shapes.h: `self.weight.shape`
+    read where the norm's shape list is built is a constant, so no task reads a parameter
+    for its size (a stage cut between the size and the norm held the weight twice, and
+    state_dict() served the copy that never trained). Sizes of the data stay ops."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), ShapeReadingLayerNorm(8), torch.nn.Linear(8, 2))
+    x = torch.randn(4, 8)
+    g = rannc.trace(model, (x,))
+    ir = g.ir
+    for t in ir.tasks():
+        if t.op == "aten::size":
+            roles = [ir.value(v).role for v in t.inputs]
+            assert "param" not in roles, roles
+    params_read = {ir.value(v).name for t in ir.tasks() for v in t.inputs if ir.value(v).role == "param"}
+    assert {"1.weight", "1.bias"} <= params_read
+    assert [t.op for t in ir.tasks()].count("aten::layer_norm") == 1
+    torch.testing.assert_close(g(x), model(x))

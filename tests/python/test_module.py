@@ -1115,3 +1115,17 @@ print("eval ok", flush=True)
 """)
     assert res.returncode == 0, res.stdout + res.stderr[-3000:]
     assert "eval ok" in res.stdout
+
+
+@pytest.mark.parametrize("mode", ["detach", "zeros_like", "shape"])
+def test_a_parameter_two_stages_read_trains_as_in_pytorch(mode):
+    """mpi/shared_reads_check.py: a tied embedding the head reads detached (only the first
+    stage's gradient reaches it; the head's stage kept it stale and trained another model),
+    a weight the last stage reads for its type (torch.zeros_like), and nanoGPT's LayerNorm
+    reading its weight's shape (the stage that read the size held a copy that never
+    trained, which state_dict() served, and the optimizer's state_dict() lost its state):
+    state_dict() and optimizer.state_dict() equal PyTorch's after 4 Adam steps."""
+    res = mpirun("shared_reads_check.py", 2, mode, timeout=200, env={"RANNC_COMM_TIMEOUT": "60"})
+    assert res.returncode == 0, res.stdout[-4000:]
+    for r in range(2):
+        assert f"OK rank {r}" in res.stdout, res.stdout[-4000:]
