@@ -514,16 +514,32 @@ bool allCloseOnHost(const at::Tensor& x, const at::Tensor& y, double rtol, doubl
 // rows). True for a value whose rows are computed row by row; false where rows are
 // interleaved ((seq*batch, hidden) reshapes, say) and where a row's value is its position
 // ([Note: row positions]).
-bool sharedRowsAgree(const at::Tensor& smaller, const at::Tensor& larger, int dim, int64_t entries) {
+//
+// [Note: rows in low precision] The tolerance follows the dtype. A bf16 matmul may round a
+// row differently at another batch size (oneDNN on CPUs with AMX blocks the rows by the
+// batch), so a row computed row by row can differ by an ulp or two of bf16 (0.4% each)
+// between the two observations; against float32's 1e-4 every such value read as
+// interleaved and was glued to its neighbours (most likely why BERT-large's program
+// under bf16 autocast had 446 tasks on an H200's host, against 1079 in fp32, and failed
+// there). A value in half precision, or computed from one (autocast's fp32 softmax of a
+// bf16 matmul keeps its rounding), is compared within 8 bf16 ulps, plus an absolute part
+// of one ulp of the values' largest magnitude (a sum that cancels to near zero keeps the
+// error of its terms); interleaved rows differ by whole values.
+bool sharedRowsAgree(const at::Tensor& smaller, const at::Tensor& larger, int dim, int64_t entries,
+                     bool low_precision) {
   constexpr double kRtol = 1e-4, kAtol = 1e-5;
+  constexpr double kUlp = 1.0 / 128;  // bf16's at 1.0 (fp16's is finer)
   at::Tensor x = smaller.narrow(dim, 0, entries);
   at::Tensor y = larger.narrow(dim, larger.size(dim) - entries, entries);
+  const bool half = low_precision;
+  const double rtol = half ? 8 * kUlp : kRtol;
+  const double atol = half && y.numel() > 0 ? kAtol + kUlp * y.abs().max().item<double>() : kAtol;
   if (x.is_cpu() && y.is_cpu() && x.scalar_type() == y.scalar_type()) {
     switch (x.scalar_type()) {
-      case at::kFloat: return allCloseOnHost<float>(x, y, kRtol, kAtol);
-      case at::kDouble: return allCloseOnHost<double>(x, y, kRtol, kAtol);
-      case at::kHalf: return allCloseOnHost<c10::Half>(x, y, kRtol, kAtol);
-      case at::kBFloat16: return allCloseOnHost<c10::BFloat16>(x, y, kRtol, kAtol);
+      case at::kFloat: return allCloseOnHost<float>(x, y, rtol, atol);
+      case at::kDouble: return allCloseOnHost<double>(x, y, rtol, atol);
+      case at::kHalf: return allCloseOnHost<c10::Half>(x, y, rtol, atol);
+      case at::kBFloat16: return allCloseOnHost<c10::BFloat16>(x, y, rtol, atol);
       default: break;
     }
   }
@@ -537,7 +553,7 @@ bool sharedRowsAgree(const at::Tensor& smaller, const at::Tensor& larger, int di
       const auto wide = x.is_complex() ? at::kComplexDouble : at::kDouble;
       x = x.to(wide), y = y.to(wide);
     }
-    return at::allclose(x, y, kRtol, kAtol, /*equal_nan=*/true);
+    return at::allclose(x, y, rtol, atol, /*equal_nan=*/true);
   }
   return at::equal(x, y);
 }
@@ -659,9 +675,18 @@ Observed observe(const TracedModel& model, const std::vector<at::Tensor>& inputs
   o.rows_agree.resize(n, -1);
   if (keep) o.tensors.resize(n);
   std::vector<c10::IValue> ins(inputs.begin(), inputs.end());
+  std::vector<char> low(n, 0);  // [Note: rows in low precision]: half, or computed from one
   torch::NoGradGuard no_grad;
   runGraph(model, ins, [&](ir::ValueId id, const c10::IValue& v) {
     o.seen[id] = 1;
+    if (v.isTensor()) {
+      const at::ScalarType type = v.toTensor().scalar_type();
+      low[id] = type == at::kHalf || type == at::kBFloat16;
+    }
+    const ir::TaskId producer = model.graph.value(id).producer;
+    if (!low[id] && producer != ir::kNoId) {
+      for (ir::ValueId in : model.graph.task(producer).inputs) low[id] = low[id] || low[in];
+    }
     if (v.isTensor()) {
       const at::Tensor& t = v.toTensor();
       o.shapes[id] = t.sizes().vec();
@@ -680,7 +705,8 @@ Observed observe(const TracedModel& model, const std::vector<at::Tensor>& inputs
             const int64_t rows = std::min(batch, kept_batch), k = t.size(changed) / batch;
             const bool smaller = batch < kept_batch;
             o.rows_agree[id] = rows * k <= other.size(changed) &&
-                               sharedRowsAgree(smaller ? t : other, smaller ? other : t, changed, rows * k);
+                               sharedRowsAgree(smaller ? t : other, smaller ? other : t, changed, rows * k,
+                                               low[id] != 0);
           }
         }
       }
