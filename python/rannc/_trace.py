@@ -759,6 +759,22 @@ def _register_dataclasses(x, depth: int = 6) -> None:
 
 def _trace_once(model, state: ModelState, state_tensors: list, flat: FlatArgs, tensors,
                 tracer_notes: list, watch_random: bool = False):
+    """[Note: autocast in forward] A model may enter torch.autocast itself (its cast-weight
+    cache on, the default). Autocast empties that cache only when the outermost autocast
+    context exits, and tracing runs inside one (recording_autocast), so the second trace
+    met the first trace's cast weights: "Cannot insert a Tensor that requires grad as a
+    constant", reported as a batch-size failure. Each trace starts and ends with the
+    cache empty."""
+    torch.clear_autocast_cache()
+    try:
+        return _trace_once_cached(model, state, state_tensors, flat, tensors, tracer_notes,
+                                  watch_random)
+    finally:
+        torch.clear_autocast_cache()
+
+
+def _trace_once_cached(model, state: ModelState, state_tensors: list, flat: FlatArgs, tensors,
+                       tracer_notes: list, watch_random: bool = False):
     n_state = len(state.names)
     out_info = {}
     watch_data = _WatchDataWrites()  # [Note: writes through .data]
