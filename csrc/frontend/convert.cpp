@@ -531,9 +531,9 @@ bool sharedRowsAgree(const at::Tensor& smaller, const at::Tensor& larger, int di
   constexpr double kUlp = 1.0 / 128;  // bf16's at 1.0 (fp16's is finer)
   at::Tensor x = smaller.narrow(dim, 0, entries);
   at::Tensor y = larger.narrow(dim, larger.size(dim) - entries, entries);
-  const bool half = low_precision;
-  const double rtol = half ? 8 * kUlp : kRtol;
-  const double atol = half && y.numel() > 0 ? kAtol + kUlp * y.abs().max().item<double>() : kAtol;
+  const double rtol = low_precision ? 8 * kUlp : kRtol;
+  const double atol =
+      low_precision && y.numel() > 0 ? kAtol + kUlp * y.abs().max().item<double>() : kAtol;
   if (x.is_cpu() && y.is_cpu() && x.scalar_type() == y.scalar_type()) {
     switch (x.scalar_type()) {
       case at::kFloat: return allCloseOnHost<float>(x, y, rtol, atol);
@@ -679,10 +679,8 @@ Observed observe(const TracedModel& model, const std::vector<at::Tensor>& inputs
   torch::NoGradGuard no_grad;
   runGraph(model, ins, [&](ir::ValueId id, const c10::IValue& v) {
     o.seen[id] = 1;
-    if (v.isTensor()) {
-      const at::ScalarType type = v.toTensor().scalar_type();
-      low[id] = type == at::kHalf || type == at::kBFloat16;
-    }
+    low[id] = v.isTensor() && (v.toTensor().scalar_type() == at::kHalf ||
+                               v.toTensor().scalar_type() == at::kBFloat16);
     const ir::TaskId producer = model.graph.value(id).producer;
     if (!low[id] && producer != ir::kNoId) {
       for (ir::ValueId in : model.graph.task(producer).inputs) low[id] = low[id] || low[in];

@@ -20,6 +20,7 @@ int foldStateShapes(torch::jit::Graph& graph, const std::vector<GraphInput>& rol
       reads.push_back(node);
     }
   }
+  if (reads.empty()) return 0;
   int folded = 0;
   torch::jit::WithInsertPoint front(graph.block()->nodes().front());
   for (torch::jit::Node* node : reads) {

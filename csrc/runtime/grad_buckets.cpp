@@ -77,12 +77,13 @@ void GradBuckets::launch(bool all) {
       }
     }
     std::vector<at::Tensor> parts;
-    std::vector<float> reached;  // [Note: gradients reached elsewhere]
+    std::vector<int64_t> unreached;  // [Note: gradients reached elsewhere]
     for (ir::ValueId v : b.ids) {
       at::Tensor g = gradOf(v);
-      const bool here = own_.at(v).grad().defined();
-      reached.push_back(here ? 1.0F : 0.0F);
-      if (!here) none_here_.insert(v);
+      if (!own_.at(v).grad().defined()) {
+        unreached.push_back(static_cast<int64_t>(parts.size()));
+        none_here_.insert(v);
+      }
       // [Note: sparse gradients] nn.Embedding(sparse=True): summed dense over the replicas
       // (a reshape of a sparse tensor failed on every rank), then sparse again for
       // SparseAdam, its rows those of the sum that are not all zeros
@@ -92,7 +93,11 @@ void GradBuckets::launch(bool all) {
       }
       parts.push_back(g.reshape(-1));
     }
-    parts.push_back(at::tensor(reached).to(parts.front().options()));
+    // made where the gradients are: a host vector copied to a GPU from pageable memory
+    // would wait for the stream, in the middle of the backward
+    at::Tensor reached = at::ones({static_cast<int64_t>(parts.size())}, parts.front().options());
+    for (int64_t i : unreached) reached.narrow(0, i, 1).zero_();
+    parts.push_back(reached);
     at::Tensor flat = at::cat(parts);
     comm::WorkPtr work;
     if (staged_ && !flat.is_cpu()) {

@@ -767,14 +767,13 @@ def _trace_once(model, state: ModelState, state_tensors: list, flat: FlatArgs, t
     cache empty."""
     torch.clear_autocast_cache()
     try:
-        return _trace_once_cached(model, state, state_tensors, flat, tensors, tracer_notes,
-                                  watch_random)
+        return _trace_body(model, state, state_tensors, flat, tensors, tracer_notes, watch_random)
     finally:
         torch.clear_autocast_cache()
 
 
-def _trace_once_cached(model, state: ModelState, state_tensors: list, flat: FlatArgs, tensors,
-                       tracer_notes: list, watch_random: bool = False):
+def _trace_body(model, state: ModelState, state_tensors: list, flat: FlatArgs, tensors,
+                tracer_notes: list, watch_random: bool = False):
     n_state = len(state.names)
     out_info = {}
     watch_data = _WatchDataWrites()  # [Note: writes through .data]
