@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import math
 import sys
+import zlib
 
 import torch
 
 from . import _C, handshake, registry
+from .optimizer_share import GroupShare
 
 _TORCH_CLIP = torch.nn.utils.clip_grad.clip_grad_norm_
 _TORCH_TOTAL_NORM = getattr(torch.nn.utils, "get_total_norm", None)  # torch >= 2.6
@@ -81,16 +83,28 @@ def _local_term(grads, norm_type: float) -> torch.Tensor:
 
 
 def global_norm(counted: list[torch.Tensor], local: list[torch.Tensor],
-                norm_type: float) -> torch.Tensor:
-    """The norm over `counted` on every rank (a collective) and `local` on this rank."""
+                norm_type: float, over: str = "") -> torch.Tensor:
+    """The norm over `counted` on every rank (a collective) and `local` on this rank.
+    `over` names the parameters meant, the same on every rank that means the same ones."""
     infinite = math.isinf(norm_type)
-    # one all-gather that also checks every rank is here ([Note: named collectives])
-    terms = handshake.exchange("clip_grad_norm", _local_term(counted, norm_type).view(1))[:, 0]
+    # one all-gather that also checks every rank is here and means the same parameters
+    # ([Note: named collectives], [Note: clipping a param group])
+    what = f"clip_grad_norm over {over}" if over else "clip_grad_norm"
+    terms = handshake.exchange(what, _local_term(counted, norm_type).view(1))[:, 0]
     term = terms.max() if infinite else terms.sum()
     mine = _local_term(local, norm_type)
     if infinite:
         return torch.maximum(term, mine)
     return (term + mine) ** (1.0 / norm_type)
+
+
+def _which(own: list[torch.Tensor], mine: set[int], name: str) -> str:
+    """Names the parameters `mine` among a module's `own` alike on every rank (the objects
+    are the same everywhere): how many, and a checksum of their positions."""
+    if len(mine) == len(own):
+        return f"every parameter of {name}"
+    positions = ",".join(str(i) for i, p in enumerate(own) if id(p) in mine)
+    return f"{len(mine)} of {name}'s parameters (#{zlib.crc32(positions.encode()):08x})"
 
 
 def scale_(grads, max_norm: float, total: torch.Tensor) -> None:
@@ -106,23 +120,27 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
     """torch.nn.utils.clip_grad_norm_, with the norm of a RaNNCModule's parameters taken
     over every stage ([Note: torch's clip_grad_norm_]). A collective when any of
     `parameters` belongs to a RaNNCModule that has trained."""
+    if isinstance(parameters, GroupShare):
+        parameters = parameters.whole  # [Note: clipping a param group]
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     norm_type = float(norm_type)
     ids = {id(p) for p in params}
-    counted, held, claimed = [], [], set()
+    counted, held, claimed, over = [], [], set(), []
     for module in registry.modules():
         if module._deployed.get(True) is None:
             continue  # not trained yet: its gradients, if any, are the user's own
-        mine = {id(p) for p in module.module.parameters()} & ids
+        own = list(module.module.parameters())
+        mine = {id(p) for p in own} & ids
         if mine:
             counted += counted_grads(module, mine)
             held += held_grads(module, mine)
             claimed |= mine
+            over.append(_which(own, mine, type(module.module).__name__))
     if not claimed or _C.get_world_size() == 1:
         # one rank holds every gradient whole: torch's own, which waits for no GPU
         return _TORCH_CLIP(params, max_norm, norm_type, error_if_nonfinite, foreach)
     others = [p.grad for p in params if id(p) not in claimed and p.grad is not None]
-    total = global_norm(counted, others, norm_type)
+    total = global_norm(counted, others, norm_type, ", ".join(over))
     if error_if_nonfinite and not math.isfinite(float(total)):
         raise RuntimeError(
             f"The total norm of order {norm_type} for gradients from `parameters` is "

@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import inspect
 import time
 import zlib
 from typing import TYPE_CHECKING
@@ -384,15 +385,17 @@ class Deployed:
     # 0.32), without a word. One stage holds every gradient, summed over the replicas, on
     # every rank, so a model trained by such an optimizer is planned as one stage, and a
     # plan of more (num_stages, or a plan's file) is an error on every rank naming it.
-    _WHOLE_GRADIENT_OPTIMIZERS = ("LBFGS",)
-
+    # Likewise an optimizer whose step() requires a closure: it evaluates the loss again
+    # around something of the whole model, as SAM and its kin (ASAM, GSAM) climb to
+    # `rho * g / ||g||`, the norm over every gradient (each rank's would be its stages').
+    # An optimizer built after the first training call is checked when it is adopted
+    # (module.adopt_optimizer): the plan is made by then.
     def _whole_gradient_optimizers(self, world: int, opts):
         if world == 1 or not self.owner.module.training:
             return opts
         from .optimizer_share import built_over
         optimizers = self.owner.optimizers or built_over(self.owner)
-        names = sorted({type(o).__name__ for o in optimizers
-                        if type(o).__name__ in self._WHOLE_GRADIENT_OPTIMIZERS})
+        names = sorted({type(o).__name__ for o in optimizers if reads_every_gradient(o)})
         if not names:
             return opts
         if opts.num_stages > 1 or opts.load_plan:
@@ -1080,3 +1083,16 @@ def autocast_off():
 def _dtype(value):
     from .pipeline import DTYPES
     return DTYPES[value.dtype]
+
+
+def reads_every_gradient(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer` reads every gradient of the model in its step (LBFGS or a class
+    built on it, or a step that requires a closure: SAM): [Note: optimizers that read every
+    gradient]."""
+    if isinstance(optimizer, torch.optim.LBFGS):
+        return True
+    try:
+        closure = inspect.signature(optimizer.step).parameters.get("closure")
+    except (TypeError, ValueError):  # a builtin step: no signature to read
+        return False
+    return closure is not None and closure.default is inspect.Parameter.empty

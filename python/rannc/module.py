@@ -24,7 +24,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from . import _C, clipping, failure, full_state, handshake, registry, trainer_support
-from .deployed import autocast_off, Deployed, module_modes
+from .deployed import autocast_off, Deployed, module_modes, reads_every_gradient
 from .graph import TracedGraph
 from ._trace import attribute_values, autocast_dtype, module_hooks, traced_differently
 from ._trace import flatten_args as _trace_flat
@@ -801,6 +801,15 @@ class RaNNCModule(torch.nn.Module):
     def adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Makes `optimizer`, built after wrapping over the model's parameters, this module's,
         as if passed to it ([Note: optimizers made after wrapping] in optimizer_share.py)."""
+        stages = len(self._deployed[True].deployment.stages)
+        if stages > 1 and _C.get_world_size() > 1 and reads_every_gradient(optimizer):
+            raise failure.agreed(
+                f"{type(optimizer).__name__} was built after RaNNCModule's first training call, "
+                f"which cut the model into {stages} stages, each rank holding its stages' "
+                f"gradients only; {type(optimizer).__name__} reads every gradient of the model "
+                "at each step: build it before that call (the model is then planned as one "
+                "stage) or use another optimizer ([Note: optimizers that read every gradient] "
+                "in deployed.py)")
         self.optimizer_share.add(optimizer)
         self.optimizer_share.cut(self.placement.optimized_elsewhere())
         planned = self.options.optimizer_kind or self._planned_optimizer_kind

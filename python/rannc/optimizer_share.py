@@ -182,12 +182,26 @@ class OptimizerShare:
         for optimizer, original in zip(self.optimizers, self._original):
             for group, (params, names) in zip(optimizer.param_groups, original):
                 keep = [id(p) not in elsewhere for p in params]
-                group["params"] = [p for p, k in zip(params, keep) if k]
+                group["params"] = GroupShare([p for p, k in zip(params, keep) if k], params)
                 if names is not None:
                     group["param_names"] = [n for n, k in zip(names, keep) if k]
                 for p, k in zip(params, keep):
                     if not k:
                         optimizer.state.pop(p, None)
+
+
+class GroupShare(list):
+    """A param group's parameters cut to this rank's share, holding the group as the user
+    built it in `whole`. [Note: clipping a param group] A loop that clips each group by its
+    own norm, `for g in optimizer.param_groups: clip_grad_norm_(g["params"], 1.0)`, means the
+    whole group on every rank; given only the share, a rank whose share of a group is empty
+    clipped by torch's function and joined no collective, so the ranks' collectives paired
+    one group with another and both were clipped by a wrong norm without a word. Optimizers
+    see a list; clip_grad_norm_ reads `whole`."""
+
+    def __init__(self, share, whole):
+        super().__init__(share)
+        self.whole = list(whole)
 
 
 def _groups_of(optimizer) -> list[tuple[list[torch.Tensor], list[str] | None]]:

@@ -88,6 +88,7 @@ def test_training_equals_pytorch(ranks, model, stages, micro, extra):
     (3, "gpt", 3, 3, ["--clip-by", "torch", "--opt", "schedule=zb_h1"]),
     (2, "transformer", 2, 2, ["--clip-by", "torch", "--mode", "outside"]),  # fill-drain
     (2, "gpt", 2, 2, ["--clip-by", "total_norm"]),
+    (3, "gpt", 2, 2, ["--clip-by", "groups"]),
 ])
 def test_torchs_clip_grad_norm_clips_by_the_models_norm(ranks, model, stages, micro, extra):
     """torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm), as training loops and
@@ -95,7 +96,9 @@ def test_torchs_clip_grad_norm_clips_by_the_models_norm(ranks, model, stages, mi
     was clipped by its own): gradients and parameters equal PyTorch's, with a max_norm that
     clips every step, over all parameters and over a subset that spans the stages
     ([Note: torch's clip_grad_norm_] in clipping.py); likewise get_total_norm followed by
-    clip_grads_with_norm_ ([Note: torch's get_total_norm]; it measured each stage's)."""
+    clip_grads_with_norm_ ([Note: torch's get_total_norm]; it measured each stage's), and
+    each param group by its own norm, where a rank's share of a group is empty ([Note:
+    clipping a param group]; the ranks' collectives paired one group with another)."""
     res = mpirun("train_check.py", ranks, model, "--stages", stages, "--micro", micro,
                  "--steps", 3, "--clip", 0.05, *extra, timeout=300,
                  env={"RANNC_COMM_TIMEOUT": "60"})
@@ -817,8 +820,10 @@ def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
     two; outside the module, the towers pipeline micro-batches ([Note: rows paired]).
     recompute_buffers: batch norm on recomputing stages moves its statistics once per
     forward, as PyTorch ([Note: buffers a recompute writes]; twice before).
-    lbfgs: LBFGS is planned as one stage and trains as PyTorch; num_stages=2 with it is an
-    error on every rank ([Note: optimizers that read every gradient]).
+    lbfgs: LBFGS is planned as one stage and trains as PyTorch; num_stages=2 with it (or with
+    a class built on it) is an error on every rank, and so is an LBFGS built after the first
+    call planned two stages (it stepped by each rank's stages alone) ([Note: optimizers
+    that read every gradient]).
     attributes: a temperature and a flag set between steps train as PyTorch (they were
     ignored), and a count that forward keeps is named ([Note: attributes read]).
     cumulative_bn: swa_utils.update_bn recomputes batch norm's statistics as in PyTorch

@@ -340,6 +340,21 @@ def test_update_rate_is_timed_with_the_users_optimizer_and_touches_nothing():
     assert measure_update_rate([], None, "adam") == 0.0
 
 
+def test_update_rate_of_a_step_that_needs_a_closure_times_its_kind():
+    # SAM-like optimizers recompute the loss in step(closure): without the loop's closure
+    # their step fails, and the planner times the kind's torch optimizer (it crashed)
+    from rannc.update_cost import measure_update_rate
+
+    class NeedsClosure(torch.optim.SGD):
+        def step(self, closure):
+            closure()
+            return super().step()
+    model, _, _ = zoo.make("mlp", batch=2)
+    opt = NeedsClosure(model.parameters(), lr=0.1, momentum=0.9)
+    rate = measure_update_rate(model.parameters(), opt, "sgd_momentum")
+    assert 0 < rate < 1e-6
+
+
 def test_training_plans_charge_the_optimizer_step_and_eval_plans_do_not():
     model, args, kwargs = zoo.make("mlp", batch=4)
     opts = dict(world_size=2, device_memory="64MiB", profile_cache=rannc.ProfileCache(), **FAST)

@@ -1869,6 +1869,71 @@ elif probe == "lbfgs":  # [Note: optimizers that read every gradient] in deploye
     model = Regression()
     staged = rannc.RaNNCModule(model, lbfgs(model), num_stages=2, cost_model="analytic")
     expect_error(lambda: staged(x[mine], y[mine]), "LBFGS reads every gradient", "num_stages=2")
+
+    class MyLBFGS(torch.optim.LBFGS):  # a class built on it reads every gradient too
+        pass
+    model = Regression()
+    staged = rannc.RaNNCModule(model, MyLBFGS(model.parameters()), num_stages=2,
+                               cost_model="analytic")
+    expect_error(lambda: staged(x[mine], y[mine]), "MyLBFGS reads every gradient", "num_stages=2")
+    # built after the first training call planned two stages: refused at its first step
+    model = Regression()
+    staged = rannc.RaNNCModule(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                               num_stages=2, cost_model="analytic")
+    staged(x[mine], y[mine]).backward()
+    late = lbfgs(model)
+    expect_error(lambda: late.step(lambda: staged(x[mine], y[mine])),
+                 "LBFGS was built after RaNNCModule's first training call", "2 stages")
+
+    class SAM(torch.optim.Optimizer):
+        """Sharpness-aware minimisation as its users write it: a step to the worst point
+        within rho along the gradient, whose norm is over every gradient, then the base
+        optimizer's step with the gradient there (the closure computes it)."""
+
+        def __init__(self, params, rho=0.05, **kwargs):
+            super().__init__(params, dict(rho=rho, **kwargs))
+            self.base = torch.optim.SGD(self.param_groups, **kwargs)
+            self.param_groups = self.base.param_groups
+
+        @torch.no_grad()
+        def step(self, closure):
+            grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+            norm = torch.stack([g.norm() for g in grads]).norm()
+            for g in self.param_groups:
+                for p in g["params"]:
+                    if p.grad is not None:
+                        self.state[p]["e"] = p.grad * (g["rho"] / (norm + 1e-12))
+                        p.add_(self.state[p]["e"])
+            with torch.enable_grad():
+                self.zero_grad()
+                closure()
+            for g in self.param_groups:
+                for p in g["params"]:
+                    if "e" in self.state[p]:
+                        p.sub_(self.state[p]["e"])
+            self.base.step()
+
+    # SAM's step requires a closure: planned as one stage (its norm is every gradient's)
+    torch.manual_seed(0)
+    model = Regression()
+    reference = copy.deepcopy(model)
+    opt, ref_opt = SAM(model.parameters(), lr=0.1), SAM(reference.parameters(), lr=0.1)
+    wrapped = rannc.RaNNCModule(model, opt, num_microbatches=2, cost_model="analytic")
+    for step in range(3):
+        gen = torch.Generator().manual_seed(step)
+        x, y = torch.randn(16, 4, generator=gen), torch.randn(16, 1, generator=gen)
+        wrapped(x[mine], y[mine]).backward()
+        opt.step(lambda: wrapped(x[mine], y[mine]).backward())
+        opt.zero_grad()
+        reference(x, y).backward()
+        ref_opt.step(lambda: reference(x, y).backward())
+        ref_opt.zero_grad()
+    assert wrapped.deployments["train"].num_stages == 1
+    same_stage_parameters(model, reference, rtol=1e-5)
+    model = Regression()
+    staged = rannc.RaNNCModule(model, SAM(model.parameters(), lr=0.1), num_stages=2,
+                               cost_model="analytic")
+    expect_error(lambda: staged(x[mine], y[mine]), "SAM reads every gradient", "num_stages=2")
     print(f"OK rank {rank}", flush=True)
 elif probe == "attributes":  # [Note: attributes read] in _trace.py
     class Annealed(nn.Module):

@@ -29,6 +29,8 @@ eval()/no_grad outputs. Exits non-zero on the first mismatch (on every rank).
             (`import rannc` makes torch's agree across the ranks, [Note: agreed steps])
     --clip-by torch|torch_subset: clip with torch.nn.utils.clip_grad_norm_ on rannc's side
     --clip-by total_norm: with torch.nn.utils.get_total_norm and clip_grads_with_norm_
+    --clip-by groups: two param groups, the first one parameter of the first stage (the
+        others' share of it is empty), each clipped by its own norm with clip_grad_norm_
             too (after unscale_ with a scaler), over model.parameters() or over every other
             parameter by name (a subset that spans the stages); the norm is the model's
     --show-stages: rank 0 prints the ops of each stage ("stage 0 ops: aten::linear,...")
@@ -61,7 +63,7 @@ ap.add_argument("--amp", default="", choices=["", "bf16", "fp16"])
 ap.add_argument("--inject-inf", type=int, default=-1)
 ap.add_argument("--clip", type=float, default=0.0, help="clip the gradients' global norm")
 ap.add_argument("--scaler", default="rannc", choices=["rannc", "torch"])
-ap.add_argument("--clip-by", default="rannc", choices=["rannc", "torch", "torch_subset", "total_norm"])
+ap.add_argument("--clip-by", default="rannc", choices=["rannc", "torch", "torch_subset", "total_norm", "groups"])
 ap.add_argument("--show-stages", action="store_true", help="rank 0 prints each stage's ops")
 a = ap.parse_args()
 options = dict(o.split("=", 1) for o in a.opt)
@@ -77,6 +79,12 @@ reference = copy.deepcopy(model)
 if a.amp:  # Adam would turn bf16/fp16 rounding noise in near-zero gradients into full steps
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+elif a.clip_by == "groups":  # [Note: clipping a param group]
+    def two_groups(m):
+        named = list(m.named_parameters())
+        return [{"params": [named[1][1]]}, {"params": [p for _, p in named[:1] + named[2:]]}]
+    ref_opt = torch.optim.Adam(two_groups(reference), lr=1e-2, eps=1e-5)
+    opt = torch.optim.Adam(two_groups(model), lr=1e-2, eps=1e-5)
 else:
     # eps well above float noise: some gradients are exactly zero in exact arithmetic (the
     # key bias of attention), and Adam would turn their rounding noise into full-size steps.
@@ -281,6 +289,12 @@ for step in range(a.steps):
         clipped = set(clipped[::2] if a.clip_by == "torch_subset" else clipped)
         if a.clip_by == "rannc":
             norm = wrapped.clip_grad_norm(a.clip, scaler=scaler)
+        elif a.clip_by == "groups":  # each group by its own norm: one check per group
+            for g, ref_g in zip(opt.param_groups, ref_opt.param_groups):
+                close(torch.nn.utils.clip_grad_norm_(g["params"], a.clip),
+                      torch.nn.utils.clip_grad_norm_(ref_g["params"], a.clip),
+                      f"gradient norm of a group at step {step}")
+            norm = ref_norm = torch.zeros(())
         elif a.clip_by == "total_norm":  # torch >= 2.6's two halves ([Note: torch's get_total_norm])
             params = list(wrapped.parameters())
             norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
@@ -293,8 +307,9 @@ for step in range(a.steps):
                 [p for n, p in wrapped.module.named_parameters() if n in clipped], a.clip)
         if ref_scaler is not None:
             ref_scaler.unscale_(ref_opt)
-        ref_norm = torch.nn.utils.clip_grad_norm_(
-            [p for n, p in reference.named_parameters() if n in clipped], a.clip)
+        if a.clip_by != "groups":
+            ref_norm = torch.nn.utils.clip_grad_norm_(
+                [p for n, p in reference.named_parameters() if n in clipped], a.clip)
         close(norm, ref_norm, f"gradient norm at step {step}")
     if a.input_grad:
         check_input_grads((l_args, l_kwargs), (g_args, g_kwargs), step)
