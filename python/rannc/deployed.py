@@ -1087,10 +1087,13 @@ def _dtype(value):
 
 def reads_every_gradient(optimizer: torch.optim.Optimizer) -> bool:
     """Whether `optimizer` reads every gradient of the model in its step (LBFGS or a class
-    built on it, or a step that requires a closure: SAM): [Note: optimizers that read every
-    gradient]."""
+    built on it, or a step that requires a closure or comes in SAM's two halves): [Note:
+    optimizers that read every gradient]."""
     if isinstance(optimizer, torch.optim.LBFGS):
         return True
+    if callable(getattr(optimizer, "first_step", None)) and \
+            callable(getattr(optimizer, "second_step", None)):
+        return True  # SAM's two halves, called by the loop (davda54/sam and its copies)
     try:
         closure = inspect.signature(optimizer.step).parameters.get("closure")
     except (TypeError, ValueError):  # a builtin step: no signature to read

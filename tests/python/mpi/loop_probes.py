@@ -1934,6 +1934,17 @@ elif probe == "lbfgs":  # [Note: optimizers that read every gradient] in deploye
     staged = rannc.RaNNCModule(model, SAM(model.parameters(), lr=0.1), num_stages=2,
                                cost_model="analytic")
     expect_error(lambda: staged(x[mine], y[mine]), "SAM reads every gradient", "num_stages=2")
+
+    class TwoHalves(torch.optim.SGD):  # SAM's other form: the loop calls both halves
+        def first_step(self):
+            pass
+
+        def second_step(self):
+            pass
+    model = Regression()
+    staged = rannc.RaNNCModule(model, TwoHalves(model.parameters(), lr=0.1), num_stages=2,
+                               cost_model="analytic")
+    expect_error(lambda: staged(x[mine], y[mine]), "TwoHalves reads every gradient")
     print(f"OK rank {rank}", flush=True)
 elif probe == "attributes":  # [Note: attributes read] in _trace.py
     class Annealed(nn.Module):
