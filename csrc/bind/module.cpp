@@ -2,6 +2,7 @@
 // plan_bindings.cpp, profile_bindings.cpp and runtime_bindings.cpp add the
 // rest. Torch's own pybind11 is used so torch._C.Graph and tensors pass through.
 #include <torch/extension.h>
+#include <ATen/autocast_mode.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/csrc/jit/python/python_ir.h>
 
@@ -23,10 +24,53 @@ using namespace rannc;
 
 namespace {
 
-// [Note: Functions of several outputs] in frontend/convert.h: a prim::PythonOp of several
-// outputs runs its Function's apply as TorchScript's operator does for one (constant
-// arguments from the node, the others from the stack) and pushes each output it returns.
-torch::jit::Operation severalOutputsPythonOp(const torch::jit::Node* node) {
+// [Note: autocast in Python ops] The stages run with autocast off: the casts autocast made
+// while tracing are ops of the graph. An autograd.Function is one prim::PythonOp, the ops
+// of its forward untraced, so in plain PyTorch they run under the caller's autocast (a
+// matmul of a bf16 activation and an fp32 weight casts both; custom_fwd records the state
+// for custom_bwd), and here they ran without it: "expected m1 and m2 to have the same
+// dtype". So a Function's apply runs under the autocast state of the program that runs it
+// (set by the Python side for each call, backward and recompute), with autocast's cache off
+// (nothing clears it outside a context) and the thread's own state restored after.
+struct PythonOpAutocast {
+  bool set = false;
+  c10::DeviceType device = c10::DeviceType::CPU;
+  at::ScalarType dtype = at::kBFloat16;
+};
+PythonOpAutocast& pythonOpAutocast() {
+  static PythonOpAutocast state;
+  return state;
+}
+
+class AutocastForPythonOp {
+ public:
+  AutocastForPythonOp() : state_(pythonOpAutocast()) {
+    if (!state_.set) return;
+    enabled_ = at::autocast::is_autocast_enabled(state_.device);
+    dtype_ = at::autocast::get_autocast_dtype(state_.device);
+    cache_ = at::autocast::is_autocast_cache_enabled();
+    at::autocast::set_autocast_enabled(state_.device, true);
+    at::autocast::set_autocast_dtype(state_.device, state_.dtype);
+    at::autocast::set_autocast_cache_enabled(false);
+  }
+  ~AutocastForPythonOp() {
+    if (!state_.set) return;
+    at::autocast::set_autocast_enabled(state_.device, enabled_);
+    at::autocast::set_autocast_dtype(state_.device, dtype_);
+    at::autocast::set_autocast_cache_enabled(cache_);
+  }
+
+ private:
+  PythonOpAutocast state_;
+  bool enabled_ = false, cache_ = true;
+  at::ScalarType dtype_ = at::kBFloat16;
+};
+
+// [Note: Functions of several outputs] in frontend/convert.h: a prim::PythonOp runs its
+// Function's apply as TorchScript's operator does for one output (constant arguments from
+// the node, the others from the stack) and pushes each output it returns; under the
+// program's autocast ([Note: autocast in Python ops]).
+torch::jit::Operation pythonOp(const torch::jit::Node* node) {
   py::gil_scoped_acquire gil;
   auto* op = const_cast<torch::jit::ConcretePythonOp*>(static_cast<const torch::jit::ConcretePythonOp*>(node));
   auto release = [](auto* p) {  // Python objects go with the GIL held
@@ -52,9 +96,14 @@ torch::jit::Operation severalOutputsPythonOp(const torch::jit::Node* node) {
     torch::jit::drop(stack, num_inputs);
     py::object out;
     try {
+      AutocastForPythonOp autocast;
       out = (*f)(*args);
     } catch (py::error_already_set& e) {
       throw std::runtime_error(e.what());
+    }
+    if (types.size() == 1 && !py::isinstance<py::tuple>(out)) {
+      stack.push_back(torch::jit::returnToIValue(types[0], out));
+      return;
     }
     py::tuple items = py::cast<py::tuple>(out);
     if (items.size() != types.size()) {
@@ -128,7 +177,7 @@ py::list stageBackward(const std::vector<std::optional<at::Tensor>>& grads,
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "rannc core: IR, TorchScript frontend, subgraph execution";
-  frontend::setPythonOpFactory(severalOutputsPythonOp);
+  frontend::setPythonOpFactory(pythonOp);
 
   auto error = py::register_exception<Error>(m, "Error", PyExc_RuntimeError);
   py::register_exception<InvalidGraphError>(m, "InvalidGraphError", error);
@@ -167,6 +216,22 @@ PYBIND11_MODULE(_C, m) {
   m.def("report_failure", [](const std::string& msg) { comm::World::get().reportFailure(msg); });
   m.def("check_peers", [] { comm::World::get().checkPeers(); });
   m.def("failure_reported", [] { return comm::World::get().failing(); });
+  m.def("set_python_op_autocast", [](const std::string& device, const std::string& dtype) {
+    PythonOpAutocast state;  // [Note: autocast in Python ops]
+    if (!dtype.empty()) {
+      state.set = true;
+      state.device = c10::Device(device).type();
+      if (dtype == "bfloat16") {
+        state.dtype = at::kBFloat16;
+      } else if (dtype == "float16") {
+        state.dtype = at::kHalf;
+      } else {
+        throw Error("autocast computes in bfloat16 or float16, not " + dtype);
+      }
+    }
+    pythonOpAutocast() = state;
+  }, py::arg("device"), py::arg("dtype"),
+        "autograd.Functions run under autocast on `device` in `dtype` ('': as the caller's state).");
   m.def("set_comm_timeout", [](double s) {
     comm::World::get().setDefaultTimeout(std::chrono::milliseconds(static_cast<int64_t>(s * 1000)));
   });

@@ -291,7 +291,7 @@ torch::jit::Operation resolveOperation(Node* node,
       });
     }
     case c10::prim::PythonOp:  // [Note: Functions of several outputs] in convert.h
-      if (nout != 1 && pythonOpFactory()) return pythonOpFactory()(node);
+      if (pythonOpFactory()) return pythonOpFactory()(node);
       break;
   default:
       break;

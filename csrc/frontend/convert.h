@@ -33,7 +33,8 @@ struct TraceExample {
 // prim::PythonOp that calls its apply. TorchScript's own operator for it runs only those of
 // one output (an internal assert otherwise: "op->outputs().size() == 1"), so one returning
 // two tensors could not be traced. The Python side (csrc/bind) sets the factory that runs
-// those of several outputs; the frontend itself stays free of Python.
+// them all, under the program's autocast ([Note: autocast in Python ops] in
+// bind/module.cpp); the frontend itself stays free of Python.
 using PythonOpFactory = std::function<torch::jit::Operation(const torch::jit::Node*)>;
 void setPythonOpFactory(PythonOpFactory factory);
 

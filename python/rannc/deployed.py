@@ -161,7 +161,8 @@ class _FillDrainOutputs(torch.autograd.Function):
                 "the stages keep a forward's activations until its backward, which frees "
                 "them, and one backward takes the gradients of all its outputs. Make one loss "
                 "of the outputs you need and call backward once per forward.")
-        with autocast_off():  # a backward called under autocast: the casts are traced
+        # a backward called under autocast: the casts are traced
+        with autocast_off(deployed.owner.device.type, deployed.amp):
             # backward(retain_graph=True): the stashes stay for the next one ([Note:
             # retained graphs] in csrc/runtime/engine.h)
             deployed.backward_from_outputs(grads, awaiting, retain=_graph_retained(),
@@ -1071,13 +1072,33 @@ def _scalars_differ(signatures, scalars) -> Exception:
         f"so the stages that read it must all see one value; pass the same on every rank{hint}")
 
 
-def autocast_off():
-    """No autocast on any device this process computes on (the traced casts do the work)."""
+def autocast_off(device_type: str = "cpu", amp=None):
+    """No autocast on any device this process computes on (the traced casts do the work),
+    but for the autograd.Functions of a program traced in precision `amp` on `device_type`:
+    their ops were not traced, and run under that autocast ([Note: autocast in Python ops]
+    in csrc/bind/module.cpp)."""
     stack = contextlib.ExitStack()
     stack.enter_context(torch.autocast("cpu", enabled=False))
     if torch.cuda.is_available():
         stack.enter_context(torch.autocast("cuda", enabled=False))
+    stack.enter_context(_python_ops_autocast(device_type, amp))
     return stack
+
+
+_python_ops_state = ("", "")
+
+
+@contextlib.contextmanager
+def _python_ops_autocast(device_type: str, amp):
+    global _python_ops_state
+    before = _python_ops_state
+    _python_ops_state = (device_type, "" if amp is None else str(amp).replace("torch.", ""))
+    _C.set_python_op_autocast(*_python_ops_state)
+    try:
+        yield
+    finally:
+        _python_ops_state = before
+        _C.set_python_op_autocast(*before)
 
 
 def _dtype(value):

@@ -336,7 +336,7 @@ class RaNNCModule(torch.nn.Module):
                     "option precision)")
             # [Note: mixed precision] in _trace.py: the casts are ops of the traced graph, so
             # the stages run them as recorded, with autocast off.
-            with autocast_off():
+            with autocast_off(self.device.type, amp):
                 # Training updates each parameter on the ranks of its stage only; before a
                 # mode whose plan may place it elsewhere runs, the owners share the weights.
                 fresh = deployed is None
