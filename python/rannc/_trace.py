@@ -52,9 +52,34 @@ class FlatArgs:
         return pytree.tree_unflatten(leaves, self.spec)
 
 
+def flatten_with_path(tree):
+    """pytree.tree_flatten_with_path, also over classes registered without a function that
+    names their children (transformers 4's ModelOutput): those get one, naming each child
+    by its key where the flattening's context lists them, else by its position."""
+    while True:
+        try:
+            return pytree.tree_flatten_with_path(tree)
+        except ValueError as e:
+            unnamed = next((t for t, node in pytree.SUPPORTED_NODES.items()
+                            if node.flatten_with_keys_fn is None and t.__name__ in str(e)), None)
+            if unnamed is None:
+                raise
+            flatten = pytree.SUPPORTED_NODES[unnamed].flatten_fn
+
+            def with_keys(node, flatten=flatten):
+                children, context = flatten(node)
+                names = list(context) if isinstance(context, (list, tuple)) and \
+                    len(context) == len(children) else None
+                keys = ([pytree.MappingKey(k) for k in names] if names is not None
+                        else [pytree.SequenceKey(i) for i in range(len(children))])
+                return list(zip(keys, children)), context
+            pytree.SUPPORTED_NODES[unnamed] = pytree.SUPPORTED_NODES[unnamed]._replace(
+                flatten_with_keys_fn=with_keys)
+
+
 def flatten_args(args: tuple, kwargs: dict) -> FlatArgs:
     """Flattens (args, kwargs); rejects leaves that are neither tensors nor constants."""
-    with_paths, spec = pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))
+    with_paths, spec = flatten_with_path((tuple(args), dict(kwargs)))
     leaves, paths, tensors, slots = [], [], [], []
     for i, (path, leaf) in enumerate(with_paths):
         name = _path_name(path)
@@ -704,10 +729,25 @@ def traceable_parts(model: torch.nn.Module):
     tracing failed with "unordered_map::at". It runs its function plainly, as the
     non-reentrant form is traced: the ops are the same, and which stages recompute in the
     backward is the plan's (option recompute).
+
+    [Note: transformers 4 masks] transformers 4.5x builds its attention masks with torch.vmap
+    over the batch, head, query and key indices (masking_utils._vmap_for_bhqkv) inside
+    TransformGetItemToIndex, a mode that turns `tensor[index]` into an autograd.Function:
+    torch.jit.trace cannot record either ("unordered_map::at", plain torch.jit.trace too),
+    so no Llama, Mistral, Qwen or Gemma of those versions traced. While tracing, the mask
+    function is called once on index tensors shaped to broadcast against each other and
+    expanded, as transformers 5 does: the same mask, from ops the trace records.
     """
     import torch.utils.checkpoint as checkpoints
     saved = [(checkpoints, "CheckpointFunction", checkpoints.CheckpointFunction)]
     checkpoints.CheckpointFunction = _CheckpointRunPlainly
+    masks = sys.modules.get("transformers.masking_utils")
+    if masks is not None and hasattr(masks, "_vmap_for_bhqkv"):  # [Note: transformers 4 masks]
+        saved.append((masks, "_vmap_for_bhqkv", masks._vmap_for_bhqkv))
+        masks._vmap_for_bhqkv = _broadcast_for_bhqkv
+        if hasattr(masks, "TransformGetItemToIndex"):
+            saved.append((masks, "TransformGetItemToIndex", masks.TransformGetItemToIndex))
+            masks.TransformGetItemToIndex = contextlib.nullcontext
     for _, m in compiled_parts(model):
         if m.__dict__.get("_compiled_call_impl") is not None:  # Module.compile()
             saved.append((m, "_compiled_call_impl", m.__dict__["_compiled_call_impl"]))
@@ -730,6 +770,19 @@ def traceable_parts(model: torch.nn.Module):
                 delattr(m, name)  # the class's method again
             else:
                 setattr(m, name, value)
+
+
+def _broadcast_for_bhqkv(mask_function, bh_indices: bool = True):
+    """transformers 4's _vmap_for_bhqkv without vmap ([Note: transformers 4 masks]): the
+    mask of every (batch, head, query, key) index, or every (query, key) one."""
+    def mask(batch_idx, head_idx, q_idx, kv_idx):
+        if not bh_indices:
+            out = mask_function(batch_idx, head_idx, q_idx[:, None], kv_idx[None, :])
+            return out.expand(q_idx.shape[0], kv_idx.shape[0])
+        out = mask_function(batch_idx[:, None, None, None], head_idx[None, :, None, None],
+                            q_idx[None, None, :, None], kv_idx[None, None, None, :])
+        return out.expand(batch_idx.shape[0], head_idx.shape[0], q_idx.shape[0], kv_idx.shape[0])
+    return mask
 
 
 # [Note: dataclass outputs] A forward that returns a plain @dataclass (not transformers'
@@ -785,7 +838,7 @@ def _trace_body(model, state: ModelState, state_tensors: list, flat: FlatArgs, t
             args, kwargs = flat.rebuild(inputs[n_state:])
             out = model(*args, **kwargs)
         _register_dataclasses(out)
-        with_paths, spec = pytree.tree_flatten_with_path(out)
+        with_paths, spec = flatten_with_path(out)
         leaves = [x for _, x in with_paths]
         out_info["spec"], out_info["leaves"] = spec, leaves
         out_info["paths"] = [".".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
