@@ -1370,3 +1370,65 @@ def test_autocast_entered_in_forward_traces():
     g = rannc.trace(model, (x,))
     assert "BFloat16" in {v.dtype for v in g.ir.values()}
     torch.testing.assert_close(g(x), model(x))
+
+
+def test_transformers_4_masks_are_built_by_broadcasting_the_same_as_by_vmap():
+    """[Note: transformers 4 masks] in _trace.py: while tracing, transformers 4's vmapped
+    mask builder is replaced by one call on broadcasting index tensors; both give the same
+    mask for causal, padding and sliding-window functions written as transformers writes
+    them (indexing a padding mask by batch and key indices)."""
+    from rannc._trace import _broadcast_for_bhqkv
+    padding = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [0, 1, 1, 1, 1]], dtype=torch.bool)
+
+    def causal(b, h, q, kv):
+        return kv <= q
+
+    def padded(b, h, q, kv):
+        return padding[b, kv]
+
+    def window(b, h, q, kv):
+        return (q - kv < 2) & (kv <= q) & padding[b, kv]
+
+    def vmapped(fn, bh_indices):
+        dims = [(None, None, None, 0), (None, None, 0, None)]
+        if bh_indices:
+            dims += [(None, 0, None, None), (0, None, None, None)]
+        for d in dims:
+            fn = torch.vmap(fn, in_dims=d, out_dims=0)
+        return fn
+
+    b, h, q, kv = torch.arange(3), torch.arange(1), torch.arange(5), torch.arange(5)
+    for fn in (causal, padded, window):
+        expected = vmapped(fn, True)(b, h, q, kv)
+        got = _broadcast_for_bhqkv(fn, True)(b, h, q, kv)
+        assert got.shape == expected.shape == (3, 1, 5, 5) and torch.equal(got, expected), fn
+    expected = vmapped(causal, False)(None, None, q, kv)
+    assert torch.equal(_broadcast_for_bhqkv(causal, False)(None, None, q, kv), expected)
+
+
+def test_outputs_of_classes_registered_without_key_names_trace():
+    """transformers 4 registers ModelOutput with pytree without a function naming its
+    children: tracing a model returning one failed in tree_flatten_with_path; the children
+    are named by their keys."""
+    import collections
+    import torch.utils._pytree as pytree
+
+    class Output(collections.OrderedDict):
+        pass
+    pytree.register_pytree_node(Output, lambda d: (list(d.values()), list(d.keys())),
+                                lambda values, keys: Output(zip(keys, values)))
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(4, 3)
+
+        def forward(self, x):
+            h = self.a(x)
+            return Output(logits=h, loss=h.pow(2).mean())
+    model = Model()
+    x = torch.randn(4, 4)
+    g = rannc.trace(model, (x,))
+    out = g(x)
+    assert isinstance(out, Output) and list(out) == ["logits", "loss"]
+    torch.testing.assert_close(out["loss"], model(x)["loss"])
