@@ -184,6 +184,35 @@ def autocast_dtype(device_type: str):
     return torch.get_autocast_dtype(device_type)
 
 
+def autocast_off(device_type: str = "cpu", amp=None):
+    """No autocast on any device this process computes on (the traced casts do the work),
+    but for the autograd.Functions of a program traced in precision `amp` on `device_type`:
+    their ops were not traced, and run under that autocast ([Note: autocast in Python ops]
+    in csrc/bind/module.cpp)."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.autocast("cpu", enabled=False))
+    if torch.cuda.is_available():
+        stack.enter_context(torch.autocast("cuda", enabled=False))
+    stack.enter_context(_python_ops_autocast(device_type, amp))
+    return stack
+
+
+_python_ops_state = ("", "")
+
+
+@contextlib.contextmanager
+def _python_ops_autocast(device_type: str, amp):
+    global _python_ops_state
+    before = _python_ops_state
+    _python_ops_state = (device_type, "" if amp is None else str(amp).replace("torch.", ""))
+    _C.set_python_op_autocast(*_python_ops_state)
+    try:
+        yield
+    finally:
+        _python_ops_state = before
+        _C.set_python_op_autocast(*before)
+
+
 def recording_autocast(device_type: str):
     """[Note: mixed precision] Tracing under autocast records its casts (aten::to to bf16
     before a matmul, to fp32 before a softmax) as ops of the graph, so the traced program
@@ -1239,8 +1268,12 @@ def _trace_with_layout(model, state, state_tensors, flat: FlatArgs, home, batch:
             observe1 = _fresh_buffers(state, state_tensors) + list(flat.tensors)
             observe2 = (_fresh_buffers(state, state_tensors)
                         + _second_batch(flat, batch, dims, mirror=False)[0])
-            traced = _C.build_traced_model(g1, list(ex1), batch, g2, list(ex2), batch2,
-                                           observe1, observe2, names, roles, classes)
+            # the observation runs run the graph as the stages will: its recorded casts with
+            # autocast off (under autocast an op the model ran with autocast disabled would
+            # be cast again, and its value's dtype recorded wrong)
+            with autocast_off(home.type, autocast_dtype(home.type)):
+                traced = _C.build_traced_model(g1, list(ex1), batch, g2, list(ex2), batch2,
+                                               observe1, observe2, names, roles, classes)
         except TraceError as e:
             hints = [n for n in notes if "boolean" in n or "Python number" in n or "integer" in n]
             if hints:

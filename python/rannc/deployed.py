@@ -24,6 +24,7 @@ import torch
 from . import _C, failure, handshake
 from .amp import forward_loss_scale
 from .graph import TracedGraph
+from ._trace import autocast_off
 from .options import format_bytes
 from .pipeline import Engine
 from .transport import device_memory_default
@@ -1070,35 +1071,6 @@ def _scalars_differ(signatures, scalars) -> Exception:
         f"the ranks pass different values of the 0-dim tensor arguments (ranks {differ} differ "
         f"from rank 0; this rank passed {passed}): such an argument is not rows of the batch, "
         f"so the stages that read it must all see one value; pass the same on every rank{hint}")
-
-
-def autocast_off(device_type: str = "cpu", amp=None):
-    """No autocast on any device this process computes on (the traced casts do the work),
-    but for the autograd.Functions of a program traced in precision `amp` on `device_type`:
-    their ops were not traced, and run under that autocast ([Note: autocast in Python ops]
-    in csrc/bind/module.cpp)."""
-    stack = contextlib.ExitStack()
-    stack.enter_context(torch.autocast("cpu", enabled=False))
-    if torch.cuda.is_available():
-        stack.enter_context(torch.autocast("cuda", enabled=False))
-    stack.enter_context(_python_ops_autocast(device_type, amp))
-    return stack
-
-
-_python_ops_state = ("", "")
-
-
-@contextlib.contextmanager
-def _python_ops_autocast(device_type: str, amp):
-    global _python_ops_state
-    before = _python_ops_state
-    _python_ops_state = (device_type, "" if amp is None else str(amp).replace("torch.", ""))
-    _C.set_python_op_autocast(*_python_ops_state)
-    try:
-        yield
-    finally:
-        _python_ops_state = before
-        _C.set_python_op_autocast(*before)
 
 
 def _dtype(value):

@@ -68,17 +68,24 @@ def test_mixed_precision_training_equals_pytorch_under_autocast(ranks, model, st
         assert res.stdout.count("skipped step") == ranks, res.stdout[-3000:]
 
 
-@pytest.mark.parametrize("ranks,stages,micro,extra", [
-    (1, 1, 1, []),
-    (2, 2, 2, ["recompute=always"]),
-    (3, 2, 2, ["cost_model=analytic"]),
+@pytest.mark.parametrize("variant,ranks,stages,micro,extra", [
+    ("matmul", 1, 1, 1, []),
+    ("matmul", 2, 2, 2, ["recompute=always"]),
+    ("matmul", 3, 2, 2, ["cost_model=analytic"]),
+    ("cast_inputs", 2, 2, 2, ["cost_model=analytic"]),
+    ("island", 2, 2, 2, ["cost_model=analytic"]),
+    ("island", 3, 3, 2, ["recompute=always"]),
 ])
-def test_autograd_functions_run_under_the_calls_autocast(ranks, stages, micro, extra):
+def test_autograd_functions_and_fp32_islands_run_in_the_precision_of_plain_pytorch(
+        variant, ranks, stages, micro, extra):
     """A torch.amp.custom_fwd Function whose matmul mixes a bf16 activation with an fp32
     weight trains under bf16 autocast equal to PyTorch: its ops, which the trace does not
     see, run under the program's autocast, in forward and in a recompute ([Note: autocast
-    in Python ops] in csrc/bind/module.cpp; "expected m1 and m2 to have the same dtype")."""
-    res = mpirun("amp_function_check.py", ranks, stages, micro, *extra, timeout=300,
+    in Python ops] in csrc/bind/module.cpp; "expected m1 and m2 to have the same dtype").
+    A Function that casts its inputs to fp32 and a block under autocast(enabled=False)
+    return fp32 values, which cross stage boundaries as such (recorded as bf16, they
+    failed with MPI_ERR_TRUNCATE)."""
+    res = mpirun("amp_function_check.py", ranks, variant, stages, micro, *extra, timeout=300,
                  env={"RANNC_COMM_TIMEOUT": "60"})
     assert res.returncode == 0, res.stdout[-4000:]
     for r in range(ranks):

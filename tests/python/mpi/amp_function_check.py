@@ -1,10 +1,16 @@
-"""A model with an autograd.Function that depends on autocast (a fused layer written with
-torch.amp.custom_fwd / custom_bwd, a matmul of a bf16 activation and an fp32 weight
-inside), trained under torch.autocast("cpu", bfloat16) equal to one process under the same
-autocast ([Note: autocast in Python ops] in csrc/bind/module.cpp; it failed with "expected
-m1 and m2 to have the same dtype").
+"""Models whose precision autocast does not decide alone, trained under
+torch.autocast("cpu", bfloat16) equal to one process under the same autocast:
+  matmul: an autograd.Function written with torch.amp.custom_fwd / custom_bwd, a matmul of
+      a bf16 activation and an fp32 weight inside ([Note: autocast in Python ops] in
+      csrc/bind/module.cpp; it failed with "expected m1 and m2 to have the same dtype");
+  cast_inputs: the same Function with custom_fwd(cast_inputs=torch.float32): it computes
+      in fp32 and returns fp32;
+  island: a block under torch.autocast(enabled=False) in forward (an fp32 island, as
+      rotary embeddings are). The last two were recorded as bf16 values (the observation
+      runs ran the graph under autocast again), so a stage boundary after them was sized
+      for bf16: MPI_ERR_TRUNCATE.
 
-    amp_function_check.py STAGES MICRO [option=value ...]
+    amp_function_check.py VARIANT STAGES MICRO [option=value ...]
 """
 import copy
 import sys
@@ -16,9 +22,13 @@ import rannc
 torch.set_num_threads(1)
 
 
+VARIANT = sys.argv[1]
+
+
 class HalfScaled(torch.autograd.Function):
     @staticmethod
-    @torch.amp.custom_fwd(device_type="cpu")
+    @torch.amp.custom_fwd(device_type="cpu",
+                          cast_inputs=torch.float32 if VARIANT == "cast_inputs" else None)
     def forward(ctx, x, w):
         ctx.save_for_backward(x, w)
         return torch.matmul(x, w.t()) * 0.5  # autocast casts w to x's bf16
@@ -39,12 +49,18 @@ class Model(torch.nn.Module):
         self.b = torch.nn.Linear(16, 1)
 
     def forward(self, x, y):
-        h = HalfScaled.apply(torch.relu(self.a(x)), self.w)
+        h = torch.relu(self.a(x))
+        if VARIANT == "island":
+            with torch.autocast("cpu", enabled=False):
+                h = torch.relu(torch.matmul(h.float(), self.w.t()))
+        else:
+            h = HalfScaled.apply(h, self.w)
+        h = h * 2.0  # a stage may start here, receiving h in the dtype it was made in
         return torch.nn.functional.mse_loss(self.b(h).float(), y)
 
 
-stages, micro = int(sys.argv[1]), int(sys.argv[2])
-options = dict(o.split("=", 1) for o in sys.argv[3:])
+stages, micro = int(sys.argv[2]), int(sys.argv[3])
+options = dict(o.split("=", 1) for o in sys.argv[4:])
 rank, world = rannc.get_rank(), rannc.get_world_size()
 torch.manual_seed(0)
 model = Model()
