@@ -16,9 +16,14 @@ GradBuckets::GradBuckets(
   for (auto& [comm, ids] : groups) {
     if (!comm || ids.empty()) continue;
     std::sort(ids.rbegin(), ids.rend());
-    Bucket current{comm, {}};
-    int64_t size = 0;
+    // [Note: buckets of one dtype] A bucket is one flat tensor, so its gradients share a
+    // dtype: a stage with bf16 and fp32 parameters (a model cast in part by the user) had
+    // its bf16 gradients summed into an fp32 bucket and handed back in fp32 (AdamW then
+    // failed on the dtypes; SGD kept an fp32 momentum for a bf16 parameter).
+    std::map<at::ScalarType, std::pair<Bucket, int64_t>> open;  // per dtype: bucket, bytes
     for (ir::ValueId v : ids) {
+      auto [it, _] = open.try_emplace(own_.at(v).scalar_type(), Bucket{comm, {}}, 0);
+      auto& [current, size] = it->second;
       current.ids.push_back(v);
       size += bytes.at(v);
       if (size >= bucket_bytes) {
@@ -27,7 +32,9 @@ GradBuckets::GradBuckets(
         size = 0;
       }
     }
-    if (!current.ids.empty()) buckets_.push_back(std::move(current));
+    for (auto& [_, bucket] : open) {
+      if (!bucket.first.ids.empty()) buckets_.push_back(std::move(bucket.first));
+    }
   }
 }
 

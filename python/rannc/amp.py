@@ -21,7 +21,8 @@ every rank), so every rank joins the all-reduce. Other optimizers keep torch's c
 seeded by the loss, before the user's `scaler.scale(loss).backward()`. Scaling only the
 finished gradients afterwards would leave the fp16 activation gradients unscaled, and
 small ones flush to zero, which loss scaling exists to prevent. So the forward reads the
-scale of the newest enabled GradScaler made after `import rannc` and seeds the backward
+scale of the GradScaler that unscaled its optimizer last (at the first step, the newest
+enabled GradScaler made after `import rannc`) and seeds the backward
 with it; the backward call then multiplies by (its own seed) / (that scale), 1 when the
 scale did not change in between, and the gradients come out scaled as PyTorch's do.
 """
@@ -38,12 +39,18 @@ from . import handshake, registry
 _SCALERS: "weakref.WeakValueDictionary[int, torch.amp.GradScaler]" = weakref.WeakValueDictionary()
 
 
-def forward_loss_scale() -> float | torch.Tensor:
-    """The factor a training forward seeds its backward with ([Note: scaled seeds]): the
-    scale of the newest enabled GradScaler alive, else 1. Once the scaler has its scale
-    tensor, a copy of it on its device: get_scale() would read it on the host, waiting for
-    the GPU's queue to drain once per step."""
-    for scaler in reversed(list(_SCALERS.values())):
+def forward_loss_scale(module=None) -> float | torch.Tensor:
+    """The factor a training forward of `module` seeds its backward with ([Note: scaled
+    seeds]): the scale of the GradScaler that last unscaled an optimizer of the module's
+    parameters, where it is alive and enabled, else of the newest enabled GradScaler
+    alive, else 1. (A loop with a second scaler for another model, a GAN's or an auxiliary
+    one, seeded the module's backward with the other's scale: steps skipped that PyTorch
+    took.) Once the scaler has its scale tensor, a copy of it on its device: get_scale()
+    would read it on the host, waiting for the GPU's queue to drain once per step."""
+    own = getattr(module, "_loss_scaler", None)
+    own = own() if own is not None else None
+    candidates = ([own] if own is not None else []) + list(reversed(list(_SCALERS.values())))
+    for scaler in candidates:
         if scaler.is_enabled():
             scale = getattr(scaler, "_scale", None)
             return scale.detach().clone() if scale is not None else float(scaler.get_scale())
@@ -54,6 +61,9 @@ def _agreed_unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
     """torch's _unscale_grads_, whose found-inf verdict every rank shares when `optimizer`
     holds a RaNNCModule's parameters ([Note: agreed steps])."""
     per_device = _TORCH_UNSCALE(self, optimizer, inv_scale, found_inf, allow_fp16)
+    for module in registry.modules():  # the module's own scaler from now on
+        if any(o is optimizer for o in module.optimizers) or registry.holds(optimizer, module):
+            module._loss_scaler = weakref.ref(self)
     if not (handshake.active() and registry.steps_share(optimizer)):
         return per_device
     flags = torch.tensor([sum(float(v.item()) for v in per_device.values())],

@@ -635,7 +635,7 @@ class Deployed:
             return self._outputs(produced, batch_outputs, "fill_drain")
         train = training and self.engine.loss_vid is not None
         if train:
-            self.loss_scale = forward_loss_scale()  # [Note: scaled seeds] in amp.py
+            self.loss_scale = forward_loss_scale(self.owner)  # [Note: scaled seeds] in amp.py
             with _hooks_held(self.own_params):
                 produced, batch_outputs = self.engine.step(local, True, self.loss_scale)
         else:

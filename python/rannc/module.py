@@ -868,6 +868,7 @@ class RaNNCModule(torch.nn.Module):
             trainer_support.prepare_trainer()
 
     _prepared_by_accelerate = False
+    _loss_scaler = None  # the GradScaler that steps its optimizer ([Note: scaled seeds] in amp.py)
     _accelerate_precision = None
 
     # What transformers' Trainer reads of the model it is given (its RaNNCModule): the

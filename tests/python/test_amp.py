@@ -90,3 +90,17 @@ def test_autograd_functions_and_fp32_islands_run_in_the_precision_of_plain_pytor
     assert res.returncode == 0, res.stdout[-4000:]
     for r in range(ranks):
         assert f"OK rank {r}" in res.stdout, res.stdout[-4000:]
+
+
+@pytest.mark.parametrize("probe", ["mixed_dtypes", "two_scalers"])
+def test_loops_with_several_precisions_equal_pytorch(probe):
+    """mixed_dtypes: a model cast in part to bf16 by the user, on a replicated stage: each
+    gradient comes back in its parameter's dtype and AdamW steps as in PyTorch ([Note:
+    buckets of one dtype] in runtime/grad_buckets.cpp; the bf16 gradients came back fp32
+    and AdamW failed). two_scalers: a second GradScaler made for an auxiliary model: the
+    module's backward is seeded by the scaler of its optimizer, and the scale follows
+    PyTorch's ([Note: scaled seeds]; the newest scaler's overflowed every later step)."""
+    res = mpirun("loop_probes.py", 2, probe, timeout=300, env={"RANNC_COMM_TIMEOUT": "60"})
+    assert res.returncode == 0, res.stdout[-4000:]
+    for r in range(2):
+        assert f"OK rank {r}" in res.stdout, res.stdout[-4000:]

@@ -1,6 +1,10 @@
 """What real training loops do, under mpirun (2 ranks). Each probe asserts its exact
 behaviour and prints "OK rank r", or fails the way the test expects.
 
+    loop_probes.py mixed_dtypes        bf16 and fp32 parameters on a replicated stage: each
+                                       gradient in its parameter's dtype, AdamW equal to PyTorch
+    loop_probes.py two_scalers         a second GradScaler for another model: the module's
+                                       backward is seeded by its own scaler's scale
     loop_probes.py user_error STAGES   rank 1 raises in the user's loop after step 2: every
                                        rank ends in seconds, rank 0 naming rank 1's error
     loop_probes.py mismatched_rows     ranks pass different batch sizes: a clear error on
@@ -2184,6 +2188,87 @@ elif probe == "ema_state_dict":  # [Note: writes into a copy's state_dict] in co
                                    msg=lambda m: f"rank {rank}: EMA {key}: {m}")
     with torch.no_grad():
         torch.testing.assert_close(ema.module(x[mine]), ref_ema.module(x)[mine], rtol=1e-5, atol=1e-6)
+    print(f"OK rank {rank}", flush=True)
+elif probe == "mixed_dtypes":  # [Note: buckets of one dtype] in runtime/grad_buckets.cpp
+    class PartlyBf16(nn.Module):  # the user cast the body to bf16 and kept the head in fp32
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.head = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 3)
+
+        def forward(self, x, y):
+            h = torch.relu(self.b(torch.relu(self.a(x.to(torch.bfloat16)))))
+            return nn.functional.cross_entropy(self.head(h.float()), y)
+    torch.manual_seed(0)
+    model = PartlyBf16()
+    model.a.to(torch.bfloat16)
+    model.b.to(torch.bfloat16)
+    reference = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    wrapped = rannc.RaNNCModule(model, opt, num_stages=1, num_microbatches=2, replicas="2",
+                                cost_model="analytic")  # one stage, two replicas: all-reduced
+    for step in range(3):
+        gen = torch.Generator().manual_seed(step)
+        x, y = torch.randn(16, 8, generator=gen), torch.randint(0, 3, (16,), generator=gen)
+        mine = slice(8 * rank, 8 * (rank + 1))
+        wrapped(x[mine], y[mine]).backward()
+        reference(x, y).backward()
+        for name, p in model.named_parameters():
+            assert p.grad.dtype == p.dtype, f"rank {rank}: {name} {p.dtype} has a {p.grad.dtype} gradient"
+        opt.step()  # AdamW failed on a bf16 parameter with an fp32 gradient
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    same_stage_parameters(model, reference, rtol=2e-2, atol=2e-2)  # bf16 sums in another order
+    print(f"OK rank {rank}", flush=True)
+elif probe == "two_scalers":  # [Note: scaled seeds] in amp.py
+    # the module's GradScaler and a later one of an auxiliary plain model: the module's
+    # backward is seeded with its own scaler's scale, not the newest's (which overflowed
+    # its fp16 gradients: every step skipped)
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l1, self.ln = nn.Linear(32, 64), nn.LayerNorm(64)
+            self.l2, self.l3, self.l4 = nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 10)
+
+        def forward(self, x, y):
+            h = torch.relu(self.ln(self.l1(x)))
+            h = torch.tanh(self.l3(torch.relu(self.l2(h))))
+            return nn.functional.cross_entropy(self.l4(h), y)
+    first = 2.0 ** 19  # this model's fp16 gradients overflow at 2^19 once, not at 2^18
+    torch.manual_seed(0)
+    model = Net()
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05)
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=first)
+    scaler = torch.amp.GradScaler("cpu", init_scale=first)
+    wrapped = rannc.RaNNCModule(model, opt, num_stages=2, num_microbatches=2,
+                                cost_model="analytic")
+    aux = nn.Linear(8, 1)
+    aux_opt = torch.optim.SGD(aux.parameters(), lr=0.01)
+    aux_scaler = torch.amp.GradScaler("cpu", init_scale=first)  # fp32 model: never overflows
+    gen = torch.Generator().manual_seed(1)
+    for step in range(5):
+        x, y = torch.randn(16, 32, generator=gen), torch.randint(0, 10, (16,), generator=gen)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = wrapped(x.chunk(2)[rank], y.chunk(2)[rank])
+            ref_loss = reference(x, y)
+        scaler.scale(loss).backward()
+        ref_scaler.scale(ref_loss).backward()
+        scaler.step(opt)
+        ref_scaler.step(ref_opt)
+        scaler.update()
+        ref_scaler.update()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        aux_scaler.scale(nn.functional.mse_loss(aux(torch.randn(4, 8)), torch.zeros(4, 1))).backward()
+        aux_scaler.step(aux_opt)
+        aux_scaler.update()
+        aux_opt.zero_grad()
+        assert scaler.get_scale() == ref_scaler.get_scale(), \
+            f"rank {rank}: step {step}: scale {scaler.get_scale()}, PyTorch's {ref_scaler.get_scale()}"
+    same_stage_parameters(model, reference, rtol=1e-2, atol=1e-3)  # fp16
     print(f"OK rank {rank}", flush=True)
 else:
     raise SystemExit(f"unknown probe {probe}")
