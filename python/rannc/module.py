@@ -448,6 +448,13 @@ class RaNNCModule(torch.nn.Module):
         precision of the accelerate run that prepared the module ([Note: accelerate])."""
         forced = PRECISIONS[self.options.precision]
         if forced is not None:
+            caller = autocast_dtype(self.device.type)
+            if caller is not None and caller != getattr(torch, forced) and \
+                    not self._said_precision and _C.get_rank() == 0:
+                self._said_precision = True
+                _C.log_warn(f"the call runs under torch.autocast with {caller}, but the option "
+                            f"precision is {self.options.precision!r}: the stages compute in "
+                            f"{forced}, as the option says")
             return getattr(torch, forced)
         return autocast_dtype(self.device.type) or self._accelerate_precision
 
@@ -868,6 +875,7 @@ class RaNNCModule(torch.nn.Module):
             trainer_support.prepare_trainer()
 
     _prepared_by_accelerate = False
+    _said_precision = False
     _loss_scaler = None  # the GradScaler that steps its optimizer ([Note: scaled seeds] in amp.py)
     _accelerate_precision = None
 

@@ -1134,3 +1134,19 @@ def test_a_parameter_two_stages_read_trains_as_in_pytorch(mode):
     assert res.returncode == 0, res.stdout[-4000:]
     for r in range(2):
         assert f"OK rank {r}" in res.stdout, res.stdout[-4000:]
+
+
+def test_the_option_precision_under_another_autocast_is_said():
+    """precision="bf16" decides over the caller's torch.autocast(float16); rank 0 says so
+    once (it ran bf16 without a word)."""
+    res = _single_process("""
+import torch, rannc
+m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+w = rannc.RaNNCModule(m, torch.optim.SGD(m.parameters(), lr=0.1), precision="bf16")
+for _ in range(2):
+    with torch.autocast("cpu", dtype=torch.float16):
+        w(torch.randn(4, 4)).sum().backward()
+""")
+    assert res.returncode == 0, res.stderr[-3000:]
+    said = "the call runs under torch.autocast with torch.float16, but the option precision is 'bf16'"
+    assert res.stderr.count(said) == 1, res.stderr[-3000:]
