@@ -110,40 +110,54 @@ def home_device(model: torch.nn.Module, tensors=()) -> torch.device:
 # values: a model whose program changed with its weights would bake one program for every
 # step anyway. So a parameter that this rank does not hold (built on the meta device, or
 # freed here because another rank's stage keeps it) is traced as a stand-in: a contiguous
-# view of the first elements of one random buffer shared by every stand-in of its dtype
-# (matrices and tensors of more dimensions: N(0, 0.02), as GPT-style initialisations draw;
-# vectors, which are scales and biases: 1 + N(0, 0.02)). All of them together take the
-# memory of the largest one. They are dense, so ops and the profiler read them as they
+# view of one random buffer shared by every stand-in of its dtype and fan-in, each starting
+# elsewhere (matrices and tensors of more dimensions: N(0, 1/fan_in), LeCun's
+# initialisation, which keeps activations of order one through the layers; vectors, which
+# are scales and biases: 1 + N(0, 0.02)). Each buffer takes the memory of the largest of
+# its stand-ins (a transformer has two or three fan-ins). Values of order one matter: the
+# batch analysis tells rows apart by their values, and with every matrix N(0, 0.02) (as
+# before session 37) the rows of a layer's output were all near its bias, so a new length
+# or an eval call after training, traced with stand-ins, read nn.MultiheadAttention's
+# flattened rows as a batch dimension and was another program than the first trace's.
+# They are dense, so ops and the profiler read them as they
 # read real weights, without copies (a strided stand-in of the sum of its sizes made every
 # matmul copy its weight: tracing a 387 MiB GPT peaked at 1 GiB). Every rank draws the
 # same buffers (a fixed seed), so their traces agree. Buffers are never stood in for: they
 # hold data (position ids, masks, running statistics) that indexes and decides.
 _STAND_IN_SEED = 0x5EED
+_STAND_IN_SLACK = 1 << 16  # elements
 
 
 def stand_ins(specs, device: torch.device) -> list[torch.Tensor]:
     """Stand-ins ([Note: stand-in parameters]) for parameters of `specs`, a list of
     (shape, dtype, requires_grad), on `device`: leaves that require grad where asked
-    (floating dtypes only), views of shared buffers that take the largest one's memory."""
+    (floating dtypes only), views of shared buffers, one per dtype and fan-in."""
     def key(shape, dtype):
-        return dtype, len(shape) > 1
+        numel = torch.Size(shape).numel()
+        return dtype, (numel // shape[0] if len(shape) > 1 and shape[0] else 0)  # 0: vectors
 
     sizes = {}
     for shape, dtype, _ in specs:
         k = key(shape, dtype)
         sizes[k] = max(sizes.get(k, 0), torch.Size(shape).numel())
+    # room to start each stand-in elsewhere: two parameters of one shape were the same
+    # values, and values equal by chance read as one another in the batch analysis
+    sizes = {k: n + min(n, _STAND_IN_SLACK) for k, n in sizes.items()}
     generator = torch.Generator().manual_seed(_STAND_IN_SEED)
     buffers = {}
-    for (dtype, matrix), n in sorted(sizes.items(), key=lambda kv: (str(kv[0][0]), kv[0][1])):
+    for (dtype, fan_in), n in sorted(sizes.items(), key=lambda kv: (str(kv[0][0]), kv[0][1])):
         if dtype.is_floating_point or dtype.is_complex:
-            values = torch.empty(n, dtype=torch.float32).normal_(0.0, 0.02, generator=generator)
-            buffers[dtype, matrix] = (values if matrix else 1.0 + values).to(device=device, dtype=dtype)
+            std = fan_in ** -0.5 if fan_in else 0.02
+            values = torch.empty(n, dtype=torch.float32).normal_(0.0, std, generator=generator)
+            buffers[dtype, fan_in] = (values if fan_in else 1.0 + values).to(device=device, dtype=dtype)
         else:
-            buffers[dtype, matrix] = torch.zeros(n, dtype=dtype, device=device)
+            buffers[dtype, fan_in] = torch.zeros(n, dtype=dtype, device=device)
     out = []
-    for shape, dtype, requires_grad in specs:
+    for i, (shape, dtype, requires_grad) in enumerate(specs):
         numel = torch.Size(shape).numel()
-        t = buffers[key(shape, dtype)][:numel].view(shape).detach()
+        buffer = buffers[key(shape, dtype)]
+        start = (i * 2654435761) % (buffer.numel() - numel + 1)  # the same on every rank
+        t = buffer[start:start + numel].view(shape).detach()
         out.append(t.requires_grad_(requires_grad and dtype.is_floating_point))
     return out
 

@@ -1150,3 +1150,17 @@ for _ in range(2):
     assert res.returncode == 0, res.stderr[-3000:]
     said = "the call runs under torch.autocast with torch.float16, but the option precision is 'bf16'"
     assert res.stderr.count(said) == 1, res.stderr[-3000:]
+
+
+def test_traces_with_stand_in_parameters_read_the_model_as_the_first():
+    """A new length and an eval call after training trace with stand-ins for the
+    parameters ([Note: stand-in parameters] in _trace.py); with every matrix N(0, 0.02) the
+    rows of a layer were all near its bias, the batch analysis read nn.MultiheadAttention's
+    flattened rows otherwise than with the real weights, and the new length was "another
+    program than the one planned" (the eval call: "the ranks traced different graphs").
+    Now equal to PyTorch (a probe's finding)."""
+    res = mpirun("loop_probes.py", 2, "stand_in_traces", timeout=300,
+                 env={"RANNC_COMM_TIMEOUT": "60"})
+    assert res.returncode == 0, res.stdout[-4000:]
+    for r in range(2):
+        assert f"OK rank {r}" in res.stdout, res.stdout[-4000:]

@@ -1,6 +1,9 @@
 """What real training loops do, under mpirun (2 ranks). Each probe asserts its exact
 behaviour and prints "OK rank r", or fails the way the test expects.
 
+    loop_probes.py stand_in_traces     a new length and an eval call after training (traced
+                                       with stand-ins for the parameters) of a model with
+                                       nn.MultiheadAttention: equal to PyTorch
     loop_probes.py mixed_dtypes        bf16 and fp32 parameters on a replicated stage: each
                                        gradient in its parameter's dtype, AdamW equal to PyTorch
     loop_probes.py two_scalers         a second GradScaler for another model: the module's
@@ -2269,6 +2272,37 @@ elif probe == "two_scalers":  # [Note: scaled seeds] in amp.py
         assert scaler.get_scale() == ref_scaler.get_scale(), \
             f"rank {rank}: step {step}: scale {scaler.get_scale()}, PyTorch's {ref_scaler.get_scale()}"
     same_stage_parameters(model, reference, rtol=1e-2, atol=1e-3)  # fp16
+    print(f"OK rank {rank}", flush=True)
+elif probe == "stand_in_traces":  # [Note: stand-in parameters] in _trace.py
+    # traces after the first (a new length, an eval call after training) stand in for the
+    # parameters; they must read the model as the first trace did
+    class Factorised(nn.Module):  # ALBERT's factorised embedding before attention
+        def __init__(self):
+            super().__init__()
+            self.emb, self.proj = nn.Embedding(32, 8), nn.Linear(8, 16)
+            self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+            self.dec = nn.Linear(16, 32)
+
+        def forward(self, ids, labels):
+            h = self.proj(self.emb(ids))
+            a, _ = self.attn(h, h, h, need_weights=False)
+            return nn.functional.cross_entropy(self.dec(h + a).view(-1, 32), labels.view(-1))
+    torch.manual_seed(0)
+    model = Factorised()
+    reference, opt, ref_opt, wrapped = sgd_pair(model, num_stages=1, cost_model="analytic")
+    mine = slice(4 * rank, 4 * (rank + 1))
+    for step, length in enumerate((6, 5, 6)):
+        gen = torch.Generator().manual_seed(step)
+        ids, labels = torch.randint(0, 32, (8, length), generator=gen), torch.randint(0, 32, (8, length), generator=gen)
+        loss, ref_loss = wrapped(ids[mine], labels[mine]), reference(ids, labels)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"rank {rank}: step {step}, length {length}: {m}")
+        step_both(loss, ref_loss, opt, ref_opt)
+    wrapped.eval()
+    reference.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(wrapped(ids[mine], labels[mine]), reference(ids, labels),
+                                   rtol=1e-5, atol=1e-6)
     print(f"OK rank {rank}", flush=True)
 else:
     raise SystemExit(f"unknown probe {probe}")
