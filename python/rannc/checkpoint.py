@@ -567,6 +567,8 @@ def _open_pending(wrapped, path, strict: bool, what: str):
     matched, missing, unexpected = _agree(what, open_and_match,
                                           cleanup=lambda: [s.close() for s in opened])
     source = opened[0]
+    if wrapped.optimizer is None:
+        _adopt_optimizer_built_over(wrapped)
     groups = source.optimizer_groups() if wrapped.optimizer is not None else None
     pending = _Pending(source, matched, weights=True, optimizer=groups is not None, what=what,
                        groups=groups)
@@ -578,6 +580,33 @@ def _open_pending(wrapped, path, strict: bool, what: str):
     forget_pending(wrapped)
     _PENDING[wrapped] = pending
     return source, missing, unexpected
+
+
+def _adopt_optimizer_built_over(wrapped) -> None:
+    """[Note: checkpoints of optimizers made after wrapping] DDP's habit builds the optimizer
+    over the wrapper's parameters and resumes before the first step:
+
+        model = rannc.RaNNCModule(model); opt = AdamW(model.parameters())
+        model.load_checkpoint(path)
+
+    The optimizer becomes the module's at its first step ([Note: optimizers made after
+    wrapping] in optimizer_share.py), after the checkpoint was read: its state and
+    hyperparameters were dropped without a word (Adam's step count restarted, the loss off
+    at the first resumed step). So a load finds the live optimizer over the module's
+    parameters and makes it the module's now, as if passed; several found are named, since
+    their order in the checkpoint is the order they were adopted in."""
+    from .optimizer_share import built_over
+    found = built_over(wrapped)
+    if len(found) == 1:
+        if wrapped._deployed.get(True) is not None:
+            wrapped.adopt_optimizer(found[0])
+        else:
+            wrapped.optimizer_share.add(found[0])
+    elif found and _C.get_rank() == 0:
+        _C.log_warn(f"{len(found)} optimizers ({', '.join(type(o).__name__ for o in found)}) hold "
+                    "the module's parameters but none was passed to RaNNCModule: the checkpoint's "
+                    "optimizer state is not read into them; pass them to RaNNCModule (in the order "
+                    "they were when the checkpoint was saved) to resume their state")
 
 
 def _hyperparameters_now(wrapped, saved: dict) -> bool:
@@ -690,7 +719,9 @@ def _edited_since_load(pending: _Pending, entries) -> set:
     edited = set()
     for e in entries:
         loaded = pending.at_load.get(e.name)
-        if loaded is not None and (loaded[0] is not e.tensor or _fingerprint(e.tensor) != loaded[1]):
+        # a tensor this rank does not hold was freed by the plan, not edited (and is not read)
+        if e.here and loaded is not None and \
+                (loaded[0] is not e.tensor or _fingerprint(e.tensor) != loaded[1]):
             edited.add(e.name)
     if edited and _C.get_rank() == 0:
         _C.log_info(f"{failure.some_of(sorted(edited))} changed after {pending.what}: kept as the "

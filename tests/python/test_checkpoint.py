@@ -214,3 +214,15 @@ def test_saving_and_loading_hold_no_more_than_one_tensor_above_the_ranks_own_sta
                  timeout=300, env=ENV)
     ok(res, 4)
     print(res.stdout)
+
+
+def test_a_checkpoint_resumes_an_optimizer_built_after_wrapping():
+    """DDP's order (wrap, build AdamW over the wrapper's parameters, load_checkpoint before
+    the first step): the optimizer's state and hyperparameters are read, and the resumed
+    steps equal PyTorch's uninterrupted run ([Note: checkpoints of optimizers made after
+    wrapping] in checkpoint.py; Adam's step count restarted at 1, a probe's finding)."""
+    res = mpirun("loop_probes.py", 2, "resume_late_optimizer", timeout=300,
+                 env={"RANNC_COMM_TIMEOUT": "60"})
+    assert res.returncode == 0, res.stdout[-4000:]
+    for r in range(2):
+        assert f"OK rank {r}" in res.stdout, res.stdout[-4000:]

@@ -1,6 +1,9 @@
 """What real training loops do, under mpirun (2 ranks). Each probe asserts its exact
 behaviour and prints "OK rank r", or fails the way the test expects.
 
+    loop_probes.py resume_late_optimizer  an optimizer built after wrapping, a checkpoint loaded
+                                       before the first step: its state and hyperparameters
+                                       are read, the resume equals PyTorch's six steps
     loop_probes.py stand_in_traces     a new length and an eval call after training (traced
                                        with stand-ins for the parameters) of a model with
                                        nn.MultiheadAttention: equal to PyTorch
@@ -2303,6 +2306,40 @@ elif probe == "stand_in_traces":  # [Note: stand-in parameters] in _trace.py
     with torch.no_grad():
         torch.testing.assert_close(wrapped(ids[mine], labels[mine]), reference(ids, labels),
                                    rtol=1e-5, atol=1e-6)
+    print(f"OK rank {rank}", flush=True)
+elif probe == "resume_late_optimizer":  # [Note: checkpoints of optimizers made after wrapping]
+    import tempfile
+    directory = os.path.join(tempfile.gettempdir(), f"rannc_resume_late_{os.getppid()}")
+
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                             nn.Linear(16, 1))
+
+    def train(model, opt, steps, shard):
+        for step in steps:
+            gen = torch.Generator().manual_seed(step)
+            x, y = torch.randn(16, 4, generator=gen), torch.randn(16, 1, generator=gen)
+            if shard:
+                x, y = x[8 * rank:8 * (rank + 1)], y[8 * rank:8 * (rank + 1)]
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    # DDP's order: wrap, then build the optimizer over the wrapper's parameters
+    first = rannc.RaNNCModule(make(), num_stages=2, cost_model="analytic")
+    first_opt = torch.optim.AdamW(first.parameters(), lr=1e-2)
+    train(first, first_opt, range(3), True)
+    first.save_checkpoint(directory)
+    resumed = rannc.RaNNCModule(make(), num_stages=2, cost_model="analytic")
+    opt = torch.optim.AdamW(resumed.parameters(), lr=5e-2)  # the checkpoint's lr wins
+    resumed.load_checkpoint(directory)
+    train(resumed, opt, range(3, 6), True)
+    reference = make()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    train(reference, ref_opt, range(6), False)
+    same_stage_parameters(resumed.module, reference, rtol=1e-5)
+    steps = [float(s["step"]) for s in opt.state_dict()["state"].values()]
+    assert steps and all(s == 6 for s in steps), f"rank {rank}: Adam's steps {steps}"
     print(f"OK rank {rank}", flush=True)
 else:
     raise SystemExit(f"unknown probe {probe}")
