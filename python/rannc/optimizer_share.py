@@ -78,6 +78,7 @@ class OptimizerShare:
         self.optimizers = []
         self._original = None  # per optimizer, per group: (params, param_names or None)
         self._loading_share = False
+        self._check_state = False
         for optimizer in optimizers:
             self.add(optimizer)
 
@@ -179,6 +180,7 @@ class OptimizerShare:
         or a group is added: the groups are cut anew from the user's."""
         if self._original is None:
             self._original = [_groups_of(o) for o in self.optimizers]
+        self._check_state = True  # at the next step, once the kept parameters have storage
         for optimizer, original in zip(self.optimizers, self._original):
             for group, (params, names) in zip(optimizer.param_groups, original):
                 keep = [id(p) not in elsewhere for p in params]
@@ -202,6 +204,31 @@ class GroupShare(list):
     def __init__(self, share, whole):
         super().__init__(share)
         self.whole = list(whole)
+
+
+def _state_made_on_empty(optimizer) -> None:
+    """[Note: state made on freed parameters] Adagrad makes its state in __init__, of each
+    parameter's shape. Built after an eval call (Trainer's `evaluate(); train()` with
+    optim="adagrad"), it saw this rank's freed parameters, empty, and its step failed once
+    training gave them storage ("The size of tensor a (0) must match ..."). Such state is
+    made again as a fresh optimizer of the same type and group settings makes it (none
+    where it makes none)."""
+    for group in optimizer.param_groups:
+        stale = [p for p in group["params"] if p.numel() and any(
+            isinstance(v, torch.Tensor) and v.dim() and v.shape != p.shape
+            for v in optimizer.state.get(p, {}).values())]
+        if not stale:
+            continue
+        settings = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+        try:
+            fresh = type(optimizer)(stale, **settings).state
+        except Exception:
+            fresh = {}
+        for p in stale:
+            if p in fresh:
+                optimizer.state[p] = fresh[p]
+            else:
+                optimizer.state.pop(p, None)
 
 
 def _groups_of(optimizer) -> list[tuple[list[torch.Tensor], list[str] | None]]:
@@ -244,6 +271,10 @@ def _before_step(optimizer, args, kwargs):
                 share.cut(module.placement.optimized_elsewhere())
         elif module._deployed.get(True) is not None and registry.holds(optimizer, module):
             module.adopt_optimizer(optimizer)
+        if share._check_state:  # [Note: state made on freed parameters]
+            share._check_state = False
+            for o in share.optimizers:
+                _state_made_on_empty(o)
     return None
 
 

@@ -1164,3 +1164,15 @@ def test_traces_with_stand_in_parameters_read_the_model_as_the_first():
     assert res.returncode == 0, res.stdout[-4000:]
     for r in range(2):
         assert f"OK rank {r}" in res.stdout, res.stdout[-4000:]
+
+
+def test_an_optimizer_that_makes_its_state_at_once_trains_after_an_eval_call():
+    """Adagrad makes its state in __init__; built after an eval call (Trainer's evaluate()
+    before train()), it made it for this rank's freed, empty parameters and its step failed
+    once training gave them storage ([Note: state made on freed parameters] in
+    optimizer_share.py; a probe's finding). Equal to PyTorch now."""
+    res = mpirun("loop_probes.py", 2, "adagrad_after_eval", timeout=300,
+                 env={"RANNC_COMM_TIMEOUT": "60"})
+    assert res.returncode == 0, res.stdout[-4000:]
+    for r in range(2):
+        assert f"OK rank {r}" in res.stdout, res.stdout[-4000:]

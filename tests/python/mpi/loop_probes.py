@@ -1,6 +1,8 @@
 """What real training loops do, under mpirun (2 ranks). Each probe asserts its exact
 behaviour and prints "OK rank r", or fails the way the test expects.
 
+    loop_probes.py adagrad_after_eval  Adagrad (state made in __init__) built after an eval call
+                                       freed parameters: trains equal to PyTorch
     loop_probes.py resume_late_optimizer  an optimizer built after wrapping, a checkpoint loaded
                                        before the first step: its state and hyperparameters
                                        are read, the resume equals PyTorch's six steps
@@ -2340,6 +2342,28 @@ elif probe == "resume_late_optimizer":  # [Note: checkpoints of optimizers made 
     same_stage_parameters(resumed.module, reference, rtol=1e-5)
     steps = [float(s["step"]) for s in opt.state_dict()["state"].values()]
     assert steps and all(s == 6 for s in steps), f"rank {rank}: Adam's steps {steps}"
+    print(f"OK rank {rank}", flush=True)
+elif probe == "adagrad_after_eval":  # [Note: state made on freed parameters] in optimizer_share.py
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
+    reference = copy.deepcopy(model)
+    wrapped = rannc.RaNNCModule(model, num_stages=2, cost_model="analytic")
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+    mine = slice(8 * rank, 8 * (rank + 1))
+    wrapped.eval()  # Trainer's evaluate() before train(): parameters freed where eval keeps none
+    with torch.no_grad():
+        wrapped(x[mine])
+    wrapped.train()
+    opt = torch.optim.Adagrad(wrapped.parameters(), lr=1e-2)  # its state is made here
+    ref_opt = torch.optim.Adagrad(reference.parameters(), lr=1e-2)
+    for step in range(3):
+        step_both(nn.functional.mse_loss(wrapped(x[mine]), y[mine]),
+                  nn.functional.mse_loss(reference(x), y), opt, ref_opt)
+    # a rank keeps the eval stage's copies too, stale until the next eval call: compare the
+    # gathered state
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(wrapped.state_dict()[name], value, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"rank {rank}: {name}: {m}")
     print(f"OK rank {rank}", flush=True)
 else:
     raise SystemExit(f"unknown probe {probe}")
