@@ -104,6 +104,29 @@ def _accelerate_mixed_precision():
         sys.modules["accelerate.state"].AcceleratorState().mixed_precision)
 
 
+def _traced_together(trace):
+    """[Note: trace errors agreed] `trace()`'s graph, after the ranks agree that each traced:
+    a TraceError (the model cannot be traced as written) is raised on every rank together,
+    so a script that catches it and goes on (tries another model, a fallback) can. Before,
+    each failing rank told the others it had failed, which ends the job: a new, valid
+    RaNNCModule after the caught error failed with "rank 0 stops because rank 1 failed"."""
+    failed = None
+    try:
+        graph = trace()
+    except _C.TraceError as e:
+        failed = e
+    if handshake.active():
+        flags = handshake.exchange("tracing the model", torch.tensor([float(failed is not None)]))
+        failing = [r for r, f in enumerate(flags[:, 0].tolist()) if f]
+        if failing and failed is None:
+            raise failure.agreed(f"tracing the model failed on rank{'s' if len(failing) > 1 else ''} "
+                                 f"{', '.join(map(str, failing))} (their error says why)")
+    if failed is not None:
+        failed.on_every_rank = True
+        raise failed
+    return graph
+
+
 def _precision_name(amp) -> str:
     return "fp32 (no autocast)" if amp is None else f"autocast {str(amp).replace('torch.', '')}"
 
@@ -484,8 +507,8 @@ class RaNNCModule(torch.nn.Module):
             with torch.random.fork_rng(devices=devices):
                 with (torch.autocast(home, dtype=amp) if amp is not None
                       else torch.autocast(home, enabled=False)):
-                    graph = TracedGraph(self.module, args, kwargs, state_tensors=state,
-                                        home=self._home)
+                    graph = _traced_together(lambda: TracedGraph(
+                        self.module, args, kwargs, state_tensors=state, home=self._home))
                 del state
                 deployed = Deployed(self, graph, args, kwargs, amp, time.perf_counter() - start,
                                      plan_from=plan_from)

@@ -214,8 +214,10 @@ def _state_made_on_empty(optimizer) -> None:
     made again as a fresh optimizer of the same type and group settings makes it (none
     where it makes none)."""
     for group in optimizer.param_groups:
+        # empty state beside a parameter with storage (LBFGS keeps flat vectors of another
+        # shape in its first parameter's state: they are its own)
         stale = [p for p in group["params"] if p.numel() and any(
-            isinstance(v, torch.Tensor) and v.dim() and v.shape != p.shape
+            isinstance(v, torch.Tensor) and v.dim() and v.numel() == 0
             for v in optimizer.state.get(p, {}).values())]
         if not stale:
             continue

@@ -1176,3 +1176,15 @@ def test_an_optimizer_that_makes_its_state_at_once_trains_after_an_eval_call():
     assert res.returncode == 0, res.stdout[-4000:]
     for r in range(2):
         assert f"OK rank {r}" in res.stdout, res.stdout[-4000:]
+
+
+def test_a_caught_trace_error_leaves_the_job_able_to_go_on():
+    """A TraceError that every rank raises at a module's first call is agreed, not a rank's
+    failure: a script that catches it and goes on with another model trains ([Note: trace
+    errors agreed] in module.py; the new module failed with "rank 0 stops because rank 1
+    failed", a probe's finding)."""
+    res = mpirun("loop_probes.py", 2, "caught_trace_error", timeout=300,
+                 env={"RANNC_COMM_TIMEOUT": "60"})
+    assert res.returncode == 0, res.stdout[-4000:]
+    for r in range(2):
+        assert f"OK rank {r}" in res.stdout, res.stdout[-4000:]

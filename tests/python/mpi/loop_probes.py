@@ -1,6 +1,8 @@
 """What real training loops do, under mpirun (2 ranks). Each probe asserts its exact
 behaviour and prints "OK rank r", or fails the way the test expects.
 
+    loop_probes.py caught_trace_error  a TraceError every rank raises is caught; a new module
+                                       then trains equal to PyTorch
     loop_probes.py adagrad_after_eval  Adagrad (state made in __init__) built after an eval call
                                        freed parameters: trains equal to PyTorch
     loop_probes.py resume_late_optimizer  an optimizer built after wrapping, a checkpoint loaded
@@ -2364,6 +2366,26 @@ elif probe == "adagrad_after_eval":  # [Note: state made on freed parameters] in
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(wrapped.state_dict()[name], value, rtol=1e-5, atol=1e-6,
                                    msg=lambda m: f"rank {rank}: {name}: {m}")
+    print(f"OK rank {rank}", flush=True)
+elif probe == "caught_trace_error":  # [Note: trace errors agreed] in module.py
+    class Untraceable(nn.Module):  # rows picked by an argument that is no batch
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+
+        def forward(self, x, rows):
+            return self.a(x)[rows].sum()
+    bad = rannc.RaNNCModule(Untraceable())
+    expect_error(lambda: bad(torch.randn(4, 4), torch.tensor([3, 2, 1, 0, 3])))
+    # the script goes on with another model, which trains as PyTorch
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    reference, opt, ref_opt, wrapped = sgd_pair(model, num_stages=2, cost_model="analytic")
+    x = torch.randn(8, 4)
+    for step in range(2):
+        step_both(wrapped(x[4 * rank:4 * (rank + 1)]).pow(2).mean(), reference(x).pow(2).mean(),
+                  opt, ref_opt)
+    same_stage_parameters(model, reference, rtol=1e-5)
     print(f"OK rank {rank}", flush=True)
 else:
     raise SystemExit(f"unknown probe {probe}")
