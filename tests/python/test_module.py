@@ -1152,39 +1152,24 @@ for _ in range(2):
     assert res.stderr.count(said) == 1, res.stderr[-3000:]
 
 
-def test_traces_with_stand_in_parameters_read_the_model_as_the_first():
-    """A new length and an eval call after training trace with stand-ins for the
-    parameters ([Note: stand-in parameters] in _trace.py); with every matrix N(0, 0.02) the
-    rows of a layer were all near its bias, the batch analysis read nn.MultiheadAttention's
-    flattened rows otherwise than with the real weights, and the new length was "another
-    program than the one planned" (the eval call: "the ranks traced different graphs").
-    Now equal to PyTorch (a probe's finding)."""
-    res = mpirun("loop_probes.py", 2, "stand_in_traces", timeout=300,
-                 env={"RANNC_COMM_TIMEOUT": "60"})
-    assert res.returncode == 0, res.stdout[-4000:]
-    for r in range(2):
-        assert f"OK rank {r}" in res.stdout, res.stdout[-4000:]
-
-
-def test_an_optimizer_that_makes_its_state_at_once_trains_after_an_eval_call():
-    """Adagrad makes its state in __init__; built after an eval call (Trainer's evaluate()
-    before train()), it made it for this rank's freed, empty parameters and its step failed
-    once training gave them storage ([Note: state made on freed parameters] in
-    optimizer_share.py; a probe's finding). Equal to PyTorch now."""
-    res = mpirun("loop_probes.py", 2, "adagrad_after_eval", timeout=300,
-                 env={"RANNC_COMM_TIMEOUT": "60"})
-    assert res.returncode == 0, res.stdout[-4000:]
-    for r in range(2):
-        assert f"OK rank {r}" in res.stdout, res.stdout[-4000:]
-
-
-def test_a_caught_trace_error_leaves_the_job_able_to_go_on():
-    """A TraceError that every rank raises at a module's first call is agreed, not a rank's
-    failure: a script that catches it and goes on with another model trains ([Note: trace
-    errors agreed] in module.py; the new module failed with "rank 0 stops because rank 1
-    failed", a probe's finding)."""
-    res = mpirun("loop_probes.py", 2, "caught_trace_error", timeout=300,
-                 env={"RANNC_COMM_TIMEOUT": "60"})
+@pytest.mark.parametrize("probe", ["stand_in_traces", "adagrad_after_eval", "caught_trace_error"])
+def test_loops_found_failing_by_probes_equal_pytorch(probe):
+    """Session 37's new-user probes.
+    stand_in_traces: a new length and an eval call after training trace with stand-ins for
+    the parameters ([Note: stand-in parameters] in _trace.py); with every matrix N(0, 0.02)
+    the rows of a layer were all near its bias, the batch analysis read
+    nn.MultiheadAttention's flattened rows otherwise than with the real weights, and the
+    new length was "another program than the one planned" (the eval call: "the ranks
+    traced different graphs").
+    adagrad_after_eval: Adagrad makes its state in __init__; built after an eval call
+    (Trainer's evaluate() before train()), it made it for this rank's freed, empty
+    parameters and its step failed once training gave them storage ([Note: state made on
+    freed parameters] in optimizer_share.py).
+    caught_trace_error: a TraceError every rank raises at a module's first call is agreed,
+    not a rank's failure: a script that catches it and goes on with another model trains
+    ([Note: trace errors agreed] in module.py; the new module failed with "rank 0 stops
+    because rank 1 failed")."""
+    res = mpirun("loop_probes.py", 2, probe, timeout=300, env={"RANNC_COMM_TIMEOUT": "60"})
     assert res.returncode == 0, res.stdout[-4000:]
     for r in range(2):
         assert f"OK rank {r}" in res.stdout, res.stdout[-4000:]
