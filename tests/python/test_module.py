@@ -832,7 +832,9 @@ def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
     differ ([Note: integers of sizes]).
     graphs_part: ranks whose graphs differ are told where: the op and each rank's sizes.
     sparse_embedding: nn.Embedding(sparse=True) with SparseAdam on a replicated stage trains
-    as PyTorch ([Note: sparse gradients]; "reshape is not implemented for sparse tensors").
+    as PyTorch ([Note: sparse gradients]; "reshape is not implemented for sparse tensors"),
+    and on two stages planned from profiles (timing SparseAdam's step on dense scratch
+    gradients failed the plan, a probe's finding of session 37).
     ema_state_dict: timm's ModelEmaV2 updating a copy through its state_dict() values
     averages as PyTorch's ([Note: writes into a copy's state_dict]; it never moved).
     edits_after_load: a new head and lr set after load_checkpoint, before the first call,
