@@ -244,6 +244,7 @@ class RaNNCModule(torch.nn.Module):
         self._grad_sync = True  # False inside no_sync()
         self._held_unsynced = False  # .grad holds shares that calls under no_sync() left
         registry.register(self)  # [Note: torch's clip_grad_norm_], [Note: agreed steps]
+        self._say_shared_optimizers()
         self.gather_serial = handshake.register_source(self)  # [Note: gathers asked by some ranks]
         # where the script imported transformers' Trainer: taught before a Trainer is made,
         # which inspects its model at once ([Note: PEFT models in Trainer] in trainer_support.py)
@@ -828,6 +829,24 @@ class RaNNCModule(torch.nn.Module):
         self._planned_optimizer_kind = kind
         return kind
 
+    def _say_shared_optimizers(self) -> None:
+        """Rank 0 warns where one optimizer steps the parameters of two RaNNCModules: each
+        module cuts its groups to its own share, so training is right, but the optimizer's
+        state_dict() and checkpoints hold only part of its state (docs/checkpoints.md)."""
+        if _C.get_rank() != 0:
+            return
+        for other in registry.modules():
+            shared = [o for o in other.optimizers if other is not self and
+                      any(o is mine for mine in self.optimizers)
+                      and not getattr(o, "_rannc_said_shared", False)]
+            if shared:
+                shared[0]._rannc_said_shared = True
+                _C.log_warn(f"{type(shared[0]).__name__} steps the parameters of two "
+                            "RaNNCModules: it trains right, but its state_dict() and the "
+                            "modules' checkpoints hold only part of its state; wrap the model "
+                            "as one module, or give each module an optimizer of its own")
+                return
+
     def adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Makes `optimizer`, built after wrapping over the model's parameters, this module's,
         as if passed to it ([Note: optimizers made after wrapping] in optimizer_share.py)."""
@@ -842,6 +861,7 @@ class RaNNCModule(torch.nn.Module):
                 "in deployed.py)")
         self.optimizer_share.add(optimizer)
         self.optimizer_share.cut(self.placement.optimized_elsewhere())
+        self._say_shared_optimizers()
         planned = self.options.optimizer_kind or self._planned_optimizer_kind
         kind = _optimizer_kind(optimizer)
         if _C.get_rank() == 0 and planned is not None and \

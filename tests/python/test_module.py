@@ -1175,3 +1175,18 @@ def test_loops_found_failing_by_probes_equal_pytorch(probe):
     assert res.returncode == 0, res.stdout[-4000:]
     for r in range(2):
         assert f"OK rank {r}" in res.stdout, res.stdout[-4000:]
+
+
+def test_one_optimizer_over_two_modules_is_named():
+    """One optimizer over two RaNNCModules trains right, but its state_dict() holds part of
+    its state (docs/checkpoints.md): rank 0 says so, once."""
+    res = _single_process("""
+import torch, rannc
+enc, dec = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+opt = torch.optim.AdamW(list(enc.parameters()) + list(dec.parameters()))
+a, b = rannc.RaNNCModule(enc, opt), rannc.RaNNCModule(dec, opt)
+b(a(torch.randn(4, 4))).sum().backward()
+opt.step()
+""")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stderr.count("AdamW steps the parameters of two RaNNCModules") == 1, res.stderr[-3000:]
