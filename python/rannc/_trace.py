@@ -815,6 +815,29 @@ def traceable_parts(model: torch.nn.Module):
                 setattr(m, name, value)
 
 
+@contextlib.contextmanager
+def _state_put_back(model: torch.nn.Module):
+    """[Note: modules under several names] Every module's parameters and buffers as they
+    were, after torch's _reparametrize_module. A module reachable under two names (one
+    embedding as `shared` and `encoder.embed_tokens`, transformers 4's T5) is swapped once
+    per name, and torch puts back under the second name what the first swap put there: the
+    trace's tensor stayed in the model. With stand-ins (a new length, an eval call after
+    training) the model then trained on the stand-in weights without a word (a loss 1.5%
+    off), or a weight tied to it failed the next trace ("Cannot insert a Tensor that
+    requires grad as a constant")."""
+    saved = [(m, dict(m._parameters), dict(m._buffers)) for m in model.modules()]
+    try:
+        yield
+    finally:
+        for m, parameters, buffers in saved:
+            for name, value in parameters.items():
+                if m._parameters.get(name) is not value:
+                    m._parameters[name] = value
+            for name, value in buffers.items():
+                if m._buffers.get(name) is not value:
+                    m._buffers[name] = value
+
+
 def _broadcast_for_bhqkv(mask_function, bh_indices: bool = True):
     """transformers 4's _vmap_for_bhqkv without vmap ([Note: transformers 4 masks]): the
     mask of every (batch, head, query, key) index, or every (query, key) one."""
@@ -876,8 +899,9 @@ def _trace_body(model, state: ModelState, state_tensors: list, flat: FlatArgs, t
 
     def fn(*inputs):
         watch_data.watch(state.names, inputs[:n_state])
-        with _reparametrize_module(model, dict(zip(state.names, inputs[:n_state])),
-                                   tie_weights=True):
+        with _state_put_back(model), \
+                _reparametrize_module(model, dict(zip(state.names, inputs[:n_state])),
+                                      tie_weights=True):
             args, kwargs = flat.rebuild(inputs[n_state:])
             out = model(*args, **kwargs)
         _register_dataclasses(out)

@@ -3,6 +3,8 @@ behaviour and prints "OK rank r", or fails the way the test expects.
 
     loop_probes.py caught_trace_error  a TraceError every rank raises is caught; a new module
                                        then trains equal to PyTorch
+    loop_probes.py aliased_module      one embedding under two names (and tied to the head),
+                                       trained at a new length: equal to PyTorch
     loop_probes.py adagrad_after_eval  Adagrad (state made in __init__) built after an eval call
                                        freed parameters: trains equal to PyTorch
     loop_probes.py resume_late_optimizer  an optimizer built after wrapping, a checkpoint loaded
@@ -2350,6 +2352,35 @@ elif probe == "resume_late_optimizer":  # [Note: checkpoints of optimizers made 
     same_stage_parameters(resumed.module, reference, rtol=1e-5)
     steps = [float(s["step"]) for s in opt.state_dict()["state"].values()]
     assert steps and all(s == 6 for s in steps), f"rank {rank}: Adam's steps {steps}"
+    print(f"OK rank {rank}", flush=True)
+elif probe == "aliased_module":  # [Note: modules under several names] in _trace.py
+    class Aliased(nn.Module):  # transformers 4's T5: one embedding under two names
+        def __init__(self, tied):
+            super().__init__()
+            self.shared = nn.Embedding(32, 16)
+            self.embed_tokens = self.shared
+            self.body = nn.Linear(16, 16)
+            self.head = nn.Linear(16, 32, bias=False)
+            if tied:
+                self.head.weight = self.shared.weight
+
+        def forward(self, ids, labels):
+            h = torch.tanh(self.body(self.embed_tokens(ids))) * 0.5
+            return nn.functional.cross_entropy(self.head(h).view(-1, 32), labels.view(-1))
+    for tied in (False, True):
+        torch.manual_seed(0)
+        model = Aliased(tied)
+        reference, opt, ref_opt, wrapped = sgd_pair(model, num_stages=2, cost_model="analytic")
+        for step, length in enumerate((6, 5, 6)):  # a new length: traced with stand-ins
+            gen = torch.Generator().manual_seed(step)
+            ids = torch.randint(0, 32, (8, length), generator=gen)
+            labels = torch.randint(0, 32, (8, length), generator=gen)
+            mine = slice(4 * rank, 4 * (rank + 1))
+            loss, ref_loss = wrapped(ids[mine], labels[mine]), reference(ids, labels)
+            torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"rank {rank}: tied {tied}, step {step}: {m}")
+            step_both(loss, ref_loss, opt, ref_opt)
+        assert isinstance(model.shared.weight, nn.Parameter)
     print(f"OK rank {rank}", flush=True)
 elif probe == "adagrad_after_eval":  # [Note: state made on freed parameters] in optimizer_share.py
     torch.manual_seed(0)
