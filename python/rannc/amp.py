@@ -61,10 +61,10 @@ def _agreed_unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
     """torch's _unscale_grads_, whose found-inf verdict every rank shares when `optimizer`
     holds a RaNNCModule's parameters ([Note: agreed steps])."""
     per_device = _TORCH_UNSCALE(self, optimizer, inv_scale, found_inf, allow_fp16)
-    for module in registry.modules():  # the module's own scaler from now on
-        if any(o is optimizer for o in module.optimizers) or registry.holds(optimizer, module):
-            module._loss_scaler = weakref.ref(self)
-    if not (handshake.active() and registry.steps_share(optimizer)):
+    owners = registry.owners(optimizer)
+    for module in owners:  # the module's own scaler from now on ([Note: scaled seeds])
+        module._loss_scaler = weakref.ref(self)
+    if not (handshake.active() and owners):
         return per_device
     flags = torch.tensor([sum(float(v.item()) for v in per_device.values())],
                          dtype=torch.float64)

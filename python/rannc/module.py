@@ -835,17 +835,14 @@ class RaNNCModule(torch.nn.Module):
         state_dict() and checkpoints hold only part of its state (docs/checkpoints.md)."""
         if _C.get_rank() != 0:
             return
-        for other in registry.modules():
-            shared = [o for o in other.optimizers if other is not self and
-                      any(o is mine for mine in self.optimizers)
-                      and not getattr(o, "_rannc_said_shared", False)]
-            if shared:
-                shared[0]._rannc_said_shared = True
-                _C.log_warn(f"{type(shared[0]).__name__} steps the parameters of two "
+        for optimizer in self.optimizers:
+            if len(registry.owners(optimizer)) > 1 and \
+                    not getattr(optimizer, "_rannc_said_shared", False):
+                optimizer._rannc_said_shared = True
+                _C.log_warn(f"{type(optimizer).__name__} steps the parameters of two "
                             "RaNNCModules: it trains right, but its state_dict() and the "
                             "modules' checkpoints hold only part of its state; wrap the model "
                             "as one module, or give each module an optimizer of its own")
-                return
 
     def adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Makes `optimizer`, built after wrapping over the model's parameters, this module's,

@@ -24,9 +24,9 @@ def holds(optimizer, module) -> bool:
     return any(id(p) in held for p in module.module.parameters())
 
 
-def steps_share(optimizer) -> bool:
-    """Whether `optimizer` steps parameters of a RaNNCModule: the one passed to it (which
-    holds this rank's share) or one over the model's parameters (whose freed ones have no
-    gradient here). The same answer on every rank."""
-    return any(any(o is optimizer for o in m.optimizers) or holds(optimizer, m)
-               for m in modules())
+def owners(optimizer) -> list:
+    """The RaNNCModules whose parameters `optimizer` steps: as one passed to them (which
+    holds this rank's share) or as one over the model's parameters (whose freed ones have
+    no gradient here). The same on every rank."""
+    return [m for m in modules() if any(o is optimizer for o in m.optimizers) or holds(optimizer, m)]
+
