@@ -413,6 +413,20 @@ _RANDOM_OPS = frozenset({
     "bernoulli", "normal", "multinomial", "poisson", "uniform_", "normal_", "bernoulli_",
     "random_", "exponential_", "geometric_", "cauchy_", "log_normal_"})
 _TO_PYTHON = frozenset({"__bool__", "item", "__int__", "__float__", "__index__", "tolist"})
+# A draw in [0, 1) compared with a number outside it decides the same at every draw:
+# transformers 4's LayerDrop with layerdrop=0.0 (`skip = self.training and torch.rand([]) <
+# 0.0; if not skip: ...`, wav2vec2, HuBERT) is no random decision, and its value is not
+# a drawn one. Each comparison: its outcome for every draw, given the number, or None.
+_UNIT_DRAWS = frozenset({"rand", "rand_like"})
+_UNIT_COMPARISONS = {
+    "lt": lambda c: True if c >= 1 else False if c <= 0 else None,
+    "le": lambda c: True if c >= 1 else False if c < 0 else None,
+    "gt": lambda c: True if c < 0 else False if c >= 1 else None,
+    "ge": lambda c: True if c <= 0 else False if c >= 1 else None,
+}
+for _short, _long in (("lt", "less"), ("le", "less_equal"), ("gt", "greater"),
+                      ("ge", "greater_equal")):
+    _UNIT_COMPARISONS[f"__{_short}__"] = _UNIT_COMPARISONS[_long] = _UNIT_COMPARISONS[_short]
 
 
 class _RandomDecision(Exception):
@@ -423,9 +437,18 @@ class _WatchRandomDecisions(torch.overrides.TorchFunctionMode):
     def __init__(self):
         super().__init__()
         self.drawn: dict[int, torch.Tensor] = {}  # random tensors by id (held: ids stay theirs)
+        self.unit: set[int] = set()  # ids of drawn tensors whose values lie in [0, 1)
 
     def _is_drawn(self, x) -> bool:
         return isinstance(x, torch.Tensor) and id(x) in self.drawn
+
+    def _decided_alike(self, name: str, args) -> bool:
+        """Whether a comparison of a draw in [0, 1) with a number has one outcome."""
+        if name not in _UNIT_COMPARISONS or len(args) != 2 or id(args[0]) not in self.unit:
+            return False
+        number = args[1]  # a Python number (a tensor's value would be read into the trace)
+        return (isinstance(number, (int, float)) and not isinstance(number, bool)
+                and _UNIT_COMPARISONS[name](number) is not None)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -433,6 +456,10 @@ class _WatchRandomDecisions(torch.overrides.TorchFunctionMode):
         if name in _TO_PYTHON and args and self._is_drawn(args[0]):
             raise _RandomDecision(f"{name} of a random value")
         out = func(*args, **kwargs)
+        if self._decided_alike(name, args):
+            return out  # the same at every draw: nothing random to decide on
+        if name in _UNIT_DRAWS and isinstance(out, torch.Tensor):
+            self.unit.add(id(out))
         tensors = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
         if name in _RANDOM_OPS or (tensors and all(self._is_drawn(t) for t in tensors)):
             for t in pytree.tree_leaves(out):

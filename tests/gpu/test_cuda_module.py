@@ -26,7 +26,14 @@ def _ok(res, ranks):
 
 @pytest.mark.parametrize("model", zoo.NAMES + hf_zoo.NAMES)
 def test_one_rank_on_cuda_equals_pytorch(model):
-    res = mpirun("train_check.py", 1, model, "--stages", 1, "--micro", 2, "--eval",
+    # resnet: batch norm's statistics are per micro-batch share (as GPipe's), so only one
+    # micro-batch equals the whole batch (session 36's H200 failure, 1.1596 for 1.1692 at
+    # step 0, was this, on the CPU too; the CPU tests run resnet in one micro-batch)
+    # 3 steps, as the CPU's transformers tests: Adam at lr 1e-2 grows the rounding of
+    # other kernel shapes (2 micro-batches against the whole batch) over the steps
+    # (hf_qwen3_next's logits 1.2e-5 off after 4 steps on the CPU)
+    micro = 1 if model == "resnet" else 2
+    res = mpirun("train_check.py", 1, model, "--stages", 1, "--micro", micro, "--eval", "--steps", 3,
                  "--mode", zoo.train_mode(model), "--opt", "device=cuda", timeout=300)
     _ok(res, 1)
 

@@ -397,18 +397,20 @@ class LayerDrop(nn.Module):
     """Skips its second layer when a random number says so, in Python (as transformers'
     wav2vec2, HuBERT and M2M100 do in training with layerdrop > 0)."""
 
-    def __init__(self, noise=False):
+    def __init__(self, noise=False, p=0.5):
         super().__init__()
         self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
-        self.noise = noise
+        self.noise, self.p = noise, p
 
     def forward(self, x):
         h = self.a(x)
         if self.noise:  # random values that only mix with activations: nothing decided on them
             h = h + 0.1 * torch.randn_like(h)
             assert torch.isfinite(h).all()
-        elif torch.rand([]) < 0.5:
-            return h.sum(1)
+        else:  # transformers 4's form: `skip = self.training and torch.rand([]) < p`
+            skip = self.training and torch.rand([]) < self.p
+            if skip:
+                return h.sum(1)
         return self.b(h).sum(1)
 
 
@@ -420,6 +422,17 @@ def test_a_python_decision_on_a_random_number_is_an_error_naming_the_line():
         rannc.trace(LayerDrop(), (torch.randn(4, 4),))
     g = rannc.trace(LayerDrop(noise=True), (torch.randn(4, 4),))  # noise on activations is fine
     assert g.ir.num_tasks > 0
+    # a draw in [0, 1) against p = 0 or 1 decides alike at every draw (transformers 4's
+    # wav2vec2 with layerdrop=0.0 failed here); the whole model or the short path
+    x = torch.randn(4, 4)
+    for p, layers in ((0.0, 2), (1.0, 1), (-0.5, 2)):
+        m = LayerDrop(p=p)
+        g = rannc.trace(m, (x,))
+        assert sum(t.op == "aten::linear" for t in g.ir.tasks()) == layers, p
+        torch.testing.assert_close(g(x), m(x))
+    for p in (0.01, 0.99):
+        with pytest.raises(rannc.TraceError, match="decides in Python on a random number"):
+            rannc.trace(LayerDrop(p=p), (x,))
 
 
 class Reversal(nn.Module):
