@@ -603,8 +603,45 @@ bool remapObserved(const Observed& from, const std::vector<const torch::jit::Val
 // values are compared as before, but for integers drawn below a constant (a diffusion
 // model's timesteps, `torch.randint(0, T, (x.shape[0],))`, and their casts and
 // arithmetic): they index no rows, and returned beside the loss they came back as micro-
-// batch 0's of the first replica on every rank (kDrawnNotRows).
+// batch 0's of the first replica on every rank (kDrawnNotRows). Likewise draws in a fixed
+// range (rand, randn, their _like forms; multinomial over weights that are no batch value)
+// and what comparisons, rounding and arithmetic with constants make of them: classifier-
+// free guidance's label dropout (`torch.where(torch.rand(B) < p, null, y)`), a timestep
+// `(torch.rand(B) * T).long()`. Their bools and integers were compared, some rows agreed by
+// chance, and the trace depended on the draw: the ranks traced different graphs (an error
+// blaming control flow on the data), or a value returned read as holding no rows.
 constexpr char kDrawnNotRows = 2;
+
+// `fixed`: whether each value is made from constants, parameters and buffers alone.
+bool drawsInAFixedRange(const ir::Task& task, const std::vector<char>& fixed) {
+  if (task.op == "aten::rand" || task.op == "aten::randn" || task.op == "aten::rand_like" ||
+      task.op == "aten::randn_like") {
+    return true;  // [0, 1) or N(0, 1), of the size asked for (a _like reads only the shape)
+  }
+  // classes drawn: as many as the weights have, which the batch does not size
+  return task.op == "aten::multinomial" && !task.inputs.empty() && fixed[task.inputs[0]];
+}
+
+bool actsElementwise(const std::string& op) {
+  for (const char* o : {"aten::to", "aten::long", "aten::int", "aten::clone", "aten::contiguous",
+                        "aten::detach", "aten::add", "aten::sub", "aten::mul", "aten::remainder",
+                        "aten::clamp", "aten::masked_fill", "aten::abs", "aten::sign"}) {
+    if (op == o) return true;
+  }
+  return false;
+}
+
+// Elementwise ops that keep a draw's values a draw when every other input is a constant.
+bool mapsDrawnValues(const std::string& op) {
+  for (const char* o : {"aten::lt", "aten::gt", "aten::le", "aten::ge", "aten::eq", "aten::ne",
+                        "aten::floor", "aten::ceil", "aten::round", "aten::trunc", "aten::div",
+                        "aten::floor_divide", "aten::neg", "aten::pow", "aten::where",
+                        "aten::logical_not", "aten::bitwise_not", "aten::logical_and",
+                        "aten::logical_or", "aten::__and__", "aten::__or__", "aten::float"}) {
+    if (op == o) return true;
+  }
+  return false;
+}
 
 bool drawsBelowAConstant(const ir::Graph& ir, const ir::Task& task) {
   // randint(high, size, ...), randint(low, high, size, ...), randint_like(self, high, ...),
@@ -632,16 +669,37 @@ bool keepsDrawnValues(const std::string& op) {
 
 std::vector<char> randomValues(const ir::Graph& ir) {
   std::vector<char> random(ir.numValues(), 0);
+  std::vector<char> fixed(ir.numValues(), 0);
+  for (const ir::Value& v : ir.values()) {
+    fixed[v.id] = v.role == ir::ValueRole::Constant || v.role == ir::ValueRole::Param ||
+                  v.role == ir::ValueRole::Buffer;
+  }
   for (ir::TaskId t : ir.topologicalOrder()) {
     const ir::Task& task = ir.task(t);
-    const bool below = drawsBelowAConstant(ir, task) ||
-                       (keepsDrawnValues(task.op) &&
-                        std::any_of(task.inputs.begin(), task.inputs.end(),
-                                    [&](ir::ValueId in) { return random[in] == kDrawnNotRows; }) &&
-                        std::none_of(task.inputs.begin(), task.inputs.end(), [&](ir::ValueId in) {
-                          return random[in] != kDrawnNotRows && ir.value(in).isTensor() &&
-                                 ir.value(in).role != ir::ValueRole::Constant;
-                        }));
+    const bool made_of_fixed =
+        !ir::drawsAtRandom(task.op) &&
+        std::all_of(task.inputs.begin(), task.inputs.end(), [&](ir::ValueId in) { return fixed[in]; });
+    for (ir::ValueId out : task.outputs) fixed[out] = made_of_fixed;
+    // what an op makes of such draws and constants alone is one too; a size beside them
+    // (`(torch.rand(B) * B).long()`: rows of the batch drawn) only reshapes, and a cast's
+    // dtype or device (`t.to(x.dtype)`) carries no values
+    const bool reshapes = task.op == "aten::view" || task.op == "aten::reshape" ||
+                          task.op == "aten::unsqueeze" || task.op == "aten::squeeze" ||
+                          task.op == "aten::to" || task.op == "aten::long" || task.op == "aten::int" ||
+                          task.op == "aten::float" || task.op == "aten::clone" ||
+                          task.op == "aten::contiguous" || task.op == "aten::detach";
+    const bool mapped =
+        (keepsDrawnValues(task.op) || mapsDrawnValues(task.op)) &&
+        std::any_of(task.inputs.begin(), task.inputs.end(),
+                    [&](ir::ValueId in) { return random[in] == kDrawnNotRows; }) &&
+        std::all_of(task.inputs.begin(), task.inputs.end(), [&](ir::ValueId in) {
+          const ir::Value& v = ir.value(in);
+          const bool number = v.kind == ir::ValueKind::Int || v.kind == ir::ValueKind::Float ||
+                              v.kind == ir::ValueKind::IntList || v.isTensor();
+          return random[in] == kDrawnNotRows || v.role == ir::ValueRole::Constant ||
+                 (!number || (reshapes && !v.isTensor()));  // a device, a dtype: no values
+        });
+    const bool below = drawsBelowAConstant(ir, task) || drawsInAFixedRange(task, fixed) || mapped;
     if (below) {
       for (ir::ValueId out : task.outputs) random[out] = kDrawnNotRows;
       continue;
@@ -679,6 +737,21 @@ Observed observe(const TracedModel& model, const std::vector<at::Tensor>& inputs
   if (keep) o.tensors.resize(n);
   std::vector<c10::IValue> ins(inputs.begin(), inputs.end());
   std::vector<char> low(n, 0);  // [Note: rows in low precision]: half, or computed from one
+  // A drawn integer or bool made elementwise from values whose rows agreed or were not
+  // compared (`torch.where(torch.rand(B) < p, null, labels)`): its rows are its inputs'
+  // rows, and comparing them would read the draw ([Note: random values]).
+  auto rowsInherited = [&](ir::ValueId id) {
+    const ir::TaskId producer = model.graph.value(id).producer;
+    if (producer == ir::kNoId) return false;
+    const ir::Task& task = model.graph.task(producer);
+    if (!mapsDrawnValues(task.op) && !actsElementwise(task.op)) return false;
+    // each input's rows agreed, or it is such a draw, or it is no batch value (a float
+    // drawn from the data, whose rows were not compared, may hold rows drawn: not these)
+    return std::all_of(task.inputs.begin(), task.inputs.end(), [&](ir::ValueId in) {
+      return o.rows_agree[in] == 1 || random[in] == kDrawnNotRows ||
+             (!random[in] && o.rows_agree[in] == -1);
+    });
+  };
   torch::NoGradGuard no_grad;
   runGraph(model, ins, [&](ir::ValueId id, const c10::IValue& v) {
     o.seen[id] = 1;
@@ -693,8 +766,12 @@ Observed observe(const TracedModel& model, const std::vector<at::Tensor>& inputs
       o.shapes[id] = t.sizes().vec();
       o.dtypes[id] = t.scalar_type();
       if (keep) o.tensors[id] = t;
-      const bool drawn =
-          kept && (random[id] == kDrawnNotRows || (random[id] && (t.is_floating_point() || t.is_complex())));
+      const bool drawn = kept && (random[id] == kDrawnNotRows ||
+                                  (random[id] && (t.is_floating_point() || t.is_complex() || rowsInherited(id))));
+      // any other integer or bool drawn (a permutation, rows drawn by the batch's size)
+      // agrees only by chance (3 draws in 30 read `(torch.rand(n) * n).long()` as rows):
+      // it holds no rows, at every draw
+      const bool drawn_apart = kept && random[id] && !drawn;
       if (kept && !drawn && kept->tensors.size() > static_cast<size_t>(id) && kept->tensors[id].defined()) {
         const at::Tensor& other = kept->tensors[id];
         if (other.dim() == t.dim()) {
@@ -705,7 +782,7 @@ Observed observe(const TracedModel& model, const std::vector<at::Tensor>& inputs
           if (nchanged == 1 && t.size(changed) % batch == 0) {
             const int64_t rows = std::min(batch, kept_batch), k = t.size(changed) / batch;
             const bool smaller = batch < kept_batch;
-            o.rows_agree[id] = rows * k <= other.size(changed) &&
+            o.rows_agree[id] = !drawn_apart && rows * k <= other.size(changed) &&
                                sharedRowsAgree(smaller ? t : other, smaller ? other : t, changed, rows * k,
                                                low[id] != 0);
           }

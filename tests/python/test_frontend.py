@@ -1154,6 +1154,43 @@ def test_timesteps_drawn_in_forward_are_rows_of_the_batch():
     assert dims[1] == 0 and dims[2] < 0, dims
 
 
+class _DrawsPerRow(torch.nn.Module):
+    """Classifier-free guidance's label dropout and timesteps drawn from rand and
+    multinomial inside forward; rows of the batch drawn from rand (bootstrap)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.lin = torch.nn.Embedding(6, 4), torch.nn.Linear(4, 1)
+
+    def forward(self, x, y):
+        n = x.shape[0]
+        drop = torch.rand(n) < 0.3
+        y = torch.where(drop, torch.full_like(y, 5), y)
+        t = (torch.rand(n) * 100).long().to(x.device)
+        k = torch.multinomial(torch.ones(10), n, replacement=True)
+        rows = (torch.rand(n) * n).long()  # indices of rows: they pair the batch's rows
+        h = x * (t[:, None].float() / 100) + self.emb(y) + k[:, None] + x[rows]
+        return self.lin(h).pow(2).mean(), drop, t, k, rows
+
+
+def test_draws_made_from_constants_are_rows_at_every_draw():
+    """[Note: random values] in convert.cpp: a bool or integer made from rand and constants
+    alone (`torch.rand(B) < p`, `(torch.rand(B) * T).long()`, multinomial over fixed
+    weights) and what elementwise ops make of it with the data are rows whatever is drawn;
+    their rows were compared, and some draws agreed by chance: the trace depended on the
+    draw (the ranks traced different graphs), or a returned one read as holding no rows.
+    Rows drawn from the batch's own size are not rows (they pair them)."""
+    x, y = torch.randn(8, 4), torch.tensor([3, 1, 0, 2, 4, 1, 0, 3])
+    shapes = set()
+    for seed in range(6):
+        torch.manual_seed(seed)
+        graph = rannc.trace(_DrawsPerRow(), (x, y))
+        dims = [graph.ir.value(v).batch_dim for v in graph.ir.outputs]
+        assert dims[1:4] == [0, 0, 0] and dims[4] < 0, (seed, dims)
+        shapes.add(graph.ir.num_tasks)
+    assert len(shapes) == 1, shapes
+
+
 class _DataWrites(torch.nn.Module):
     """Glow's ActNorm initialised from the first batch through .data, a codebook's counts
     kept by an EMA through .data, or .data only read (a detached copy for a statistic)."""

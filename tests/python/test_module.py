@@ -1155,9 +1155,9 @@ for _ in range(2):
 
 
 @pytest.mark.parametrize("probe", ["stand_in_traces", "adagrad_after_eval", "caught_trace_error",
-                                   "aliased_module"])
+                                   "aliased_module", "draws_in_forward"])
 def test_loops_found_failing_by_probes_equal_pytorch(probe):
-    """Session 37's new-user probes.
+    """Session 37's and 38's new-user probes.
     stand_in_traces: a new length and an eval call after training trace with stand-ins for
     the parameters ([Note: stand-in parameters] in _trace.py); with every matrix N(0, 0.02)
     the rows of a layer were all near its bias, the batch analysis read
@@ -1175,7 +1175,11 @@ def test_loops_found_failing_by_probes_equal_pytorch(probe):
     aliased_module: a module reachable under two names (transformers 4's T5 embedding) kept
     the stand-ins of a trace at a new length as its weights: the loss 1.5% off, or, tied to
     the head, "Cannot insert a Tensor that requires grad as a constant" ([Note: modules
-    under several names] in _trace.py)."""
+    under several names] in _trace.py).
+    draws_in_forward: classifier-free guidance's label dropout drawn in forward
+    (`torch.rand(B) < p`) had its rows compared between the trace's observations, which
+    agreed by chance for some draws: the ranks traced different graphs, an error blaming
+    control flow on the data ([Note: random values] in csrc/frontend/convert.cpp)."""
     res = mpirun("loop_probes.py", 2, probe, timeout=300, env={"RANNC_COMM_TIMEOUT": "60"})
     assert res.returncode == 0, res.stdout[-4000:]
     for r in range(2):

@@ -1,6 +1,8 @@
 """What real training loops do, under mpirun (2 ranks). Each probe asserts its exact
 behaviour and prints "OK rank r", or fails the way the test expects.
 
+    loop_probes.py draws_in_forward    label dropout and timesteps drawn in forward from rand,
+                                       returned: equal to PyTorch given every rank's draws
     loop_probes.py caught_trace_error  a TraceError every rank raises is caught; a new module
                                        then trains equal to PyTorch
     loop_probes.py aliased_module      one embedding under two names (and tied to the head),
@@ -2422,6 +2424,45 @@ elif probe == "caught_trace_error":  # [Note: trace errors agreed] in module.py
     for step in range(2):
         step_both(wrapped(x[4 * rank:4 * (rank + 1)]).pow(2).mean(), reference(x).pow(2).mean(),
                   opt, ref_opt)
+    same_stage_parameters(model, reference, rtol=1e-5)
+    print(f"OK rank {rank}", flush=True)
+elif probe == "draws_in_forward":  # [Note: random values] in csrc/frontend/convert.cpp
+    import torch.distributed as dist
+
+    class Guided(nn.Module):
+        """Classifier-free guidance's label dropout and a timestep drawn in forward, both
+        returned; the reference is given the draws of every rank."""
+
+        def __init__(self):
+            super().__init__()
+            self.emb, self.a, self.b = nn.Embedding(6, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x, y, drop=None, t=None):
+            n = x.shape[0]
+            drop = torch.rand(n) < 0.3 if drop is None else drop
+            y = torch.where(drop, torch.full_like(y, 5), y)
+            t = (torch.rand(n) * 100).long() if t is None else t
+            h = self.b(torch.tanh(self.a(x * (t[:, None].float() / 100)) + self.emb(y)))
+            return nn.functional.mse_loss(h, x), drop, t
+
+    rannc.init_process_group()
+    torch.manual_seed(0)
+    model = Guided()
+    reference, opt, ref_opt, wrapped = sgd_pair(model, num_stages=2, num_microbatches=2)
+    for step in range(4):
+        gen = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 8, generator=gen), torch.randint(0, 5, (8,), generator=gen)
+        mine = slice(4 * rank, 4 * (rank + 1))
+        torch.manual_seed(100 * step + rank)  # each rank its own draws, as the docs advise
+        loss, drop, t = wrapped(x[mine], y[mine])
+        assert drop.shape == (4,) and t.shape == (4,), (drop.shape, t.shape)
+        drops, ts = [torch.empty_like(drop) for _ in range(2)], [torch.empty_like(t) for _ in range(2)]
+        dist.all_gather(drops, drop)
+        dist.all_gather(ts, t)
+        ref_loss, _, _ = reference(x, y, torch.cat(drops), torch.cat(ts))
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"rank {rank}: step {step}: {m}")
+        step_both(loss, ref_loss, opt, ref_opt)
     same_stage_parameters(model, reference, rtol=1e-5)
     print(f"OK rank {rank}", flush=True)
 else:
