@@ -46,10 +46,14 @@ class _ApplyStepGrads(torch.autograd.Function):
         ctx.input_grads = [grads[vid] for vid in deployed.grad_input_ids]
         ctx.input_devices = [x.device for x in inputs]  # deployed.grad_inputs, in order
         ctx.loss_scale = deployed.loss_scale
+        # saved so that a second backward without retain_graph is PyTorch's error for a
+        # freed graph (it added the step's gradients again: twice PyTorch's, without a word)
+        ctx.save_for_backward(anchor)
         return loss.detach().clone()
 
     @staticmethod
     def backward(ctx, grad):
+        ctx.saved_tensors  # noqa: B018 (raises where a backward freed the graph)
         _refuse_second_order()
         grad = grad.reshape(())  # a [1] loss's too: the step's gradients scale by it
         # the step's gradients were seeded with the loss scale ([Note: scaled seeds])

@@ -92,6 +92,16 @@ class StatePlacement:
             module.register_state_dict_post_hook(lambda *_: self._check_users_state_dict()),
             module.register_load_state_dict_pre_hook(lambda *_: self._check_users_load()),
             module.register_forward_pre_hook(check_call)]
+        # a submodule called directly (`model.module.net(x)`, a sampling method of the
+        # model): (its name, the handle of its check)
+        self._part_hooks = []
+        for name, part in module.named_modules():
+            if not name:
+                continue
+            def check_part(part, *_, name=name):
+                self._check_part_call(name, part)
+            check_part.__rannc__ = True
+            self._part_hooks.append((name, part.register_forward_pre_hook(check_part)))
 
     def strip_hooks(self, module: torch.nn.Module):
         """Removes the hooks above from `module`, a deep copy of the user's module (which
@@ -101,6 +111,8 @@ class StatePlacement:
             for hooks in (module._state_dict_hooks, module._load_state_dict_pre_hooks,
                           module._forward_pre_hooks):
                 hooks.pop(handle.id, None)
+        for name, handle in self._part_hooks:
+            module.get_submodule(name)._forward_pre_hooks.pop(handle.id, None)
 
     own_access = staticmethod(_own_access)
 
@@ -151,6 +163,22 @@ class StatePlacement:
                 f"keeps only its stages' parameters and buffers and does not hold the current "
                 f"values of {failure.some_of(lacking)}. Call the RaNNCModule itself, on "
                 "every rank (in eval mode for an evaluation)")
+
+    def _check_part_call(self, name: str, part: torch.nn.Module):
+        """A submodule called directly: refused where this rank lacks its current state (it
+        failed inside torch, on a size of 0, or ran on stale values)."""
+        if (_OWN_ACCESS.get() or torch.jit.is_tracing() or not self._users
+                or not (self._freed or self._stale)):
+            return
+        lacking = [n for n in self.not_current_here() if n.startswith(name + ".")]
+        if lacking:
+            raise _C.Error(
+                f"{type(part).__name__} '{name}' of the model inside a RaNNCModule called "
+                f"directly on rank {_C.get_rank()} (as model.module.{name}(...) or a method of "
+                "the model): this rank keeps only its stages' parameters and buffers and does "
+                f"not hold the current values of {failure.some_of(lacking)}. Call the "
+                "RaNNCModule itself, on every rank (in eval mode for an evaluation), or a copy "
+                "of it (copy.deepcopy(wrapped), [Note: copies of a wrapped model] in copies.py)")
 
     def _check_users_load(self):
         if not _OWN_ACCESS.get() and self._users:

@@ -885,6 +885,9 @@ elif probe == "retained_graph":  # [Note: retained graphs] in csrc/runtime/engin
         loss.backward(retain_graph=k < 2)
         ref_loss.backward(retain_graph=k < 2)
         same_grads(model, reference, f"1f1b, backward {k}")
+    # a backward after one without retain_graph: PyTorch's error (it added them again)
+    expect_freed_graph_error(loss, "1f1b, a backward after the graph was freed")
+    same_grads(model, reference, "1f1b, after the refused backward")
     # fill-drain: a multi-task loop's l1.backward(retain_graph=True), l2.backward() through
     # one forward's outputs (was an error), with and without recomputation, an input
     # that takes a gradient, SGD steps between
@@ -1106,6 +1109,20 @@ elif probe == "module_state_dict":  # [Note: the module's own state_dict] in pla
                  "has no storage for", "load_state_dict(state) or load_checkpoint(path)")
     expect_error(lambda: wrapped.module(*args), f"GPT called directly on rank {rank} (as "
                  "model.module(...) or transformers' generate)", "Call the RaNNCModule itself")
+    # a submodule called directly (sampling code's model.module.net(x)): refused where this
+    # rank lacks its tensors (it failed inside torch on a size of 0), run where it holds them
+    parts = {"pos": lambda: wrapped.module.pos(torch.arange(4)),  # first stage
+             "ln": lambda: wrapped.module.ln(torch.randn(2, model.ln.weight.shape[0]))}  # last
+    lacked = 0
+    for name, call in parts.items():
+        if getattr(model, name).weight.numel() == 0:
+            lacked += 1
+            expect_error(call, f"'{name}' of the model inside a RaNNCModule called directly on "
+                         f"rank {rank} (as model.module.{name}(...)", "Call the RaNNCModule itself")
+        else:
+            with torch.no_grad():
+                call()
+    assert lacked == 1, f"rank {rank}: the plan's stages hold both or neither of pos, ln"
     wrapped.load_state_dict(full)  # the wrapper's own calls still work
     gathered = wrapped.state_dict()
     for name, t in reference.state_dict().items():
