@@ -1,4 +1,5 @@
 #include <functional>
+#include <mutex>
 
 #include <mpi.h>
 
@@ -48,7 +49,19 @@ class MpiWork : public Work {
     World::get().beginOperation();
   }
   ~MpiWork() override {
-    if (!done_) World::get().endOperation();
+    if (done_) return;
+    World::get().endOperation();
+    if (request_ != MPI_REQUEST_NULL) {
+      // A wait cut short (a failure, a timeout) leaves the operation in flight: MPI may
+      // still write its buffers (the progress thread, a later MPI call), so they stay
+      // allocated until exit ([Note: failures stay] in world.cpp; freeing them corrupted
+      // the heap of a script that caught the error and went on). The request stays too:
+      // freeing a collective's request is erroneous in MPI.
+      static std::mutex mutex;
+      static auto* abandoned = new std::vector<at::Tensor>();  // never destroyed
+      std::lock_guard<std::mutex> lock(mutex);
+      abandoned->insert(abandoned->end(), keep_.begin(), keep_.end());
+    }
   }
 
   MPI_Request* request() { return &request_; }

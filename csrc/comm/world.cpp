@@ -154,10 +154,20 @@ void World::stopProgress() {
   progress_.join();
 }
 
+// [Note: failures stay] Once a rank failed (its own error, or a peer's notice), the ranks
+// are at different points of the step: a script that catches the error and calls again
+// would pair one rank's collective with another's (MPI_ERR_TRUNCATE, a transfer into the
+// wrong buffer, a full timeout per call). Every later wait fails at once with the first
+// failure instead; the script should end (a rank's error that every rank raises alike is
+// agreed instead, and sends no notice: failure.agreed in failure.py).
 void World::reportFailure(const std::string& message) {
   // Alone there is nobody to tell, and an error the user catches must not abort the exit.
   if (failed_reported_ || size_ <= 1) return;
   failed_reported_ = true;
+  {
+    std::lock_guard<std::mutex> lock(failure_mutex_);
+    if (failure_.empty()) failure_ = message;
+  }
   for (int r = 0; r < size_; ++r) {
     if (r == rank_) continue;
     MPI_Request req;
@@ -170,6 +180,13 @@ void World::reportFailure(const std::string& message) {
 }
 
 void World::checkPeers() {
+  {
+    std::lock_guard<std::mutex> lock(failure_mutex_);
+    if (!failure_.empty()) {
+      throw CommError("rank " + std::to_string(rank_) + " cannot communicate: the job failed "
+                      "before (" + failure_ + "); end the script");
+    }
+  }
   int flag = 0;
   MPI_Status status;
   MPI_Iprobe(MPI_ANY_SOURCE, kFailureTag, control_comm_, &flag, &status);
@@ -180,14 +197,19 @@ void World::checkPeers() {
   MPI_Recv(msg.data(), count, MPI_CHAR, status.MPI_SOURCE, kFailureTag, control_comm_,
            MPI_STATUS_IGNORE);
   failed_reported_ = true;  // do not finalize cleanly: the job is failing
-  throw CommError("rank " + std::to_string(rank_) + " stops because rank " +
-                  std::to_string(status.MPI_SOURCE) + " failed: " + msg);
+  const std::string notice = "rank " + std::to_string(status.MPI_SOURCE) + " failed: " + msg;
+  {
+    std::lock_guard<std::mutex> lock(failure_mutex_);
+    if (failure_.empty()) failure_ = notice;
+  }
+  throw CommError("rank " + std::to_string(rank_) + " stops because " + notice);
 }
 
 void World::wait(MPI_Request& request, const std::string& what, std::chrono::milliseconds timeout,
                  MPI_Status* status) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   int spins = 0;
+  checkPeers();  // [Note: failures stay]: not even one test of a request after a failure
   while (true) {
     int done = 0;
     check(MPI_Test(&request, &done, status), what.c_str());

@@ -52,7 +52,8 @@ class World {
   // waits then raise CommError carrying `message`.
   void reportFailure(const std::string& message);
 
-  // Throws CommError if a peer reported a failure. Cheap: one MPI_Iprobe.
+  // Throws CommError if a peer reported a failure, or if this rank or a peer failed
+  // before ([Note: failures stay]). Cheap: one MPI_Iprobe.
   void checkPeers();
 
   // Waits for `request` while watching for peer failures; throws TimeoutError after
@@ -96,6 +97,10 @@ class World {
   bool stop_progress_ = false;
   bool owns_mpi_ = false;
   bool failed_reported_ = false;
+  // [Note: failures stay] what ended the job's collectives (this rank's failure or a
+  // peer's notice), once known; guarded by failure_mutex_
+  std::string failure_;
+  std::mutex failure_mutex_;
   bool thread_multiple_ = false;
   std::chrono::milliseconds timeout_{600000};
 };

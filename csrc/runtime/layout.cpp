@@ -50,12 +50,14 @@ Layout::Layout(const partition::Deployment& deployment, int world_size, int64_t 
   if (cap_micro_batches && fits >= 1 && fits < micro_batches_) micro_batches_ = static_cast<int>(fits);
   if (fits < micro_batches_) {
     std::ostringstream msg;
+    // where the micro-batches shrink to fit, one micro-batch is what the rows must fill
+    const int needed_micro_batches = cap_micro_batches ? 1 : micro_batches_;
     msg << "a global batch of " << global_batch_ << " rows (" << world_size << " ranks x "
         << local_batch << ") is too small for this plan: " << pipelines_ << " pipeline copies x "
-        << micro_batches_ << " micro-batches with up to " << most_replicas
-        << " replicas per stage need at least "
-        << int64_t(pipelines_) * micro_batches_ * most_replicas
-        << " rows; use a larger batch or fewer micro-batches (option num_microbatches)";
+        << needed_micro_batches << " micro-batch" << (needed_micro_batches > 1 ? "es" : "")
+        << " with up to " << most_replicas << " replicas per stage need at least "
+        << int64_t(pipelines_) * needed_micro_batches * most_replicas << " rows; use a larger batch"
+        << (cap_micro_batches ? "" : " or fewer micro-batches (option num_microbatches)");
     throw Error(msg.str());
   }
   for (int s = 0; s < numStages(); ++s) {

@@ -568,8 +568,8 @@ class Deployed:
                 target = self.variants[key] = self.owner._deploy_shapes(self, args, kwargs)
                 target.routing_key = self.routing_key  # the same program's plan
             except Exception as e:
-                if getattr(e, "on_every_rank", False):
-                    self.unrunnable[key] = str(e)
+                if getattr(e, "on_every_rank", False) and not getattr(e, "depends_on_batch", False):
+                    self.unrunnable[key] = str(e)  # a rule of the plan or the trace
                 else:  # say which step failed: the whole model runs to trace it again
                     e.add_note(f"rannc: while tracing the model again for {what}")
                 raise
@@ -681,7 +681,11 @@ class Deployed:
         return _describe_shapes(self.graph._trace.inputs, shapes or self.shapes)
 
     def _use_batch(self, rows: int):
-        if self.engine.use_batch(rows) and _C.get_rank() == 0:
+        try:
+            changed = self.engine.use_batch(rows)
+        except _C.Error as e:  # too few rows: every rank has the agreed rows, and says so
+            raise failure.agreed(str(e)) from None
+        if changed and _C.get_rank() == 0:
             _C.log_info(f"local batch of {rows} rows (planned with {self.planned_rows}): "
                         f"the plan's stages and replicas re-split the rows"
                         f"{self._micro_batch_note()}")

@@ -109,20 +109,32 @@ def _traced_together(trace):
     a TraceError (the model cannot be traced as written) is raised on every rank together,
     so a script that catches it and goes on (tries another model, a fallback) can. Before,
     each failing rank told the others it had failed, which ends the job: a new, valid
-    RaNNCModule after the caught error failed with "rank 0 stops because rank 1 failed"."""
+    RaNNCModule after the caught error failed with "rank 0 stops because rank 1 failed".
+    Likewise an error the model itself raises while traced (int32 labels into
+    cross_entropy, float64 features into a float32 layer: what plain PyTorch raises at that
+    batch), at the first call or at new input shapes: a loop that catches a bad batch and
+    goes on trains on (before, the notice broke every later call, and a receive cut short
+    could write into freed memory). Such an error, and another rank's, may come from this
+    batch's values (labels out of range), so it marks `depends_on_batch`: the shapes are
+    traced again at their next call instead of being refused as a plan's rule is."""
     failed = None
     try:
         graph = trace()
-    except _C.TraceError as e:
+    except _C.CommError:
+        raise  # a peer failed or is stuck: no agreement to be had
+    except Exception as e:  # noqa: BLE001 (agreed, then raised on every rank)
         failed = e
     if handshake.active():
         flags = handshake.exchange("tracing the model", torch.tensor([float(failed is not None)]))
         failing = [r for r, f in enumerate(flags[:, 0].tolist()) if f]
         if failing and failed is None:
-            raise failure.agreed(f"tracing the model failed on rank{'s' if len(failing) > 1 else ''} "
-                                 f"{', '.join(map(str, failing))} (their error says why)")
+            error = failure.agreed(f"tracing the model failed on rank{'s' if len(failing) > 1 else ''} "
+                                   f"{', '.join(map(str, failing))} (their error says why)")
+            error.depends_on_batch = True  # their batches
+            raise error
     if failed is not None:
         failed.on_every_rank = True
+        failed.depends_on_batch = not isinstance(failed, _C.TraceError)
         raise failed
     return graph
 

@@ -734,8 +734,9 @@ def test_an_exception_between_steps_ends_every_rank_in_seconds(stages):
 
 def test_a_failure_while_tracing_new_shapes_says_so_with_both_shapes():
     """[Note: new input shapes]: the whole model runs again to trace it at a new length; an
-    error there (here the model's own) names that step, the new shapes and the planned ones,
-    and ends every rank."""
+    error there (here the model's own, which every rank raises: [Note: trace errors agreed]
+    in module.py) names that step, the new shapes and the planned ones; uncaught, it ends
+    the job."""
     res = mpirun("loop_probes.py", 2, "new_length_fails", timeout=300)
     assert res.returncode != 0, res.stdout[-3000:]
     assert ("ValueError: sequences longer than 6 are not supported" in res.stdout
@@ -1155,7 +1156,7 @@ for _ in range(2):
 
 
 @pytest.mark.parametrize("probe", ["stand_in_traces", "adagrad_after_eval", "caught_trace_error",
-                                   "aliased_module", "draws_in_forward"])
+                                   "caught_bad_batch", "aliased_module", "draws_in_forward"])
 def test_loops_found_failing_by_probes_equal_pytorch(probe):
     """Session 37's and 38's new-user probes.
     stand_in_traces: a new length and an eval call after training trace with stand-ins for
@@ -1172,6 +1173,11 @@ def test_loops_found_failing_by_probes_equal_pytorch(probe):
     not a rank's failure: a script that catches it and goes on with another model trains
     ([Note: trace errors agreed] in module.py; the new module failed with "rank 0 stops
     because rank 1 failed").
+    caught_bad_batch: an error the model raises while traced (int32 labels on one rank at
+    the first call, a wrong feature size at a new shape) and a batch too small for the plan
+    are errors on every rank; the loop that catches them trains on equal to PyTorch (the
+    failing rank's notice broke every later call, and a receive cut short could write into
+    freed memory).
     aliased_module: a module reachable under two names (transformers 4's T5 embedding) kept
     the stand-ins of a trace at a new length as its weights: the loss 1.5% off, or, tied to
     the head, "Cannot insert a Tensor that requires grad as a constant" ([Note: modules

@@ -70,6 +70,15 @@ TEST(Layout, NamesTheRowsATooSmallBatchLacksAndCapsWhenAsked) {
   }
   Layout capped(d, 2, 2, /*cap_micro_batches=*/true);
   EXPECT_EQ(capped.microBatches(), 2);
+  try {  // capped, one micro-batch is the least: each replica needs a row
+    Layout(d, 2, 0, /*cap_micro_batches=*/true);
+    FAIL() << "a batch of 0 rows cannot feed 2 replicas";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("1 micro-batch with up to 2 replicas per stage need at least 2 rows"),
+              std::string::npos) << msg;
+    EXPECT_EQ(msg.find("num_microbatches"), std::string::npos) << msg;
+  }
 }
 
 // Sender's and receiver's order of every channel, over a whole step, from every rank's plan.

@@ -2,6 +2,9 @@
 
     failure_check.py raise   rank 1 raises and reports; the others are blocked in a receive
     failure_check.py hang    rank 1 stalls; rank 0 times out, reports, and the rest follow
+    failure_check.py again   as raise, then every rank catches its error and communicates
+                             again: each later wait fails at once, naming the first failure
+                             ([Note: failures stay] in csrc/comm/world.cpp)
 """
 import sys
 import time
@@ -14,6 +17,24 @@ from rannc import _C
 mode = sys.argv[1]
 rank, size = rannc.get_rank(), rannc.get_world_size()
 comm = _C.Communicator.world_cpu()
+
+if mode == "again":
+    try:
+        if rank == 1:
+            message = "rank 1 | stage 1: ValueError: shape mismatch in stage 1"
+            _C.report_failure(message)
+            raise ValueError(message)
+        comm.recv(torch.empty(4), 1, tag=9).wait(120)
+    except Exception as e:  # the script catches it and goes on, as a loop skipping a batch
+        print(f"CAUGHT rank {rank}: {type(e).__name__}", flush=True)
+    start = time.monotonic()
+    try:  # the ranks are at different points of the step: nothing may pair up now
+        comm.recv(torch.empty(4), (rank + 1) % size, tag=10).wait(120)
+    except _C.CommError as e:
+        print(f"AGAIN rank {rank} after {time.monotonic() - start:.1f} s: {e}", flush=True)
+        sys.exit(1)
+    print(f"unexpected success on rank {rank}", flush=True)
+    sys.exit(0)
 
 try:
     if mode == "raise":

@@ -5,6 +5,11 @@ behaviour and prints "OK rank r", or fails the way the test expects.
                                        returned: equal to PyTorch given every rank's draws
     loop_probes.py caught_trace_error  a TraceError every rank raises is caught; a new module
                                        then trains equal to PyTorch
+    loop_probes.py caught_bad_batch    a batch the model itself fails on (int32 labels on one
+                                       rank at the first call, a wrong feature size at a new
+                                       shape on every rank, an empty batch) is an error on
+                                       every rank; the loop catches it, skips the batch and
+                                       trains on equal to PyTorch
     loop_probes.py aliased_module      one embedding under two names (and tied to the head),
                                        trained at a new length: equal to PyTorch
     loop_probes.py adagrad_after_eval  Adagrad (state made in __init__) built after an eval call
@@ -2441,6 +2446,54 @@ elif probe == "caught_trace_error":  # [Note: trace errors agreed] in module.py
     for step in range(2):
         step_both(wrapped(x[4 * rank:4 * (rank + 1)]).pow(2).mean(), reference(x).pow(2).mean(),
                   opt, ref_opt)
+    same_stage_parameters(model, reference, rtol=1e-5)
+    print(f"OK rank {rank}", flush=True)
+elif probe == "caught_bad_batch":  # [Note: trace errors agreed] in module.py
+    class Classifier(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 16), nn.Linear(16, 3)
+
+        def forward(self, x, y):  # x: (batch, tokens, 4)
+            return nn.functional.cross_entropy(self.b(torch.tanh(self.a(x)).mean(1)), y)
+
+    def skipped(call, *fragments):
+        """The call fails on this rank, as the loop expects of a bad batch; returns the error."""
+        try:
+            call()
+        except (RuntimeError, IndexError) as e:  # torch's own errors and rannc.Error
+            said = "; ".join([str(e), *getattr(e, "__notes__", [])])
+            for f in fragments:
+                assert f in said, f"rank {rank}: {f!r} not in: {said}"
+            return e
+        raise AssertionError(f"rank {rank}: no error")
+
+    torch.manual_seed(0)
+    model = Classifier()
+    reference, opt, ref_opt, wrapped = sgd_pair(model, num_stages=2, num_microbatches=2,
+                                                cost_model="analytic")
+    mine = slice(4 * rank, 4 * (rank + 1))
+    gen = torch.Generator().manual_seed(3)
+    x, y = torch.randn(8, 2, 4, generator=gen), torch.randint(0, 3, (8,), generator=gen)
+    # the first call: rank 1's labels are int32, which cross_entropy refuses (in PyTorch too)
+    labels = y[mine].int() if rank == 1 else y[mine]
+    skipped(lambda: wrapped(x[mine], labels),
+            *(["expected target dtype"] if rank == 1 else ["tracing the model failed on rank 1"]))
+    for step in range(6):
+        tokens = 3 if step == 2 else 2
+        x, y = torch.randn(8, tokens, 4, generator=gen), torch.randint(0, 3, (8,), generator=gen)
+        if step == 1:  # a malformed batch at a new shape, traced again: fails on every rank
+            skipped(lambda: wrapped(torch.randn(4, 2, 5), y[mine]), "cannot be multiplied",
+                    "while tracing the model again for new input shapes")
+        if step == 2:  # a new length whose first batch fails by its values (rank 1's label
+            # out of range): the next batch of that length traces and trains
+            bad = y[mine].clone()
+            bad[0] = 7 if rank == 1 else bad[0]
+            skipped(lambda: wrapped(x[mine], bad),
+                    "out of bounds" if rank == 1 else "tracing the model failed on rank 1")
+        if step == 4:  # an empty batch: too few rows for the plan, on every rank
+            skipped(lambda: wrapped(x[:0], y[:0]), "is too small for this plan")
+        step_both(wrapped(x[mine], y[mine]), reference(x, y), opt, ref_opt)
     same_stage_parameters(model, reference, rtol=1e-5)
     print(f"OK rank {rank}", flush=True)
 elif probe == "draws_in_forward":  # [Note: random values] in csrc/frontend/convert.cpp
