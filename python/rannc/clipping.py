@@ -10,9 +10,19 @@ PyTorch's, without a word. `import rannc` therefore replaces torch's function wi
 does what it does for any parameter outside a RaNNCModule, and for those of a RaNNCModule
 that has trained measures the norm over every stage (each parameter counted once, on the
 first rank of its gradient group, one all-reduce) and scales this rank's gradients by it.
-Every rank passes the same parameters (freed ones included: they are the same objects on
-every rank), so every rank sees the same modules and joins the same collective. The
-parameters outside any RaNNCModule add this rank's own norm, as torch's does.
+The parameters outside any RaNNCModule add this rank's own norm, as torch's does.
+
+[Note: the parameters meant] Once a RaNNCModule has trained on several ranks, every call
+is a collective of every rank, whatever it is given: the ranks' lists differ where a loop
+filters on `p.grad is not None` (fairseq's `[p for p in model.parameters() if p.grad is not
+None]`, `get_total_norm([p.grad for p in layer.parameters() if p.grad is not None])`), since
+a freed parameter has no gradient on the ranks that do not train it. So a rank whose list
+named none of the module's parameters ran torch's function alone (a norm of 0) and the
+others' collective paired with its next one (another layer's norm, 0.406 for 0.215 and
+0.345, or "the ranks are in different RaNNCModule collectives"). Each rank sends a mask of
+the module's trained parameters its list names and its terms of the gradients it counts
+(each parameter on the first rank that trains it), in one all-reduce: the norm is over the
+union of the masks, what every DDP rank measures from the same list.
 
 A module that imported the function before rannc was (`from torch.nn.utils import
 clip_grad_norm_` above `import rannc`) keeps torch's: RaNNCModule warns when the training
@@ -22,7 +32,6 @@ from __future__ import annotations
 
 import math
 import sys
-import zlib
 
 import torch
 
@@ -82,29 +91,58 @@ def _local_term(grads, norm_type: float) -> torch.Tensor:
     return norms.max() if math.isinf(norm_type) else (norms ** norm_type).sum()
 
 
-def global_norm(counted: list[torch.Tensor], local: list[torch.Tensor],
-                norm_type: float, over: str = "") -> torch.Tensor:
-    """The norm over `counted` on every rank (a collective) and `local` on this rank.
-    `over` names the parameters meant, the same on every rank that means the same ones."""
-    infinite = math.isinf(norm_type)
-    # one all-gather that also checks every rank is here and means the same parameters
-    # ([Note: named collectives], [Note: clipping a param group])
-    what = f"clip_grad_norm over {over}" if over else "clip_grad_norm"
-    terms = handshake.exchange(what, _local_term(counted, norm_type).view(1))[:, 0]
-    term = terms.max() if infinite else terms.sum()
+def _combined(term: torch.Tensor, local: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """The norm of `term` (sum |g|^p over every stage, or their max) with this rank's
+    `local` gradients."""
     mine = _local_term(local, norm_type)
-    if infinite:
+    if math.isinf(norm_type):
         return torch.maximum(term, mine)
     return (term + mine) ** (1.0 / norm_type)
 
 
-def _which(own: list[torch.Tensor], mine: set[int], name: str) -> str:
-    """Names the parameters `mine` among a module's `own` alike on every rank (the objects
-    are the same everywhere): how many, and a checksum of their positions."""
-    if len(mine) == len(own):
-        return f"every parameter of {name}"
-    positions = ",".join(str(i) for i, p in enumerate(own) if id(p) in mine)
-    return f"{len(mine)} of {name}'s parameters (#{zlib.crc32(positions.encode()):08x})"
+def global_norm(counted: list[torch.Tensor], local: list[torch.Tensor],
+                norm_type: float) -> torch.Tensor:
+    """The norm over `counted` on every rank (a collective) and `local` on this rank."""
+    # one all-gather that also checks every rank is here ([Note: named collectives])
+    terms = handshake.exchange("clip_grad_norm", _local_term(counted, norm_type).view(1))[:, 0]
+    return _combined(terms.max() if math.isinf(norm_type) else terms.sum(), local, norm_type)
+
+
+def _trained_modules() -> list:
+    """The RaNNCModules that have trained, the same on every rank, oldest first."""
+    return [m for m in registry.modules() if m._deployed.get(True) is not None]
+
+
+def _norm_of_the_meant(modules: list, meant, local: list[torch.Tensor], norm_type: float,
+                       what: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """[Note: the parameters meant] The norm over the trained parameters of `modules` that
+    any rank's `meant(parameter)` names, and `local` on this rank (a collective of every
+    rank, named `what`); with the gradients of those parameters this rank holds."""
+    rank = _C.get_rank()
+    entries = [entry for m in modules for entry in m.placement.trained_parameters()]
+    n = len(entries)
+    row = torch.zeros(2 * n, dtype=torch.float64)  # the mask, then each parameter's term
+    counted, at = [], []
+    for i, (t, trainers) in enumerate(entries):
+        if meant(t):
+            row[i] = 1.0
+        if min(trainers) == rank and t.grad is not None:
+            counted.append(t.grad.detach())
+            at.append(n + i)
+    if counted:  # one pass on the gradients' device and one copy
+        norms = torch.stack(torch._foreach_norm(counted, norm_type)).double().cpu()
+        row[at] = norms if math.isinf(norm_type) else norms ** norm_type
+    handshake.exchange(what, torch.zeros(1))  # every rank is here ([Note: named collectives])
+    _C.Communicator.world_cpu().all_reduce(row).wait()  # one rank's term per parameter
+    union = row[:n] > 0
+    terms = row[n:][union]
+    if math.isinf(norm_type):
+        term = terms.max() if terms.numel() else torch.zeros((), dtype=torch.float64)
+    else:
+        term = terms.sum()
+    held = [t.grad for (t, trainers), u in zip(entries, union.tolist())
+            if u and rank in trainers and t.grad is not None]
+    return _combined(term, local, norm_type), held
 
 
 def scale_(grads, max_norm: float, total: torch.Tensor) -> None:
@@ -124,23 +162,16 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
         parameters = parameters.whole  # [Note: clipping a param group]
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     norm_type = float(norm_type)
-    ids = {id(p) for p in params}
-    counted, held, claimed, over = [], [], set(), []
-    for module in registry.modules():
-        if module._deployed.get(True) is None:
-            continue  # not trained yet: its gradients, if any, are the user's own
-        own = list(module.module.parameters())
-        mine = {id(p) for p in own} & ids
-        if mine:
-            counted += counted_grads(module, mine)
-            held += held_grads(module, mine)
-            claimed |= mine
-            over.append(_which(own, mine, type(module.module).__name__))
-    if not claimed or _C.get_world_size() == 1:
+    # a module not trained yet: its gradients, if any, are the user's own
+    modules = _trained_modules() if _C.get_world_size() > 1 else []
+    if not modules:
         # one rank holds every gradient whole: torch's own, which waits for no GPU
         return _TORCH_CLIP(params, max_norm, norm_type, error_if_nonfinite, foreach)
-    others = [p.grad for p in params if id(p) not in claimed and p.grad is not None]
-    total = global_norm(counted, others, norm_type, ", ".join(over))
+    ids = {id(p) for p in params}
+    theirs = {id(p) for m in modules for p in m.module.parameters()}
+    others = [p.grad for p in params if id(p) not in theirs and p.grad is not None]
+    total, held = _norm_of_the_meant(modules, lambda t: id(t) in ids, others, norm_type,
+                                     "torch.nn.utils.clip_grad_norm_()")
     if error_if_nonfinite and not math.isfinite(float(total)):
         raise RuntimeError(
             f"The total norm of order {norm_type} for gradients from `parameters` is "
@@ -168,24 +199,19 @@ def get_total_norm(tensors, norm_type: float = 2.0, error_if_nonfinite: bool = F
     counted over every stage ([Note: torch's get_total_norm]). A collective when any of
     `tensors` is the gradient of a parameter of a RaNNCModule that has trained."""
     tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-    given = {id(t) for t in tensors}
-    counted, claimed = [], set()
-    if _C.get_world_size() > 1:
-        for module in registry.modules():
-            if module._deployed.get(True) is None:
-                continue
-            mine = {id(p) for p in module.module.parameters()
-                    if p.grad is not None and id(p.grad) in given}
-            if mine:
-                counted += counted_grads(module, mine)
-                claimed |= {id(p.grad) for p in module.module.parameters() if id(p) in mine}
-    if not claimed:
+    modules = _trained_modules() if _C.get_world_size() > 1 else []
+    if not modules:
         return _TORCH_TOTAL_NORM(tensors, norm_type, error_if_nonfinite, foreach)
+    given = {id(t) for t in tensors}
+    theirs = {id(p.grad) for m in modules for p in m.module.parameters() if p.grad is not None}
     norm_type = float(norm_type)
-    total = global_norm(counted, [t for t in tensors if id(t) not in claimed], norm_type)
+    total, _ = _norm_of_the_meant(
+        modules, lambda t: t.grad is not None and id(t.grad) in given,
+        [t for t in tensors if id(t) not in theirs], norm_type, "torch.nn.utils.get_total_norm()")
     if error_if_nonfinite and not math.isfinite(float(total)):
         raise RuntimeError(
             f"The total norm of order {norm_type} for gradients from `parameters` is "
             "non-finite, so it cannot be clipped. To disable this error and scale the "
             "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
-    return total.float().to(tensors[0].device)
+    device = next((t.device for t in tensors), total.device)
+    return total.float().to(device)

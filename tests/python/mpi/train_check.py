@@ -29,6 +29,10 @@ eval()/no_grad outputs. Exits non-zero on the first mismatch (on every rank).
             (`import rannc` makes torch's agree across the ranks, [Note: agreed steps])
     --clip-by torch|torch_subset: clip with torch.nn.utils.clip_grad_norm_ on rannc's side
     --clip-by total_norm: with torch.nn.utils.get_total_norm and clip_grads_with_norm_
+    --clip-by filtered: fairseq's clip_grad_norm_([p for p in params if p.grad is not None])
+        and each top-level child's norm logged with get_total_norm over the gradients it has
+        here: a freed parameter has none, so each rank's lists differ ([Note: the
+        parameters meant] in clipping.py)
     --clip-by groups: two param groups, the first one parameter of the first stage (the
         others' share of it is empty), each clipped by its own norm with clip_grad_norm_
             too (after unscale_ with a scaler), over model.parameters() or over every other
@@ -63,7 +67,8 @@ ap.add_argument("--amp", default="", choices=["", "bf16", "fp16"])
 ap.add_argument("--inject-inf", type=int, default=-1)
 ap.add_argument("--clip", type=float, default=0.0, help="clip the gradients' global norm")
 ap.add_argument("--scaler", default="rannc", choices=["rannc", "torch"])
-ap.add_argument("--clip-by", default="rannc", choices=["rannc", "torch", "torch_subset", "total_norm", "groups"])
+ap.add_argument("--clip-by", default="rannc", choices=["rannc", "torch", "torch_subset", "total_norm", "groups",
+                                                  "filtered"])
 ap.add_argument("--show-stages", action="store_true", help="rank 0 prints each stage's ops")
 a = ap.parse_args()
 options = dict(o.split("=", 1) for o in a.opt)
@@ -295,6 +300,14 @@ for step in range(a.steps):
                       torch.nn.utils.clip_grad_norm_(ref_g["params"], a.clip),
                       f"gradient norm of a group at step {step}")
             norm = ref_norm = torch.zeros(())
+        elif a.clip_by == "filtered":  # [Note: the parameters meant] in clipping.py
+            for (name, child), ref_child in zip(wrapped.module.named_children(), reference.children()):
+                close(torch.nn.utils.get_total_norm(
+                          [p.grad for p in child.parameters() if p.grad is not None]),
+                      torch.nn.utils.get_total_norm([p.grad for p in ref_child.parameters()]),
+                      f"gradient norm of {name} at step {step}")
+            norm = torch.nn.utils.clip_grad_norm_(
+                [p for p in wrapped.parameters() if p.grad is not None], a.clip)
         elif a.clip_by == "total_norm":  # torch >= 2.6's two halves ([Note: torch's get_total_norm])
             params = list(wrapped.parameters())
             norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
