@@ -696,6 +696,44 @@ def _refuse_backward_hooks(model: torch.nn.Module):
             "(param.register_hook) outside the model")
 
 
+def _rows_written(before: torch.Tensor, after: torch.Tensor) -> list[int]:
+    """The indices along dimension 0 where `after` differs from `before`."""
+    differ = after.ne(before)
+    if before.is_floating_point() or before.is_complex():
+        differ &= ~(before.isnan() & after.isnan())
+    return torch.nonzero(differ.reshape(before.shape[0], -1).any(1)).view(-1).tolist()
+
+
+def _refuse_rows_kept_in_buffers(state: ModelState, state_tensors: list, observe1: list,
+                                 batch1: int, observe2: list, batch2: int) -> None:
+    """[Note: rows kept in buffers] A buffer the forward writes the batch's rows into in
+    place, rows 0 to B-1 for a batch of B (a KV cache as Meta's Llama keeps it,
+    `self.cache_k[:B, start:start + T] = k`, read back by a later call), holds state per row
+    of the caller's batch. rannc runs the rows as micro-batches and replicas, each writing
+    its rows into rows 0.. of its stage's copy, so a later call read other rows' keys: eval
+    outputs 1.27 off on 2 stages without a word. Found from the observation runs: at both
+    batch sizes the rows written are exactly the first B. Batch norm's statistics and
+    codebook updates change rows that do not follow the batch."""
+    n_params = len(state.param_names)
+    for j, name in enumerate(state.buffer_names):
+        before = state_tensors[n_params + j]
+        after1, after2 = observe1[n_params + j], observe2[n_params + j]
+        if (before.dim() == 0 or before.shape[0] < max(batch1, batch2) or before.is_meta
+                or after1.shape != before.shape or after2.shape != before.shape):
+            continue
+        if (_rows_written(before, after1) == list(range(batch1))
+                and _rows_written(before, after2) == list(range(batch2))):
+            raise TraceError(
+                f"the forward writes the rows of its batch into rows 0 to B-1 of buffer {name} "
+                f"in place (B = {batch1} and {batch2} while tracing): a cache kept per row of "
+                "the caller's batch, as a KV cache for generation is. rannc runs the batch's "
+                "rows as micro-batches and replicas, each writing into rows 0.. of its stage's "
+                "copy of the buffer, so a later call would read other rows' values. Pass such a "
+                "cache to forward as an argument and return it (as transformers' "
+                "past_key_values), or generate with the model outside rannc ([Note: rows kept "
+                "in buffers] in _trace.py)")
+
+
 def _fresh_buffers(state: ModelState, state_tensors: list) -> list[torch.Tensor]:
     """`state_tensors` with the buffers copied: a run may write into them."""
     n_params = len(state.param_names)
@@ -772,7 +810,30 @@ class _CheckpointRunPlainly:
 
     @staticmethod
     def apply(function, preserve_rng_state, *args):
+        _say_checkpoints()
         return function(*args)
+
+
+_CHECKPOINTS_SAID = []
+
+
+def _say_checkpoints() -> None:
+    """Rank 0 says once that the forward's torch.utils.checkpoint calls are traced through
+    ([Note: checkpoints in forward]): a user who wrote them expects less memory."""
+    if not _CHECKPOINTS_SAID and _C.get_rank() == 0:
+        _CHECKPOINTS_SAID.append(True)
+        _C.log_info("the forward calls torch.utils.checkpoint: rannc traces through it, and "
+                    "which stages recompute their forward in the backward is the plan's, from "
+                    "the memory each needs (option recompute=\"always\" recomputes every stage, "
+                    "as the checkpoints would)")
+
+
+def _noting_checkpoints(generator):
+    """torch.utils.checkpoint's non-reentrant generator, noting its use."""
+    def noted(*args, **kwargs):
+        _say_checkpoints()
+        return generator(*args, **kwargs)
+    return noted
 
 
 @contextlib.contextmanager
@@ -811,6 +872,10 @@ def traceable_parts(model: torch.nn.Module):
     import torch.utils.checkpoint as checkpoints
     saved = [(checkpoints, "CheckpointFunction", checkpoints.CheckpointFunction)]
     checkpoints.CheckpointFunction = _CheckpointRunPlainly
+    if hasattr(checkpoints, "_checkpoint_without_reentrant_generator"):
+        generator = checkpoints._checkpoint_without_reentrant_generator
+        saved.append((checkpoints, "_checkpoint_without_reentrant_generator", generator))
+        checkpoints._checkpoint_without_reentrant_generator = _noting_checkpoints(generator)
     masks = sys.modules.get("transformers.masking_utils")
     if masks is not None and hasattr(masks, "_vmap_for_bhqkv"):  # [Note: transformers 4 masks]
         saved.append((masks, "_vmap_for_bhqkv", masks._vmap_for_bhqkv))
@@ -851,18 +916,45 @@ def _state_put_back(model: torch.nn.Module):
     trace's tensor stayed in the model. With stand-ins (a new length, an eval call after
     training) the model then trained on the stand-in weights without a word (a loss 1.5%
     off), or a weight tied to it failed the next trace ("Cannot insert a Tensor that
-    requires grad as a constant")."""
-    saved = [(m, dict(m._parameters), dict(m._buffers)) for m in model.modules()]
+    requires grad as a constant").
+
+    [Note: tracing changes no attribute] The modules' own attributes too, and buffers the
+    forward registered: each run of the forward while tracing starts from the module as the
+    call found it, and leaves it so, as rannc's steps do (they run the traced graph, which
+    sets no attribute). A cache the forward builds or grows (a rotary or ALiBi table built
+    at the first call, or rebuilt for a longer sequence as transformers 4.3x's
+    LlamaRotaryEmbedding did) was built by the trace's first run only, so the run at another
+    batch size took the other branch: "the traced program depends on the input values",
+    or "the model fails when run at batch size 2" with a stale table; the module kept a
+    length that disagreed with its table. A value the forward leaves in an attribute for
+    the loop to read (an auxiliary loss) is named by rank 0 ([Note: attributes read])."""
+    saved = [(m, dict(m._parameters), dict(m._buffers), _own_attributes(m))
+             for m in model.modules()]
     try:
         yield
     finally:
-        for m, parameters, buffers in saved:
+        for m, parameters, buffers, attributes in saved:
             for name, value in parameters.items():
                 if m._parameters.get(name) is not value:
                     m._parameters[name] = value
+            for name in [n for n in m._buffers if n not in buffers]:  # registered by forward
+                del m._buffers[name]
+                m._non_persistent_buffers_set.discard(name)
             for name, value in buffers.items():
                 if m._buffers.get(name) is not value:
                     m._buffers[name] = value
+            own = m.__dict__
+            for name in [n for n in own if n not in attributes and n not in _MODULE_INTERNALS]:
+                del own[name]
+            for name, value in attributes.items():
+                if own.get(name, _MISSING) is not value:
+                    own[name] = value
+
+
+def _own_attributes(module: torch.nn.Module) -> dict:
+    """The module's own attributes, not nn.Module's bookkeeping ([Note: tracing changes no
+    attribute])."""
+    return {n: v for n, v in module.__dict__.items() if n not in _MODULE_INTERNALS}
 
 
 def _broadcast_for_bhqkv(mask_function, bh_indices: bool = True):
@@ -1077,9 +1169,12 @@ class _AttributeReads:
         self.names = {id(m): name for name, m in model.named_modules()}
         self.first = {}  # (id of the module, attribute) -> (module, attribute, value first read)
         self.set_first = set()  # (id of the module, attribute) written before any read
+        # (id of the module, attribute) -> the value the forward wrote last: the tracing put
+        # the attribute back ([Note: tracing changes no attribute])
+        self.written = {}
 
     def __enter__(self):
-        names, first, set_first = self.names, self.first, self.set_first
+        names, first, set_first, written = self.names, self.first, self.set_first, self.written
         self.own = torch.nn.Module.__dict__.get("__getattribute__")  # None: object's
         self.own_set = torch.nn.Module.__setattr__
         get, put = self.own or object.__getattribute__, self.own_set
@@ -1096,6 +1191,8 @@ class _AttributeReads:
         def writing(module, attribute, value):
             if (id(module), attribute) not in first:
                 set_first.add((id(module), attribute))
+            if id(module) in names and attribute not in _MODULE_INTERNALS:
+                written[(id(module), attribute)] = (module, attribute, value)
             put(module, attribute, value)
 
         torch.nn.Module.__getattribute__ = recording
@@ -1115,10 +1212,11 @@ class _AttributeReads:
         kept, changed = [], []
         for module, attribute, value in self.first.values():
             name = self.names[id(module)] or "the model"
-            now = module.__dict__.get(attribute, _MISSING)
-            if now == value and type(now) is type(value):
+            now = self.written.get((id(module), attribute), (None, None, value))[2]
+            if type(now) is type(value) and now == value:
                 kept.append((name, module, attribute, value))
-            elif (id(module), attribute) not in _WARNED_CHANGES:  # once per attribute
+            elif type(now) in _PLAIN and (id(module), attribute) not in _WARNED_CHANGES:
+                # a count or flag (a tensor or object set in its place: _say_tensors_left)
                 _WARNED_CHANGES.add((id(module), attribute))
                 changed.append(f"{attribute} of {name} ({value!r} -> {now!r})")
         if changed and _C.get_rank() == 0:
@@ -1126,7 +1224,26 @@ class _AttributeReads:
                         "forward's Python, rannc's steps run the traced graph, which changes no "
                         "attribute. Keep a count in a buffer (register_buffer) to have the steps "
                         "update it ([Note: attributes read] in _trace.py)")
+        self._say_tensors_left()
         return kept
+
+    def _say_tensors_left(self) -> None:
+        """Rank 0 names, once each, the tensors the forward leaves in a module's attribute
+        (`self.aux_loss = ...` for the loop to read after the call, a cache): tracing put
+        the attribute back and the steps set none ([Note: tracing changes no attribute])."""
+        left = []
+        for key, (module, attribute, value) in self.written.items():
+            if (isinstance(value, torch.Tensor) and attribute not in module._buffers
+                    and attribute not in module._parameters and key not in _WARNED_CHANGES):
+                _WARNED_CHANGES.add(key)
+                left.append(f"{attribute} of {self.names[id(module)] or 'the model'}")
+        if left and _C.get_rank() == 0:
+            _C.log_info(f"the forward sets {failure.some_of(left)} to a tensor: within the call "
+                        "it reads as in PyTorch (a cache it builds is rebuilt by every step), but "
+                        "rannc's steps run the traced graph, which sets no attribute, so the "
+                        "module keeps the value it had before (return a value the loop reads "
+                        "after the call, such as an auxiliary loss, from forward; [Note: tracing "
+                        "changes no attribute] in _trace.py)")
 
 
 _MISSING = object()
@@ -1339,6 +1456,7 @@ def _trace_with_layout(model, state, state_tensors, flat: FlatArgs, home, batch:
             with autocast_off(home.type, autocast_dtype(home.type)):
                 traced = _C.build_traced_model(g1, list(ex1), batch, g2, list(ex2), batch2,
                                                observe1, observe2, names, roles, classes)
+            _refuse_rows_kept_in_buffers(state, state_tensors, observe1, batch, observe2, batch2)
         except TraceError as e:
             hints = [n for n in notes if "boolean" in n or "Python number" in n or "integer" in n]
             if hints:

@@ -863,11 +863,16 @@ def test_a_value_pairing_the_rows_of_the_batch_names_its_op():
                        (x,))._trace.traced.pairing_ops == []
 
 
-def test_a_reentrant_checkpoint_in_forward_traces_as_its_ops():
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_a_reentrant_checkpoint_in_forward_traces_as_its_ops(reentrant, capfd):
     """[Note: checkpoints in forward] in _trace.py: torch.utils.checkpoint with
     use_reentrant=True (the default where the argument is left out) made tracing fail with
-    "unordered_map::at"; it is traced as the ops it runs, as the non-reentrant form is."""
+    "unordered_map::at"; it is traced as the ops it runs, as the non-reentrant form is.
+    Rank 0 says that the plan decides what recomputes (a probe's finding: the script's
+    checkpoints were dropped without a word)."""
     from torch.utils.checkpoint import checkpoint
+    from rannc import _trace
+    _trace._CHECKPOINTS_SAID.clear()  # said once per process
 
     class Checkpointed(torch.nn.Module):
         def __init__(self):
@@ -875,7 +880,7 @@ def test_a_reentrant_checkpoint_in_forward_traces_as_its_ops():
             self.a, self.b = torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)
 
         def forward(self, x):
-            h = checkpoint(lambda t: torch.relu(self.a(t)), x, use_reentrant=True)
+            h = checkpoint(lambda t: torch.relu(self.a(t)), x, use_reentrant=reentrant)
             return self.b(h).pow(2).mean()
 
     model = Checkpointed()
@@ -884,6 +889,9 @@ def test_a_reentrant_checkpoint_in_forward_traces_as_its_ops():
     torch.testing.assert_close(g(x), model(x))
     import torch.utils.checkpoint as checkpoints
     assert checkpoints.CheckpointFunction.__name__ == "CheckpointFunction"  # restored
+    assert checkpoints._checkpoint_without_reentrant_generator.__name__ != "noted"
+    err = capfd.readouterr().err
+    assert err.count("the forward calls torch.utils.checkpoint: rannc traces through it") == 1, err
 
 
 @pytest.mark.parametrize("norm", ["batch_norm_without_statistics", "instance_norm"])
@@ -1482,3 +1490,38 @@ def test_outputs_of_classes_registered_without_key_names_trace():
     out = g(x)
     assert isinstance(out, Output) and list(out) == ["logits", "loss"]
     torch.testing.assert_close(out["loss"], model(x)["loss"])
+
+
+class _CachedAttention(nn.Module):
+    """Meta's Llama keeps its KV cache so: one row per row of the caller's batch, written in
+    place in forward and read back by the next call."""
+
+    def __init__(self, rows, keep_per_row=True):
+        super().__init__()
+        self.k = nn.Linear(8, 8)
+        self.keep_per_row = keep_per_row
+        self.register_buffer("cache_k", torch.zeros(rows, 6, 8), persistent=False)
+        self.register_buffer("seen", torch.zeros(rows, 8), persistent=False)
+
+    def forward(self, x, start: int):
+        rows, tokens, _ = x.shape
+        k = self.k(x)
+        if self.keep_per_row:
+            self.cache_k[:rows, start:start + tokens] = k
+            keys = self.cache_k[:rows, :start + tokens]
+        else:  # a statistic over the batch, as batch norm's: no row of it follows the batch
+            self.seen.mul_(0.9).add_(0.1 * k.detach().mean((0, 1)))
+            keys = k
+        return (x + torch.softmax(x @ keys.transpose(1, 2), -1) @ keys).sum()
+
+
+def test_rows_of_the_batch_kept_in_a_buffer_are_a_trace_error():
+    """[Note: rows kept in buffers] in _trace.py: a buffer that keeps the rows of the
+    caller's batch (a KV cache written in place, read by the next call) cannot be cut into
+    micro-batches and replicas; on 2 stages its eval outputs were 1.27 off without a word.
+    A buffer updated from a statistic over the batch traces as before."""
+    x = torch.randn(4, 3, 8)
+    with pytest.raises(rannc.TraceError, match=r"writes the rows of its batch into rows 0 to "
+                                                r"B-1 of buffer cache_k in place"):
+        rannc.trace(_CachedAttention(rows=8).eval(), (x, 0))
+    rannc.trace(_CachedAttention(rows=8, keep_per_row=False), (x, 0))

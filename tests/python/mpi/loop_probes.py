@@ -10,6 +10,11 @@ behaviour and prints "OK rank r", or fails the way the test expects.
                                        shape on every rank, an empty batch) is an error on
                                        every rank; the loop catches it, skips the batch and
                                        trains on equal to PyTorch
+    loop_probes.py lazy_cache          a position table the forward builds at its first call
+                                       and rebuilds for a longer sequence (rotary and ALiBi
+                                       caches), and an auxiliary loss left in an attribute:
+                                       trained over three lengths equal to PyTorch, the
+                                       attribute named and the module left as it was
     loop_probes.py aliased_module      one embedding under two names (and tied to the head),
                                        trained at a new length: equal to PyTorch
     loop_probes.py adagrad_after_eval  Adagrad (state made in __init__) built after an eval call
@@ -460,8 +465,8 @@ elif probe == "padded_lengths":
     for step in range(3):
         mine = rank_batch(rank, step)
         if step == 0:
-            expect_error(lambda: wrapped(**mine), "the ranks' arguments differ in shape besides the "
-                         "batch dimension", f"this rank passed kwargs['input_ids'] int64 [*, {9 + 3 * rank}]")
+            expect_error(lambda: wrapped(**mine), "the ranks' arguments differ in dtype or in "
+                         "shape besides the batch dimension", f"this rank passed kwargs['input_ids'] int64 [*, {9 + 3 * rank}]")
         padded = rannc.pad_to_same_length(mine, PAD, multiple_of=4)
         # the reference: every rank's batch padded by hand to the longest, rounded up to 4
         batches = [rank_batch(r, step) for r in range(world)]
@@ -2447,6 +2452,46 @@ elif probe == "caught_trace_error":  # [Note: trace errors agreed] in module.py
         step_both(wrapped(x[4 * rank:4 * (rank + 1)]).pow(2).mean(), reference(x).pow(2).mean(),
                   opt, ref_opt)
     same_stage_parameters(model, reference, rtol=1e-5)
+    print(f"OK rank {rank}", flush=True)
+elif probe == "lazy_cache":  # [Note: tracing changes no attribute] in _trace.py
+    class Positions(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table, self.cached = None, 0
+
+        def forward(self, x):  # x: (batch, tokens, 8)
+            tokens = x.shape[1]
+            if self.table is None or self.cached < tokens:
+                self.table = torch.sin(torch.arange(tokens)[:, None] / (1 + torch.arange(8)))
+                self.cached = tokens
+            return x + self.table[:tokens]
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pos, self.a, self.b = Positions(), nn.Linear(8, 16), nn.Linear(16, 8)
+            self.aux = None
+
+        def forward(self, x):
+            h = torch.tanh(self.a(self.pos(x)))
+            self.aux = h.pow(2).mean()  # left for the loop; rannc's steps set no attribute
+            return nn.functional.mse_loss(self.b(h), x)
+
+    torch.manual_seed(0)
+    model = Net()
+    reference, opt, ref_opt, wrapped = sgd_pair(model, num_stages=2, num_microbatches=2,
+                                                cost_model="analytic")
+    mine = slice(4 * rank, 4 * (rank + 1))
+    for step, tokens in enumerate((4, 4, 6, 4, 6)):
+        x = torch.randn(8, tokens, 8, generator=torch.Generator().manual_seed(step))
+        loss, ref_loss = wrapped(x[mine]), reference(x)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"rank {rank}: step {step}: {m}")
+        step_both(loss, ref_loss, opt, ref_opt)
+    same_stage_parameters(model, reference, rtol=1e-5)
+    # tracing left the module as the call found it: the steps set no attribute
+    assert model.pos.table is None and model.pos.cached == 0 and model.aux is None, \
+        (model.pos.cached, model.aux)
     print(f"OK rank {rank}", flush=True)
 elif probe == "caught_bad_batch":  # [Note: trace errors agreed] in module.py
     class Classifier(nn.Module):
