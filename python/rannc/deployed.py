@@ -1057,10 +1057,11 @@ def _shapes_differ(signatures, example, shapes) -> Exception:
     rank; `shapes`: this rank's)."""
     differ = _differing_ranks(signatures)
     return failure.agreed(
-        f"the ranks' arguments differ in shape besides the batch dimension (ranks {differ} "
-        f"differ from rank 0; this rank passed {_describe_shapes(example, shapes)}): every "
-        "rank must pass the same shapes in a call, since the ranks' batches are rows of one "
-        "global batch. Pad every rank's batch to the longest of the call: in the module "
+        f"the ranks' arguments differ in dtype or in shape besides the batch dimension (ranks "
+        f"{differ} differ from rank 0; this rank passed {_describe_shapes(example, shapes)}): "
+        "every rank must pass the same dtypes and shapes in a call, since the ranks' batches "
+        "are rows of one global batch. Where a dtype differs, convert it in the collator; "
+        "where lengths differ, pad every rank's batch to the longest of the call: in the module "
         "(option pad_values, for transformers' models pad_values=\"transformers\"), after "
         "the collator (rannc.pad_to_same_length) or to a fixed length (transformers "
         "tokenizers: padding=\"max_length\")")

@@ -225,7 +225,9 @@ def _mismatch(keys: list[tuple[int, tuple[int, int]]]) -> str:
                     "[Note: other arguments] in module.py)")
     elif {"a training call", "an eval call"} <= calls.keys():
         message += (": evaluate on every rank, each with its share of the evaluation data "
-                    "(not on rank 0 alone)")
+                    "(not on rank 0 alone), and end loops together (a generation loop that "
+                    "stops when this rank's sequences are done must go on until every rank's "
+                    "are: agree on stopping, as with torch.distributed.all_reduce of a flag)")
     return message
 
 
