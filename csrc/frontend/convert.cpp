@@ -912,19 +912,26 @@ std::vector<ir::ValueId> findBatchValues(ir::Graph& ir, const Observed& at1, con
 // value; a later batch that selects unevenly would then be cut at the wrong rows (a stage
 // failed in index_put with "shape mismatch"). So such values, and what is computed from
 // them along the same data-sized dimension (its sizes at both batch sizes), are glued into
-// their tasks whatever the example's counts.
+// their tasks whatever the example's counts. The count a selecting op makes may be the same
+// at both batch sizes (an expert of a mixture that no token of the rows the second
+// observation drops was routed to): its outputs are data-sized all the same, along their
+// first dimension that changes, else their first, or the ranks, whose counts differ, glued
+// differently and traced different graphs ("the model's control flow depends on its input
+// data", for a third of the seeds of a hand-written top-2 mixture of experts).
 std::vector<ir::ValueId> dataSizedValues(const ir::Graph& ir, const Observed& at1, const Observed& at2) {
   // per value: its dimension's sizes at both batch sizes, for data-sized values
   std::vector<std::optional<std::pair<int64_t, int64_t>>> sized(ir.numValues());
   std::vector<ir::ValueId> out;
-  auto changing = [&](ir::ValueId v) -> std::vector<std::pair<int64_t, int64_t>> {
-    std::vector<std::pair<int64_t, int64_t>> dims;
+  // each dimension's sizes at both batch sizes, those that change first
+  auto dimensions = [&](ir::ValueId v) -> std::vector<std::pair<int64_t, int64_t>> {
+    std::vector<std::pair<int64_t, int64_t>> dims, same;
     if (!at1.seen[v] || !at2.seen[v] || !ir.value(v).isTensor()) return dims;
     const auto &s1 = at1.shapes[v], &s2 = at2.shapes[v];
     if (s1.size() != s2.size()) return dims;
     for (size_t d = 0; d < s1.size(); ++d) {
-      if (s1[d] != s2[d]) dims.emplace_back(s1[d], s2[d]);
+      (s1[d] != s2[d] ? dims : same).emplace_back(s1[d], s2[d]);
     }
+    dims.insert(dims.end(), same.begin(), same.end());
     return dims;
   };
   for (ir::TaskId t : ir.topologicalOrder()) {
@@ -936,7 +943,7 @@ std::vector<ir::ValueId> dataSizedValues(const ir::Graph& ir, const Observed& at
     }
     if (!selects && from.empty()) continue;
     for (ir::ValueId v : task.outputs) {
-      for (const auto& dim : changing(v)) {
+      for (const auto& dim : dimensions(v)) {
         if (selects || std::find(from.begin(), from.end(), dim) != from.end()) {
           sized[v] = dim;
           if (ir.value(v).role == ir::ValueRole::Intermediate) out.push_back(v);

@@ -869,8 +869,17 @@ def traceable_parts(model: torch.nn.Module):
     function is called once on index tensors shaped to broadcast against each other and
     expanded, as transformers 5 does: the same mask, from ops the trace records.
     """
+    import torch.nn.utils.parametrize as parametrize
     import torch.utils.checkpoint as checkpoints
     saved = [(checkpoints, "CheckpointFunction", checkpoints.CheckpointFunction)]
+    # [Note: cached parametrizations] torch refuses to trace while parametrize.cached() is
+    # on ("Cannot trace a model while caching parametrizations"), around the call as torch
+    # documents it or inside forward: off while traced (the graph computes each weight
+    # once per step anyway)
+    saved += [(parametrize, "_cache_enabled", parametrize._cache_enabled),
+              (parametrize, "cached", parametrize.cached)]
+    parametrize._cache_enabled = 0
+    parametrize.cached = contextlib.nullcontext
     checkpoints.CheckpointFunction = _CheckpointRunPlainly
     if hasattr(checkpoints, "_checkpoint_without_reentrant_generator"):
         generator = checkpoints._checkpoint_without_reentrant_generator

@@ -80,6 +80,13 @@ class TracedGraph:
                          f"from the traced one {' '.join(str(example.spec).split())}"]
             return "; ".join(parts)
         for i, (now, then) in enumerate(zip(flat.leaves, example.leaves)):
+            if isinstance(then, torch.Tensor) != isinstance(now, torch.Tensor):
+                # an optional tensor passed as None (or a number) now, or the reverse: another
+                # program, not the traced one at new shapes
+                def kind(x):
+                    return "a tensor" if isinstance(x, torch.Tensor) else repr(x)
+                return (f"argument {example.paths[i]} was {kind(then)} when traced and is "
+                        f"{kind(now)} now")
             if not isinstance(then, torch.Tensor) and now != then:
                 return (f"argument {example.paths[i]} was {then!r} when traced and is {now!r} "
                         "now; constants are baked into the trace")

@@ -15,6 +15,10 @@ behaviour and prints "OK rank r", or fails the way the test expects.
                                        caches), and an auxiliary loss left in an attribute:
                                        trained over three lengths equal to PyTorch, the
                                        attribute named and the module left as it was
+    loop_probes.py optional_tensors    an optional argument traced as a tensor and passed as
+                                       None later, a 0-dim tensor then a float, and weights
+                                       under parametrize.cached() (around the call and in
+                                       forward): equal to PyTorch
     loop_probes.py aliased_module      one embedding under two names (and tied to the head),
                                        trained at a new length: equal to PyTorch
     loop_probes.py adagrad_after_eval  Adagrad (state made in __init__) built after an eval call
@@ -2451,6 +2455,42 @@ elif probe == "caught_trace_error":  # [Note: trace errors agreed] in module.py
     for step in range(2):
         step_both(wrapped(x[4 * rank:4 * (rank + 1)]).pow(2).mean(), reference(x).pow(2).mean(),
                   opt, ref_opt)
+    same_stage_parameters(model, reference, rtol=1e-5)
+    print(f"OK rank {rank}", flush=True)
+elif probe == "optional_tensors":
+    import torch.nn.utils.parametrize as parametrize
+
+    class Optional(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.e = nn.Linear(8, 16), nn.Linear(16, 3), nn.Linear(4, 16)
+            torch.nn.utils.parametrizations.orthogonal(self.a)
+
+        def forward(self, x, y, extra=None, temperature=1.0):
+            with parametrize.cached():  # [Note: cached parametrizations] in _trace.py
+                h = torch.tanh(self.a(x) + self.a(x).flip(-1))
+            if extra is not None:
+                h = h + self.e(extra)
+            return nn.functional.cross_entropy(self.b(h) / temperature, y)
+
+    torch.manual_seed(0)
+    model = Optional()
+    reference, opt, ref_opt, wrapped = sgd_pair(model, num_stages=2, num_microbatches=2,
+                                                cost_model="analytic")
+    mine = slice(4 * rank, 4 * (rank + 1))
+    gen = torch.Generator().manual_seed(1)
+    # an optional tensor, then None (was taken for the traced program at new shapes: "the
+    # model is another program than the one planned"); a 0-dim tensor, then a number
+    for extra, temperature in ((True, 1.0), (False, 1.0), (True, torch.tensor(2.0)),
+                               (True, 2.0), (False, 1.0)):
+        x, e = torch.randn(8, 8, generator=gen), torch.randn(8, 4, generator=gen)
+        y = torch.randint(0, 3, (8,), generator=gen)
+        with parametrize.cached():  # as torch documents it, around the call
+            loss = wrapped(x[mine], y[mine], e[mine] if extra else None, temperature)
+        ref_loss = reference(x, y, e if extra else None, temperature)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"rank {rank}: {m}")
+        step_both(loss, ref_loss, opt, ref_opt)
     same_stage_parameters(model, reference, rtol=1e-5)
     print(f"OK rank {rank}", flush=True)
 elif probe == "lazy_cache":  # [Note: tracing changes no attribute] in _trace.py
