@@ -249,7 +249,7 @@ class Deployed:
                 deployment = _C.rebind_deployment(plan_from.deployment, plan_from.graph.ir, ir)
             except _C.TraceError as e:
                 # every rank traced the same graph (_check_agreement): all fail alike
-                raise failure.agreed(str(e)) from e
+                raise failure.agreed(str(e) + _sizes_of_one(plan_from, self.shapes)) from e
             self.planned_rows = plan_from.planned_rows
         self.graph._trace.state_tensors = None  # stand-ins and gathered buffers, for planning
         if opts.verify_plan:
@@ -1037,6 +1037,23 @@ def _shapes_but_batch(tensors_and_batch_dims) -> tuple:
     return tuple((str(t.dtype).replace("torch.", ""),
                   tuple(-1 if k == dim else n for k, n in enumerate(t.shape)))
                  for t, dim in tensors_and_batch_dims if isinstance(t, torch.Tensor))
+
+
+def _sizes_of_one(planned: "Deployed", shapes) -> str:
+    """A hint where a dimension is 1 in the planned shapes or in `shapes` and not in the
+    other: a dimension of size 1 (a generation loop's first token) makes ops such as view
+    and reshape trace otherwise than at longer lengths (nn.MultiheadAttention's
+    projections), so the two are different programs."""
+    paths = [planned.graph._trace.inputs.paths[slot]
+             for slot, (_, then), (_, now) in zip(planned.graph._trace.inputs.tensor_slots,
+                                                  planned.shapes, shapes)
+             if len(then) == len(now) and any(a != b and 1 in (a, b) for a, b in zip(then, now))]
+    if not paths:
+        return ""
+    return (f". {failure.some_of(paths)} has a dimension of size 1 in one of the two calls "
+            "and not in the other: ops such as view and reshape trace a size of 1 otherwise "
+            "than longer ones, so keep such a dimension above 1 in every call (a generation "
+            "loop: start from a prompt of two tokens or more)")
 
 
 def _describe_shapes(example, shapes) -> str:

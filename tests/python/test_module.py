@@ -1161,7 +1161,7 @@ for _ in range(2):
 
 @pytest.mark.parametrize("probe", ["stand_in_traces", "adagrad_after_eval", "caught_trace_error",
                                    "caught_bad_batch", "lazy_cache", "optional_tensors",
-                                   "aliased_module", "draws_in_forward"])
+                                   "first_token", "aliased_module", "draws_in_forward"])
 def test_loops_found_failing_by_probes_equal_pytorch(probe):
     """Session 37's and 38's new-user probes.
     stand_in_traces: a new length and an eval call after training trace with stand-ins for
@@ -1193,6 +1193,8 @@ def test_loops_found_failing_by_probes_equal_pytorch(probe):
     a 0-dim tensor, then a number) was taken for the traced program at new shapes ("another
     program than the one planned ... pad the inputs"); parametrize.cached() was torch's
     "Cannot trace a model while caching parametrizations" (probes' findings).
+    first_token: greedy decoding from one token through nn.MultiheadAttention: length 2 is
+    another program (a size of 1 traces otherwise); the error says so and how to start.
     aliased_module: a module reachable under two names (transformers 4's T5 embedding) kept
     the stand-ins of a trace at a new length as its weights: the loss 1.5% off, or, tied to
     the head, "Cannot insert a Tensor that requires grad as a constant" ([Note: modules

@@ -19,6 +19,10 @@ behaviour and prints "OK rank r", or fails the way the test expects.
                                        None later, a 0-dim tensor then a float, and weights
                                        under parametrize.cached() (around the call and in
                                        forward): equal to PyTorch
+    loop_probes.py first_token         greedy decoding through nn.MultiheadAttention from
+                                       one token: length 2 is another program than length 1,
+                                       an error naming the size of 1; from two tokens on,
+                                       every length equals PyTorch
     loop_probes.py aliased_module      one embedding under two names (and tied to the head),
                                        trained at a new length: equal to PyTorch
     loop_probes.py adagrad_after_eval  Adagrad (state made in __init__) built after an eval call
@@ -2456,6 +2460,35 @@ elif probe == "caught_trace_error":  # [Note: trace errors agreed] in module.py
         step_both(wrapped(x[4 * rank:4 * (rank + 1)]).pow(2).mean(), reference(x).pow(2).mean(),
                   opt, ref_opt)
     same_stage_parameters(model, reference, rtol=1e-5)
+    print(f"OK rank {rank}", flush=True)
+elif probe == "first_token":
+    class Decoder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(11, 16)
+            self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+            self.out = nn.Linear(16, 11)
+
+        def forward(self, tokens):
+            h = self.embed(tokens)
+            causal = nn.Transformer.generate_square_subsequent_mask(tokens.shape[1])
+            return self.out(h + self.attn(h, h, h, attn_mask=causal, need_weights=False)[0])
+
+    torch.manual_seed(0)
+    model = Decoder().eval()
+    prompt = torch.randint(0, 11, (8, 5), generator=torch.Generator().manual_seed(2))
+    mine = slice(4 * rank, 4 * (rank + 1))
+    from_one = rannc.RaNNCModule(copy.deepcopy(model), num_stages=2, cost_model="analytic").eval()
+    with torch.no_grad():
+        from_one(prompt[mine, :1])
+        expect_error(lambda: from_one(prompt[mine, :2]),
+                     "args[0] has a dimension of size 1 in one of the two calls and not in the "
+                     "other")
+        from_two = rannc.RaNNCModule(copy.deepcopy(model), num_stages=2,
+                                     cost_model="analytic").eval()
+        for length in (2, 3, 4):
+            torch.testing.assert_close(from_two(prompt[mine, :length]),
+                                       model(prompt[:, :length])[mine], rtol=1e-5, atol=1e-6)
     print(f"OK rank {rank}", flush=True)
 elif probe == "optional_tensors":
     import torch.nn.utils.parametrize as parametrize
