@@ -939,8 +939,16 @@ def _state_put_back(model: torch.nn.Module):
     the loop to read (an auxiliary loss) is named by rank 0 ([Note: attributes read])."""
     saved = [(m, dict(m._parameters), dict(m._buffers), _own_attributes(m))
              for m in model.modules()]
+    # [Note: tensors written in attributes] a plain tensor attribute (not a parameter or
+    # buffer) is a constant of the trace: a forward that writes into one in place (Meta's
+    # Llama keeps its KV cache so, `self.cache_k[:B, start:start + T] = k`) had each rank's
+    # trace hold its own data, and the ranks' graphs differed ("the model's control flow
+    # depends on its input data"); the steps would write into the one constant
+    versions = [(m, name, t, _version(t)) for m, _, _, attributes in saved
+                for name, t in attributes.items() if isinstance(t, torch.Tensor)]
     try:
         yield
+        written = [(m, name) for m, name, t, v in versions if v is not None and _version(t) != v]
     finally:
         for m, parameters, buffers, attributes in saved:
             for name, value in parameters.items():
@@ -958,6 +966,24 @@ def _state_put_back(model: torch.nn.Module):
             for name, value in attributes.items():
                 if own.get(name, _MISSING) is not value:
                     own[name] = value
+    if written:
+        names = {id(m): n for n, m in model.named_modules()}
+        where = [f"{name} of {names.get(id(m)) or 'the model'}" for m, name in written]
+        raise TraceError(
+            f"the forward writes into the tensor {failure.some_of(where)} in place: a tensor "
+            "kept in a module's attribute, not a parameter or buffer, is a constant to the "
+            "trace, which rannc's steps cannot update. Register it as a buffer "
+            "(self.register_buffer(name, tensor, persistent=False)), or, for a cache kept per "
+            "row of the batch (a KV cache), pass it to forward and return it ([Note: tensors "
+            "written in attributes] in _trace.py)")
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """The tensor's version counter (None for inference tensors, which keep none)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
 
 
 def _own_attributes(module: torch.nn.Module) -> dict:
