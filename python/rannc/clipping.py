@@ -64,24 +64,6 @@ def warn_early_imports() -> None:
                     "call torch.nn.utils.clip_grad_norm_, or model.clip_grad_norm)")
 
 
-def counted_grads(module, selected: set[int] | None = None) -> list[torch.Tensor]:
-    """The gradients this rank counts in the norm over every stage: each trained parameter
-    on the first rank that trains it (replicas and stages sharing it hold the same sum),
-    restricted to the parameter objects in `selected` when given."""
-    rank = _C.get_rank()
-    return [t.grad.detach() for t, trainers in module.placement.trained_parameters()
-            if min(trainers) == rank and t.grad is not None
-            and (selected is None or id(t) in selected)]
-
-
-def held_grads(module, selected: set[int] | None = None) -> list[torch.Tensor]:
-    """The gradients of the trained parameters this rank holds (each once)."""
-    rank = _C.get_rank()
-    return [t.grad for t, trainers in module.placement.trained_parameters()
-            if rank in trainers and t.grad is not None
-            and (selected is None or id(t) in selected)]
-
-
 def _local_term(grads, norm_type: float) -> torch.Tensor:
     """sum |g|^p over `grads` (their max for the infinity norm) as a float64 on the host:
     one pass on their device and one copy (a GPU would stall on a .cpu() per gradient)."""
@@ -98,14 +80,6 @@ def _combined(term: torch.Tensor, local: list[torch.Tensor], norm_type: float) -
     if math.isinf(norm_type):
         return torch.maximum(term, mine)
     return (term + mine) ** (1.0 / norm_type)
-
-
-def global_norm(counted: list[torch.Tensor], local: list[torch.Tensor],
-                norm_type: float) -> torch.Tensor:
-    """The norm over `counted` on every rank (a collective) and `local` on this rank."""
-    # one all-gather that also checks every rank is here ([Note: named collectives])
-    terms = handshake.exchange("clip_grad_norm", _local_term(counted, norm_type).view(1))[:, 0]
-    return _combined(terms.max() if math.isinf(norm_type) else terms.sum(), local, norm_type)
 
 
 def _trained_modules() -> list:
@@ -133,7 +107,8 @@ def _norm_of_the_meant(modules: list, meant, local: list[torch.Tensor], norm_typ
         norms = torch.stack(torch._foreach_norm(counted, norm_type)).double().cpu()
         row[at] = norms if math.isinf(norm_type) else norms ** norm_type
     handshake.exchange(what, torch.zeros(1))  # every rank is here ([Note: named collectives])
-    _C.Communicator.world_cpu().all_reduce(row).wait()  # one rank's term per parameter
+    if _C.get_world_size() > 1:
+        _C.Communicator.world_cpu().all_reduce(row).wait()  # one rank's term per parameter
     union = row[:n] > 0
     terms = row[n:][union]
     if math.isinf(norm_type):
@@ -143,6 +118,14 @@ def _norm_of_the_meant(modules: list, meant, local: list[torch.Tensor], norm_typ
     held = [t.grad for (t, trainers), u in zip(entries, union.tolist())
             if u and rank in trainers and t.grad is not None]
     return _combined(term, local, norm_type), held
+
+
+def clip_module_(module, max_norm: float, norm_type: float) -> torch.Tensor:
+    """Clips every trained gradient of `module` by their norm over every stage (a
+    collective): RaNNCModule.clip_grad_norm."""
+    total, held = _norm_of_the_meant([module], lambda t: True, [], norm_type, "clip_grad_norm")
+    scale_(held, max_norm, total)
+    return total.float()
 
 
 def scale_(grads, max_norm: float, total: torch.Tensor) -> None:

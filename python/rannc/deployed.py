@@ -683,6 +683,8 @@ class Deployed:
     def _use_batch(self, rows: int):
         try:
             changed = self.engine.use_batch(rows)
+        except _C.CommError:
+            raise  # a peer failed: nothing to agree on
         except _C.Error as e:  # too few rows: every rank has the agreed rows, and says so
             raise failure.agreed(str(e)) from None
         if changed and _C.get_rank() == 0:

@@ -1022,6 +1022,4 @@ class RaNNCModule(torch.nn.Module):
             for optimizer in self.optimizers:
                 if scaler._per_optimizer_states[id(optimizer)]["stage"] is not OptState.UNSCALED:
                     scaler.unscale_(optimizer)
-        total = clipping.global_norm(clipping.counted_grads(self), [], float(norm_type))
-        clipping.scale_(clipping.held_grads(self), max_norm, total)
-        return total.float()
+        return clipping.clip_module_(self, max_norm, float(norm_type))
