@@ -28,9 +28,19 @@ with the default group) first meet rannc's handshake, once a RaNNCModule exists:
 agree on the collective, serving a pending gather on the way, and a rank in a
 torch.distributed collective while another is in a RaNNCModule call gets an error naming
 both instead of a hang. Subgroups' collectives are left alone (not every rank is in them).
+
+[Note: the group ends before the interpreter] A script that never calls
+destroy_process_group() (most do not; Trainer does not) left gloo's worker threads alive
+into the interpreter's teardown, where one of them now and then aborted the process after
+its last line ("terminate called without an active exception", exit code 134: the job
+failed though it trained; torch's own atexit fix, pytorch#179291, was abandoned). So the
+group this function makes is destroyed at exit, after rannc's last collective (atexit runs
+last-registered first: the end-of-script handshake is registered with the first
+RaNNCModule, after the group); a group the script destroyed or replaced is left alone.
 """
 from __future__ import annotations
 
+import atexit
 import collections
 import functools
 import inspect
@@ -85,7 +95,14 @@ def init_process_group(backend: str | None = None, **kwargs) -> None:
                         "per GPU)")
     dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank,
                             world_size=world, **kwargs)
+    atexit.register(_destroy_at_exit, dist.group.WORLD)
     _agree_with_rannc()
+
+
+def _destroy_at_exit(made) -> None:
+    """[Note: the group ends before the interpreter]"""
+    if dist.is_initialized() and dist.group.WORLD is made:
+        dist.destroy_process_group()
 
 
 def backend_for(machines: list[tuple[str, int]]) -> str:

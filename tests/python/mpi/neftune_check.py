@@ -8,16 +8,24 @@ end (an AttributeError on a RaNNCModule before session 30). The hook is traced i
 training graph (its noise drawn on the stage at each step, as dropout's masks are) and not
 into evaluation's; the noise scale follows the traced length. Its random values once glued
 the whole model into one task, which no plan could cut ([Note: random values] in
-csrc/frontend/convert.cpp). Trained losses differ from a run without it.
+csrc/frontend/convert.cpp). Trained losses differ from a run without it. The group rannc.init_process_group() made
+is destroyed at exit, which the script never asks for (gloo's threads aborted the
+interpreter's teardown now and then).
 """
+import atexit
 import sys
 
 import torch
+import torch.distributed as dist
 
 torch.set_num_threads(1)
 
 import rannc  # noqa: E402
 
+# runs after rannc's own exit handler (last registered, first run): the group it made is
+# gone by then ([Note: the group ends before the interpreter] in process_group.py)
+atexit.register(lambda: print(f"at exit rank {rannc.get_rank()}: group initialized "
+                              f"{dist.is_initialized()}", flush=True))
 rannc.init_process_group()
 
 import transformers as tf  # noqa: E402
