@@ -143,8 +143,9 @@ class PlanSharingCopy(torch.nn.Module):
         """Runs the agreed `call` on `deployed` (the RaNNCModule's, of this copy's mode) with
         the copy's tensors, forward only."""
         # new shapes are traced as the module's own call would (a variant that training
-        # runs later is traced with gradients)
-        target = deployed.variant(call, args, kwargs)
+        # runs later is traced with gradients); at shapes where the model is another program,
+        # an error ([Note: programs at other shapes] in module.py)
+        target = deployed.variant(call, args, kwargs, new_programs=False)
         writes = call.flagged or self.module.training  # a share, batch-norm statistics
         with self._as_model(writes), torch.no_grad():
             if call.flagged and not self.module.training:

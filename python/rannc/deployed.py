@@ -224,9 +224,7 @@ class Deployed:
         ir = self.graph.ir
         rank, world = _C.get_rank(), _C.get_world_size()
         # the arguments' shapes but the batch -> the deployment of this mode that runs them
-        n_state = len(self.graph._trace.state.names)
-        self.shapes = _shapes_but_batch(zip(self.graph._trace.inputs.tensors,
-                                            (ir.value(v).batch_dim for v in ir.inputs[n_state:])))
+        self.shapes = traced_shapes(graph)
         self._check_agreement(ir)
         # Training without a single scalar loss to seed 1F1B takes gradients from outside.
         has_loss = sum(1 for v in ir.outputs if ir.value(v).is_loss) == 1
@@ -249,8 +247,11 @@ class Deployed:
                 deployment = _C.rebind_deployment(plan_from.deployment, plan_from.graph.ir, ir)
             except _C.TraceError as e:
                 # every rank traced the same graph (_check_agreement): all fail alike
-                raise failure.agreed(str(e) + _sizes_of_one(plan_from, self.shapes)) from e
+                error = failure.agreed(str(e) + _sizes_of_one(plan_from, self.shapes))
+                error.another_program = str(e)  # [Note: programs at other shapes] in module.py
+                raise error from e
             self.planned_rows = plan_from.planned_rows
+        self.planned_by = plan_from or self  # whose plan this runs
         self.graph._trace.state_tensors = None  # stand-ins and gathered buffers, for planning
         if opts.verify_plan:
             deployment.validate(ir)
@@ -287,6 +288,12 @@ class Deployed:
         # gradients go to each parameter's trainers ([Note: other training arguments])
         self.routing_key = None
         self._routes = self._positions = None  # _route_grads's, once
+        # [Note: programs at other shapes] in module.py: the key of the program whose plan
+        # this runs in the module's placement (None: the mode's first program), and, on a
+        # program that calls at new shapes start from, the programs planned at shapes its
+        # plan cannot run
+        self.program_key = None
+        self.shape_programs = []
         if rank == 0 and plan_from is None:
             print(deployment.report(), flush=True)
             print(self.times.line(), flush=True)
@@ -551,9 +558,11 @@ class Deployed:
         """Runs one agreed call on variant()."""
         return self.variant(call, args, kwargs)._run(call.local, call.flat, call.rows)
 
-    def variant(self, call: _Call, args, kwargs) -> "Deployed":
+    def variant(self, call: _Call, args, kwargs, new_programs: bool = True) -> "Deployed":
         """The deployment that runs `call`: this one, or the one of this mode for the call's
-        input shapes, deployed first if they are new ([Note: new input shapes])."""
+        input shapes, deployed first if they are new ([Note: new input shapes]): this
+        plan's, or another program's where the model is another program at them ([Note:
+        programs at other shapes] in module.py; unless not `new_programs`)."""
         shapes, trainable = call.shapes, call.trainable
         key = (shapes, trainable)
         target = self.variants.get(key)
@@ -565,19 +574,22 @@ class Deployed:
                     else f"{sum(trainable)} of {len(trainable)} parameters now require grad "
                          f"({sum(self.trainable)} when planned)")
             try:
-                target = self.variants[key] = self.owner._deploy_shapes(self, args, kwargs)
-                target.routing_key = self.routing_key  # the same program's plan
+                target = self.variants[key] = self.owner._deploy_shapes(self, args, kwargs,
+                                                                         new_programs)
             except Exception as e:
                 if getattr(e, "on_every_rank", False) and not getattr(e, "depends_on_batch", False):
                     self.unrunnable[key] = str(e)  # a rule of the plan or the trace
                 else:  # say which step failed: the whole model runs to trace it again
                     e.add_note(f"rannc: while tracing the model again for {what}")
                 raise
-            if _C.get_rank() == 0:
+            if _C.get_rank() == 0 and target not in self.shape_programs:  # (planned: said)
+                plan = target.planned_by
+                made = ("made at the first call" if plan is self else
+                        f"made at {plan.describe_shapes()}, where the model is the same program")
                 _C.log_info(
                     f"{what}: traced again in "
-                    f"{target.times.tracing:.2f} s, running plan {self.deployment.hash} made at "
-                    f"the first call ({len(self.variants)} variants so far)"
+                    f"{target.times.tracing:.2f} s, running plan {plan.deployment.hash} {made} "
+                    f"({len(self.variants)} variants so far)"
                     f"{target._micro_batch_note()}")
                 target._warn_over_memory(shapes == self.shapes)
         if trainable is not None:
@@ -672,7 +684,8 @@ class Deployed:
         sequence, a mask's length), the plan's transfers are sized from them, and a stage
         takes a size from another as traced: so each new shape is traced again, on every
         rank together, and runs the plan made at the first shapes when the trace is the same
-        program (partition::rebindDeployment), else the error names the op that differs."""
+        program (partition::rebindDeployment), else it is another program ([Note: programs
+        at other shapes] in module.py)."""
         return _shapes_but_batch((t, self.engine.value(vid).batch_dim) for vid, t in local.items())
 
     def describe_shapes(self, shapes: tuple | None = None) -> str:
@@ -1056,6 +1069,14 @@ def _sizes_of_one(planned: "Deployed", shapes) -> str:
             "and not in the other: ops such as view and reshape trace a size of 1 otherwise "
             "than longer ones, so keep such a dimension above 1 in every call (a generation "
             "loop: start from a prompt of two tokens or more)")
+
+
+def traced_shapes(graph: TracedGraph) -> tuple:
+    """The traced arguments' shapes but the batch ([Note: new input shapes])."""
+    ir = graph.ir
+    n_state = len(graph._trace.state.names)
+    return _shapes_but_batch(zip(graph._trace.inputs.tensors,
+                                 (ir.value(v).batch_dim for v in ir.inputs[n_state:])))
 
 
 def _describe_shapes(example, shapes) -> str:

@@ -24,7 +24,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from . import _C, clipping, failure, full_state, handshake, registry, trainer_support
-from .deployed import autocast_off, Deployed, module_modes, reads_every_gradient
+from .deployed import autocast_off, Deployed, module_modes, reads_every_gradient, traced_shapes
 from .graph import TracedGraph
 from ._trace import attribute_values, autocast_dtype, module_hooks, traced_differently
 from ._trace import flatten_args as _trace_flat
@@ -392,17 +392,30 @@ class RaNNCModule(torch.nn.Module):
                 call = deployed.agree(args, kwargs, what, copy is not None and copy.changed())
                 if arguments is not None and not fresh:
                     self._check_other_arguments(mode, arguments, args, kwargs, copy)
-                if sync and not fresh:
-                    self.placement.before_eval()
                 if copy is not None:
+                    if sync and not fresh:
+                        self.placement.before_eval()
                     return copy.run(deployed, call, args, kwargs)
-                before = self.placement.buffers_before() if mode and arguments is None else None
-                out = deployed.run(call, args, kwargs)
-                # after the call: deploying new input shapes in it gathers current weights
+                # the plan that runs the call's shapes: its program's, or another program's
+                # ([Note: programs at other shapes]), deployed first if they are new
+                target = deployed.variant(call, args, kwargs)
+                key = target.program_key
+                if mode and key is not None and arguments is None and not self._grad_sync:
+                    raise failure.agreed(
+                        "a training call under no_sync() at input shapes where the model is "
+                        "another program than at the first training call's: its gradients go "
+                        "to the ranks that train each parameter ([Note: programs at other "
+                        "shapes] in module.py), which needs them summed over its replicas; "
+                        "call it outside no_sync(), or keep its shapes")
+                sync = not (mode and key is None)
+                if sync and not (fresh and key == deployed.program_key):
+                    self.placement.before_eval()
+                before = self.placement.buffers_before() if mode and key is None else None
+                out = target._run(call.local, call.flat, call.rows)
                 if mode:
                     self.placement.trained()
-                    if arguments is not None:  # [Note: other training arguments]
-                        self.placement.after_other_training((mode, arguments))
+                    if key is not None:  # [Note: other training arguments]
+                        self.placement.after_other_training(key)
                     else:  # [Note: buffers of replicas] in placement.py
                         written = self.placement.share_written_buffers(before)
                         if written:
@@ -494,11 +507,14 @@ class RaNNCModule(torch.nn.Module):
             return getattr(torch, forced)
         return autocast_dtype(self.device.type) or self._accelerate_precision
 
-    def _deploy(self, mode, args, kwargs, amp, plan_from=None, arguments=None):
+    def _deploy(self, mode, args, kwargs, amp, plan_from=None, arguments=None,
+                new_programs=True):
         """Traces, plans and deploys `mode` (a collective) in precision `amp`, then frees the
         state tensors that no deployed stage on this rank uses. `plan_from`: the mode's
-        deployment at other input shapes, whose plan the new trace runs; `arguments`: an
-        eval call's arguments other than the mode's first ([Note: other arguments])."""
+        deployment at other input shapes, whose plan the new trace runs, else the plan of a
+        program planned at other shapes before, else (`new_programs`) a plan of its own
+        ([Note: programs at other shapes]); `arguments`: an eval call's arguments other than
+        the mode's first ([Note: other arguments])."""
         # Profiling runs the pieces on the module's own buffers, and a batch norm in training
         # mode updates its running statistics each time: keep the values from before.
         if plan_from is None and _C.get_world_size() > 1:
@@ -523,16 +539,24 @@ class RaNNCModule(torch.nn.Module):
                     graph = _traced_together(lambda: TracedGraph(
                         self.module, args, kwargs, state_tensors=state, home=self._home))
                 del state
-                deployed = Deployed(self, graph, args, kwargs, amp, time.perf_counter() - start,
-                                     plan_from=plan_from)
+                seconds = time.perf_counter() - start
+                if plan_from is None:
+                    deployed = Deployed(self, graph, args, kwargs, amp, seconds)
+                else:
+                    deployed, new = self._rebound(mode, graph, args, kwargs, amp, seconds,
+                                                  plan_from, new_programs)
         finally:
             with torch.no_grad():
                 for b, before in buffers:
                     b.copy_(before)
             del buffers
+        if plan_from is not None and new is None:
+            return deployed  # a plan deployed before: each tensor's ranks are as before
         if plan_from is not None:
-            return deployed  # the mode's plan: each tensor's ranks are as before
+            arguments = new  # [Note: programs at other shapes]
+            plan_from.shape_programs.append(deployed)
         if arguments is not None:
+            deployed.program_key = (mode, arguments)
             self._deployed_by_arguments[(mode, arguments)] = deployed
             self.placement.add_mode((mode, arguments), deployed)
             if mode:  # [Note: other training arguments]
@@ -547,10 +571,71 @@ class RaNNCModule(torch.nn.Module):
         self.placement.initialize()  # parameters built on meta that it did not fill
         return deployed
 
-    def _deploy_shapes(self, deployed, args, kwargs):
-        """The deployment of `deployed`'s mode for this call's new input shapes (a
-        collective, [Note: new input shapes])."""
-        return self._deploy(self.module.training, args, kwargs, deployed.amp, plan_from=deployed)
+    def _deploy_shapes(self, deployed, args, kwargs, new_programs=True):
+        """The deployment of `deployed`'s program for this call's new input shapes (a
+        collective, [Note: new input shapes]): its plan's, or another program's ([Note:
+        programs at other shapes])."""
+        return self._deploy(self.module.training, args, kwargs, deployed.amp, plan_from=deployed,
+                            new_programs=new_programs)
+
+    # [Note: programs at other shapes] At some input shapes the model is another program
+    # than at the shapes a plan was made for: nn.MultiheadAttention's projections reshape a
+    # sequence of length 1 otherwise than longer ones, so greedy decoding from one token
+    # (length 1, then 2, 3, ...) failed at its second call, and so did a branch on the
+    # length (`if T > window`) or a cache grown past a table built in __init__. Such a
+    # call's trace runs the plan of the shapes' first program where it can
+    # (partition::rebindDeployment checks the same ops in the same order), else the plan
+    # of a program planned at other shapes before (length 3 runs length 2's), else it is
+    # planned on its own, as a call of other arguments is ([Note: other arguments],
+    # [Note: other training arguments]: its stages may place a parameter elsewhere, its
+    # ranks get the current weights before it runs, a training call's gradients go to the
+    # parameters' trainers), and counts as one of the mode's programs (_MAX_PROGRAMS). Each
+    # call of it needs no new trace. Under no_sync() a training call of such a program is
+    # an error, as one of other arguments is (its gradients are routed only once summed),
+    # and so is one on a copy of the module ([Note: copies of a wrapped model] in copies.py).
+    def _rebound(self, mode, graph, args, kwargs, amp, seconds, plan_from, new_programs):
+        """`graph` (traced at new shapes) deployed on `plan_from`'s plan, else on that of a
+        program planned at other shapes from it, else planned on its own: (the deployment,
+        None or, where planned on its own, its key among the mode's programs) ([Note:
+        programs at other shapes])."""
+        for program in [plan_from] + plan_from.shape_programs:
+            try:
+                deployed = Deployed(self, graph, args, kwargs, amp, seconds, plan_from=program)
+            except Exception as e:
+                if getattr(e, "another_program", None) is None:
+                    raise
+                error = e
+                continue
+            deployed.program_key, deployed.routing_key = program.program_key, program.routing_key
+            return deployed, None
+        base = plan_from.program_key[1] if plan_from.program_key is not None else None
+        programs = sum(1 for m, _ in self._deployed_by_arguments if m == mode)
+        if not new_programs:
+            error.add_note("rannc: a copy of the module runs the module's programs only "
+                           "([Note: programs at other shapes] in module.py)")
+            raise error
+        if programs >= self._MAX_PROGRAMS:
+            error.add_note(f"rannc: the {'training' if mode else 'eval'} calls have {programs + 1} "
+                           "programs; no more are planned ([Note: programs at other shapes] in "
+                           "module.py)")
+            raise error
+        if mode and not self._grad_sync:
+            raise failure.agreed(
+                f"a training call under no_sync() at input shapes where the model is another "
+                f"program than the one planned ({error.another_program}): its gradients go to "
+                "the ranks that train each parameter ([Note: programs at other shapes] in "
+                "module.py), which needs them summed over its replicas; call it outside "
+                "no_sync(), or keep its shapes")
+        if _C.get_rank() == 0:
+            _C.log_info(f"{'a training' if mode else 'an eval'} call at new input shapes "
+                        f"({plan_from.describe_shapes(traced_shapes(graph))}) where the "
+                        f"model is another program than the one planned "
+                        f"({error.another_program.split(': ', 1)[-1].split('; rannc ')[0]}): "
+                        "traced and planned as "
+                        f"another program ({programs + 1} so far; [Note: programs at other "
+                        "shapes] in module.py)")
+        deployed = Deployed(self, graph, args, kwargs, amp, seconds)
+        return deployed, (base, "input shapes", deployed.shapes)
 
     def held_bytes(self) -> int:
         """Bytes this rank holds on the stages' device for the programs deployed so far:
