@@ -378,6 +378,9 @@ PYBIND11_MODULE(_C, m) {
           "pairing_ops", [](const frontend::TracedModel& t) { return t.pairing_ops; },
           "The ops that make a value pairing the batch's rows ([Note: rows paired] in "
           "frontend/traced_model.h).")
+      .def_property_readonly(
+          "pairing_tasks", [](const frontend::TracedModel& t) { return t.pairing_tasks; },
+          "The tasks holding the pairing ops.")
       .def("run",
            [](const frontend::TracedModel& t, const std::vector<at::Tensor>& inputs) {
              std::vector<c10::IValue> outs;

@@ -97,6 +97,9 @@ void bindProfiler(py::module& m) {
       .def_readwrite("refine_boundaries", &partition::PlannerOptions::refine_boundaries)
       .def_readwrite("refine_candidates", &partition::PlannerOptions::refine_candidates)
       .def_readwrite("verify_finalists", &partition::PlannerOptions::verify_finalists)
+      .def_readwrite("rows_together", &partition::PlannerOptions::rows_together,
+                     "tasks that see every row of the batch at once: the stage holding the "
+                     "first and every later one run one replica ([Note: rows kept together])")
       .def_readwrite("plan_tolerance", &partition::PlannerOptions::plan_tolerance)
       .def_readwrite("chunks", &partition::PlannerOptions::chunks)
       .def_readwrite("model_copies", &partition::PlannerOptions::model_copies)

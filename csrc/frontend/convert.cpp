@@ -1075,8 +1075,10 @@ class IrBuilder {
       std::string op;
       for (Node* n : group.nodes) op += (op.empty() ? "" : "+") + std::string(n->kind().toQualString());
       Node* main = group.mainNode();
-      model_->graph.addTask(op, std::move(ins), std::move(outs), modulePath(main), sourceLocation(main));
+      const ir::TaskId task = model_->graph.addTask(op, std::move(ins), std::move(outs),
+                                                    modulePath(main), sourceLocation(main));
       model_->task_nodes.push_back(main);
+      for (Node* n : group.nodes) model_->task_of_node[n] = task;
       // A task reads each value once (x * x has one input), so a node that reads a value
       // twice runs through slots like a fused group, which hand it every argument.
       const bool alone = group.nodes.size() == 1 && group.inputs.size() == group.nodes[0]->inputs().size();
@@ -1306,6 +1308,7 @@ std::shared_ptr<TracedModel> buildGluedModel(IrBuilder& builder, const TraceExam
   Observed first_at1, first_at2;
   std::vector<const JitValue*> first_jit;
   std::vector<std::string> pairing_ops;  // [Note: rows paired]
+  std::vector<const Node*> pairing_nodes;
   for (int attempt = 0;; ++attempt) {
     std::vector<const JitValue*> jit_of;
     std::vector<std::pair<ir::ValueId, c10::IValue>> flags;
@@ -1354,6 +1357,7 @@ std::shared_ptr<TracedModel> buildGluedModel(IrBuilder& builder, const TraceExam
         if (std::find(pairing_ops.begin(), pairing_ops.end(), op) == pairing_ops.end()) {
           pairing_ops.push_back(op);
         }
+        pairing_nodes.push_back(node);
       }
     }
     size_t before = glue.size();
@@ -1363,6 +1367,14 @@ std::shared_ptr<TracedModel> buildGluedModel(IrBuilder& builder, const TraceExam
              " values whose rows cannot be cut apart into their tasks");
   }
   model->pairing_ops = std::move(pairing_ops);
+  for (const Node* node : pairing_nodes) {
+    auto it = model->task_of_node.find(node);
+    if (it != model->task_of_node.end() &&
+        std::find(model->pairing_tasks.begin(), model->pairing_tasks.end(), it->second) ==
+            model->pairing_tasks.end()) {
+      model->pairing_tasks.push_back(it->second);
+    }
+  }
   return model;
 }
 

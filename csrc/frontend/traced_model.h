@@ -35,6 +35,12 @@ struct TracedModel {
   // stage pairs all the rows it holds, as DistributedDataParallel's ranks do
   // ([Note: rows coupled] in planning.py); "op aten::mm in module '<root>' (Clip) at model.py:12".
   std::vector<std::string> pairing_ops;
+  // The tasks holding those ops (after gluing): where the rows are paired, which the
+  // planner keeps on one replica of one pipeline copy ([Note: rows kept together] in
+  // partition/stage/stage_cost.h).
+  std::vector<ir::TaskId> pairing_tasks;
+  // TorchScript node -> the task that runs it
+  std::unordered_map<const torch::jit::Node*, ir::TaskId> task_of_node;
   // Set by tokenMeanLosses() on its first call, which wraps those losses' operations.
   mutable std::shared_ptr<const TokenMeanLosses> token_means;
 

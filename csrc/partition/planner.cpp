@@ -88,6 +88,7 @@ PlanContext planContext(const ir::Graph& graph, const CostModel& costs, const Pl
   ctx.schedule = o.schedule;
   ctx.recompute = o.recompute;
   ctx.update_seconds_per_byte = o.update_seconds_per_byte;
+  ctx.rows_together = o.rows_together;
   return ctx;
 }
 

@@ -52,6 +52,10 @@ struct PlannerOptions {
   // the fastest are costed again with every stage measured whole, and the preference
   // picks among those costs. 0 or 1: the composed costs decide.
   int verify_finalists = 2;
+  // [Note: rows kept together] in stage/stage_cost.h: the tasks that must see every row of
+  // the batch at once; the stage holding the first and every later one run one replica,
+  // in one pipeline copy.
+  std::vector<ir::TaskId> rows_together;
 };
 
 // Throws rannc::Error naming the option (as the user spells it) whose value is out of range.

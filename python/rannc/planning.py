@@ -269,15 +269,26 @@ def probe_bandwidth(fallback_inter: float) -> dict:
 #   centering `(h - h.mean(0)) / h.std(0)`, hardest examples mined over the batch);
 # - a loss whose reduction over the rows is neither a mean nor a sum (a max, a logsumexp,
 #   a median or a listwise loss over the batch: ir::outputReduction "unknown").
-# Such a model is planned with one micro-batch unless the user fixed their number, so each
-# replica of a stage computes over all the rows it holds, as each DistributedDataParallel
-# rank does over its own; rank 0 names the ops. A statistic that only reaches the outputs (a
+# Such a model is planned with one micro-batch unless the user fixed their number, and the
+# stage where the rows couple and every later one run one replica in one pipeline copy
+# unless the user fixed the layout ([Note: rows kept together] in
+# csrc/partition/stage/stage_cost.h), so they compute over the whole global batch, as
+# PyTorch does; before session 40 each replica computed over its share (a plan with 2
+# replicas of a SigLIP loss stage on 3 ranks gave 2.013 for PyTorch's 3.946, neither
+# PyTorch's nor DDP's); rank 0 names the ops, and warns where the user's layout splits them. A statistic that only reaches the outputs (a
 # mixture of experts' load-balancing loss, a count) stays per micro-batch, as Megatron's.
 def rows_coupled(graph: TracedGraph) -> list[str]:
     """What couples the rows of `graph`'s batch ([Note: rows coupled]), for a message."""
+    return _couplings(graph)[0]
+
+
+def _couplings(graph: TracedGraph) -> tuple[list[str], list[int]]:
+    """What couples the rows of `graph`'s batch, for a message, and the tasks where it
+    does ([Note: rows coupled])."""
     ir, traced = graph.ir, graph._trace.traced
     found = [f"{op} pairs the rows of the batch (a value with the batch in two dimensions, as "
              "an in-batch contrastive loss's similarities)" for op in traced.pairing_ops]
+    where = list(traced.pairing_tasks)
     tasks = ir.tasks()
     values = [ir.value(i) for i in range(ir.num_values)]
     # whether rows are computed from a value: a batch value is made from it, or it meets a
@@ -292,6 +303,7 @@ def rows_coupled(graph: TracedGraph) -> list[str]:
                   if any(values[i].batch_dim >= 0 for i in t.inputs)
                   and any(_row_statistic(values[o]) and reaches_rows[o] for o in t.outputs)]
     if statistics:
+        where += [t.id for t in statistics]
         ops = failure.some_of([traced.describe_task(t.id) for t in statistics], shown=2)
         found.append(f"{ops} makes a statistic over the rows of the batch from which later rows "
                      "are computed")
@@ -303,7 +315,8 @@ def rows_coupled(graph: TracedGraph) -> list[str]:
                     for v in losses)):
         ops = failure.some_of([traced.describe_task(v.producer) for v in losses if v.producer >= 0])
         found.append(f"the loss ({ops}) is not a mean or a sum of the rows' terms")
-    return found
+        where += [v.producer for v in losses if v.producer >= 0]
+    return found, where
 
 
 # Ops that read the rows together where they reduce over the batch. A loss made inside a
@@ -329,16 +342,22 @@ def _row_statistic(v) -> bool:
             and v.dtype in ("Float32", "Float64", "Float16", "BFloat16"))
 
 
-def _rows_kept_whole(graph: TracedGraph, opts: Options, popts) -> None:
+def _rows_kept_whole(graph: TracedGraph, opts: Options, popts, world_size: int) -> list[int]:
     """[Note: rows coupled]: a model that couples the rows of its batch is planned with one
-    micro-batch unless the user fixed their number; rank 0 names what couples them."""
-    coupled = rows_coupled(graph)
+    micro-batch unless the user fixed their number, and the stages from the coupling on
+    with one replica in one pipeline copy unless the user fixed the layout ([Note: rows
+    kept together] in csrc/partition/stage/stage_cost.h); rank 0 names what couples them.
+    Returns the tasks that couple them (none: an empty list)."""
+    coupled, where = _couplings(graph)
     if not coupled:
-        return
+        return []
     if not opts.num_microbatches:
         popts.max_microbatches = 1
+    fixed = bool(opts.replica_counts()) or (opts.num_stages == 1 and world_size > 1)
+    if not fixed:
+        popts.rows_together = where
     if _C.get_rank() != 0:
-        return
+        return where
     what = "; ".join(coupled)
     if opts.num_microbatches > 1:
         _C.log_warn(f"{what}; and num_microbatches={opts.num_microbatches} cuts the batch: each "
@@ -346,12 +365,36 @@ def _rows_kept_whole(graph: TracedGraph, opts: Options, popts) -> None:
                     "result on the whole batch. Leave num_microbatches unset to plan one "
                     "micro-batch per step, or compute the loss outside the module from its "
                     "outputs ([Note: rows coupled] in planning.py)")
-    else:
-        _C.log_info(f"{what}: planned with one micro-batch, so that each replica of a stage "
-                    "computes over all the rows it holds (a share of the global batch, as each "
-                    "DistributedDataParallel rank over its own). To pipeline micro-batches, "
-                    "return what the loss is made from and compute it outside the module "
-                    "([Note: rows coupled] in planning.py)")
+    elif not fixed:
+        _C.log_info(f"{what}: planned with one micro-batch, and the stages from there on with "
+                    "one replica in one pipeline copy, so that they compute over the whole "
+                    "global batch, as PyTorch does (the stages before may be replicated). To "
+                    "pipeline micro-batches, return what the loss is made from and compute it "
+                    "outside the module ([Note: rows coupled] in planning.py)")
+    return where
+
+
+def _say_rows_split(graph: TracedGraph, deployment, where: list[int]) -> None:
+    """Rank 0 warns where a layout the user fixed replicates a stage that computes over
+    rows the model couples ([Note: rows coupled]): each replica (or pipeline copy) computes
+    over its share of the rows only."""
+    if not where or _C.get_rank() != 0 or deployment is None:
+        return
+    coupled = set(where)
+    first = next((i for i, st in enumerate(deployment.stages) if coupled & set(st.tasks)), None)
+    if first is None:
+        return
+    copies = max(1, deployment.pipelines)
+    split = [i for i, st in enumerate(deployment.stages)
+             if i >= first and (copies > 1 or len(st.ranks) // copies > 1)]
+    if split:
+        _C.log_warn(f"{'; '.join(rows_coupled(graph))}; and the layout given (options "
+                    f"num_stages and replicas) runs stage{'s' if len(split) > 1 else ''} "
+                    f"{failure.some_of([str(i) for i in split])} in "
+                    f"{len(deployment.stages[split[0]].ranks)} replicas: each computes over its "
+                    "share of the rows only, which is not the model's result on the whole "
+                    "batch. Leave the layout to the planner, which keeps those stages on one "
+                    "replica ([Note: rows coupled] in planning.py)")
 
 
 # [Note: outputs not cut into rows] An output whose size grows with the batch but that
@@ -429,7 +472,7 @@ def plan_graph(graph: TracedGraph, flat_inputs: list, opts: Options, *, world_si
     times = times if times is not None else PlanTimes()
     popts = opts.planner_options(world_size, opts.batch_size or graph.batch_size * int(world_size),
                                  optimizer, update_seconds_per_byte)
-    _rows_kept_whole(graph, opts, popts)
+    coupled = _rows_kept_whole(graph, opts, popts, int(world_size))
     _outputs_kept_whole(graph, opts, popts, int(world_size))
 
     def explained(e: Exception) -> Exception:
@@ -446,6 +489,7 @@ def plan_graph(graph: TracedGraph, flat_inputs: list, opts: Options, *, world_si
             raise explained(e) from e
         times.search += time.perf_counter() - start
         _say_spectral_norms(graph, deployment)
+        _say_rows_split(graph, deployment, coupled)
         return deployment
     if opts.probe_bandwidth:
         bw = probe_bandwidth(device.inter_node_bandwidth)
@@ -489,6 +533,7 @@ def plan_graph(graph: TracedGraph, flat_inputs: list, opts: Options, *, world_si
         sys.stderr.write(times.line() + "\n")
     if deployment is not None:
         _say_spectral_norms(graph, deployment)
+        _say_rows_split(graph, deployment, coupled)
     return deployment
 
 

@@ -21,7 +21,17 @@ class Recutter {
   Recutter(const AtomicPartition& atomic, const BlockPartition& blocks, std::vector<int> seq,
            std::vector<int> block_start, CostModel& costs, const PlanContext& ctx, const Deployment& plan)
       : atomic_(atomic), blocks_(blocks), seq_(std::move(seq)), block_start_(std::move(block_start)),
-        costs_(costs), ctx_(ctx), plan_(plan), micro_batches_(plan.micro_batches) {}
+        costs_(costs), ctx_(ctx), plan_(plan), micro_batches_(plan.micro_batches) {
+    std::vector<const std::vector<ir::TaskId>*> order;
+    for (int p : seq_) order.push_back(&atomic_.pieces[p].tasks);
+    first_together_ = firstPartTogether(ctx_, order);
+  }
+
+  // [Note: rows kept together] in stage_cost.h: whether a stage of pieces [lo, hi) may
+  // have `replicas` replicas
+  bool replicable(int hi, int replicas) const {
+    return replicas <= 1 || hi <= first_together_;
+  }
 
   int microBatches() const { return micro_batches_; }
   void setMicroBatches(int m) {
@@ -85,6 +95,7 @@ class Recutter {
       const int64_t key = (static_cast<int64_t>(s) * (n + 1) + lo) * (n + 1) + hi;
       auto [it, fresh] = memo.try_emplace(key, kInf);
       if (!fresh) return it->second;
+      if (!replicable(hi, devices[s])) return it->second = kInf;
       StageSlot slot{s, S, offsets[s], devices[s], D, plan_.pipelines, micro_batches_};
       const int64_t rows = stageRows(ctx_, slot);
       if (rows == 0) return kInf;
@@ -148,7 +159,7 @@ class Recutter {
       if (fresh) {
         StageSlot slot{s, S, offset, devices[s], D, plan_.pipelines, micro_batches_};
         const int64_t rows = stageRows(ctx_, slot);
-        if (rows > 0 && cut[s + 1] > cut[s]) {
+        if (rows > 0 && cut[s + 1] > cut[s] && replicable(cut[s + 1], devices[s])) {
           it->second = estimateStage(costs_, stageCost(cut[s], cut[s + 1], rows), slot, ctx_);
         }
       }
@@ -385,6 +396,7 @@ class Recutter {
   const PlanContext& ctx_;
   const Deployment& plan_;
   int micro_batches_;
+  int first_together_ = 0;  // the first piece of the sequence holding a task of ctx_.rows_together
   std::vector<int> sim_devices_;
   std::map<std::pair<int, int>, StageEstimate> sim_cache_;
   std::vector<int64_t> crossing_;

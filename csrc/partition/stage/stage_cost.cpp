@@ -1,6 +1,7 @@
 #include "partition/stage/stage_cost.h"
 
 #include <algorithm>
+#include <unordered_set>
 
 #include "common/error.h"
 #include "partition/cost/memory.h"
@@ -222,6 +223,17 @@ Deployment assembleWhole(CostModel& costs, const PlanContext& ctx, const Deploym
   }
   return assembleDeployment(costs, ctx, stages, plan.pipelines, plan.micro_batches, plan.planner,
                             plan.chunks);
+}
+
+int firstPartTogether(const PlanContext& ctx, const std::vector<const std::vector<ir::TaskId>*>& order) {
+  if (ctx.rows_together.empty()) return static_cast<int>(order.size());
+  const std::unordered_set<ir::TaskId> together(ctx.rows_together.begin(), ctx.rows_together.end());
+  for (size_t i = 0; i < order.size(); ++i) {
+    for (ir::TaskId t : *order[i]) {
+      if (together.count(t)) return static_cast<int>(i);
+    }
+  }
+  return static_cast<int>(order.size());
 }
 
 }  // namespace rannc::partition

@@ -42,7 +42,18 @@ struct PlanContext {
   // user's optimizer); < 0: optimizerUpdateTraffic bytes per byte at the device's memory
   // bandwidth; 0: no step (forward-only plans).
   double update_seconds_per_byte = -1.0;
+  // [Note: rows kept together] Tasks that must see every row of the global batch at once:
+  // an in-batch contrastive loss pairs the rows, a batch statistic flows back into them, a
+  // loss is neither a mean nor a sum of the rows' terms. A replica of a stage computes over
+  // its share of the rows only (each pipeline copy over its own), so the stage holding the
+  // first of them and every later stage run one replica, in one pipeline copy: the loss is
+  // then PyTorch's over the whole batch (stages before it stay replicated). Empty: none.
+  std::vector<ir::TaskId> rows_together;
 };
+
+// The first of `order`'s parts (task lists, in stage order) holding a task of
+// ctx.rows_together; order.size() when none does ([Note: rows kept together]).
+int firstPartTogether(const PlanContext& ctx, const std::vector<const std::vector<ir::TaskId>*>& order);
 
 // Where a stage sits: its position, and its devices within each pipeline copy. Copy c
 // occupies ranks [c * pipeline_devices, (c + 1) * pipeline_devices).

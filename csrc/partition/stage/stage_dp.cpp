@@ -13,7 +13,8 @@
 namespace rannc::partition {
 
 StageProblem::StageProblem(const BlockPartition& blocks, CostModel& costs, PlanContext ctx)
-    : blocks_(blocks), costs_(costs), ctx_(ctx) {
+    : blocks_(blocks), costs_(costs), ctx_(ctx),
+      first_together_(firstPartTogether(ctx_, blockParts(0, static_cast<int>(blocks.blocks.size())))) {
   const int k = numBlocks();
   tasks_.resize(static_cast<size_t>(k + 1) * (k + 1));
 }
@@ -98,6 +99,10 @@ StageSolution formStageDp(StageProblem& problem, int S, int D, int R, int M,
   sol.pipelines = R;
   sol.micro_batches = M;
   if (S < 1 || S > K || D < S || M < 1 || R < 1) return sol;
+  // [Note: rows kept together] in stage_cost.h: one pipeline copy, and one replica for a
+  // stage that reaches the first block holding such a task
+  const int together = problem.firstBlockTogether();
+  if (together < K && R > 1) return sol;
   const bool fixed = !replicas.empty();
   RANNC_CHECK(!fixed || static_cast<int>(replicas.size()) == S, "fixed replicas for " << replicas.size()
                                                                    << " stages, planning " << S);
@@ -112,10 +117,14 @@ StageSolution formStageDp(StageProblem& problem, int S, int D, int R, int M,
     for (int b = s; b <= K - (S - s); ++b) {
       // Descending device counts; stop once a count has no solution for memory reasons.
       for (int d = D - (S - s); d >= s; --d) {
-        bool found = false, rows_limited = false;
+        bool found = false, rows_limited = false, kept_together = false;
         for (int bp = s - 1; bp < b; ++bp) {
           for (int dp = s - 1; dp < d; ++dp) {
             if (fixed && d - dp != replicas[s - 1]) continue;
+            if (b > together && d - dp > 1) {
+              kept_together = true;
+              continue;
+            }
             const double prev = V[at(s - 1, bp, dp)];
             if (prev == kInf) continue;
             StageSlot slot{s - 1, S, dp, d - dp, D, R, M};
@@ -141,7 +150,7 @@ StageSolution formStageDp(StageProblem& problem, int S, int D, int R, int M,
             }
           }
         }
-        if (!found && !rows_limited && !fixed) break;
+        if (!found && !rows_limited && !fixed && !kept_together) break;
       }
     }
   }

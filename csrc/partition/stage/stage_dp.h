@@ -33,11 +33,16 @@ class StageProblem {
   void prefetch(int stages, int devices, int pipelines, int micro_batches);
   // The stage of blocks [first, last) at `slot` (infeasible when its rows would be 0).
   StageEstimate estimate(int first, int last, const StageSlot& slot);
+  // The first block holding a task of context().rows_together (numBlocks() when none):
+  // a stage reaching it runs one replica, in one pipeline copy ([Note: rows kept
+  // together] in stage_cost.h).
+  int firstBlockTogether() const { return first_together_; }
 
  private:
   const BlockPartition& blocks_;
   CostModel& costs_;
   PlanContext ctx_;
+  int first_together_;
   // Costs per rows, flat by first * (k + 1) + last: an index into costs_store_, or
   // kUnknown / kAnnounced. The DP asks millions of times, so no tree or hash per ask.
   static constexpr int32_t kUnknown = -1, kAnnounced = -2;

@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <string>
 
 #include "common/error.h"
@@ -59,6 +60,41 @@ TEST(AFixedLayout, RejectsReplicasThatDoNotMatchTheWorldOrTheStageCount) {
   EXPECT_THROW(plan(g, m, o), InvalidGraphError);
   o = fixedLayout(4, {2, 0, 2});
   EXPECT_THROW(plan(g, m, o), InvalidGraphError);
+}
+
+// [Note: rows kept together] A uniform chain on four devices plans one stage of four
+// replicas; where the last task must see every row (a contrastive loss), the stage
+// holding it and every later one have one replica in one pipeline copy, with the other
+// devices replicating the stages before, also after refinement; and where the first task
+// must, every stage has one.
+TEST(AStageSearch, KeepsTheStagesFromARowCouplingTaskOnOneReplica) {
+  ir::Graph g = testing::uniformChain(8, 256, /*batch=*/16);
+  AnalyticCostModel m(g, device());
+  PlannerOptions o;
+  o.world_size = 4;
+  o.num_blocks = 8;
+  o.memory_limit = 1LL << 40;
+  o.max_microbatches = 1;
+  const Deployment free = plan(g, m, o);
+  ASSERT_GT(free.stages.back().ranks.size() / free.pipelines, 1u);  // else nothing to show
+  const auto order = g.topologicalOrder();
+  for (bool refine : {false, true}) {
+    o.refine_boundaries = refine;
+    o.rows_together = {order.back()};
+    const Deployment d = plan(g, m, o);
+    ASSERT_TRUE(d.feasible);
+    EXPECT_EQ(d.pipelines, 1);
+    EXPECT_EQ(d.stages.back().ranks.size(), 1u);
+    size_t used = 0, widest_before = 0;
+    for (const StagePlan& s : d.stages) used += s.ranks.size();
+    for (size_t i = 0; i + 1 < d.stages.size(); ++i) widest_before = std::max(widest_before, d.stages[i].ranks.size());
+    EXPECT_EQ(used, 4u);
+    EXPECT_GT(widest_before, 1u);  // the stages before stay replicated
+    o.rows_together = {order.front()};
+    const Deployment first = plan(g, m, o);
+    ASSERT_TRUE(first.feasible);
+    for (const StagePlan& s : first.stages) EXPECT_EQ(s.ranks.size(), 1u);
+  }
 }
 
 // Two nodes of two devices and a model that needs two stages, with a slow link between
