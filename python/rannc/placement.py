@@ -503,11 +503,35 @@ class StatePlacement:
         elif isinstance(mode, tuple) and mode[0] is True:  # [Note: other training arguments]
             self._trainers = [t or set(u) for t, u in zip(self._trainers, users)]
         self._fill(tensors, holding, sources, copies)
+        if first:
+            self._from_rank_zero(tensors, users, copies)
         self._release(tensors)
         self._place(tensors)
         for state in copies:
             self._release(state, own=False)
             self._place(state, own=False)
+
+    # [Note: rank 0's weights] DistributedDataParallel broadcasts rank 0's parameters and
+    # buffers when it wraps the model, and scripts rely on it: timm seeds each rank
+    # differently before create_model, a script loads pretrained weights on rank 0 alone.
+    # Here each stage trained from its own rank's values without a word (loss 0.808 for
+    # PyTorch's 1.192 at step 0 on 2 stages; replicas of one stage kept different weights
+    # for good). So at the first deployment every rank that keeps a tensor gets rank 0's
+    # value (a model built on the meta device has none yet: a checkpoint fills it), and so
+    # does each copy made before it (an EMA).
+    def _from_rank_zero(self, tensors, users, copies=()):
+        if _C.get_world_size() == 1:
+            return
+        world = set(range(_C.get_world_size()))
+        transfers = []
+        for i, t in enumerate(tensors):
+            if i in self._meta_built:
+                continue
+            receivers = (users[i] or world) - {0}
+            if receivers:
+                transfers.append((0, receivers, t.data))
+                transfers += [(0, receivers, state[i].data) for state in copies]
+        _transfer(transfers)
 
     def _keepers(self, i: int) -> set:
         """The ranks whose deployed stages use state tensor `i`."""
