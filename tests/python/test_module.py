@@ -759,11 +759,12 @@ def test_a_failure_while_tracing_new_shapes_says_so_with_both_shapes():
                                    "add_param_group", "outside_parameter"])
 def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
     """Ranks with different batch sizes in one call (on every such call), control flow on
-    data that differs between ranks, different models, a sequence length for which the
-    model is another program than planned, ranks whose batches have their own lengths: each
-    rank raises the error naming the cause, and nothing else fails (the loop can catch it
-    and go on; padded with rannc.pad_to_same_length, the ranks' batches train equal to
-    PyTorch). eval_after_new_length: a training call at a new length between evaluations
+    data that differs between ranks, different models, ranks whose batches have their own
+    lengths: each rank raises the error naming the cause, and nothing else fails (the loop
+    can catch it and go on; padded with rannc.pad_to_same_length, the ranks' batches train
+    equal to PyTorch). length_branch: a sequence length for which the model is another
+    program than planned was such an error; since session 40 it is planned on its own and
+    trains equal to PyTorch ([Note: programs at other shapes] in module.py). eval_after_new_length: a training call at a new length between evaluations
     leaves the weights of eval's ranks current (it had marked them so before the step).
     num_items_in_batch: transformers' sum over a count passed in adds up over the shares.
     uneven_selection: x[keep] selecting as many tokens from every row of the first batch
@@ -821,8 +822,10 @@ def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
     state holds its state, and save_checkpoint works, warning that it does not save it
     (it failed with a KeyError).
     pairs_rows: an in-batch contrastive loss inside forward is planned with one micro-batch
-    (each micro-batch paired its own rows), equal to DDP on one stage and to one process on
-    two; outside the module, the towers pipeline micro-batches ([Note: rows paired]).
+    (each micro-batch paired its own rows), equal to DDP on one stage given, and to one
+    process on two and where the planner chooses, which keeps the loss's stage on one
+    replica ([Note: rows kept together]; it replicated it, pairing each replica's rows);
+    outside the module, the towers pipeline micro-batches ([Note: rows paired]).
     recompute_buffers: batch norm on recomputing stages moves its statistics once per
     forward, as PyTorch ([Note: buffers a recompute writes]; twice before).
     lbfgs: LBFGS is planned as one stage and trains as PyTorch; num_stages=2 with it (or with
@@ -1161,7 +1164,8 @@ for _ in range(2):
 
 @pytest.mark.parametrize("probe", ["stand_in_traces", "adagrad_after_eval", "caught_trace_error",
                                    "caught_bad_batch", "lazy_cache", "optional_tensors",
-                                   "first_token", "aliased_module", "draws_in_forward"])
+                                   "first_token", "aliased_module", "draws_in_forward",
+                                   "rank0_weights"])
 def test_loops_found_failing_by_probes_equal_pytorch(probe):
     """Session 37's and 38's new-user probes.
     stand_in_traces: a new length and an eval call after training trace with stand-ins for
@@ -1194,7 +1198,9 @@ def test_loops_found_failing_by_probes_equal_pytorch(probe):
     program than the one planned ... pad the inputs"); parametrize.cached() was torch's
     "Cannot trace a model while caching parametrizations" (probes' findings).
     first_token: greedy decoding from one token through nn.MultiheadAttention: length 2 is
-    another program (a size of 1 traces otherwise); the error says so and how to start.
+    another program (a size of 1 traces otherwise), an error until session 40; it is planned
+    on its own, later lengths run its plan, and training at lengths 1, 3, 1, 2 equals
+    PyTorch ([Note: programs at other shapes] in module.py).
     aliased_module: a module reachable under two names (transformers 4's T5 embedding) kept
     the stand-ins of a trace at a new length as its weights: the loss 1.5% off, or, tied to
     the head, "Cannot insert a Tensor that requires grad as a constant" ([Note: modules
@@ -1202,7 +1208,11 @@ def test_loops_found_failing_by_probes_equal_pytorch(probe):
     draws_in_forward: classifier-free guidance's label dropout drawn in forward
     (`torch.rand(B) < p`) had its rows compared between the trace's observations, which
     agreed by chance for some draws: the ranks traced different graphs, an error blaming
-    control flow on the data ([Note: random values] in csrc/frontend/convert.cpp)."""
+    control flow on the data ([Note: random values] in csrc/frontend/convert.cpp).
+    rank0_weights: each rank seeding otherwise before building the model (timm's scripts),
+    or weights loaded on rank 0 alone, trained each stage from its own rank's values (loss
+    0.808 for 1.192 at step 0); the stages start from rank 0's, as DDP broadcasts them
+    ([Note: rank 0's weights] in placement.py)."""
     res = mpirun("loop_probes.py", 2, probe, timeout=300, env={"RANNC_COMM_TIMEOUT": "60"})
     assert res.returncode == 0, res.stdout[-4000:]
     for r in range(2):

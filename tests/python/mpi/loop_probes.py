@@ -1,6 +1,10 @@
 """What real training loops do, under mpirun (2 ranks). Each probe asserts its exact
 behaviour and prints "OK rank r", or fails the way the test expects.
 
+    loop_probes.py rank0_weights       each rank seeds otherwise before building the model
+                                       (timm's habit), or loads weights on rank 0 alone: the
+                                       stages train from rank 0's values, as DDP broadcasts
+                                       them; 2 stages and 1 replicated stage equal PyTorch
     loop_probes.py draws_in_forward    label dropout and timesteps drawn in forward from rand,
                                        returned: equal to PyTorch given every rank's draws
     loop_probes.py caught_trace_error  a TraceError every rank raises is caught; a new module
@@ -21,8 +25,9 @@ behaviour and prints "OK rank r", or fails the way the test expects.
                                        forward): equal to PyTorch
     loop_probes.py first_token         greedy decoding through nn.MultiheadAttention from
                                        one token: length 2 is another program than length 1,
-                                       an error naming the size of 1; from two tokens on,
-                                       every length equals PyTorch
+                                       planned on its own, and lengths 3, 4 run its plan;
+                                       training at lengths 1, 3, 1, 2 alike; equal to
+                                       PyTorch; under no_sync() such a call is an error
     loop_probes.py aliased_module      one embedding under two names (and tied to the head),
                                        trained at a new length: equal to PyTorch
     loop_probes.py adagrad_after_eval  Adagrad (state made in __init__) built after an eval call
@@ -53,8 +58,9 @@ behaviour and prints "OK rank r", or fails the way the test expects.
     loop_probes.py eval_after_new_length  training at a new length between evaluations: the
                                        eval stages get the weights the training updated
     loop_probes.py length_branch       the model takes another path for short sequences: a
-                                       new length that the plan cannot run is an error on
-                                       every rank naming the op, and training goes on
+                                       new length that the plan cannot run is another
+                                       program, planned on its own; training at both
+                                       lengths equals PyTorch
     loop_probes.py num_items_in_batch  transformers GPT-2 given num_items_in_batch (the global
                                        count of labels that are not -100, as Trainer passes
                                        it): its loss is a sum over that count, which adds up
@@ -289,15 +295,18 @@ def global_batch(name, rows=4, seed=1):
     return whole, tuple(t[rows * rank:rows * (rank + 1)] for t in whole)
 
 
-def same_stage_parameters(model, reference, rtol, atol=1e-5):
-    """The parameters of this rank's stages equal the reference's. The default atol is for
+def same_stage_parameters(model, reference, rtol, atol=1e-5, wrapped=None):
+    """The parameters of this rank's stages equal the reference's (with `wrapped`, the
+    RaNNCModule, those whose current value it holds: a program that runs a layer on a rank
+    that does not train it gets the weights before its next call). The default atol is for
     Adam at lr 1e-2: an element whose gradient is near zero takes a step of m / sqrt(v) that
     turns summation-order differences (micro-batches, another CPU's vector width) into about
     2e-6 after a few steps (CI, the unfreeze probe); a lost or doubled gradient moves a
     parameter by about lr."""
     ref = dict(reference.named_parameters())
+    stale = set(wrapped.placement.not_current_here()) if wrapped is not None else set()
     for n, p in model.named_parameters():
-        if p.numel():  # the others are freed on this rank
+        if p.numel() and n not in stale:  # the others are freed (or stale) on this rank
             torch.testing.assert_close(p.detach().cpu(), ref[n].detach(), rtol=rtol, atol=atol,
                                        msg=lambda m: f"{n}: {m}")
 
@@ -440,17 +449,23 @@ elif probe == "length_branch":
                 h = torch.tanh(h)
             return self.b(h).pow(2).mean()
 
+    torch.manual_seed(0)
     model = LengthBranch()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    wrapped = rannc.RaNNCModule(model, opt, num_stages=2, num_microbatches=2)
-    g = torch.Generator().manual_seed(rank)
-    train(wrapped, opt, (torch.randn(4, 8, 8, generator=g),))
-    for _ in range(2):  # the error comes on every such call
-        expect_error(lambda: wrapped(torch.randn(4, 4, 8, generator=g)),
-                     "at the new input shapes the model is another program than the one planned",
-                     "but was aten::tanh", "Pad the inputs to one length")
-    train(wrapped, opt, (torch.randn(4, 8, 8, generator=g),))
-    train(wrapped, opt, (torch.randn(4, 10, 8, generator=g),))  # the same program: runs
+    reference, opt, ref_opt, wrapped = sgd_pair(model, num_stages=2, num_microbatches=2)
+    g = torch.Generator().manual_seed(0)
+    mine = slice(4 * rank, 4 * (rank + 1))
+    # length 4 is another program ([Note: programs at other shapes] in module.py), 10 the first's
+    for step, length in enumerate((8, 4, 8, 4, 10, 5)):
+        x = torch.randn(8, length, 8, generator=g)
+        loss, ref_loss = wrapped(x[mine]), reference(x)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"rank {rank}: step {step}: {m}")
+        step_both(loss, ref_loss, opt, ref_opt)
+        same_stage_parameters(model, reference, rtol=1e-5, wrapped=wrapped)
+    state = wrapped.state_dict()
+    for k, v in reference.state_dict().items():
+        torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6)
+    assert len(wrapped._deployed_by_arguments) == 1, wrapped._deployed_by_arguments.keys()
     print(f"OK rank {rank}", flush=True)
 elif probe == "padded_lengths":
     import copy
@@ -1846,11 +1861,15 @@ elif probe == "pairs_rows":  # [Note: rows paired] in csrc/frontend/traced_model
                    for xs, ys in zip(x.chunk(shares), y.chunk(shares))) / shares
 
     # (what forward returns, layout, the shares whose rows the loss pairs, micro-batches):
-    # the loss inside, on one stage on both ranks, pairs each rank's rows; on two stages of
-    # one rank each, the global batch's, as one process; both with one micro-batch. The
+    # the loss inside, on one stage on both ranks (the layout given: rank 0 warns), pairs
+    # each rank's rows; on two stages of one rank each, the global batch's, as one process;
+    # left to the planner, the stage of the loss has one replica ([Note: rows kept
+    # together] in csrc/partition/stage/stage_cost.h): one process's; all with one
+    # micro-batch. The
     # loss outside: the towers pipeline four micro-batches on two stages, and each rank's
     # loss pairs its own rows, as under DDP.
     cases = ((None, {"num_stages": 1}, 2, 1), (None, {"num_stages": 2, "cost_model": "analytic"}, 1, 1),
+             (None, {"cost_model": "analytic"}, 1, 1),
              ("temperature", {"num_stages": 2, "num_microbatches": 4}, 2, 4),
              ("parameter", {"num_stages": 2, "num_microbatches": 4}, 2, 4))
     for returns, layout, shares, micro_batches in cases:
@@ -2464,7 +2483,45 @@ elif probe == "caught_trace_error":  # [Note: trace errors agreed] in module.py
                   opt, ref_opt)
     same_stage_parameters(model, reference, rtol=1e-5)
     print(f"OK rank {rank}", flush=True)
-elif probe == "first_token":
+elif probe == "rank0_weights":  # [Note: rank 0's weights] in placement.py
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 16), nn.Linear(16, 16)
+            self.norm, self.c = nn.LayerNorm(16), nn.Linear(16, 1)
+
+        def forward(self, x, y):
+            h = torch.tanh(self.b(torch.tanh(self.a(x))))
+            return nn.functional.mse_loss(self.c(self.norm(h)), y)
+
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g)
+    mine = slice(8 * rank, 8 * (rank + 1))
+    for layout, loaded in (({"num_stages": 2}, False), ({"num_stages": 1}, False),
+                           ({"num_stages": 2}, True)):
+        torch.manual_seed(0)
+        reference = Net()  # rank 0's model
+        # each rank its own seed before building, as timm's scripts do (seed 0 on rank 0)
+        torch.manual_seed(100 * loaded + rank)
+        model = Net()
+        if loaded and rank == 0:  # pretrained weights read on rank 0 alone
+            model.load_state_dict(reference.state_dict())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+        wrapped = rannc.RaNNCModule(model, opt, **layout)
+        for step in range(3):
+            loss, ref_loss = wrapped(x[mine], y[mine]), reference(x, y)
+            torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"rank {rank}: {layout} step {step}: {m}")
+            step_both(loss, ref_loss, opt, ref_opt)
+        state = wrapped.state_dict()
+        for k, v in reference.state_dict().items():
+            torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"rank {rank}: {layout} {k}: {m}")
+    print(f"OK rank {rank}", flush=True)
+elif probe == "first_token":  # [Note: programs at other shapes] in module.py
+    import torch.nn.functional as F
+
     class Decoder(nn.Module):
         def __init__(self):
             super().__init__()
@@ -2472,10 +2529,12 @@ elif probe == "first_token":
             self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
             self.out = nn.Linear(16, 11)
 
-        def forward(self, tokens):
+        def forward(self, tokens, targets=None):
             h = self.embed(tokens)
             causal = nn.Transformer.generate_square_subsequent_mask(tokens.shape[1])
-            return self.out(h + self.attn(h, h, h, attn_mask=causal, need_weights=False)[0])
+            logits = self.out(h + self.attn(h, h, h, attn_mask=causal, need_weights=False)[0])
+            return logits if targets is None else F.cross_entropy(logits.flatten(0, 1),
+                                                                  targets.flatten())
 
     torch.manual_seed(0)
     model = Decoder().eval()
@@ -2483,15 +2542,36 @@ elif probe == "first_token":
     mine = slice(4 * rank, 4 * (rank + 1))
     from_one = rannc.RaNNCModule(copy.deepcopy(model), num_stages=2, cost_model="analytic").eval()
     with torch.no_grad():
-        from_one(prompt[mine, :1])
-        expect_error(lambda: from_one(prompt[mine, :2]),
-                     "args[0] has a dimension of size 1 in one of the two calls and not in the "
-                     "other")
-        from_two = rannc.RaNNCModule(copy.deepcopy(model), num_stages=2,
-                                     cost_model="analytic").eval()
-        for length in (2, 3, 4):
-            torch.testing.assert_close(from_two(prompt[mine, :length]),
+        # length 1 traces nn.MultiheadAttention's projections otherwise: length 2 is another
+        # program, planned on its own; 3 and 4 run its plan
+        for length in (1, 2, 3, 4):
+            torch.testing.assert_close(from_one(prompt[mine, :length]),
                                        model(prompt[:, :length])[mine], rtol=1e-5, atol=1e-6)
+    programs = [key for key in from_one._deployed_by_arguments if key[1][1] == "input shapes"]
+    assert len(programs) == 1, from_one._deployed_by_arguments.keys()
+    # training at lengths of both programs: each step's gradients reach the parameters'
+    # trainers, and the weights each program runs are current
+    # (SGD: the key projection's bias has a gradient of 0 up to rounding, which Adam turns
+    # into steps of lr)
+    reference, opt, ref_opt, wrapped = sgd_pair(model.train(), num_stages=2, num_microbatches=2)
+    for step, length in enumerate((1, 3, 1, 2)):
+        tokens, targets = prompt[:, :length], prompt[:, 1:length + 1]
+        loss, ref_loss = wrapped(tokens[mine], targets[mine]), reference(tokens, targets)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"rank {rank}: step {step}: {m}")
+        step_both(loss, ref_loss, opt, ref_opt)
+        same_stage_parameters(model, reference, rtol=1e-5, wrapped=wrapped)
+    with torch.no_grad():
+        wrapped.eval()
+        reference.eval()
+        torch.testing.assert_close(wrapped(prompt[mine, :4]), reference(prompt[:, :4])[mine],
+                                   rtol=1e-5, atol=1e-5)
+        wrapped.train()
+    state = wrapped.state_dict()
+    for k, v in reference.state_dict().items():
+        torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-5)
+    with wrapped.no_sync():  # its gradients are routed only once summed
+        expect_error(lambda: wrapped(prompt[mine, :3], prompt[mine, 1:4]), "under no_sync()")
     print(f"OK rank {rank}", flush=True)
 elif probe == "optional_tensors":
     import torch.nn.utils.parametrize as parametrize
