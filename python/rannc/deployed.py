@@ -337,18 +337,23 @@ class Deployed:
         full_shape = self.owner.placement.full_shape  # freed here or not
         signature = repr([(n, tuple(full_shape(i, t)), str(t.dtype))
                           for i, (n, t) in enumerate(zip(self.graph._trace.state.names, state))])
+        shared = self._shared_arguments(ir)
         mine = torch.tensor([ir.content_hash() & 0x7FFFFFFFFFFFFFFF, self.graph.batch_size,
                              zlib.crc32(signature.encode()), zlib.crc32(repr(self.shapes).encode()),
-                             self.owner.held_bytes()], dtype=torch.int64)
-        everyone = torch.empty(comm.size, 5, dtype=torch.int64)
+                             self.owner.held_bytes(), _content_crc([t for _, t in shared])],
+                            dtype=torch.int64)
+        everyone = torch.empty(comm.size, 6, dtype=torch.int64)
         comm.all_gather(mine, everyone).wait()
-        hashes, batches, models, arguments, held = (everyone[:, i].tolist() for i in range(5))
+        hashes, batches, models, arguments, held, contents = (everyone[:, i].tolist()
+                                                              for i in range(6))
         self.held_bytes = max(held)  # [Note: memory the programs before hold]
         if len(set(batches)) > 1:
             raise failure.agreed(f"local batches must have the same size on every rank; got "
                                  f"{dict(enumerate(batches))} (rank: rows)")
         if len(set(arguments)) > 1:
             raise _shapes_differ(arguments, self.graph._trace.inputs, self.shapes)
+        if len(set(contents)) > 1:
+            raise _shared_arguments_differ(contents, shared, self.graph.batch_size)
         if len(set(models)) > 1:
             raise failure.agreed("the ranks built different models (their parameters and "
                                  "buffers differ in names, shapes or dtypes); every rank must "
@@ -374,6 +379,15 @@ class Deployed:
                 "over data), and the ranks' batches took different branches. rannc traces one "
                 "program for every batch: make the branch independent of the data "
                 "(torch.where, masks), or pass the deciding value as a constant argument")
+
+    def _shared_arguments(self, ir) -> list[tuple[str, torch.Tensor]]:
+        """The tensor arguments of one dimension or more that are not rows of the batch,
+        with their paths ([Note: shared arguments agree])."""
+        inputs = self.graph._trace.inputs
+        n_state = len(self.graph._trace.state.names)
+        return [(inputs.paths[slot], t) for slot, t, v in
+                zip(inputs.tensor_slots, inputs.tensors, ir.inputs[n_state:])
+                if t.dim() >= 1 and ir.value(v).batch_dim < 0]
 
     def _plan(self, ir, world, opts):
         # A plan runs only for the batch and world it was made for: local batch x ranks.
@@ -1105,6 +1119,33 @@ def _shapes_differ(signatures, example, shapes) -> Exception:
         "(option pad_values, for transformers' models pad_values=\"transformers\"), after "
         "the collator (rannc.pad_to_same_length) or to a fixed length (transformers "
         "tokenizers: padding=\"max_length\")")
+
+
+# [Note: shared arguments agree] A tensor argument that is not rows of the batch (a mask
+# shared by all rows, a table) goes to every stage that reads it as it is, so every rank
+# must pass the same. The batch is dimension 0 of the tensor arguments whose size there
+# matches the first tensor argument's ([Note: batch dimensions] in _trace.py), so a first
+# argument that is not the batch (forward(table, x, y)) made the rows x and y shared
+# tensors, each rank's own, and training went wrong without a word (loss 2.32 for 2.07).
+# Their contents are compared at each deployment (the first call of a program or shape;
+# 0-dim ones at every call): where they differ, an error on every rank names them.
+def _content_crc(tensors: list[torch.Tensor]) -> int:
+    crc = 0
+    for t in tensors:
+        data = t.detach().reshape(-1).cpu().contiguous()
+        crc = zlib.crc32(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"", crc)
+    return crc
+
+
+def _shared_arguments_differ(contents, shared, batch: int) -> Exception:
+    differ = _differing_ranks(contents)
+    paths = failure.some_of([f"{path} [{', '.join(map(str, t.shape))}]" for path, t in shared])
+    return failure.agreed(
+        f"the ranks pass different values of {paths} (ranks {differ} differ from rank 0), which "
+        f"are not rows of the batch ({batch} rows here: the batch is dimension 0 of the tensor "
+        "arguments whose size there matches the first tensor argument's), so the stages that "
+        "read them must all see one value. Pass the batch's tensors first, and the same "
+        "shared tensors on every rank ([Note: shared arguments agree] in deployed.py)")
 
 
 def _scalars_differ(signatures, scalars) -> Exception:
