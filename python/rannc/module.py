@@ -517,6 +517,8 @@ class RaNNCModule(torch.nn.Module):
         the mode's first ([Note: other arguments])."""
         # Profiling runs the pieces on the module's own buffers, and a batch norm in training
         # mode updates its running statistics each time: keep the values from before.
+        if not (self._deployed or self._deployed_by_arguments):
+            self._refuse_shared_parameters()
         if plan_from is None and _C.get_world_size() > 1:
             _agree_on_rows(args, kwargs)
         if not (self._deployed or self._deployed_by_arguments) and _C.get_world_size() == 1 \
@@ -570,6 +572,28 @@ class RaNNCModule(torch.nn.Module):
         _checkpoint().apply_pending(self)  # a checkpoint loaded before the plan was known
         self.placement.initialize()  # parameters built on meta that it did not fill
         return deployed
+
+    # [Note: modules wrapped twice] Each RaNNCModule places its model's tensors on the
+    # ranks of its own stages and frees them elsewhere, so two that share a module (two
+    # tasks over one encoder, a model wrapped again while the first wrapper lives) cannot
+    # both run: the second's trace failed inside torch on a rank whose tensors the first had
+    # freed ("mat2 must be a matrix"). The first call of a module sharing parameters with
+    # another that has run is an error on every rank naming them.
+    def _refuse_shared_parameters(self) -> None:
+        mine = {id(p): n for n, p in self.module.named_parameters()}
+        for other in registry.modules():
+            if other is self or not (other._deployed or other._deployed_by_arguments):
+                continue
+            shared = [mine[id(p)] for p in other.module.parameters() if id(p) in mine]
+            if shared:
+                raise failure.agreed(
+                    f"the model shares {len(shared)} parameter(s) ({failure.some_of(shared)}) "
+                    "with another RaNNCModule that has run: each places its model's tensors "
+                    "on its own stages and frees them on the other ranks, so two cannot share "
+                    "a module. Wrap one module that holds both (its forward taking the task "
+                    "as an argument: each task is then a program of its own, [Note: other "
+                    "training arguments] in module.py), or delete the first wrapper "
+                    "([Note: modules wrapped twice] in module.py)")
 
     def _deploy_shapes(self, deployed, args, kwargs, new_programs=True):
         """The deployment of `deployed`'s program for this call's new input shapes (a
@@ -1013,6 +1037,7 @@ class RaNNCModule(torch.nn.Module):
 
     _prepared_by_accelerate = False
     _said_precision = False
+    _said_outside_gradients = False  # [Note: gradients made outside] in optimizer_share.py
     _loss_scaler = None  # the GradScaler that steps its optimizer ([Note: scaled seeds] in amp.py)
     _accelerate_precision = None
 

@@ -64,7 +64,7 @@ import contextlib
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import registry
+from . import _C, failure, handshake, registry
 
 
 class OptimizerShare:
@@ -273,11 +273,65 @@ def _before_step(optimizer, args, kwargs):
                 share.cut(module.placement.optimized_elsewhere())
         elif module._deployed.get(True) is not None and registry.holds(optimizer, module):
             module.adopt_optimizer(optimizer)
+        if any(o is optimizer for o in share.optimizers):
+            _average_outside_gradients(module)
         if share._check_state:  # [Note: state made on freed parameters]
             share._check_state = False
             for o in share.optimizers:
                 _state_made_on_empty(o)
     return None
+
+
+# [Note: gradients made outside] A parameter that no stage uses yet has a gradient was
+# computed with outside the module: inputs_embeds made from the model's own embedding
+# (FreeLB, soft prompts), a penalty on a weight. Each rank's gradient of it is its own, as a
+# DistributedDataParallel rank's is before DDP averages it: the gradients of the module's
+# inputs are each rank's as if its loss were its own rows' mean (DDP's), and a penalty
+# every rank computes alike is whole on each. So, as DDP, the step first averages those
+# gradients over the ranks (a parameter without one on a rank counts as zero there, as
+# DDP's unused parameters); before, the copies drifted apart without a word (an embedding
+# 7.6e-3 off after 3 steps). Rank 0 says so once per module. (clip_grad_norm_ before the
+# step sees each rank's own.)
+def _average_outside_gradients(module) -> None:
+    world = _C.get_world_size()
+    if world == 1:
+        return
+    params = [(n, p) for n, p in module.placement.unused_parameters() if p.requires_grad]
+    if not params:  # the same on every rank: the placement is
+        return
+    # every rank is here; most such parameters have no gradient anywhere (a pooler that a
+    # masked language model never runs): then this all-gather is all
+    mine = torch.tensor([float(any(p.grad is not None for _, p in params))])
+    if not handshake.exchange("optimizer.step()", mine).any():
+        return
+    comm = _C.Communicator.world_cpu()
+    has = torch.tensor([float(p.grad is not None) for _, p in params], dtype=torch.float64)
+    comm.all_reduce(has).wait()
+    present = [p for (_, p), h in zip(params, has.tolist()) if h > 0]
+    if not present:
+        return
+    flat = torch.cat([(p.grad.detach() if p.grad is not None else torch.zeros_like(p))
+                      .reshape(-1).to("cpu", torch.float64) for p in present])
+    comm.all_reduce(flat).wait()
+    flat /= world
+    offset = 0
+    for p in present:
+        mean = flat[offset:offset + p.numel()].view_as(p).to(p.device, p.dtype)
+        offset += p.numel()
+        if p.grad is None:
+            p.grad = mean
+        else:
+            p.grad.copy_(mean)
+    if not module._said_outside_gradients and _C.get_rank() == 0:
+        module._said_outside_gradients = True
+        names = [n for (n, _), h in zip(params, has.tolist()) if h > 0]
+        _C.log_info(f"{failure.some_of(names)}: no stage uses "
+                    f"{'them' if len(names) > 1 else 'it'}, and the script computes with "
+                    f"{'them' if len(names) > 1 else 'it'} outside the module (inputs_embeds "
+                    "made from the model's own embedding, a penalty): each step averages "
+                    f"{'their' if len(names) > 1 else 'its'} gradient over the ranks first, as "
+                    "DistributedDataParallel does ([Note: gradients made outside] in "
+                    "optimizer_share.py)")
 
 
 def built_over(module) -> list[torch.optim.Optimizer]:

@@ -208,7 +208,7 @@ class StatePlacement:
         built = set()
         for i, t in enumerate(self.tensors()[:len(self._trace_state.param_names)]):
             if t.is_meta:
-                empty = torch.nn.Parameter(torch.empty(0, dtype=t.dtype, device=self.home),
+                empty = torch.nn.Parameter(_freed_like(t, self.home),
                                            requires_grad=t.requires_grad)
                 shape = t.shape
                 torch.utils.swap_tensors(t, empty)
@@ -271,6 +271,14 @@ class StatePlacement:
                 result.append((min(trained or keepers),
                                trained if trained and stale else keepers))
         return result
+
+    def unused_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        """The parameters that no deployed stage uses (name, tensor): kept on every rank."""
+        if not self._users:
+            return []
+        names, tensors = self._trace_state.names, self.tensors()
+        return [(names[i], tensors[i]) for i in range(len(self._trace_state.param_names))
+                if not self._keepers(i)]
 
     def trained_here(self) -> set[int]:
         """id() of the parameters this rank's training stages use, frozen ones included (an
@@ -572,10 +580,10 @@ class StatePlacement:
                 if not (keepers and rank not in keepers and i not in self._freed):
                     continue
                 self._freed[i] = t.shape
-            elif i not in self._freed or t.shape == (0,):
+            elif i not in self._freed or t.numel() == 0:
                 continue
             t.grad = None
-            t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+            t.data = _freed_like(t, t.device)
 
     def _place(self, tensors, own: bool = True):
         """Moves the state tensors this rank keeps to its device ([Note: placement]): the
@@ -643,6 +651,15 @@ class StatePlacement:
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and (key != "step" or on_device):
                 state[key] = value.to(self.device)
+
+
+# [Note: freed tensors keep their dimensions] A freed tensor holds no elements but keeps
+# its number of dimensions (a weight is [0, 0]): scripts build optimizer groups from
+# p.dim() (nanoGPT's weight decay for p.dim() >= 2), and an optimizer built after the first
+# call read the freed weights as 1-D, so the ranks' groups differed from each other and
+# from PyTorch's, and optimizer.state_dict() put one parameter's state under another.
+def _freed_like(t: torch.Tensor, device) -> torch.Tensor:
+    return torch.empty((0,) * max(1, t.dim()), dtype=t.dtype, device=device)
 
 
 def _transfer(copies):
