@@ -450,6 +450,18 @@ def _say_spectral_norms(graph: TracedGraph, deployment) -> None:
     if (_C.get_rank() != 0 or model is None or not model.training
             or isinstance(deployment, Exception) or deployment.micro_batches <= 1):
         return
+    # [Note: batch norm per micro-batch] batch norm in training mode normalises each
+    # micro-batch by its own statistics, over fewer rows than a DistributedDataParallel
+    # rank's local batch (2 micro-batches: loss 0.887 for DDP's 0.738 on a probe), which
+    # was documented only; rank 0 says so where a training plan has several.
+    norms = [name for name, m in model.named_modules()
+             if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training]
+    if norms:
+        _C.log_warn(f"batch norm in {failure.some_of(norms)} normalises each micro-batch by its "
+                    f"own statistics: with {deployment.micro_batches} micro-batches each is "
+                    "over fewer rows than a DistributedDataParallel rank's local batch, so "
+                    "training differs from DDP's (num_microbatches=1 gives DDP's; [Note: batch "
+                    "norm per micro-batch] in planning.py)")
     found = spectral_norms(model)
     if found:
         _C.log_warn(f"spectral norm in {failure.some_of(found)} runs its power iteration once "
