@@ -756,7 +756,8 @@ def test_a_failure_while_tracing_new_shapes_says_so_with_both_shapes():
                                    "module_state_dict", "forward_hook", "unfreeze", "eval_memory", "no_grad_forward", "module_modes", "optimizer_anew", "loss_view1", "buffer_replicas",
                                    "averaged_model", "save_pretrained", "two_calls", "pairs_rows", "recompute_buffers", "lbfgs", "attributes", "cumulative_bn", "count_output", "graphs_part", "edits_after_load", "sparse_embedding", "ema_state_dict",
                                    "param_hooks", "retained_graph", "adversarial",
-                                   "add_param_group", "outside_parameter"])
+                                   "add_param_group", "outside_parameter", "table_first",
+                                   "shared_module"])
 def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
     """Ranks with different batch sizes in one call (on every such call), control flow on
     data that differs between ranks, different models, ranks whose batches have their own
@@ -764,7 +765,11 @@ def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
     can catch it and go on; padded with rannc.pad_to_same_length, the ranks' batches train
     equal to PyTorch). length_branch: a sequence length for which the model is another
     program than planned was such an error; since session 40 it is planned on its own and
-    trains equal to PyTorch ([Note: programs at other shapes] in module.py). eval_after_new_length: a training call at a new length between evaluations
+    trains equal to PyTorch ([Note: programs at other shapes] in module.py). table_first: a
+    table passed before the batch made the batch's tensors shared ones, each rank's own,
+    training wrongly without a word ([Note: shared arguments agree] in deployed.py).
+    shared_module: two RaNNCModules sharing an encoder failed in torch on the rank whose
+    tensors the first freed ([Note: modules wrapped twice] in module.py). eval_after_new_length: a training call at a new length between evaluations
     leaves the weights of eval's ranks current (it had marked them so before the step).
     num_items_in_batch: transformers' sum over a count passed in adds up over the shares.
     uneven_selection: x[keep] selecting as many tokens from every row of the first batch
@@ -1054,7 +1059,7 @@ def test_buffers_a_forward_writes_with_several_micro_batches_are_named():
     """[Note: buffers written per micro-batch] in module.py: a VQ codebook kept by an EMA
     under no_grad moves once per micro-batch, unlike one process, without a word before;
     rank 0 names such buffers at the first training call, not batch norm's statistics, and
-    nothing with one micro-batch."""
+    nothing with one micro-batch; it says batch norm normalises per micro-batch."""
     res = _single_process("""
 import torch, torch.nn.functional as F, rannc
 class Codebook(torch.nn.Module):
@@ -1080,6 +1085,9 @@ for micro in (2, 1):
         in res.stderr, res.stderr[-3000:]
     assert res.stderr.count("writes the buffer(s)") == 1, res.stderr[-3000:]
     assert "bn.running_mean" not in res.stderr, res.stderr[-3000:]
+    # [Note: batch norm per micro-batch] in planning.py: said with 2, not with 1
+    assert res.stderr.count("batch norm in bn normalises each micro-batch by its own "
+                            "statistics: with 2 micro-batches") == 1, res.stderr[-3000:]
 
 
 def test_evaluation_under_inference_mode_traces_new_programs():
@@ -1165,7 +1173,7 @@ for _ in range(2):
 @pytest.mark.parametrize("probe", ["stand_in_traces", "adagrad_after_eval", "caught_trace_error",
                                    "caught_bad_batch", "lazy_cache", "optional_tensors",
                                    "first_token", "aliased_module", "draws_in_forward",
-                                   "rank0_weights"])
+                                   "rank0_weights", "ndim_groups", "embeds_outside"])
 def test_loops_found_failing_by_probes_equal_pytorch(probe):
     """Session 37's and 38's new-user probes.
     stand_in_traces: a new length and an eval call after training trace with stand-ins for
@@ -1212,7 +1220,13 @@ def test_loops_found_failing_by_probes_equal_pytorch(probe):
     rank0_weights: each rank seeding otherwise before building the model (timm's scripts),
     or weights loaded on rank 0 alone, trained each stage from its own rank's values (loss
     0.808 for 1.192 at step 0); the stages start from rank 0's, as DDP broadcasts them
-    ([Note: rank 0's weights] in placement.py)."""
+    ([Note: rank 0's weights] in placement.py).
+    ndim_groups: nanoGPT's AdamW groups (p.dim() >= 2) built after the first call read
+    freed weights as 1-D: the ranks' groups differed and optimizer_state_dict() put one
+    parameter's state under another ([Note: freed tensors keep their dimensions]).
+    embeds_outside: inputs_embeds made outside from the model's own embedding (FreeLB) left
+    each rank's copy with its own gradient (7.6e-3 off after 3 steps); the step averages it
+    over the ranks, as DDP ([Note: gradients made outside] in optimizer_share.py)."""
     res = mpirun("loop_probes.py", 2, probe, timeout=300, env={"RANNC_COMM_TIMEOUT": "60"})
     assert res.returncode == 0, res.stdout[-4000:]
     for r in range(2):

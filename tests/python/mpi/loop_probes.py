@@ -5,6 +5,9 @@ behaviour and prints "OK rank r", or fails the way the test expects.
                                        (timm's habit), or loads weights on rank 0 alone: the
                                        stages train from rank 0's values, as DDP broadcasts
                                        them; 2 stages and 1 replicated stage equal PyTorch
+    loop_probes.py ndim_groups         AdamW built after the first call with nanoGPT's groups
+                                       (weight decay where p.dim() >= 2): the groups, the
+                                       steps and optimizer_state_dict() equal PyTorch's
     loop_probes.py draws_in_forward    label dropout and timesteps drawn in forward from rand,
                                        returned: equal to PyTorch given every rank's draws
     loop_probes.py caught_trace_error  a TraceError every rank raises is caught; a new module
@@ -57,6 +60,17 @@ behaviour and prints "OK rank r", or fails the way the test expects.
                                        without the attention mask, an error naming it
     loop_probes.py eval_after_new_length  training at a new length between evaluations: the
                                        eval stages get the weights the training updated
+    loop_probes.py shared_module       two RaNNCModules over models sharing an encoder: the
+                                       second's first call is an error on every rank naming
+                                       the shared parameters, and the first trains on
+    loop_probes.py table_first         a table that is not rows of the batch passed first
+                                       (forward(table, x, y)): the rows after it read as
+                                       shared tensors, which differ by rank: an error on every
+                                       rank naming them; the batch passed first trains
+    loop_probes.py embeds_outside      inputs_embeds made outside from the model's own
+                                       embedding (FreeLB) and a penalty on it: each step
+                                       averages its gradient over the ranks, as DDP, and
+                                       training equals PyTorch
     loop_probes.py length_branch       the model takes another path for short sequences: a
                                        new length that the plan cannot run is another
                                        program, planned on its own; training at both
@@ -2482,6 +2496,146 @@ elif probe == "caught_trace_error":  # [Note: trace errors agreed] in module.py
         step_both(wrapped(x[4 * rank:4 * (rank + 1)]).pow(2).mean(), reference(x).pow(2).mean(),
                   opt, ref_opt)
     same_stage_parameters(model, reference, rtol=1e-5)
+    print(f"OK rank {rank}", flush=True)
+elif probe == "shared_module":  # [Note: modules wrapped twice] in module.py
+    class Task(nn.Module):
+        def __init__(self, encoder, outputs):
+            super().__init__()
+            self.encoder, self.head = encoder, nn.Linear(16, outputs)
+
+        def forward(self, x, y):
+            return nn.functional.mse_loss(self.head(self.encoder(x)), y)
+
+    torch.manual_seed(0)
+    encoder = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh())
+    first, second = Task(encoder, 1), Task(encoder, 2)
+    reference = copy.deepcopy(first)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (first, reference))
+    wrapped_first = rannc.RaNNCModule(first, opt, num_stages=2)
+    wrapped_second = rannc.RaNNCModule(second, num_stages=2)
+    g = torch.Generator().manual_seed(1)
+    mine = slice(4 * rank, 4 * (rank + 1))
+    for step in range(3):
+        x, y = torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)
+        loss, ref_loss = wrapped_first(x[mine], y[mine]), reference(x, y)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        step_both(loss, ref_loss, opt, ref_opt)
+        if step == 0:
+            expect_error(lambda: wrapped_second(x[mine], torch.zeros(4, 2)),
+                         "shares 4 parameter(s) (encoder.0.weight, encoder.0.bias, "
+                         "encoder.2.weight and 1 more)", "Wrap one module that holds both")
+    same_stage_parameters(first, reference, rtol=1e-5)
+    print(f"OK rank {rank}", flush=True)
+elif probe == "table_first":  # [Note: shared arguments agree] in deployed.py
+    class Lookup(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.enc, self.head = nn.Linear(8, 6), nn.Linear(6, 1)
+
+        def forward(self, table, x, y):
+            h = torch.tanh(self.enc(x))
+            return nn.functional.mse_loss(self.head(h + torch.softmax(h @ table.t(), 1) @ table), y)
+
+    class BatchFirst(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x, y, table):
+            return self.inner(table, x, y)
+
+    torch.manual_seed(0)
+    table = torch.randn(5, 6, generator=torch.Generator().manual_seed(5))
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 8, generator=g), torch.randn(8, 1, generator=g)
+    mine = slice(4 * rank, 4 * (rank + 1))
+    model = Lookup()
+    reference, opt, ref_opt, wrapped = sgd_pair(model, num_stages=2)
+    for _ in range(2):  # the same error each time
+        expect_error(lambda: wrapped(table, x[mine], y[mine]),
+                     "the ranks pass different values of args[1] [4, 8], args[2] [4, 1]",
+                     "which are not rows of the batch (5 rows here", "Pass the batch's tensors first")
+    reference, opt, ref_opt, wrapped = sgd_pair(BatchFirst(model), num_stages=2)
+    for step in range(2):
+        loss, ref_loss = wrapped(x[mine], y[mine], table), reference(x, y, table)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        step_both(loss, ref_loss, opt, ref_opt)
+    print(f"OK rank {rank}", flush=True)
+elif probe == "embeds_outside":  # [Note: gradients made outside] in optimizer_share.py
+    class Classifier(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.a, self.b = nn.Embedding(12, 8), nn.Linear(8, 16), nn.Linear(16, 3)
+
+        def forward(self, embeds, y):
+            return nn.functional.cross_entropy(self.b(torch.tanh(self.a(embeds))).mean(1), y)
+
+    torch.manual_seed(0)
+    reference, opt, ref_opt, wrapped = sgd_pair(Classifier(), num_stages=2, num_microbatches=2)
+    mine = slice(4 * rank, 4 * (rank + 1))
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        ids, y = torch.randint(0, 12, (8, 4), generator=g), torch.randint(0, 3, (8,), generator=g)
+        embeds = wrapped.module.emb(ids[mine])
+        loss, ref_loss = wrapped(embeds, y[mine]), reference(reference.emb(ids), y)
+        # a penalty every rank computes alike on the same weight: whole on each rank
+        loss, ref_loss = (l + 0.01 * m.emb.weight.pow(2).sum()
+                          for l, m in ((loss, wrapped.module), (ref_loss, reference)))
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        loss.backward()
+        ref_loss.backward()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+        same_stage_parameters(wrapped.module, reference, rtol=1e-5)
+    print(f"OK rank {rank}", flush=True)
+elif probe == "ndim_groups":  # [Note: freed tensors keep their dimensions] in placement.py
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.norm, self.b = nn.Linear(4, 16), nn.LayerNorm(16), nn.Linear(16, 16)
+            self.c = nn.Linear(16, 1)
+
+        def forward(self, x, y):
+            h = torch.tanh(self.b(self.norm(torch.tanh(self.a(x)))))
+            return nn.functional.mse_loss(self.c(h), y)
+
+    def groups(model):  # nanoGPT's configure_optimizers
+        params = [p for p in model.parameters() if p.requires_grad]
+        return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+                {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+    torch.manual_seed(0)
+    model = Net()
+    reference = copy.deepcopy(model)
+    wrapped = rannc.RaNNCModule(model, num_stages=2)
+    g = torch.Generator().manual_seed(3)
+    mine = slice(4 * rank, 4 * (rank + 1))
+    opt = ref_opt = None
+    for step in range(4):
+        x, y = torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)
+        loss, ref_loss = wrapped(x[mine], y[mine]), reference(x, y)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"rank {rank}: step {step}: {m}")
+        loss.backward()
+        ref_loss.backward()
+        if opt is None:  # after the first call: this rank's stages hold their tensors only
+            opt = torch.optim.AdamW(groups(model), lr=1e-2, eps=1e-5)
+            ref_opt = torch.optim.AdamW(groups(reference), lr=1e-2, eps=1e-5)
+            assert [len(g["params"]) for g in opt.param_groups] == \
+                [len(g["params"]) for g in ref_opt.param_groups], opt.param_groups
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+        same_stage_parameters(model, reference, rtol=1e-5)
+    gathered, ref_state = wrapped.optimizer_state_dict(), ref_opt.state_dict()
+    assert [g["params"] for g in gathered["param_groups"]] == \
+        [g["params"] for g in ref_state["param_groups"]], gathered["param_groups"]
+    assert gathered["state"].keys() == ref_state["state"].keys()
+    for i, s in ref_state["state"].items():
+        for k in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(gathered["state"][i][k], s[k], rtol=1e-4, atol=1e-6,
+                                       msg=lambda m: f"rank {rank}: state {i} {k}: {m}")
     print(f"OK rank {rank}", flush=True)
 elif probe == "rank0_weights":  # [Note: rank 0's weights] in placement.py
     class Net(nn.Module):
