@@ -120,11 +120,26 @@ def _norm_of_the_meant(modules: list, meant, local: list[torch.Tensor], norm_typ
     return _combined(term, local, norm_type), held
 
 
+def _outside(modules: list, meant, what: str) -> list[torch.Tensor]:
+    """The gradients of `modules`' parameters that no stage uses and `meant` names, averaged
+    over the ranks first, so the same on every rank ([Note: gradients made outside] in
+    optimizer_share.py; before, clipping neither counted nor scaled them)."""
+    from .optimizer_share import average_outside_gradients
+    grads = []
+    for m in modules:
+        average_outside_gradients(m, what)
+        grads += [p.grad for _, p in m.placement.unused_parameters()
+                  if p.grad is not None and meant(p)]
+    return grads
+
+
 def clip_module_(module, max_norm: float, norm_type: float) -> torch.Tensor:
     """Clips every trained gradient of `module` by their norm over every stage (a
     collective): RaNNCModule.clip_grad_norm."""
-    total, held = _norm_of_the_meant([module], lambda t: True, [], norm_type, "clip_grad_norm")
-    scale_(held, max_norm, total)
+    outside = _outside([module], lambda t: True, "clip_grad_norm")
+    total, held = _norm_of_the_meant([module], lambda t: True, outside, norm_type,
+                                     "clip_grad_norm")
+    scale_(held + outside, max_norm, total)
     return total.float()
 
 
@@ -153,6 +168,7 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
     ids = {id(p) for p in params}
     theirs = {id(p) for m in modules for p in m.module.parameters()}
     others = [p.grad for p in params if id(p) not in theirs and p.grad is not None]
+    others += _outside(modules, lambda t: id(t) in ids, "torch.nn.utils.clip_grad_norm_()")
     total, held = _norm_of_the_meant(modules, lambda t: id(t) in ids, others, norm_type,
                                      "torch.nn.utils.clip_grad_norm_()")
     if error_if_nonfinite and not math.isfinite(float(total)):

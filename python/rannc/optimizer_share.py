@@ -274,7 +274,7 @@ def _before_step(optimizer, args, kwargs):
         elif module._deployed.get(True) is not None and registry.holds(optimizer, module):
             module.adopt_optimizer(optimizer)
         if any(o is optimizer for o in share.optimizers):
-            _average_outside_gradients(module)
+            average_outside_gradients(module)
         if share._check_state:  # [Note: state made on freed parameters]
             share._check_state = False
             for o in share.optimizers:
@@ -290,9 +290,9 @@ def _before_step(optimizer, args, kwargs):
 # every rank computes alike is whole on each. So, as DDP, the step first averages those
 # gradients over the ranks (a parameter without one on a rank counts as zero there, as
 # DDP's unused parameters); before, the copies drifted apart without a word (an embedding
-# 7.6e-3 off after 3 steps). Rank 0 says so once per module. (clip_grad_norm_ before the
-# step sees each rank's own.)
-def _average_outside_gradients(module) -> None:
+# 7.6e-3 off after 3 steps). Rank 0 says so once per module. clip_grad_norm_ averages them
+# first too, and counts and scales them (averaging again at the step changes nothing).
+def average_outside_gradients(module, what: str = "optimizer.step()") -> None:
     world = _C.get_world_size()
     if world == 1:
         return
@@ -302,7 +302,7 @@ def _average_outside_gradients(module) -> None:
     # every rank is here; most such parameters have no gradient anywhere (a pooler that a
     # masked language model never runs): then this all-gather is all
     mine = torch.tensor([float(any(p.grad is not None for _, p in params))])
-    if not handshake.exchange("optimizer.step()", mine).any():
+    if not handshake.exchange(what, mine).any():
         return
     comm = _C.Communicator.world_cpu()
     has = torch.tensor([float(p.grad is not None) for _, p in params], dtype=torch.float64)
