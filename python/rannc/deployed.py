@@ -338,14 +338,21 @@ class Deployed:
         signature = repr([(n, tuple(full_shape(i, t)), str(t.dtype))
                           for i, (n, t) in enumerate(zip(self.graph._trace.state.names, state))])
         shared = self._shared_arguments(ir)
+        rows = self._row_arguments(ir)
         mine = torch.tensor([ir.content_hash() & 0x7FFFFFFFFFFFFFFF, self.graph.batch_size,
                              zlib.crc32(signature.encode()), zlib.crc32(repr(self.shapes).encode()),
-                             self.owner.held_bytes(), _content_crc([t for _, t in shared])],
-                            dtype=torch.int64)
-        everyone = torch.empty(comm.size, 6, dtype=torch.int64)
+                             self.owner.held_bytes(), _content_crc([t for _, t in shared])]
+                            + [_end_rows_crc(t, dim) for _, t, dim in rows]
+                            + [0] * (_ROWS_COMPARED - len(rows)), dtype=torch.int64)
+        everyone = torch.empty(comm.size, 6 + _ROWS_COMPARED, dtype=torch.int64)
         comm.all_gather(mine, everyone).wait()
         hashes, batches, models, arguments, held, contents = (everyone[:, i].tolist()
                                                               for i in range(6))
+        same = [len(set(everyone[:, 6 + i].tolist())) == 1 and int(everyone[0, 6 + i]) != 0
+                for i in range(len(rows))]
+        if any(same) and not all(same) and len(set(arguments)) == 1 and comm.rank == 0:
+            _say_rows_alike([path for (path, _, _), s in zip(rows, same) if s],
+                            self.graph.batch_size)
         self.held_bytes = max(held)  # [Note: memory the programs before hold]
         if len(set(batches)) > 1:
             raise failure.agreed(f"local batches must have the same size on every rank; got "
@@ -379,6 +386,15 @@ class Deployed:
                 "over data), and the ranks' batches took different branches. rannc traces one "
                 "program for every batch: make the branch independent of the data "
                 "(torch.where, masks), or pass the deciding value as a constant argument")
+
+    def _row_arguments(self, ir) -> list[tuple[str, torch.Tensor, int]]:
+        """The first _ROWS_COMPARED tensor arguments that are rows of the batch, with their
+        paths and batch dimensions ([Note: rows alike on every rank])."""
+        inputs = self.graph._trace.inputs
+        n_state = len(self.graph._trace.state.names)
+        return [(inputs.paths[slot], t, ir.value(v).batch_dim) for slot, t, v in
+                zip(inputs.tensor_slots, inputs.tensors, ir.inputs[n_state:])
+                if ir.value(v).batch_dim >= 0][:_ROWS_COMPARED]
 
     def _shared_arguments(self, ir) -> list[tuple[str, torch.Tensor]]:
         """The tensor arguments of one dimension or more that are not rows of the batch,
@@ -769,6 +785,11 @@ class Deployed:
         stashes stay for another backward (backward(retain_graph=True)); without
         `to_parameters` (torch.autograd.grad) only the input gradients are computed, the
         parameters' .grad stays ([Note: gradients without .grad])."""
+        # [Note: named collectives] in handshake.py: a rank that skipped this backward (a
+        # check of its own loss) is in its next call instead, and the transfers waited for
+        # each other until comm_timeout, on every later call too; now every rank raises,
+        # naming where each is
+        handshake.enter("a fill-drain backward")
         engine = self.engine
         engine.resume_forward(awaiting.id)  # its batch size, shapes and argument gradients
         layout = engine.layout
@@ -1135,6 +1156,36 @@ def _content_crc(tensors: list[torch.Tensor]) -> int:
         data = t.detach().reshape(-1).cpu().contiguous()
         crc = zlib.crc32(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"", crc)
     return crc
+
+
+# [Note: rows alike on every rank] A shared tensor whose first size happens to equal the
+# local batch (a MoCo queue of 4 entries at 4 rows per rank) reads as rows of the batch: it
+# was cut into micro-batches and replicas' shares, and its "global" rows were every rank's
+# copy of it (loss 0.090 for 0.047, without a word). Such an argument has the same values
+# on every rank where the batch's other tensors differ: rank 0 warns, naming it (its first
+# and last rows are compared at each deployment, for the first _ROWS_COMPARED such
+# arguments; one whose first and last rows are the same, an attention mask of ones, is
+# left out).
+_ROWS_COMPARED = 8
+
+
+def _end_rows_crc(t: torch.Tensor, dim: int) -> int:
+    """A crc of `t`'s first and last rows along `dim`, 0 where they are the same (an
+    attention mask of ones, position ids repeated for every row: alike on every rank, and
+    rows all the same) or hold fewer than 4 values (class labels, alike by chance)."""
+    if t.shape[dim] < 2 or t.select(dim, 0).numel() < 4:  # (labels: alike by chance)
+        return 0
+    first, last = _content_crc([t.select(dim, 0)]), _content_crc([t.select(dim, t.shape[dim] - 1)])
+    return 0 if first == last else first ^ (last << 1)
+
+
+def _say_rows_alike(paths: list[str], batch: int) -> None:
+    _C.log_warn(f"{failure.some_of(paths)} {'have' if len(paths) > 1 else 'has'} the same values on "
+                "every rank, unlike the other rows of the batch: rannc takes "
+                f"{'them' if len(paths) > 1 else 'it'} as rows of the batch (a first size equal "
+                f"to the local batch's {batch} rows), cut into micro-batches and across the "
+                "ranks. If it is not rows of the batch (a queue, a table), keep it in a buffer "
+                "or give it another first size ([Note: rows alike on every rank] in deployed.py)")
 
 
 def _shared_arguments_differ(contents, shared, batch: int) -> Exception:

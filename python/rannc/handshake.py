@@ -48,7 +48,7 @@ NAMES = ("a training call", "an eval call", "a copy's call", "state_dict()", "lo
          "optimizer_state_dict()", "load_optimizer_state_dict()", "save_checkpoint()",
          "load_checkpoint()", "clip_grad_norm", "torch.nn.utils.clip_grad_norm_()",
          "torch.nn.utils.get_total_norm()", "GradScaler.unscale_()", "generate()",
-         "optimizer.step()",
+         "optimizer.step()", "a fill-drain backward",
          "the end of the script", "rannc.barrier()")
 # torch.distributed's collectives on the world, which agree with rannc's once a RaNNCModule
 # exists ([Note: torch.distributed agrees with rannc] in process_group.py)
