@@ -417,6 +417,16 @@ def _outputs_kept_whole(graph: TracedGraph, opts: Options, popts, world_size: in
     cure = ("Return it with the batch as a dimension of its own (the [sequence, batch, ...] "
             "value before the view) and flatten it outside, or compute the loss inside the "
             "module ([Note: outputs not cut into rows] in planning.py)")
+    ir, batch = graph.ir, graph.batch_size
+    if batch > 1 and any(ir.value(v).batch_dim < 0 and list(ir.value(v).shape).count(batch) >= 2
+                         for v in ir.outputs):
+        # the batch in two dimensions (CLIP's logits_per_image): its rows pair the batch's
+        what = what.replace("(a batch flattened", "(one that pairs the rows of the batch, with "
+                            "the batch in two dimensions, as a contrastive model's "
+                            "similarities; a batch flattened")
+        cure = ("Return the loss and what it is made from (the embeddings), not the "
+                "similarities of every pair of rows, or compute those outside from the "
+                "embeddings ([Note: outputs not cut into rows] in planning.py)")
     if world_size > 1:
         raise _C.TraceError(f"{what}: it cannot be cut into each rank's rows. {cure}")
     if opts.num_microbatches > 1:
