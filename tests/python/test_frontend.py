@@ -1142,6 +1142,30 @@ def test_an_output_that_grows_with_the_batch_without_its_rows_is_named():
     assert plan.micro_batches == 2
 
 
+class _Similarities(torch.nn.Module):
+    """CLIP's outputs: the loss and the similarities of every pair of rows [B, B]."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(6, 4), torch.nn.Linear(5, 4)
+
+    def forward(self, x, y):
+        sims = self.a(x) @ self.b(y).t()
+        labels = torch.arange(sims.shape[0], device=sims.device)
+        return torch.nn.functional.cross_entropy(sims, labels), sims
+
+
+def test_an_output_pairing_the_rows_is_named_with_its_cure():
+    """[Note: outputs not cut into rows] in planning.py: CLIP's logits_per_image [B, B] was
+    named as "a batch flattened with another dimension" (a probe's finding); it pairs the
+    rows, and the cure is to return the loss and the embeddings."""
+    args = (torch.randn(6, 6), torch.randn(6, 5))
+    with pytest.raises(rannc.TraceError, match=r"output #1 grows with the batch but holds no "
+                                               r"dimension of its rows \(one that pairs the rows.*"
+                                               r"Return the loss and what it is made from"):
+        rannc.plan(_Similarities(), args, world_size=2, cost_model="analytic")
+
+
 def test_timesteps_drawn_in_forward_are_rows_of_the_batch():
     """[Note: random values] in convert.cpp: a diffusion model's timesteps drawn inside
     forward, `torch.randint(0, T, (x.shape[0],))` (and `.long()` of them), returned beside

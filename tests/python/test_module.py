@@ -757,7 +757,7 @@ def test_a_failure_while_tracing_new_shapes_says_so_with_both_shapes():
                                    "averaged_model", "save_pretrained", "two_calls", "pairs_rows", "recompute_buffers", "lbfgs", "attributes", "cumulative_bn", "count_output", "graphs_part", "edits_after_load", "sparse_embedding", "ema_state_dict",
                                    "param_hooks", "retained_graph", "adversarial",
                                    "add_param_group", "outside_parameter", "table_first",
-                                   "shared_module"])
+                                   "shared_module", "skipped_backward"])
 def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
     """Ranks with different batch sizes in one call (on every such call), control flow on
     data that differs between ranks, different models, ranks whose batches have their own
@@ -769,7 +769,9 @@ def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
     table passed before the batch made the batch's tensors shared ones, each rank's own,
     training wrongly without a word ([Note: shared arguments agree] in deployed.py).
     shared_module: two RaNNCModules sharing an encoder failed in torch on the rank whose
-    tensors the first freed ([Note: modules wrapped twice] in module.py). eval_after_new_length: a training call at a new length between evaluations
+    tensors the first freed ([Note: modules wrapped twice] in module.py). skipped_backward: a
+    rank that skipped a fill-drain backward left every rank waiting until comm_timeout, on
+    every later call too. eval_after_new_length: a training call at a new length between evaluations
     leaves the weights of eval's ranks current (it had marked them so before the step).
     num_items_in_batch: transformers' sum over a count passed in adds up over the shares.
     uneven_selection: x[keep] selecting as many tokens from every row of the first batch
@@ -1053,6 +1055,20 @@ def test_sequence_first_models_train_as_pytorch(ranks, stages, replicas):
     assert res.returncode == 0, res.stdout[-4000:]
     for r in range(ranks):
         assert f"OK rank {r}" in res.stdout, res.stdout[-4000:]
+
+
+def test_a_shared_argument_of_the_batch_size_is_named():
+    """[Note: rows alike on every rank] in deployed.py: a queue passed as an argument whose
+    first size equals the local batch reads as rows of the batch and was cut into rows
+    without a word (a probe's MoCo: loss 0.090 for 0.047); rank 0 names it, once, and not a
+    queue of another size (mpi/loop_probes.py queue_alike)."""
+    res = mpirun("loop_probes.py", 2, "queue_alike", timeout=300, env={"RANNC_COMM_TIMEOUT": "60"})
+    assert res.returncode == 0, res.stdout[-4000:]
+    for r in range(2):
+        assert f"OK rank {r}" in res.stdout, res.stdout[-4000:]
+    said = ("args[1] has the same values on every rank, unlike the other rows of the batch: "
+            "rannc takes it as rows of the batch (a first size equal to the local batch's 4 rows)")
+    assert res.stdout.count(said) == 1, res.stdout[-4000:]
 
 
 def test_buffers_a_forward_writes_with_several_micro_batches_are_named():

@@ -69,8 +69,15 @@ behaviour and prints "OK rank r", or fails the way the test expects.
                                        rank naming them; the batch passed first trains
     loop_probes.py embeds_outside      inputs_embeds made outside from the model's own
                                        embedding (FreeLB) and a penalty on it: each step
-                                       averages its gradient over the ranks, as DDP, and
-                                       training equals PyTorch
+                                       (and clip_grad_norm_) averages its gradient over the
+                                       ranks, as DDP; the norms and training equal PyTorch
+    loop_probes.py skipped_backward    one rank skips the backward of a fill-drain call (a
+                                       check of its own loss): an error on every rank naming
+                                       where each is, at once, and the next calls run
+    loop_probes.py queue_alike         a queue passed as an argument whose size equals the
+                                       local batch reads as rows: rank 0 warns naming it (the
+                                       test counts the warning); of another size it is shared
+                                       and trains equal to PyTorch
     loop_probes.py length_branch       the model takes another path for short sequences: a
                                        new length that the plan cannot run is another
                                        program, planned on its own; training at both
@@ -2584,10 +2591,63 @@ elif probe == "embeds_outside":  # [Note: gradients made outside] in optimizer_s
         torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
         loss.backward()
         ref_loss.backward()
+        # clipping counts and scales the embedding's gradient, averaged first
+        norms = [torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
+                 for m in (wrapped.module, reference)]
+        torch.testing.assert_close(norms[0], norms[1], rtol=1e-5, atol=1e-6)
         for o in (opt, ref_opt):
             o.step()
             o.zero_grad()
         same_stage_parameters(wrapped.module, reference, rtol=1e-5)
+    print(f"OK rank {rank}", flush=True)
+elif probe == "skipped_backward":  # [Note: named collectives] in handshake.py
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    wrapped = rannc.RaNNCModule(model, opt, num_stages=2, num_microbatches=2, comm_timeout=60)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)
+
+    def step():
+        nn.functional.mse_loss(wrapped(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    said = ("a fill-drain backward on rank 0; a training call on rank 1",)
+    out = wrapped(x)
+    start = time.time()
+    if rank == 0:
+        expect_error(lambda: nn.functional.mse_loss(out, y).backward(), *said)
+    else:  # skips that backward: its next call meets rank 0's backward
+        expect_error(lambda: wrapped(x), *said)
+    assert time.time() - start < 30, time.time() - start  # not comm_timeout
+    del out
+    opt.zero_grad()
+    step()
+    print(f"OK rank {rank}", flush=True)
+elif probe == "queue_alike":  # [Note: rows alike on every rank] in deployed.py
+    class Queue(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.enc = nn.Linear(8, 6)
+
+        def forward(self, x, queue):
+            q = nn.functional.normalize(torch.tanh(self.enc(x)), dim=1)
+            logits = torch.cat([q.sum(1, keepdim=True), q @ queue.t()], 1)
+            return nn.functional.cross_entropy(logits, torch.zeros(x.shape[0], dtype=torch.long))
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(8, 8, generator=g)
+    mine = slice(4 * rank, 4 * (rank + 1))
+    for size in (4, 5):  # 4: the local batch's rows (warned); 5: shared
+        torch.manual_seed(0)
+        queue = torch.randn(size, 6, generator=torch.Generator().manual_seed(5))
+        reference, opt, ref_opt, wrapped = sgd_pair(Queue(), num_stages=2)
+        loss, ref_loss = wrapped(x[mine], queue), reference(x, queue)
+        if size == 5:
+            torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        step_both(loss, ref_loss, opt, ref_opt)
     print(f"OK rank {rank}", flush=True)
 elif probe == "ndim_groups":  # [Note: freed tensors keep their dimensions] in placement.py
     class Net(nn.Module):
