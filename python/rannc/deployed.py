@@ -337,8 +337,10 @@ class Deployed:
         full_shape = self.owner.placement.full_shape  # freed here or not
         signature = repr([(n, tuple(full_shape(i, t)), str(t.dtype))
                           for i, (n, t) in enumerate(zip(self.graph._trace.state.names, state))])
-        shared = self._shared_arguments(ir)
-        rows = self._row_arguments(ir)
+        passed = self._tensor_arguments(ir)
+        # [Note: shared arguments agree], [Note: rows alike on every rank]
+        shared = [(path, t) for path, t, dim in passed if dim < 0 and t.dim() >= 1]
+        rows = [a for a in passed if a[2] >= 0][:_ROWS_COMPARED]
         mine = torch.tensor([ir.content_hash() & 0x7FFFFFFFFFFFFFFF, self.graph.batch_size,
                              zlib.crc32(signature.encode()), zlib.crc32(repr(self.shapes).encode()),
                              self.owner.held_bytes(), _content_crc([t for _, t in shared])]
@@ -387,23 +389,12 @@ class Deployed:
                 "program for every batch: make the branch independent of the data "
                 "(torch.where, masks), or pass the deciding value as a constant argument")
 
-    def _row_arguments(self, ir) -> list[tuple[str, torch.Tensor, int]]:
-        """The first _ROWS_COMPARED tensor arguments that are rows of the batch, with their
-        paths and batch dimensions ([Note: rows alike on every rank])."""
+    def _tensor_arguments(self, ir) -> list[tuple[str, torch.Tensor, int]]:
+        """The traced tensor arguments: (path, tensor, batch dimension or -1)."""
         inputs = self.graph._trace.inputs
         n_state = len(self.graph._trace.state.names)
         return [(inputs.paths[slot], t, ir.value(v).batch_dim) for slot, t, v in
-                zip(inputs.tensor_slots, inputs.tensors, ir.inputs[n_state:])
-                if ir.value(v).batch_dim >= 0][:_ROWS_COMPARED]
-
-    def _shared_arguments(self, ir) -> list[tuple[str, torch.Tensor]]:
-        """The tensor arguments of one dimension or more that are not rows of the batch,
-        with their paths ([Note: shared arguments agree])."""
-        inputs = self.graph._trace.inputs
-        n_state = len(self.graph._trace.state.names)
-        return [(inputs.paths[slot], t) for slot, t, v in
-                zip(inputs.tensor_slots, inputs.tensors, ir.inputs[n_state:])
-                if t.dim() >= 1 and ir.value(v).batch_dim < 0]
+                zip(inputs.tensor_slots, inputs.tensors, ir.inputs[n_state:])]
 
     def _plan(self, ir, world, opts):
         # A plan runs only for the batch and world it was made for: local batch x ranks.

@@ -643,13 +643,6 @@ class RaNNCModule(torch.nn.Module):
                            "programs; no more are planned ([Note: programs at other shapes] in "
                            "module.py)")
             raise error
-        if mode and not self._grad_sync:
-            raise failure.agreed(
-                f"a training call under no_sync() at input shapes where the model is another "
-                f"program than the one planned ({error.another_program}): its gradients go to "
-                "the ranks that train each parameter ([Note: programs at other shapes] in "
-                "module.py), which needs them summed over its replicas; call it outside "
-                "no_sync(), or keep its shapes")
         if _C.get_rank() == 0:
             _C.log_info(f"{'a training' if mode else 'an eval'} call at new input shapes "
                         f"({plan_from.describe_shapes(traced_shapes(graph))}) where the "

@@ -81,6 +81,7 @@ class StatePlacement:
         # (position, first user, other users) of the buffers a training forward writes that
         # several ranks use ([Note: buffers of replicas])
         self._buffer_routes = None
+        self._unused = None  # unused_parameters(), once deployed
         # the state's names in trace order, resolved on the module (the trace's once deployed)
         self._trace_state = ModelState.of(module)
         self._meta_built = self._empty_meta_parameters()
@@ -273,12 +274,16 @@ class StatePlacement:
         return result
 
     def unused_parameters(self) -> list[tuple[str, torch.Tensor]]:
-        """The parameters that no deployed stage uses (name, tensor): kept on every rank."""
+        """The parameters that no deployed stage uses (name, tensor): kept on every rank.
+        Asked at every step: learnt once per deployed mode."""
         if not self._users:
             return []
-        names, tensors = self._trace_state.names, self.tensors()
-        return [(names[i], tensors[i]) for i in range(len(self._trace_state.param_names))
-                if not self._keepers(i)]
+        if self._unused is None:
+            names, tensors = self._trace_state.names, self.tensors()
+            self._unused = [(names[i], tensors[i])
+                            for i in range(len(self._trace_state.param_names))
+                            if not self._keepers(i)]
+        return self._unused
 
     def trained_here(self) -> set[int]:
         """id() of the parameters this rank's training stages use, frozen ones included (an
@@ -492,6 +497,7 @@ class StatePlacement:
         value, free what no stage on this rank uses and move the rest to this rank's
         device."""
         first = not self._users
+        self._unused = None  # unused_parameters() learns them again
         self._trace_state = deployed.graph._trace.state
         tensors = self.tensors()
         position = {v: i for i, v in enumerate(deployed.state_ids)}
