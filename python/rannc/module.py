@@ -29,6 +29,7 @@ from .graph import TracedGraph
 from ._trace import attribute_values, autocast_dtype, module_hooks, traced_differently
 from ._trace import flatten_args as _trace_flat
 from .options import PRECISIONS, Options
+from .call_layout import CallLayouts
 from .optimizer_share import OptimizerShare
 from .padding import CallPadding
 from .placement import StatePlacement
@@ -272,6 +273,7 @@ class RaNNCModule(torch.nn.Module):
         self.__class__ = _with_forward_signature(type(self), forward.__signature__,
                                                  type(_inspected_model(model)).__name__)
         clipping.warn_early_imports()
+        self._layouts = CallLayouts(forward.__signature__)  # [Note: call layouts]
         # [Note: padding calls] in padding.py
         self._padding = (CallPadding(self.options.pad_values, model, forward.__signature__,
                                      self.options.pad_multiple_of)
@@ -337,6 +339,7 @@ class RaNNCModule(torch.nn.Module):
         """Runs a call of `mode` (a collective named `what`); with `copy` (a
         PlanSharingCopy), on the copy's tensors ([Note: copies of a wrapped model] in
         copies.py)."""
+        args, kwargs = self._layouts.arrange(args, kwargs)  # [Note: call layouts]
         if self._padding is not None and handshake.active():
             try:  # [Note: padding calls] in padding.py
                 args, kwargs = self._padding.pad(what, args, kwargs)
@@ -481,14 +484,18 @@ class RaNNCModule(torch.nn.Module):
                        else f"with {base._attributes_changed(arguments[2])}" if attributes
                        else f"with other arguments than the first ({differs()})")
             plain = not attributes and not (len(arguments) == 3 and arguments[1] == "modules' modes")
-            # a third program of other arguments: most likely a number that changes every
-            # step (mixup's lam), each value traced and planned again
-            say = _C.log_warn if plain and programs >= 2 else _C.log_info
+            # a third program of the same structure as one before but other constants: most
+            # likely a number that changes every step (mixup's lam), each value traced and
+            # planned again
+            structures = {repr(base.graph._trace.inputs.spec)} | {
+                a[0] for m, a in self._deployed_by_arguments if m == mode and isinstance(a[0], str)}
+            numbers = plain and programs >= 2 and arguments[0] in structures
+            say = _C.log_warn if numbers else _C.log_info
             say(f"{'a training' if mode else 'an eval'} call {changed}: traced and planned as "
                 f"another program ({programs + 1} so far; [Note: other arguments] in module.py)"
                 + ("; a number that changes between calls (mixup's lam) is better passed as a "
                    "tensor, torch.tensor(value), which the steps read as an input"
-                   if plain and programs >= 2 else ""))
+                   if numbers else ""))
 
     # ---- deployment ([Note: freed state] in placement.py) ------------------------------------
     def _precision(self):

@@ -757,7 +757,7 @@ def test_a_failure_while_tracing_new_shapes_says_so_with_both_shapes():
                                    "averaged_model", "save_pretrained", "two_calls", "pairs_rows", "recompute_buffers", "lbfgs", "attributes", "cumulative_bn", "count_output", "graphs_part", "edits_after_load", "sparse_embedding", "ema_state_dict",
                                    "param_hooks", "retained_graph", "adversarial",
                                    "add_param_group", "outside_parameter", "table_first",
-                                   "shared_module", "skipped_backward"])
+                                   "shared_module", "skipped_backward", "call_layouts"])
 def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
     """Ranks with different batch sizes in one call (on every such call), control flow on
     data that differs between ranks, different models, ranks whose batches have their own
@@ -771,7 +771,10 @@ def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
     shared_module: two RaNNCModules sharing an encoder failed in torch on the rank whose
     tensors the first freed ([Note: modules wrapped twice] in module.py). skipped_backward: a
     rank that skipped a fill-drain backward left every rank waiting until comm_timeout, on
-    every later call too. eval_after_new_length: a training call at a new length between evaluations
+    every later call too. call_layouts: the same arguments passed positionally, by keyword,
+    in another keyword order or mixed are one program ([Note: call layouts] in
+    call_layout.py; each was traced and planned anew, warning of a changing number), while
+    names that **kwargs takes keep their order. eval_after_new_length: a training call at a new length between evaluations
     leaves the weights of eval's ranks current (it had marked them so before the step).
     num_items_in_batch: transformers' sum over a count passed in adds up over the shares.
     uneven_selection: x[keep] selecting as many tokens from every row of the first batch
@@ -857,6 +860,9 @@ def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
     ranks = 3 if probe == "param_hooks" else 2
     res = mpirun("loop_probes.py", ranks, probe, timeout=300, env={"RANNC_COMM_TIMEOUT": "60"})
     assert res.returncode == 0, res.stdout[-4000:]
+    if probe == "call_layouts":  # the hint of a changing number only where one changed
+        before, after = res.stdout.split("PROGRAMS OF OTHER STRUCTURES 0")
+        assert "mixup's lam" not in before and "mixup's lam" in after, res.stdout[-4000:]
     for r in range(ranks):
         assert f"OK rank {r}" in res.stdout, res.stdout[-4000:]
     if probe == "late_optimizer":

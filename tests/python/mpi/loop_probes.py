@@ -2568,6 +2568,58 @@ elif probe == "table_first":  # [Note: shared arguments agree] in deployed.py
         torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
         step_both(loss, ref_loss, opt, ref_opt)
     print(f"OK rank {rank}", flush=True)
+elif probe == "call_layouts":  # [Note: call layouts] in call_layout.py
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 16), nn.Linear(16, 4)
+
+        def forward(self, x, y, scale=None, **extra):
+            out = self.b(torch.tanh(self.a(x)))
+            out = out if scale is None else out * scale
+            for value in extra.values():  # the order of **extra matters: kept as passed
+                out = out * 2 + value
+            return nn.functional.mse_loss(out, y)
+
+    torch.manual_seed(0)
+    reference, opt, ref_opt, wrapped = sgd_pair(Scaled(), num_stages=2, num_microbatches=2)
+    styles = [lambda x, y, s: ((x, y), {}), lambda x, y, s: ((), {"x": x, "y": y}),
+              lambda x, y, s: ((), {"y": y, "x": x}), lambda x, y, s: ((x,), {"y": y}),
+              lambda x, y, s: ((), {"scale": s, "y": y, "x": x}),
+              lambda x, y, s: ((x, y, s), {})]
+    for step, style in enumerate(styles):
+        g = torch.Generator().manual_seed(step)
+        x, y, s = torch.randn(8, 4, generator=g), torch.randn(8, 4, generator=g), torch.rand(8, 1, generator=g)
+        mine = slice(4 * rank, 4 * (rank + 1))
+        args, kwargs = style(x[mine], y[mine], s[mine])
+        loss = wrapped(*args, **kwargs)
+        ref_args, ref_kwargs = style(x, y, s)
+        ref_loss = reference(*ref_args, **ref_kwargs)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"rank {rank}: step {step}: {m}")
+        step_both(loss, ref_loss, opt, ref_opt)
+    # one program for the calls without scale, one for those with it
+    programs = list(wrapped._deployed_by_arguments)
+    assert len(programs) == 1, programs
+    same_stage_parameters(wrapped.module, reference, rtol=1e-5, wrapped=wrapped)
+    # names only **extra takes keep their order: another order is another program
+    g = torch.Generator().manual_seed(9)
+    x, y, u, v = (torch.randn(8, 4, generator=g) for _ in range(4))
+    mine = slice(4 * rank, 4 * (rank + 1))
+    for order in (("u", "v"), ("v", "u")):
+        extra = {"u": u, "v": v}
+        loss = wrapped(x[mine], y[mine], **{k: extra[k][mine] for k in order})
+        ref_loss = reference(x, y, **{k: extra[k] for k in order})
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"rank {rank}: extra {order}: {m}")
+        step_both(loss, ref_loss, opt, ref_opt)
+    assert len(wrapped._deployed_by_arguments) == 3, list(wrapped._deployed_by_arguments)
+    print(f"PROGRAMS OF OTHER STRUCTURES {rank}", flush=True)  # no hint of a number up to here
+    for scale in (0.5, 0.25):  # a number that changes: the fourth program draws the hint
+        loss, ref_loss = wrapped(x[mine], y[mine], scale), reference(x, y, scale)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        step_both(loss, ref_loss, opt, ref_opt)
+    print(f"OK rank {rank}", flush=True)
 elif probe == "embeds_outside":  # [Note: gradients made outside] in optimizer_share.py
     class Classifier(nn.Module):
         def __init__(self):
