@@ -273,7 +273,8 @@ class RaNNCModule(torch.nn.Module):
         self.__class__ = _with_forward_signature(type(self), forward.__signature__,
                                                  type(_inspected_model(model)).__name__)
         clipping.warn_early_imports()
-        self._layouts = CallLayouts(forward.__signature__)  # [Note: call layouts]
+        # [Note: call layouts]: the forward that binds the call (a PEFT model's own)
+        self._layouts = CallLayouts(inspect.signature(model.forward))
         # [Note: padding calls] in padding.py
         self._padding = (CallPadding(self.options.pad_values, model, forward.__signature__,
                                      self.options.pad_multiple_of)
