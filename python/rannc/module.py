@@ -1117,6 +1117,28 @@ class RaNNCModule(torch.nn.Module):
         finally:
             self._grad_sync = before
 
+    # [Note: DDP's other methods] A script moved from DistributedDataParallel may call its
+    # join(), register_comm_hook() or _set_static_graph(); an AttributeError named none of
+    # what rannc does instead.
+    def join(self, *args, **kwargs):
+        """DDP's join() for uneven inputs has no counterpart: an error saying what to do."""
+        raise _C.Error(
+            "RaNNCModule has no join() (DDP's context for ranks with uneven inputs): a rank "
+            "holds stages that every other rank's steps run through, so every rank must make "
+            "the same calls. Give each rank as many batches (DistributedSampler(..., "
+            "drop_last=True), or stop every rank at the shortest rank's count)")
+
+    def register_comm_hook(self, state, hook):
+        """DDP's gradient communication hooks have no counterpart: an error saying so."""
+        raise _C.Error(
+            f"RaNNCModule has no register_comm_hook() ({getattr(hook, '__name__', hook)}): "
+            "rannc sums each stage's gradients over its replicas itself, in buckets overlapped "
+            "with the backward, in the parameters' dtype; it has no compression hooks. Remove "
+            "the call")
+
+    def _set_static_graph(self) -> None:
+        """DDP's hint that the graph never changes: rannc's traced graph is static."""
+
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0,
                        scaler: torch.amp.GradScaler | None = None) -> torch.Tensor:
         """Clips the gradients of all stages by their global norm; returns that norm. With a

@@ -606,6 +606,33 @@ except rannc.Error as e:
     assert "update_bn: the copy's batch norm 1 has momentum None" in res.stdout, res.stdout[-3000:]
 
 
+def test_ddp_methods_a_script_moved_from_ddp_calls_name_what_rannc_does_instead():
+    """[Note: DDP's other methods] in module.py: join() and register_comm_hook() were
+    AttributeErrors naming nothing; now errors saying what to do, and _set_static_graph()
+    is accepted (the traced graph is static). Training goes on after them."""
+    res = _single_process("""
+import torch, rannc
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+module = rannc.RaNNCModule(model, opt)
+module._set_static_graph()
+for call in (lambda: module.join(), lambda: module.register_comm_hook(None, lambda s, b: b)):
+    try:
+        call()
+    except rannc.Error as e:
+        print("refused:", e)
+module(torch.randn(4, 8)).pow(2).mean().backward()
+opt.step()
+print("trained")
+""")
+    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
+    refused = [l for l in res.stdout.splitlines() if l.startswith("refused: ")]
+    assert len(refused) == 2, res.stdout[-3000:]
+    assert "no join()" in refused[0] and "drop_last=True" in refused[0], refused
+    assert "no register_comm_hook()" in refused[1] and "<lambda>" in refused[1], refused
+    assert "trained" in res.stdout, res.stdout[-3000:]
+
+
 def test_the_plan_counts_copies_of_the_model_made_before_its_first_call():
     """An EMA made before the first call takes one more copy of each stage's parameters and
     buffers, which the plan's memory counts (the option model_copies for later ones); a
