@@ -352,7 +352,8 @@ class Deployed:
                                                               for i in range(6))
         same = [len(set(everyone[:, 6 + i].tolist())) == 1 and int(everyone[0, 6 + i]) != 0
                 for i in range(len(rows))]
-        if any(same) and not all(same) and len(set(arguments)) == 1 and comm.rank == 0:
+        if comm.size > 1 and any(same) and not all(same) and len(set(arguments)) == 1 and \
+                comm.rank == 0:  # (one rank's rows are alike on every rank)
             _say_rows_alike([path for (path, _, _), s in zip(rows, same) if s],
                             self.graph.batch_size)
         self.held_bytes = max(held)  # [Note: memory the programs before hold]

@@ -1102,6 +1102,24 @@ def test_a_shared_argument_of_the_batch_size_is_named():
     said = ("args[1] has the same values on every rank, unlike the other rows of the batch: "
             "rannc takes it as rows of the batch (a first size equal to the local batch's 4 rows)")
     assert res.stdout.count(said) == 1, res.stdout[-4000:]
+    # one rank: its rows are trivially alike on every rank (each single-rank run warned)
+    res = _single_process("""
+import torch, rannc
+class Classifier(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, x, y):  # labels are too short to compare: x alone reads as alike
+        return torch.nn.functional.cross_entropy(self.head(x), y)
+
+model = Classifier()
+module = rannc.RaNNCModule(model, torch.optim.SGD(model.parameters(), lr=0.1))
+module(torch.randn(4, 8), torch.tensor([0, 1, 2, 0])).backward()
+print("trained")
+""")
+    assert res.returncode == 0 and "trained" in res.stdout, res.stdout + res.stderr[-3000:]
+    assert "the same values on every rank" not in res.stdout + res.stderr, res.stdout[-3000:]
 
 
 def test_buffers_a_forward_writes_with_several_micro_batches_are_named():
