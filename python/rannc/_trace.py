@@ -539,8 +539,19 @@ _KEEP_ATTACHED = {torch.Tensor.requires_grad_, torch.Tensor.detach, torch.Tensor
 # The same holds for a decision in Python on a buffer the forward writes (ActNorm's
 # `if self.initialized.item() == 0: initialise; self.initialized.fill_(1)` under no_grad):
 # both traces start from the same buffers, so the decision was fixed for every step (an
-# initialisation from each batch) without a word; it is a TraceError too.
+# initialisation from each batch) without a word; it is a TraceError too. The decision may
+# be on a value made from state tensors alone (an observer's `if self.min_val ==
+# float("inf")`, torch.ao.quantization's moving-average observers: QAT overwrote min/max
+# with each batch's instead of averaging, without a word): small values made by ops whose
+# tensor arguments are all state tensors, or such values, count as their state tensors
+# (not values made with the data: batch norm's output reads its running statistics).
+# A decision that the written state no longer changes (an observer's `if min_val == inf`
+# once it holds a batch's range, as after one call of the plain model) is left alone: the
+# forward runs once more, untraced, from the state the trace wrote, and where every such
+# decision comes out the same, the trace holds for every step.
 _DATA = torch._C.TensorBase.__dict__["data"]
+_DERIVED_NUMEL = 4096  # larger values made from state alone (a parametrized weight) are not
+# decided on in Python, and keeping them alive for the trace would hold a model's copy
 
 
 class _WatchDataWrites(torch.overrides.TorchFunctionMode):
@@ -552,9 +563,13 @@ class _WatchDataWrites(torch.overrides.TorchFunctionMode):
         self.originals = {}  # id -> (the state tensor, a copy of it when .data was first taken)
         self.versions = {}  # id of a state tensor -> (it, its version when the trace began)
         self.decided = []  # (name, source line) of each state tensor turned into a Python value
+        self.derived = {}  # id of a small value made from state tensors alone -> (it, names)
+        self.outcomes = []  # (source line, the Python value) of each such decision
+        self.watched = []   # the state tensors the trace ran with
 
     def watch(self, names: list, tensors) -> None:
         """The state tensors the trace runs with (`fn` calls it first)."""
+        self.watched = list(tensors)
         for name, t in zip(names, tensors):
             self.names[id(t)] = name
             if not t.is_inference():  # under torch.inference_mode() nothing can be written
@@ -562,13 +577,19 @@ class _WatchDataWrites(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         # on every op of the trace: cheap tests first (most ops read no state tensor first)
-        state = bool(args) and id(args[0]) in self.names
-        name = getattr(func, "__name__", "") if state else ""
+        first = id(args[0]) if args else None
+        state = first in self.names
+        name = getattr(func, "__name__", "") if state or first in self.derived else ""
         if state and name.endswith("_"):
             self._keep_original(args[0])  # an in-place write: to put back on an error
         out = func(*args, **(kwargs or {}))
-        if state and name in _TO_PYTHON:
-            self.decided.append((self.names[id(args[0])], _caller_line()))
+        if name in _TO_PYTHON:
+            names = [self.names[first]] if state else self.derived[first][1]
+            where = _caller_line()
+            self.decided.extend((n, where) for n in names)
+            self.outcomes.append((where, repr(out)))
+        elif state or first in self.derived:
+            self._derive(args, kwargs, out)
         if getattr(func, "__self__", None) is _DATA and args:
             owner = args[0]
             name = self.names.get(id(owner))
@@ -583,6 +604,23 @@ class _WatchDataWrites(torch.overrides.TorchFunctionMode):
                 self.assigned.append((name, where))
         return out
 
+    def _derive(self, args, kwargs, out) -> None:
+        """Marks `out` as made from state tensors where every tensor argument is one, or
+        made from them ([Note: writes through .data])."""
+        if not isinstance(out, torch.Tensor) or out.numel() > _DERIVED_NUMEL:
+            return
+        names = []
+        for a in itertools.chain(args, (kwargs or {}).values()):
+            if isinstance(a, torch.Tensor):
+                if id(a) in self.names:
+                    names.append(self.names[id(a)])
+                elif id(a) in self.derived:
+                    names.extend(self.derived[id(a)][1])
+                else:
+                    return  # made with the data too
+        if names and id(out) not in self.names:
+            self.derived[id(out)] = (out, list(dict.fromkeys(names)))
+
     def _keep_original(self, owner: torch.Tensor) -> None:
         if id(owner) not in self.originals:
             with torch.no_grad():
@@ -594,11 +632,25 @@ class _WatchDataWrites(torch.overrides.TorchFunctionMode):
             for owner, original in self.originals.values():
                 _DATA.__get__(owner).copy_(original)
 
-    def refuse_writes(self) -> None:
+    def refuse_writes(self, rerun=None) -> None:
+        """Raises where the trace wrote through .data or decided on what it writes;
+        `rerun(watch, changed, written)` runs the forward again under `watch` from copies
+        of the state tensors the trace wrote (ids in `changed`), as they were before it or
+        as it wrote them."""
         written = [(name, where) for alias, version, name, where in self.taken
                    if alias._version != version] + self.assigned
         changed = {self.names[i] for i, (t, version) in self.versions.items() if t._version != version}
         decided = [(name, where) for name, where in self.decided if name in changed]
+        if decided and not written and rerun is not None:
+            ids = {i for i, (t, version) in self.versions.items() if t._version != version}
+            try:  # untraced both: the trace's own conversions add decisions of their own
+                before, after = _WatchDataWrites(), _WatchDataWrites()
+                rerun(before, ids, written=False)
+                rerun(after, ids, written=True)
+                if before.outcomes == after.outcomes:
+                    decided = []  # the written state decides as the trace did
+            except Exception:  # the decision stands as the cause
+                pass
         if written or decided:
             self._put_back()
         if written:
@@ -1066,6 +1118,17 @@ def _trace_body(model, state: ModelState, state_tensors: list, flat: FlatArgs, t
                                       for k in p) for p, _ in with_paths]
         return tuple(x for x in leaves if isinstance(x, torch.Tensor))
 
+    def rerun(watch: _WatchDataWrites, changed: set, written: bool) -> None:
+        # [Note: writes through .data]: the forward from copies of the state the trace
+        # started from (the model's own: the trace ran on fresh copies) or wrote
+        now = [(t if written else own).detach().clone() if id(t) in changed else t
+               for t, own in zip(watch_data.watched, state_tensors)]
+        watch.watch(state.names, now)
+        with torch.no_grad(), watch, _state_put_back(model), \
+                _reparametrize_module(model, dict(zip(state.names, now)), tie_weights=True):
+            args, kwargs = flat.rebuild(tensors)
+            model(*args, **kwargs)
+
     example = tuple(_fresh_buffers(state, state_tensors)) + tuple(tensors)
     old_map = torch.jit._trace._trace_module_map
     torch.jit._trace._trace_module_map = {m: name for name, m in model.named_modules()}
@@ -1080,7 +1143,7 @@ def _trace_body(model, state: ModelState, state_tensors: list, flat: FlatArgs, t
                   _RefuseTensorHooks(), _refuse_grad_in_forward(), traceable_parts(model),
                   _DetachUnderNoGrad() if torch.is_grad_enabled() else contextlib.nullcontext()):
                 traced = torch.jit.trace(fn, example, check_trace=False, strict=False)
-        watch_data.refuse_writes()
+        watch_data.refuse_writes(rerun)
     except _RandomDecision as e:
         raise TraceError(
             f"the model decides in Python on a random number ({e} at {_user_frame(e)}), as "

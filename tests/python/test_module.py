@@ -1122,6 +1122,53 @@ print("trained")
     assert "the same values on every rank" not in res.stdout + res.stderr, res.stdout[-3000:]
 
 
+def test_quantization_aware_training_observers_train_as_pytorch_once_initialised():
+    """[Note: writes through .data] in _trace.py: torch.ao.quantization's moving-average
+    observer decides in Python on `min_val == inf`, a value made from the buffers it
+    writes; the check saw only decisions on the buffer itself, so QAT overwrote the range
+    with each batch's instead of averaging it, without a word (max_val 1.646 for 2.003).
+    Uninitialised it is a TraceError naming the buffers and the cure; after one call of
+    the plain model the written state decides as the trace did, and training, scale and
+    range equal PyTorch's."""
+    res = _single_process("""
+import copy, torch, torch.nn as nn, torch.nn.functional as F, rannc
+import torch.ao.quantization as Q
+class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(8, 16), nn.Linear(16, 1)
+        self.fq = Q.FakeQuantize(observer=Q.MovingAverageMinMaxObserver, quant_min=0, quant_max=255)
+    def forward(self, x, y):
+        return F.mse_loss(self.l2(self.fq(torch.relu(self.l1(x)))), y)
+torch.manual_seed(0)
+g = torch.Generator().manual_seed(1)
+batches = [(torch.randn(8, 8, generator=g), torch.randn(8, 1, generator=g)) for _ in range(4)]
+m = M()
+try:
+    rannc.RaNNCModule(m, torch.optim.SGD(m.parameters(), lr=0.1))(*batches[0])
+except rannc.TraceError as e:
+    print("refused:", str(e)[:200])
+m = M()
+m(*batches[0])  # the observers hold a range: their decision no longer changes
+ref = copy.deepcopy(m)
+opt, ref_opt = (torch.optim.SGD(k.parameters(), lr=0.1) for k in (m, ref))
+w = rannc.RaNNCModule(m, opt, num_microbatches=1)
+for x, y in batches[1:]:
+    loss, ref_loss = w(x, y), ref(x, y)
+    torch.testing.assert_close(loss, ref_loss)
+    loss.backward(); ref_loss.backward()
+    for o in (opt, ref_opt): o.step(); o.zero_grad()
+sd = w.state_dict()
+for k, v in ref.state_dict().items():
+    torch.testing.assert_close(sd[k], v, msg=lambda msg: f"{k}: {msg}")
+print("trained as PyTorch", sd["fq.activation_post_process.max_val"].item())
+""")
+    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
+    assert "refused: the forward decides in Python on 'fq.activation_post_process.min_val'" \
+        in res.stdout, res.stdout[-3000:]
+    assert "trained as PyTorch" in res.stdout, res.stdout + res.stderr[-3000:]
+
+
 def test_buffers_a_forward_writes_with_several_micro_batches_are_named():
     """[Note: buffers written per micro-batch] in module.py: a VQ codebook kept by an EMA
     under no_grad moves once per micro-batch, unlike one process, without a word before;
