@@ -21,6 +21,9 @@ MPI_Datatype mpiType(at::ScalarType t) {
     case at::kByte: return MPI_UINT8_T;
     case at::kBool: return MPI_C_BOOL;
     case at::kHalf: case at::kBFloat16: return MPI_UINT16_T;  // moved as bits, never reduced
+    // an FFT layer's complex weights and activations (a Fourier neural operator); MPI sums them
+    case at::kComplexFloat: return MPI_C_FLOAT_COMPLEX;
+    case at::kComplexDouble: return MPI_C_DOUBLE_COMPLEX;
     default:
       throw CommError(std::string("MPI cannot move tensors of dtype ") + c10::toString(t));
   }
@@ -180,6 +183,9 @@ class MpiCommunicator : public Communicator {
 
   WorkPtr allReduce(at::Tensor tensor, ReduceOp op) override {
     checkCpu(tensor, "all-reduce");
+    if (tensor.is_complex() && op != ReduceOp::Sum) {
+      throw CommError("all-reduce: complex tensors have no order (only a sum reduces them)");
+    }
     // Half precision is reduced in float: MPI has no 16-bit float type.
     const bool widen = tensor.scalar_type() == at::kHalf || tensor.scalar_type() == at::kBFloat16;
     at::Tensor buf = widen ? tensor.to(at::kFloat) : tensor.contiguous();

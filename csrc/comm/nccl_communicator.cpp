@@ -254,9 +254,14 @@ class NcclCommunicator : public Communicator {
     if (tensor.scalar_type() == at::kBool && op == ReduceOp::Sum) {
       throw CommError("all-reduce: a sum of bool tensors would leave bytes above 1 (reduce with Max)");
     }
+    if (tensor.is_complex() && op != ReduceOp::Sum) {
+      throw CommError("all-reduce: complex tensors have no order (only a sum reduces them)");
+    }
+    // NCCL has no complex type: a complex sum is the sum of its real and imaginary parts
+    at::Tensor parts = tensor.is_complex() ? at::view_as_real(tensor) : tensor;
     return enqueue("NCCL all-reduce", {tensor}, [&] {
-      check(ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(),
-                          ncclType(tensor.scalar_type()), ncclOp(op), handle_->comm, stream_.stream()),
+      check(ncclAllReduce(parts.data_ptr(), parts.data_ptr(), parts.numel(),
+                          ncclType(parts.scalar_type()), ncclOp(op), handle_->comm, stream_.stream()),
             "ncclAllReduce");
     });
   }

@@ -1394,7 +1394,9 @@ void markGradientsAndLoss(ir::Graph& ir, const std::vector<at::Tensor>& inputs) 
       // Lists and tuples of tensors carry gradients to what is unpacked from them.
       const bool container = v.kind == ir::ValueKind::TensorList ||
                              v.kind == ir::ValueKind::Tuple || v.kind == ir::ValueKind::Other;
-      v.requires_grad = grad && (container || (v.isTensor() && ir::isFloatingPoint(v.dtype)));
+      // complex values too (an FFT layer's spectrum crossing a stage: its first stage never
+      // got a gradient, and trained nothing)
+      v.requires_grad = grad && (container || (v.isTensor() && ir::isDifferentiable(v.dtype)));
     }
   }
   for (ir::ValueId id : ir.outputs()) {

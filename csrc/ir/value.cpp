@@ -28,6 +28,10 @@ bool isFloatingPoint(DType dtype) {
          dtype == DType::BFloat16;
 }
 
+bool isDifferentiable(DType dtype) {
+  return isFloatingPoint(dtype) || dtype == DType::Complex64 || dtype == DType::Complex128;
+}
+
 int64_t dtypeSize(DType dtype) {
   switch (dtype) {
     case DType::Undefined: return 0;

@@ -22,6 +22,8 @@ std::string_view dtypeName(DType dtype);
 int64_t dtypeSize(DType dtype);
 // Float32, Float64, Float16, BFloat16: the dtypes that carry gradients (not complex).
 bool isFloatingPoint(DType dtype);
+// Floating point or complex: the dtypes autograd carries gradients in.
+bool isDifferentiable(DType dtype);
 
 enum class ValueKind : uint8_t {
   Tensor, Int, Float, Bool, String, None, Device, IntList, FloatList, BoolList, TensorList,

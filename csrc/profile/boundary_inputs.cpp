@@ -142,7 +142,7 @@ std::shared_ptr<const BoundaryInputs::DataValues> BoundaryInputs::runDataPass(in
   // An activation read by a data task (its size, its dtype): zeros of its shape that take
   // no memory. Values without a known shape or of other kinds cannot stand in.
   auto placeholder = [&](const ir::Value& v) -> bool {
-    if (!v.isTensor() || !ir::isFloatingPoint(v.dtype)) return false;
+    if (!v.isTensor() || !ir::isDifferentiable(v.dtype)) return false;
     if (!v.shape.empty() && std::find(v.shape.begin(), v.shape.end(), 0) != v.shape.end()) return false;
     env[v.id] = at::zeros({}, at::TensorOptions().dtype(frontend::toScalarType(v.dtype)).device(home_))
                     .expand(shapeAt(v, rows));

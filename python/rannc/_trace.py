@@ -158,7 +158,7 @@ def stand_ins(specs, device: torch.device) -> list[torch.Tensor]:
         buffer = buffers[key(shape, dtype)]
         start = (i * 2654435761) % (buffer.numel() - numel + 1)  # the same on every rank
         t = buffer[start:start + numel].view(shape).detach()
-        out.append(t.requires_grad_(requires_grad and dtype.is_floating_point))
+        out.append(t.requires_grad_(requires_grad and (dtype.is_floating_point or dtype.is_complex)))
     return out
 
 

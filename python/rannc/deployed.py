@@ -938,7 +938,7 @@ class Deployed:
         # (a parameter of the user's would see its hooks called with None, [Note: parameter hooks])
         anchor = self.owner._anchor
         if schedule == "fill_drain":
-            floats = [i for i, t in enumerate(tensors) if t.is_floating_point()]
+            floats = [i for i, t in enumerate(tensors) if t.is_floating_point() or t.is_complex()]
             self._float_outputs = [ir.outputs[i] for i in floats]
             carried = _FillDrainOutputs.apply(anchor, self, len(floats),
                                               *[tensors[i] for i in floats], *self.grad_inputs)
@@ -946,7 +946,7 @@ class Deployed:
                 tensors[i] = t
         if train:  # other float outputs: a clear error if the user backpropagates through them
             for i, (vid, t) in enumerate(zip(ir.outputs, tensors)):
-                if vid != engine.loss_vid and t.is_floating_point():
+                if vid != engine.loss_vid and (t.is_floating_point() or t.is_complex()):
                     tensors[i] = _NoGradientPath.apply(
                         anchor, t, _NoGradientPath.of_training(f"#{i} ({engine.value(vid).name or vid})"))
         elif (schedule is None and torch.is_grad_enabled() and not self.owner.module.training
@@ -954,7 +954,7 @@ class Deployed:
             # an eval call outside no_grad: its outputs require grad, as in PyTorch, and a
             # backward through them says why it cannot train
             for i, (vid, t) in enumerate(zip(ir.outputs, tensors)):
-                if t.is_floating_point():
+                if t.is_floating_point() or t.is_complex():
                     tensors[i] = _NoGradientPath.apply(
                         anchor, t, _NoGradientPath.of_eval(f"#{i} ({engine.value(vid).name or vid})"))
         return self.graph._rebuild_output(tensors)

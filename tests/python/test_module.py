@@ -784,7 +784,8 @@ def test_a_failure_while_tracing_new_shapes_says_so_with_both_shapes():
                                    "averaged_model", "save_pretrained", "two_calls", "pairs_rows", "recompute_buffers", "lbfgs", "attributes", "cumulative_bn", "count_output", "graphs_part", "edits_after_load", "sparse_embedding", "ema_state_dict",
                                    "param_hooks", "retained_graph", "adversarial",
                                    "add_param_group", "outside_parameter", "table_first",
-                                   "shared_module", "skipped_backward", "call_layouts"])
+                                   "shared_module", "skipped_backward", "call_layouts",
+                                   "complex_values"])
 def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
     """Ranks with different batch sizes in one call (on every such call), control flow on
     data that differs between ranks, different models, ranks whose batches have their own
@@ -801,7 +802,10 @@ def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
     every later call too. call_layouts: the same arguments passed positionally, by keyword,
     in another keyword order or mixed are one program ([Note: call layouts] in
     call_layout.py; each was traced and planned anew, warning of a changing number), while
-    names that **kwargs takes keep their order. eval_after_new_length: a training call at a new length between evaluations
+    names that **kwargs takes keep their order. complex_values: an FFT layer's complex
+    weights (rank 0's sent to every rank, gradients summed over replicas) failed ("MPI cannot
+    move tensors of dtype ComplexFloat"), and a complex value crossing stages carried no
+    gradient (the first stage never trained). eval_after_new_length: a training call at a new length between evaluations
     leaves the weights of eval's ranks current (it had marked them so before the step).
     num_items_in_batch: transformers' sum over a count passed in adds up over the shares.
     uneven_selection: x[keep] selecting as many tokens from every row of the first batch

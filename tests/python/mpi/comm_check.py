@@ -51,6 +51,23 @@ b = torch.full((5,), 0.5, dtype=torch.bfloat16)
 comm.all_reduce(b).wait()
 assert torch.equal(b, torch.full((5,), 0.5 * size, dtype=torch.bfloat16))
 
+# complex tensors (an FFT layer's weights, gradients and activations) move and sum
+c = torch.tensor([complex(rank, 1), complex(1, -rank)], dtype=torch.complex64)
+comm.all_reduce(c).wait()
+assert torch.equal(c, torch.tensor([complex(size * (size - 1) / 2, size),
+                                    complex(size, -size * (size - 1) / 2)], dtype=torch.complex64)), c
+z = torch.tensor([complex(prv, 2.5)], dtype=torch.complex128)
+works = [comm.send(torch.tensor([complex(rank, 2.5)], dtype=torch.complex128), nxt, tag=6),
+         comm.recv(got := torch.empty(1, dtype=torch.complex128), prv, tag=6)]
+for w in works:
+    w.wait(30)
+assert torch.equal(got, z), got
+try:
+    comm.all_reduce(c, _C.ReduceOp.MAX).wait()
+    raise AssertionError("a max of complex tensors was accepted")
+except _C.CommError as e:
+    assert "complex tensors have no order" in str(e), e
+
 # broadcast from the last rank
 x = torch.arange(6.0) if rank == size - 1 else torch.zeros(6)
 comm.broadcast(x, size - 1).wait()

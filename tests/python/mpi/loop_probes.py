@@ -2620,6 +2620,35 @@ elif probe == "call_layouts":  # [Note: call layouts] in call_layout.py
         torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
         step_both(loss, ref_loss, opt, ref_opt)
     print(f"OK rank {rank}", flush=True)
+elif probe == "complex_values":  # an FFT layer: complex weights, gradients and boundaries
+    class Spectral(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lift, self.head = nn.Linear(8, 8), nn.Linear(10, 1)
+            self.w1 = nn.Parameter(torch.randn(5, 5, dtype=torch.cfloat) * 0.3)
+            self.w2 = nn.Parameter(torch.randn(5, 5, dtype=torch.cfloat) * 0.3)
+
+        def forward(self, x, y):
+            z = torch.tanh(torch.fft.rfft(self.lift(x)) @ self.w1)  # [B, 5] complex
+            z = z @ self.w2
+            return nn.functional.mse_loss(self.head(torch.view_as_real(z).flatten(1)), y)
+
+    for options in (dict(num_stages=2, num_microbatches=2), dict(num_stages=1)):
+        torch.manual_seed(0)
+        reference, opt, ref_opt, wrapped = sgd_pair(Spectral(), **options)
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(8, 8, generator=g), torch.randn(8, 1, generator=g)
+            mine = slice(4 * rank, 4 * (rank + 1))
+            loss, ref_loss = wrapped(x[mine], y[mine]), reference(x, y)
+            torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"rank {rank}: {options} step {step}: {m}")
+            step_both(loss, ref_loss, opt, ref_opt)
+        same_stage_parameters(wrapped.module, reference, rtol=1e-4, wrapped=wrapped)
+        state = wrapped.state_dict()  # gathered over MPI: complex tensors move
+        for k, v in reference.state_dict().items():
+            torch.testing.assert_close(state[k], v, rtol=1e-4, atol=1e-5, msg=lambda m: f"{k}: {m}")
+    print(f"OK rank {rank}", flush=True)
 elif probe == "embeds_outside":  # [Note: gradients made outside] in optimizer_share.py
     class Classifier(nn.Module):
         def __init__(self):
