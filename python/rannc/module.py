@@ -33,6 +33,7 @@ from .call_layout import CallLayouts
 from .optimizer_share import OptimizerShare
 from .padding import CallPadding
 from .placement import StatePlacement
+from .process_group import refuse_other_launchers
 from .transport import resolve_device, uses_nccl
 
 
@@ -196,6 +197,7 @@ class RaNNCModule(torch.nn.Module):
                  optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer] | None = None,
                  **options):
         super().__init__()
+        refuse_other_launchers()  # [Note: launched by another launcher] in process_group.py
         self.options = Options.resolve(options)
         if self.options.log_level:
             _C.set_log_level(self.options.log_level)

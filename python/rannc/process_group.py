@@ -37,6 +37,13 @@ failed though it trained; torch's own atexit fix, pytorch#179291, was abandoned)
 group this function makes is destroyed at exit, after rannc's last collective (atexit runs
 last-registered first: the end-of-script handshake is registered with the first
 RaNNCModule, after the group); a group the script destroyed or replaced is left alone.
+
+[Note: launched by another launcher] rannc's ranks are MPI's: under torchrun (or
+torch.distributed.launch, accelerate launch, deepspeed) each process is a world of one,
+so each trained alone on its own shard of the data without a word (losses 1.80 and 0.97
+where one process gives 1.38), and this function then overwrote torchrun's RANK and
+WORLD_SIZE with 0 and 1. A WORLD_SIZE above 1 in a world of one MPI rank is an error
+naming the launch to use.
 """
 from __future__ import annotations
 
@@ -60,6 +67,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def refuse_other_launchers() -> None:
+    """[Note: launched by another launcher]"""
+    launched = os.environ.get("WORLD_SIZE", "")
+    if launched.isdigit() and int(launched) > 1 and _C.get_world_size() == 1:
+        raise _C.Error(
+            f"this process was started with WORLD_SIZE={launched} (torchrun or another "
+            "torch.distributed launcher), but rannc's ranks are MPI's, and MPI sees it alone: "
+            "each process would train by itself on its own data. Launch with "
+            f"`mpirun -np {launched} python ...` instead")
+
+
 def init_process_group(backend: str | None = None, **kwargs) -> None:
     """torch.distributed.init_process_group over this job's MPI ranks (a collective; when
     the default group exists, only what follows). Its world collectives agree with rannc's
@@ -68,6 +86,7 @@ def init_process_group(backend: str | None = None, **kwargs) -> None:
     CUDA tensors and gloo for CPU ones where every rank has a GPU of its own, else gloo,
     unless given; `kwargs` go to torch (timeout...). MASTER_ADDR and MASTER_PORT, where
     set, are used as torch would use them."""
+    refuse_other_launchers()  # [Note: launched by another launcher]
     if dist.is_initialized():
         if dist.get_world_size() == _C.get_world_size():
             _agree_with_rannc()  # a group the script made over the same ranks

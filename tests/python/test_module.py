@@ -606,6 +606,34 @@ except rannc.Error as e:
     assert "update_bn: the copy's batch norm 1 has momentum None" in res.stdout, res.stdout[-3000:]
 
 
+def test_a_process_torchrun_started_is_told_to_launch_with_mpirun():
+    """[Note: launched by another launcher] in process_group.py: under torchrun each process
+    is an MPI world of one, and trained alone on its shard without a word (and
+    init_process_group overwrote RANK and WORLD_SIZE). Both are an error naming mpirun."""
+    script = """
+import torch, rannc
+model = torch.nn.Linear(4, 1)
+for make in (lambda: rannc.RaNNCModule(model, torch.optim.SGD(model.parameters(), lr=0.1)),
+             rannc.init_process_group):
+    try:
+        make()
+    except rannc.Error as e:
+        print("refused:", e)
+import os
+print("RANK", os.environ["RANK"])
+"""
+    here = os.path.dirname(__file__)
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1", "RANK": "1",
+                                           "WORLD_SIZE": "2", "LOCAL_RANK": "1",
+                                           "PYTHONPATH": os.path.join(here, "..", "..", "python")})
+    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
+    refused = [l for l in res.stdout.splitlines() if l.startswith("refused: ")]
+    assert len(refused) == 2, res.stdout + res.stderr[-3000:]
+    assert all("WORLD_SIZE=2" in l and "mpirun -np 2" in l for l in refused), refused
+    assert "RANK 1" in res.stdout, res.stdout  # torchrun's variables left as they were
+
+
 def test_ddp_methods_a_script_moved_from_ddp_calls_name_what_rannc_does_instead():
     """[Note: DDP's other methods] in module.py: join() and register_comm_hook() were
     AttributeErrors naming nothing; now errors saying what to do, and _set_static_graph()
