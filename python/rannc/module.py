@@ -429,13 +429,17 @@ class RaNNCModule(torch.nn.Module):
                 return out
         except _C.CommError:
             raise
-        except Exception as e:
+        except (Exception, KeyboardInterrupt, SystemExit) as e:
             if getattr(e, "on_every_rank", False):
                 raise  # every rank raises it together: nobody is left waiting, nothing to tell
-            # Say where before telling the others: their abort may end this process.
+            # Say where before telling the others: their abort may end this process. A
+            # signal's KeyboardInterrupt or SystemExit (a preemption handler's sys.exit)
+            # halfway through a call leaves the peers waiting on this rank's stages until
+            # comm_timeout unless they are told too.
             stage = (f" | stage {'/'.join(map(str, deployed.engine.stages))}" if deployed is not None
                      else "")
-            message = f"rank {_C.get_rank()}{stage} failed: {failure.describe(e)}"
+            how = "failed" if isinstance(e, Exception) else f"stopped inside {what}"
+            message = f"rank {_C.get_rank()}{stage} {how}: {failure.describe(e)}"
             print(f"[rannc] {message}", file=sys.stderr, flush=True)
             _C.report_failure(message)
             raise

@@ -791,6 +791,16 @@ def test_an_exception_between_steps_ends_every_rank_in_seconds(stages):
     assert "finished though rank 1 failed" not in res.stdout
 
 
+def test_a_rank_stopped_inside_a_call_by_a_signal_tells_the_others_at_once():
+    """A preemption handler's SystemExit (SIGTERM -> sys.exit) inside a training call on rank
+    0 left rank 1 waiting on rank 0's stage until comm_timeout (60 s here, 600 by default):
+    only Exceptions were reported. Now rank 1's error names rank 0's SystemExit at once
+    (loop_probes.py preempted); each rank caught its own and printed OK."""
+    res = mpirun("loop_probes.py", 2, "preempted", timeout=300)
+    for r in range(2):
+        assert f"OK rank {r}" in res.stdout, res.stdout[-4000:]
+
+
 def test_a_failure_while_tracing_new_shapes_says_so_with_both_shapes():
     """[Note: new input shapes]: the whole model runs again to trace it at a new length; an
     error there (here the model's own, which every rank raises: [Note: trace errors agreed]

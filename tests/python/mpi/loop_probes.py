@@ -2649,6 +2649,33 @@ elif probe == "complex_values":  # an FFT layer: complex weights, gradients and 
         for k, v in reference.state_dict().items():
             torch.testing.assert_close(state[k], v, rtol=1e-4, atol=1e-5, msg=lambda m: f"{k}: {m}")
     print(f"OK rank {rank}", flush=True)
+elif probe == "preempted":  # a preemption handler's sys.exit inside a call
+    import signal
+    import threading
+
+    def preempted(signum, frame):
+        raise SystemExit("preempted")
+
+    signal.signal(signal.SIGTERM, preempted)
+    model, args, _ = zoo.make("mlp", batch=4, seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    wrapped = rannc.RaNNCModule(model, opt, num_stages=2, num_microbatches=2, comm_timeout=60)
+    train(wrapped, opt, args)
+    began = time.time()
+    try:
+        if rank == 1:
+            time.sleep(3)  # rank 0 waits for this rank inside its call when the signal comes
+        else:
+            threading.Timer(1, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        train(wrapped, opt, args)
+        raise AssertionError("the call went through")
+    except SystemExit as e:
+        assert rank == 0 and str(e) == "preempted", (rank, e)
+    except rannc.CommError as e:  # told at once, not after comm_timeout
+        assert rank == 1 and "rank 0 | stage 0 stopped inside a training call: SystemExit: " \
+            "preempted" in str(e), e
+        assert time.time() - began < 30, time.time() - began
+    print(f"OK rank {rank}", flush=True)
 elif probe == "embeds_outside":  # [Note: gradients made outside] in optimizer_share.py
     class Classifier(nn.Module):
         def __init__(self):
