@@ -138,8 +138,10 @@ class NcclWork : public Work {
         world.checkPeers();
         failIfBroken();
         if (std::chrono::steady_clock::now() > deadline) {
-          throw TimeoutError("rank " + std::to_string(world.rank()) + ": " + what_ +
-                             " did not complete in time (a peer is stuck or gone)");
+          const std::string message = "rank " + std::to_string(world.rank()) + ": " + what_ +
+                                      " did not complete in time (a peer is stuck or gone)";
+          world.reportFailure(message);  // [Note: a timeout is a failure] in world.cpp
+          throw TimeoutError(message);
         }
       } catch (...) {
         handle_->abort();

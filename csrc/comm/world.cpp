@@ -179,6 +179,12 @@ void World::reportFailure(const std::string& message) {
   }
 }
 
+// [Note: a timeout is a failure] A wait that timed out leaves its request in flight and
+// this rank at another point of the step than its peers, as a failure does: a script that
+// caught the CommTimeoutError and called again paired its next collective with a peer's
+// late one (an internal error, "micro-batch 0 is already stashed"), and the peers waited
+// out their own timeouts. So a timeout is reported as a failure: the peers stop at once,
+// naming it, and every later wait here fails at once ([Note: failures stay]).
 void World::checkPeers() {
   {
     std::lock_guard<std::mutex> lock(failure_mutex_);
@@ -219,6 +225,7 @@ void World::wait(MPI_Request& request, const std::string& what, std::chrono::mil
       std::ostringstream os;
       os << "rank " << rank_ << ": " << what << " did not complete within "
          << timeout.count() / 1000.0 << " s (a peer is stuck or gone; RANNC_COMM_TIMEOUT sets the limit)";
+      reportFailure(os.str());  // [Note: a timeout is a failure]
       throw TimeoutError(os.str());
     }
     // Spin briefly for latency, then yield the core (ranks may outnumber cores).

@@ -1,4 +1,5 @@
 """The MPI data plane and failure handling under real mpirun."""
+import re
 import time
 
 import pytest
@@ -64,3 +65,22 @@ def test_a_stuck_peer_times_out_instead_of_hanging():
     # rank 2 learns of it while waiting; rank 1 either learns of it in its barrier or is
     # ended by the abort that a failed rank makes on exit (so nothing hangs).
     assert "FAILED rank 2 | stage 2: CommError: rank 2 stops because rank 0 failed" in res.stdout, res.stdout
+
+
+def test_a_caught_timeout_tells_the_peers_and_fails_the_next_wait_at_once():
+    """[Note: a timeout is a failure] in csrc/comm/world.cpp: a CommTimeoutError the script
+    caught left its request in flight and the peers waiting out their own timeouts; the
+    next call paired with a peer's late collective (an InternalError calling itself a bug).
+    Now the peers stop at once naming the timeout, and the next wait fails at once."""
+    res = mpirun("failure_check.py", 3, "caught_timeout", timeout=120)
+    assert res.returncode != 0
+    assert "CAUGHT rank 0: rank 0: MPI recv" in res.stdout, res.stdout
+    again = {int(m[0]): (float(m[1]), m[2]) for m in
+             re.findall(r"AGAIN rank (\d) at ([\d.]+) s: (.*)", res.stdout)}
+    assert {0, 2} <= again.keys(), res.stdout  # (the stuck rank 1 is ended by their abort)
+    at, message = again[0]
+    assert at < 4 and "cannot communicate: the job failed before" in message, res.stdout
+    # rank 2 learns while rank 1 still sleeps: the timeout itself told it
+    at, message = again[2]
+    assert at < 5 and "stops because rank 0 failed: rank 0: MPI recv" in message and \
+        "did not complete within 2 s" in message, res.stdout

@@ -5,6 +5,9 @@
     failure_check.py again   as raise, then every rank catches its error and communicates
                              again: each later wait fails at once, naming the first failure
                              ([Note: failures stay] in csrc/comm/world.cpp)
+    failure_check.py caught_timeout   rank 0 times out waiting for rank 1 and the script
+                             catches it: the peers are told at once and rank 0's next wait
+                             fails at once ([Note: a timeout is a failure])
 """
 import sys
 import time
@@ -32,6 +35,26 @@ if mode == "again":
         comm.recv(torch.empty(4), (rank + 1) % size, tag=10).wait(120)
     except _C.CommError as e:
         print(f"AGAIN rank {rank} after {time.monotonic() - start:.1f} s: {e}", flush=True)
+        sys.exit(1)
+    print(f"unexpected success on rank {rank}", flush=True)
+    sys.exit(0)
+
+if mode == "caught_timeout":
+    began = time.monotonic()
+    try:
+        if rank == 0:
+            try:
+                comm.recv(torch.empty(4), 1, tag=9).wait(2)
+            except _C.CommTimeoutError as e:  # caught, as a loop skipping a batch
+                print(f"CAUGHT rank 0: {e}", flush=True)
+            comm.recv(torch.empty(4), 1, tag=10).wait(120)
+        elif rank == 1:
+            time.sleep(6)
+            comm.recv(torch.empty(4), 0, tag=10).wait(120)
+        else:
+            comm.recv(torch.empty(4), 1, tag=9).wait(120)
+    except _C.CommError as e:
+        print(f"AGAIN rank {rank} at {time.monotonic() - began:.1f} s: {e}", flush=True)
         sys.exit(1)
     print(f"unexpected success on rank {rank}", flush=True)
     sys.exit(0)
