@@ -25,7 +25,9 @@ part in the gather, drop what it gives them, and then meet again in their own co
 At the end of the script every rank enters a last collective, "the end of the script",
 which serves the same way, so a rank-0 save after training (Trainer.save_model) completes
 and a rank that stops early meets a named error instead of a peer's timeout. The values a
-rank serves are those its program order gives at its next collective, as the asker's are.
+rank serves are those its program order gives at its next collective, as the asker's are;
+a module's optimizer.step() is one ([Note: a step is a collective] in optimizer_share.py), so
+a state read between backward and step holds every parameter before the update.
 A rank waiting in a world collective of torch.distributed serves too ([Note:
 torch.distributed agrees with rannc] in process_group.py); one waiting elsewhere (a
 subgroup, another library) cannot, and the asker fails after comm_timeout.

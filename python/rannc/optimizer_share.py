@@ -273,8 +273,8 @@ def _before_step(optimizer, args, kwargs):
                 share.cut(module.placement.optimized_elsewhere())
         elif module._deployed.get(True) is not None and registry.holds(optimizer, module):
             module.adopt_optimizer(optimizer)
-        if any(o is optimizer for o in share.optimizers):
-            average_outside_gradients(module)
+        if any(o is optimizer for o in share.optimizers) and module._deployed.get(True) is not None:
+            average_outside_gradients(module, entered=True)  # [Note: a step is a collective]
         if share._check_state:  # [Note: state made on freed parameters]
             share._check_state = False
             for o in share.optimizers:
@@ -282,6 +282,15 @@ def _before_step(optimizer, args, kwargs):
     return None
 
 
+# [Note: a step is a collective] A rank that reads the state alone between backward and
+# step (`if rank == 0: log(model.state_dict())`) is served by the others at their next
+# collective ([Note: gathers asked by some ranks] in handshake.py); that was the next
+# training call, after their own step, so rank 0 got its own parameters before the update
+# and the others' after it. The step of a module's optimizer is a named collective (one
+# small all-gather, which the averaging below carries where it runs), so a gather asked
+# before it is served with every rank's values before the update, as DDP's rank would
+# read its own.
+#
 # [Note: gradients made outside] A parameter that no stage uses yet has a gradient was
 # computed with outside the module: inputs_embeds made from the model's own embedding
 # (FreeLB, soft prompts), a penalty on a weight. Each rank's gradient of it is its own, as a
@@ -292,12 +301,16 @@ def _before_step(optimizer, args, kwargs):
 # DDP's unused parameters); before, the copies drifted apart without a word (an embedding
 # 7.6e-3 off after 3 steps). Rank 0 says so once per module. clip_grad_norm_ averages them
 # first too, and counts and scales them (averaging again at the step changes nothing).
-def average_outside_gradients(module, what: str = "optimizer.step()") -> None:
+def average_outside_gradients(module, what: str = "optimizer.step()", entered: bool = False) -> None:
+    """`entered`: `what` is a named collective whatever the parameters ([Note: a step is a
+    collective])."""
     world = _C.get_world_size()
     if world == 1:
         return
     params = [(n, p) for n, p in module.placement.unused_parameters() if p.requires_grad]
     if not params:  # the same on every rank: the placement is
+        if entered:
+            handshake.enter(what)
         return
     # every rank is here; most such parameters have no gradient anywhere (a pooler that a
     # masked language model never runs): then this all-gather is all

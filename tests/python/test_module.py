@@ -823,7 +823,7 @@ def test_a_failure_while_tracing_new_shapes_says_so_with_both_shapes():
                                    "param_hooks", "retained_graph", "adversarial",
                                    "add_param_group", "outside_parameter", "table_first",
                                    "shared_module", "skipped_backward", "call_layouts",
-                                   "complex_values"])
+                                   "complex_values", "state_before_step"])
 def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
     """Ranks with different batch sizes in one call (on every such call), control flow on
     data that differs between ranks, different models, ranks whose batches have their own
@@ -843,7 +843,10 @@ def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
     names that **kwargs takes keep their order. complex_values: an FFT layer's complex
     weights (rank 0's sent to every rank, gradients summed over replicas) failed ("MPI cannot
     move tensors of dtype ComplexFloat"), and a complex value crossing stages carried no
-    gradient (the first stage never trained). eval_after_new_length: a training call at a new length between evaluations
+    gradient (the first stage never trained). state_before_step: rank 0 alone reading
+    state_dict() between backward and step gets every parameter before the update (the
+    others served it after their own step: [Note: a step is a collective]).
+    eval_after_new_length: a training call at a new length between evaluations
     leaves the weights of eval's ranks current (it had marked them so before the step).
     num_items_in_batch: transformers' sum over a count passed in adds up over the shares.
     uneven_selection: x[keep] selecting as many tokens from every row of the first batch

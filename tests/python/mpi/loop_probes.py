@@ -2676,6 +2676,24 @@ elif probe == "preempted":  # a preemption handler's sys.exit inside a call
             "preempted" in str(e), e
         assert time.time() - began < 30, time.time() - began
     print(f"OK rank {rank}", flush=True)
+elif probe == "state_before_step":  # [Note: a step is a collective] in optimizer_share.py
+    torch.manual_seed(0)
+    model = zoo.MLP(dropout=0.0)
+    reference, opt, ref_opt, wrapped = sgd_pair(model, num_stages=2, num_microbatches=2)
+    for step in range(3):
+        (whole, mine) = global_batch("mlp", seed=step)
+        loss, ref_loss = wrapped(*mine), reference(*whole)
+        loss.backward()
+        ref_loss.backward()
+        if rank == 0:  # a log or a checkpoint of the state before the update, on rank 0 alone
+            state = wrapped.state_dict()
+            for k, v in reference.state_dict().items():
+                torch.testing.assert_close(state[k], v, msg=lambda m: f"step {step}: {k}: {m}")
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    same_stage_parameters(model, reference, rtol=1e-5)
+    print(f"OK rank {rank}", flush=True)
 elif probe == "embeds_outside":  # [Note: gradients made outside] in optimizer_share.py
     class Classifier(nn.Module):
         def __init__(self):
