@@ -134,7 +134,12 @@ std::vector<c10::IValue> StageExecutor::forward(int64_t mb, const std::vector<c1
     outputs = written_buffers_ ? run(inputs) : runFindingWrittenBuffers(inputs);
   } else {
     stash.inputs = leaves(inputs);
-    outputs = run(stash.inputs);
+    if (!written_buffers_) {
+      outputs = runFindingWrittenBuffers(stash.inputs);
+    } else {
+      if (stashed() > 0) rebindWrittenBuffers();  // [Note: buffers a stashed backward reads]
+      outputs = run(stash.inputs);
+    }
     stash.outputs = outputs;
   }
   stash_.emplace(mb, std::move(stash));
@@ -143,6 +148,34 @@ std::vector<c10::IValue> StageExecutor::forward(int64_t mb, const std::vector<c1
     if (v.isTensor()) v = v.toTensor().detach();
   }
   return outputs;
+}
+
+// [Note: buffers a stashed backward reads] A forward may write a buffer in place that a
+// differentiable op of it reads (`self.scale.copy_(h.max())` under no_grad, then
+// `h / self.scale`): the op saves the buffer for backward. One process runs that backward
+// before the next forward writes it again; a stage that runs several micro-batches'
+// forwards before their backwards (1F1B's first stages, fill-drain) wrote it under the
+// saved graph, and the backward failed on the version counter ("modified by an inplace
+// operation"). So a forward that follows a stashed one writes into a copy of each buffer
+// the forward writes (found at its first forward), leaving the tensor the stashed graph
+// holds alone; once no backward is pending, the model's own buffer takes the last value.
+void StageExecutor::rebindWrittenBuffers() {
+  torch::NoGradGuard no_grad;
+  for (ir::ValueId id : *written_buffers_) {
+    at::Tensor& current = state_.at(id);
+    originals_.try_emplace(id, current);
+    current = current.clone();
+  }
+}
+
+void StageExecutor::restoreWrittenBuffersIfIdle() {
+  if (originals_.empty() || stashed() > 0) return;
+  torch::NoGradGuard no_grad;
+  for (auto& [id, original] : originals_) {
+    original.copy_(state_.at(id));
+    state_.at(id) = original;
+  }
+  originals_.clear();
 }
 
 StageExecutor::Stash StageExecutor::takeForBackward(int64_t mb, const std::vector<at::Tensor>& output_grads,
@@ -206,6 +239,8 @@ std::vector<at::Tensor> StageExecutor::backward(int64_t mb, const std::vector<at
     input_grads.push_back(leaf.grad());
     if (retain) leaf.mutable_grad().reset();  // the stashed leaf's next backward starts afresh
   }
+  stash = Stash();  // its graph no longer holds the buffers it read
+  restoreWrittenBuffersIfIdle();
   return input_grads;
 }
 
@@ -231,6 +266,8 @@ void StageExecutor::backwardWeight(int64_t mb) {
   std::shared_ptr<frontend::WeightPart> weight = std::move(it->second);
   pending_weights_.erase(it);
   frontend::backwardWeightPart(*weight);
+  weight.reset();
+  restoreWrittenBuffersIfIdle();
 }
 
 }  // namespace rannc::runtime

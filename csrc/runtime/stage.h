@@ -68,6 +68,7 @@ class StageExecutor {
   void discard(int64_t from, int64_t to) {
     std::erase_if(stash_, [&](const auto& kv) { return kv.first >= from && kv.first < to; });
     std::erase_if(pending_weights_, [&](const auto& kv) { return kv.first >= from && kv.first < to; });
+    restoreWrittenBuffersIfIdle();
   }
 
   // Number of micro-batches stashed for backward (or waiting for their weight part).
@@ -96,6 +97,9 @@ class StageExecutor {
   std::vector<c10::IValue> leaves(const std::vector<c10::IValue>& inputs) const;
   // [Note: buffers a recompute writes] The first recomputing forward finds them.
   std::vector<c10::IValue> runFindingWrittenBuffers(const std::vector<c10::IValue>& inputs);
+  // [Note: buffers a stashed backward reads]
+  void rebindWrittenBuffers();
+  void restoreWrittenBuffersIfIdle();
 
   std::shared_ptr<const frontend::TracedModel> model_;
   ir::Subgraph piece_;
@@ -108,6 +112,9 @@ class StageExecutor {
   // the buffers the forward writes (batch norm's statistics), once a recomputing forward
   // found them ([Note: buffers a recompute writes])
   std::optional<std::vector<ir::ValueId>> written_buffers_;
+  // the model's own tensors of written buffers that state_ holds copies of while stashed
+  // backwards may read them ([Note: buffers a stashed backward reads])
+  std::unordered_map<ir::ValueId, at::Tensor> originals_;
 };
 
 }  // namespace rannc::runtime

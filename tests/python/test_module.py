@@ -823,7 +823,7 @@ def test_a_failure_while_tracing_new_shapes_says_so_with_both_shapes():
                                    "param_hooks", "retained_graph", "adversarial",
                                    "add_param_group", "outside_parameter", "table_first",
                                    "shared_module", "skipped_backward", "call_layouts",
-                                   "complex_values", "state_before_step"])
+                                   "complex_values", "state_before_step", "stashed_buffer"])
 def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
     """Ranks with different batch sizes in one call (on every such call), control flow on
     data that differs between ranks, different models, ranks whose batches have their own
@@ -846,7 +846,10 @@ def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
     gradient (the first stage never trained). state_before_step: rank 0 alone reading
     state_dict() between backward and step gets every parameter before the update (the
     others served it after their own step: [Note: a step is a collective]).
-    eval_after_new_length: a training call at a new length between evaluations
+    stashed_buffer: a buffer written in place in forward and read by an op that saves it
+    for backward failed on the first stage of a pipeline ("modified by an inplace
+    operation"): the next micro-batch's forward wrote it under the stashed graph ([Note:
+    buffers a stashed backward reads] in runtime/stage.cpp). eval_after_new_length: a training call at a new length between evaluations
     leaves the weights of eval's ranks current (it had marked them so before the step).
     num_items_in_batch: transformers' sum over a count passed in adds up over the shares.
     uneven_selection: x[keep] selecting as many tokens from every row of the first batch

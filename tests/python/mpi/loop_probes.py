@@ -2694,6 +2694,38 @@ elif probe == "state_before_step":  # [Note: a step is a collective] in optimize
             o.zero_grad()
     same_stage_parameters(model, reference, rtol=1e-5)
     print(f"OK rank {rank}", flush=True)
+elif probe == "stashed_buffer":  # [Note: buffers a stashed backward reads] in runtime/stage.cpp
+    class WeightScaled(nn.Module):
+        """A buffer written in place in forward, then read by a differentiable op (which
+        saves it for backward): a scale kept from the first layer's weight."""
+
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 1)
+            self.register_buffer("scale", torch.ones(()))
+
+        def forward(self, x, y):
+            with torch.no_grad():
+                self.scale.copy_(self.a.weight.abs().max())
+            h = torch.relu(self.a(x)) / self.scale
+            return nn.functional.mse_loss(self.c(torch.tanh(self.b(h))), y)
+
+    for schedule in ("1f1b", "fill_drain"):
+        torch.manual_seed(0)
+        reference, opt, ref_opt, wrapped = sgd_pair(WeightScaled(), num_stages=2,
+                                                    num_microbatches=2, schedule=schedule)
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(8, 8, generator=g), torch.randn(8, 1, generator=g)
+            mine = slice(4 * rank, 4 * (rank + 1))
+            loss, ref_loss = wrapped(x[mine], y[mine]), reference(x, y)
+            torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"{schedule} step {step}: {m}")
+            step_both(loss, ref_loss, opt, ref_opt)
+        state = wrapped.state_dict()
+        for k, v in reference.state_dict().items():
+            torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{schedule} {k}: {m}")
+    print(f"OK rank {rank}", flush=True)
 elif probe == "embeds_outside":  # [Note: gradients made outside] in optimizer_share.py
     class Classifier(nn.Module):
         def __init__(self):
