@@ -1,7 +1,10 @@
 // rannc._C's entry: the IR, the traced model, the MPI world and the library's exceptions;
 // plan_bindings.cpp, profile_bindings.cpp and runtime_bindings.cpp add the
 // rest. Torch's own pybind11 is used so torch._C.Graph and tensors pass through.
+#include <map>
+
 #include <torch/extension.h>
+#include <pybind11/stl.h>
 #include <ATen/autocast_mode.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/csrc/jit/python/python_ir.h>
@@ -189,10 +192,44 @@ PYBIND11_MODULE(_C, m) {
   py::register_exception<TimeoutError>(m, "CommTimeoutError", comm_error);
 
   // ---- the MPI world and the data plane ----------------------------------------------
-  m.def("get_rank", [] { return comm::World::get().rank(); });
-  m.def("get_world_size", [] { return comm::World::get().size(); });
-  m.def("get_local_rank", [] { return comm::World::get().localRank(); });
-  m.def("get_local_size", [] { return comm::World::get().localSize(); });
+  // In a process a rank started, that rank's; in a rank, its own, with its identity put in
+  // os.environ too, for a subprocess given a copy of it ([Note: processes a rank starts] in
+  // world.cpp).
+  auto rank_environment = [] {
+    std::map<std::string, std::string> out;
+    for (const char* name : {"RANNC_RANK_PID", "RANNC_RANK_JOB", "RANNC_RANK", "RANNC_WORLD_SIZE",
+                             "RANNC_LOCAL_RANK", "RANNC_LOCAL_SIZE"}) {
+      if (const char* v = std::getenv(name)) out[name] = v;
+    }
+    return out;
+  };
+  static auto world = [rank_environment]() -> comm::World& {
+    comm::World& w = comm::World::get();
+    static bool mirrored = false;
+    if (!mirrored) {
+      mirrored = true;
+      py::module_::import("os").attr("environ").attr("update")(rank_environment());
+    }
+    return w;
+  };
+  m.def("get_rank", [] {
+    auto p = comm::World::parent();
+    return p ? p->rank : world().rank();
+  });
+  m.def("get_world_size", [] {
+    auto p = comm::World::parent();
+    return p ? p->size : world().size();
+  });
+  m.def("get_local_rank", [] {
+    auto p = comm::World::parent();
+    return p ? p->local_rank : world().localRank();
+  });
+  m.def("get_local_size", [] {
+    auto p = comm::World::parent();
+    return p ? p->local_size : world().localSize();
+  });
+  m.def("rank_environment", rank_environment,
+        "The variables a rank leaves for the processes it starts ([Note: processes a rank starts]).");
   m.def("get_node", [] { return comm::World::get().node(); });
   m.def("get_num_nodes", [] { return comm::World::get().numNodes(); });
   m.def("get_hostname", [] { return comm::World::get().hostname(); });

@@ -23,14 +23,27 @@
 #include <thread>
 #include <vector>
 
+#include <optional>
+
 #include <mpi.h>
 
 namespace rannc::comm {
 
+// The rank whose process started this one ([Note: processes a rank starts] in world.cpp).
+struct ParentRank {
+  long pid = 0;
+  int rank = 0, size = 1, local_rank = 0, local_size = 1;
+};
+
 class World {
  public:
-  // The process-wide world; starts MPI on first call. Throws CommError if MPI fails to start.
+  // The process-wide world; starts MPI on first call. Throws CommError if MPI fails to start,
+  // or in a process that a rank started (it cannot join the world).
   static World& get();
+
+  // The rank that started this process (a DataLoader worker, a subprocess), which inherited
+  // its launcher's variables; nullopt in a rank itself or outside mpirun.
+  static std::optional<ParentRank> parent();
 
   int rank() const { return rank_; }
   int size() const { return size_; }

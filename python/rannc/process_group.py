@@ -68,9 +68,13 @@ def _free_port() -> int:
 
 
 def refuse_other_launchers() -> None:
-    """[Note: launched by another launcher]"""
+    """[Note: launched by another launcher]; and the rank's identity for the processes it
+    starts, in os.environ too (a subprocess given a copy of it: [Note: processes a rank
+    starts] in csrc/comm/world.cpp)."""
     launched = os.environ.get("WORLD_SIZE", "")
-    if launched.isdigit() and int(launched) > 1 and _C.get_world_size() == 1:
+    world = _C.get_world_size()
+    os.environ.update(_C.rank_environment())
+    if launched.isdigit() and int(launched) > 1 and world == 1:
         raise _C.Error(
             f"this process was started with WORLD_SIZE={launched} (torchrun or another "
             "torch.distributed launcher), but rannc's ranks are MPI's, and MPI sees it alone: "

@@ -84,3 +84,14 @@ def test_a_caught_timeout_tells_the_peers_and_fails_the_next_wait_at_once():
     at, message = again[2]
     assert at < 5 and "stops because rank 0 failed: rank 0: MPI recv" in message and \
         "did not complete within 2 s" in message, res.stdout
+
+
+def test_processes_a_rank_starts_see_its_rank_and_never_start_mpi():
+    """[Note: processes a rank starts] in csrc/comm/world.cpp: a spawned DataLoader worker
+    reading rannc.get_rank() and a subprocess calling rannc crashed in MPI_Init (they
+    inherited the rank's launcher variables); they see the rank that started them, and a
+    RaNNCModule there is an error saying why (mpi/child_processes_check.py)."""
+    res = mpirun("child_processes_check.py", 2, timeout=240)
+    assert res.returncode == 0, res.stdout[-4000:]
+    for r in range(2):
+        assert f"OK rank {r}" in res.stdout, res.stdout[-4000:]
