@@ -1164,6 +1164,17 @@ def _trace_body(model, state: ModelState, state_tensors: list, flat: FlatArgs, t
             "call, so the gradients it changes would be lost. Write the change as an op "
             "(a torch.autograd.Function is recorded too), or hook the parameters outside "
             "the model ([Note: hooks] in _trace.py)") from None
+    except RuntimeError as e:
+        if "stateless API can't be used with Jitted modules" not in str(e):
+            raise
+        # torch.func.functional_call (per-sample gradients, a hypernetwork's weights) calls
+        # the module with other tensors, which a module under torch.jit.trace refuses
+        raise TraceError(
+            f"the model calls torch.func.functional_call (or torch.nn.utils.stateless) in its "
+            f"forward (at {_user_frame(e)}): rannc traces the forward with torch.jit.trace, "
+            "under which a module cannot be called with other parameters. Compute with the "
+            "weights as tensors (torch.nn.functional.linear(x, w, b)), or call functional_call "
+            "outside the RaNNCModule") from None
     finally:
         torch.jit._trace._trace_module_map = old_map
     for w in caught:

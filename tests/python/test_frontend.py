@@ -1596,3 +1596,21 @@ def test_an_experts_tokens_glue_alike_whatever_its_counts():
     assert ops[0] == ops[1], ops
     for g, x in zip(graphs, (mixed, same)):
         torch.testing.assert_close(g(x), model(x))
+
+
+def test_functional_call_inside_forward_is_named():
+    """torch.func.functional_call in forward (per-sample work, a hypernetwork) failed with
+    torch's "The stateless API can't be used with Jitted modules", naming no cause of
+    rannc's; the TraceError names the call, its line and the cures."""
+    class Hyper(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            params = {k: v * 2 for k, v in self.inner.named_parameters()}
+            return torch.func.functional_call(self.inner, params, (x,)).sum()
+
+    with pytest.raises(rannc.TraceError, match=r"calls torch.func.functional_call .* in its forward "
+                                               r"\(at .*test_frontend.py:\d+\).*outside the RaNNCModule"):
+        rannc.trace(Hyper(), (torch.randn(4, 4),))
