@@ -976,6 +976,13 @@ const std::vector<RowCouplingFlag>& rowCouplingFlags() {
       {c10::aten::alpha_dropout, 2, false},
       {c10::aten::feature_alpha_dropout, 2, false},
       {c10::aten::scaled_dot_product_attention, 4, 0.0},  // dropout_p
+      // quantization-aware training's fused observer: its range and scale come from the
+      // batch's min and max, which only the extreme rows move, so whether the rows read as
+      // coupled depended on each rank's data (the ranks traced different graphs). Observed
+      // with the observer and the fake quantization off (the module's buffers: zeros while
+      // observing), it passes its rows through ([Note: row-coupling flags])
+      {c10::Symbol::fromQualString("aten::fused_moving_avg_obs_fake_quant"), 1, false},
+      {c10::Symbol::fromQualString("aten::fused_moving_avg_obs_fake_quant"), 2, false},
   };
   return flags;
 }
@@ -1095,7 +1102,9 @@ class IrBuilder {
         std::vector<std::pair<ir::ValueId, c10::IValue>> statistics;
         if (isNorm(node) && !runningStatistics(node, statistics)) continue;
         const JitValue* v = node->inputs()[f.argument];
-        if (v->node()->kind() == c10::prim::Constant && ids_.count(v)) {
+        // a constant, or a module's buffer (a graph input: zeros while observing)
+        const auto kind = v->node()->kind();
+        if ((kind == c10::prim::Constant || kind == c10::prim::Param) && ids_.count(v)) {
           out.emplace_back(ids_.at(v), f.off);
           out.insert(out.end(), statistics.begin(), statistics.end());
         }
@@ -1317,14 +1326,31 @@ std::shared_ptr<TracedModel> buildGluedModel(IrBuilder& builder, const TraceExam
     if (attempt == 0 || !remapObserved(first_at2, first_jit, jit_of, &at2) ||
         !remapObserved(first_at1, first_jit, jit_of, &at1)) {
       TracedModel rows_apart = *model;  // the same program with row-coupling flags off
-      for (const auto& [id, off] : flags) rows_apart.constants[id] = off;
+      std::vector<size_t> off_inputs;     // flags that are graph inputs (a module's buffer)
+      const auto& graph_inputs = model->graph.inputs();
+      for (const auto& [id, off] : flags) {
+        const auto at = std::find(graph_inputs.begin(), graph_inputs.end(), id);
+        if (at != graph_inputs.end()) {
+          off_inputs.push_back(static_cast<size_t>(at - graph_inputs.begin()));
+        } else {
+          rows_apart.constants[id] = off;
+        }
+      }
+      auto apart = [&](std::vector<at::Tensor> inputs) {
+        for (size_t i : off_inputs) {
+          if (i < inputs.size() && inputs[i].defined()) inputs[i] = at::zeros_like(inputs[i]);
+        }
+        return inputs;
+      };
+      const std::vector<at::Tensor> second_in = apart(second.observe_inputs);
+      const std::vector<at::Tensor> first_in = apart(first.observe_inputs);
       // Both observations start from the same model state (fresh copies of the buffers).
-      at2 = observe(rows_apart, second.observe_inputs, /*keep=*/true);
+      at2 = observe(rows_apart, second_in, /*keep=*/true);
       const int64_t b2 = second.batch_size, b3 = b2 / 2;
       bool extrapolated = false;
       if (b3 >= 2 && b2 < first.batch_size) {  // [Note: smaller observations]
         const Observed at3 = observe(
-            rows_apart, trailingRowsOf(second.observe_inputs, first.observe_inputs, first.batch_size, b2, b3, roles),
+            rows_apart, trailingRowsOf(second_in, first_in, first.batch_size, b2, b3, roles),
             false, &at2, b3, b2);
         int64_t odd = extrapolate(at2, at3, b2, b3, first.batch_size, &at1);
         if (odd < 0) odd = disagreesWithTrace(at1, jit_of);
@@ -1335,7 +1361,7 @@ std::shared_ptr<TracedModel> buildGluedModel(IrBuilder& builder, const TraceExam
         }
       }
       if (!extrapolated) {
-        at1 = observe(rows_apart, first.observe_inputs, false, &at2, first.batch_size, second.batch_size);
+        at1 = observe(rows_apart, first_in, false, &at2, first.batch_size, second.batch_size);
       }
       if (attempt == 0) first_at1 = at1, first_at2 = at2, first_jit = jit_of;
     }

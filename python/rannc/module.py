@@ -564,6 +564,8 @@ class RaNNCModule(torch.nn.Module):
         finally:
             with torch.no_grad():
                 for b, before in buffers:
+                    if b.shape != before.shape:  # a per-channel observer sizes its range at its first call
+                        b.resize_(before.shape)
                     b.copy_(before)
             del buffers
         if plan_from is not None and new is None:

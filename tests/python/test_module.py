@@ -823,7 +823,8 @@ def test_a_failure_while_tracing_new_shapes_says_so_with_both_shapes():
                                    "param_hooks", "retained_graph", "adversarial",
                                    "add_param_group", "outside_parameter", "table_first",
                                    "shared_module", "skipped_backward", "call_layouts",
-                                   "complex_values", "state_before_step", "stashed_buffer"])
+                                   "complex_values", "state_before_step", "stashed_buffer",
+                                   "fused_fake_quant"])
 def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
     """Ranks with different batch sizes in one call (on every such call), control flow on
     data that differs between ranks, different models, ranks whose batches have their own
@@ -849,7 +850,11 @@ def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
     stashed_buffer: a buffer written in place in forward and read by an op that saves it
     for backward failed on the first stage of a pipeline ("modified by an inplace
     operation"): the next micro-batch's forward wrote it under the stashed graph ([Note:
-    buffers a stashed backward reads] in runtime/stage.cpp). eval_after_new_length: a training call at a new length between evaluations
+    buffers a stashed backward reads] in runtime/stage.cpp). fused_fake_quant: QAT's
+    fused observers read as coupling the rows on one rank's data and not on another's (an
+    error blaming control flow on the data); observed with them off ([Note: row-coupling
+    flags] in convert.cpp), the ranks agree and train equal to PyTorch.
+    eval_after_new_length: a training call at a new length between evaluations
     leaves the weights of eval's ranks current (it had marked them so before the step).
     num_items_in_batch: transformers' sum over a count passed in adds up over the shares.
     uneven_selection: x[keep] selecting as many tokens from every row of the first batch

@@ -2726,6 +2726,36 @@ elif probe == "stashed_buffer":  # [Note: buffers a stashed backward reads] in r
         for k, v in reference.state_dict().items():
             torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{schedule} {k}: {m}")
     print(f"OK rank {rank}", flush=True)
+elif probe == "fused_fake_quant":  # quantization-aware training's fused observers
+    import torch.ao.quantization as quantization
+
+    class Quantized(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 1)
+            self.qa = quantization.FusedMovingAvgObsFakeQuantize()
+            self.qb = quantization.FusedMovingAvgObsFakeQuantize()
+
+        def forward(self, x, y):
+            h = self.qb(torch.relu(self.b(self.qa(torch.relu(self.a(x))))))
+            return nn.functional.mse_loss(self.c(h), y)
+
+    for seed in range(3):  # whether rows read as coupled depended on each rank's data
+        torch.manual_seed(seed)
+        reference, opt, ref_opt, wrapped = sgd_pair(Quantized(), num_stages=2, num_microbatches=1)
+        for step in range(3):
+            g = torch.Generator().manual_seed(10 * seed + step)
+            x, y = torch.randn(8, 8, generator=g), torch.randn(8, 1, generator=g)
+            mine = slice(4 * rank, 4 * (rank + 1))
+            loss, ref_loss = wrapped(x[mine], y[mine]), reference(x, y)
+            torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"seed {seed} step {step}: {m}")
+            step_both(loss, ref_loss, opt, ref_opt)
+        state = wrapped.state_dict()
+        for k, v in reference.state_dict().items():
+            torch.testing.assert_close(state[k].float(), v.float(), rtol=1e-4, atol=1e-5,
+                                       msg=lambda m: f"seed {seed} {k}: {m}")
+    print(f"OK rank {rank}", flush=True)
 elif probe == "embeds_outside":  # [Note: gradients made outside] in optimizer_share.py
     class Classifier(nn.Module):
         def __init__(self):
