@@ -37,7 +37,9 @@ def gather_state_dict(wrapped, *args, destination=None, prefix="", keep_vars=Fal
                                             keep_vars=True), only, prefix)
     wanted = None if only is None else {id(v) for v in out.values()}
     gathered = {}
-    for i, (t, (owner, current)) in enumerate(zip(placement.tensors(), placement.sources())):
+    sources = placement.sources()
+    resized = _resized_buffers(placement, sources, rank)
+    for i, (t, (owner, current)) in enumerate(zip(placement.tensors(), sources)):
         if wanted is not None and id(t) not in wanted:
             continue
         if current == world:
@@ -47,7 +49,7 @@ def gather_state_dict(wrapped, *args, destination=None, prefix="", keep_vars=Fal
         else:
             value = (t.detach().to("cpu", copy=True, memory_format=torch.contiguous_format)
                      if rank == owner
-                     else torch.empty(placement.full_shape(i, t), dtype=t.dtype))
+                     else torch.empty(resized.get(i, placement.full_shape(i, t)), dtype=t.dtype))
             comm.broadcast(value, owner).wait()
         if keep:
             gathered[id(t)] = value
@@ -57,6 +59,22 @@ def gather_state_dict(wrapped, *args, destination=None, prefix="", keep_vars=Fal
         if isinstance(v, torch.Tensor) and id(v) in gathered:
             out[k] = gathered[id(v)]
     return _untied(out) if untied else out
+
+
+def _resized_buffers(placement, sources, rank: int) -> dict[int, tuple]:
+    """The owners' shapes of the buffers a forward resized since they were freed elsewhere
+    (a per-channel observer sizes its range at its first call: the others' empty shapes
+    made the broadcast MPI_ERR_TRUNCATE). One all-gather of each owner's buffers' shapes."""
+    from .transport import all_gather_objects
+    tensors = placement.tensors()
+    first_buffer = placement.first_buffer()
+    mine = {i: tuple(tensors[i].shape) for i in range(first_buffer, len(tensors))
+            if sources[i][0] == rank}
+    shapes = {}
+    for owned in all_gather_objects(mine):
+        shapes.update(owned)
+    return {i: shape for i, shape in shapes.items()
+            if shape != tuple(placement.full_shape(i, tensors[i]))}
 
 
 def _only(state: dict, names: set[str] | None, prefix: str = "") -> dict:

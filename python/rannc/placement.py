@@ -251,6 +251,10 @@ class StatePlacement:
         """The module's parameters and buffers in trace order (the same in every mode)."""
         return self._trace_state.tensors(self.module)
 
+    def first_buffer(self) -> int:
+        """The index of the first buffer in tensors() (parameters come first)."""
+        return len(self._trace_state.param_names)
+
     def full_shape(self, i: int, t: torch.Tensor) -> torch.Size:
         """The shape of state tensor `i` (`t`), freed here or not."""
         return self._freed.get(i, t.shape)

@@ -2740,9 +2740,26 @@ elif probe == "fused_fake_quant":  # quantization-aware training's fused observe
             h = self.qb(torch.relu(self.b(self.qa(torch.relu(self.a(x))))))
             return nn.functional.mse_loss(self.c(h), y)
 
-    for seed in range(3):  # whether rows read as coupled depended on each rank's data
+    class Tutorial(nn.Module):  # eager-mode QAT as PyTorch's tutorial prepares it
+        def __init__(self):
+            super().__init__()
+            self.quant, self.dequant = quantization.QuantStub(), quantization.DeQuantStub()
+            self.a, self.b, self.c = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 1)
+
+        def forward(self, x, y):
+            h = torch.relu(self.b(torch.relu(self.a(self.quant(x)))))
+            return nn.functional.mse_loss(self.dequant(self.c(h)), y)
+
+    def prepared():
+        model = Tutorial()
+        model.qconfig = quantization.get_default_qat_qconfig("fbgemm")
+        return quantization.prepare_qat(model.train())
+
+    # whether rows read as coupled depended on each rank's data; the tutorial's per-channel
+    # weight observers size their buffers at their first call (state_dict() then failed)
+    for seed, make in ((0, Quantized), (1, Quantized), (2, Quantized), (3, prepared)):
         torch.manual_seed(seed)
-        reference, opt, ref_opt, wrapped = sgd_pair(Quantized(), num_stages=2, num_microbatches=1)
+        reference, opt, ref_opt, wrapped = sgd_pair(make(), num_stages=2, num_microbatches=1)
         for step in range(3):
             g = torch.Generator().manual_seed(10 * seed + step)
             x, y = torch.randn(8, 8, generator=g), torch.randn(8, 1, generator=g)
