@@ -219,8 +219,11 @@ def _mismatch(keys: list[tuple[int, tuple[int, int]]]) -> str:
                     "others go on, but the ranks that gather must gather the same one of the "
                     "same model")
     elif "save_checkpoint()" in calls:
-        message += (": save_checkpoint() writes on every rank, so call it on every rank (not "
-                    "under `if rank == 0:` as with DistributedDataParallel)")
+        message += (": save_checkpoint() writes on every rank, so call it on every rank at the "
+                    "same point" + (" (not under `if rank == 0:` as with DistributedDataParallel)"
+                                    if calls["save_checkpoint()"] == [0] else
+                                    " (a rank that saves after its own error, in `except` or "
+                                    "`finally`, meets the others elsewhere)"))
     elif any("with other arguments" in n for n in calls) or (
             "another collective" in calls and calls.keys() & {"a training call", "an eval call"}):
         message += (": in a call, every rank must pass arguments of the same structure and "

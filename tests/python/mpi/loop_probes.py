@@ -742,8 +742,15 @@ elif probe == "rank0_only":
     else:
         expect_error(lambda: opt.state_dict(), *said)
     # a checkpoint is written by every rank: not served
-    said = ("save_checkpoint() on rank 0; a training call on rank 1", "call it on every rank")
+    said = ("save_checkpoint() on rank 0; a training call on rank 1", "call it on every rank",
+            "not under `if rank == 0:`")
     if rank == 0:
+        expect_error(lambda: wrapped.save_checkpoint(tempfile.mkdtemp()), *said)
+    else:
+        expect_error(lambda: wrapped(*args), *said)
+    # rank 1 saving in its `finally` after an error of its own: not the DDP habit
+    said = ("a training call on rank 0; save_checkpoint() on rank 1", "after its own error")
+    if rank == 1:
         expect_error(lambda: wrapped.save_checkpoint(tempfile.mkdtemp()), *said)
     else:
         expect_error(lambda: wrapped(*args), *said)
