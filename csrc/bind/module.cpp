@@ -212,6 +212,13 @@ PYBIND11_MODULE(_C, m) {
     }
     return w;
   };
+  // [Note: signals while waiting] in comm/world.cpp: Python runs signal handlers on its
+  // main thread, which imports this module (no MPI is started here)
+  comm::World::setInterruptCheck([] {
+    if (!Py_IsInitialized()) return;  // a wait after the interpreter's end (static destructors)
+    py::gil_scoped_acquire gil;
+    if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+  });
   m.def("get_rank", [] {
     auto p = comm::World::parent();
     return p ? p->rank : world().rank();

@@ -278,16 +278,48 @@ void World::checkPeers() {
   throw CommError("rank " + std::to_string(rank_) + " stops because " + notice);
 }
 
+// [Note: signals while waiting] A signal that reaches a rank waiting for a peer (SIGTERM
+// to a preemption handler that calls sys.exit, a KeyboardInterrupt) ran its Python handler
+// only when the wait ended: with a slow or stuck peer, at comm_timeout. The wait lets the
+// Python binding check for signals every 50 ms on the thread that installed the check (the
+// interpreter's main thread, where Python runs handlers); an exception from it is reported
+// to the peers as a failure ([Note: failures stay]) and leaves the wait.
+namespace {
+std::function<void()>& interruptCheck() {
+  static std::function<void()> check;
+  return check;
+}
+std::thread::id interrupt_thread;
+}  // namespace
+
+void World::setInterruptCheck(std::function<void()> check) {
+  interruptCheck() = std::move(check);
+  interrupt_thread = std::this_thread::get_id();
+}
+
 void World::wait(MPI_Request& request, const std::string& what, std::chrono::milliseconds timeout,
                  MPI_Status* status) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   int spins = 0;
   checkPeers();  // [Note: failures stay]: not even one test of a request after a failure
+  const std::function<void()>& interrupt_check = interruptCheck();
+  const bool interruptible = interrupt_check && std::this_thread::get_id() == interrupt_thread;
+  auto next_check = std::chrono::steady_clock::now() + std::chrono::milliseconds(50);
   while (true) {
     int done = 0;
     check(MPI_Test(&request, &done, status), what.c_str());
     if (done) return;
     checkPeers();
+    if (interruptible && std::chrono::steady_clock::now() > next_check) {
+      next_check = std::chrono::steady_clock::now() + std::chrono::milliseconds(50);
+      try {
+        interrupt_check();
+      } catch (const std::exception& e) {  // the handler's exception, "SystemExit: ..."
+        reportFailure("rank " + std::to_string(rank_) + " stopped by a signal in " + what + ": " +
+                      e.what());
+        throw;
+      }
+    }
     if (std::chrono::steady_clock::now() > deadline) {
       std::ostringstream os;
       os << "rank " << rank_ << ": " << what << " did not complete within "

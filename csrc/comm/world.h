@@ -23,6 +23,7 @@
 #include <thread>
 #include <vector>
 
+#include <functional>
 #include <optional>
 
 #include <mpi.h>
@@ -83,6 +84,11 @@ class World {
   // A barrier over all ranks that fails instead of hanging (see wait).
   void barrier(std::chrono::milliseconds timeout);
 
+  // [Note: signals while waiting] A check that the thread which set it calls every 50 ms
+  // of a wait: it throws where a signal's handler raised (the Python binding's). The wait
+  // reports the failure to the peers first.
+  static void setInterruptCheck(std::function<void()> check);
+
   // Default timeout of blocking waits: RANNC_COMM_TIMEOUT seconds (default 600).
   std::chrono::milliseconds defaultTimeout() const { return timeout_; }
   void setDefaultTimeout(std::chrono::milliseconds timeout) { timeout_ = timeout; }
@@ -98,6 +104,7 @@ class World {
 
   int rank_ = 0, size_ = 1, local_rank_ = 0, local_size_ = 1, node_ = 0, num_nodes_ = 1;
   std::string hostname_;
+
   std::vector<int> node_of_rank_;
   MPI_Comm data_comm_ = MPI_COMM_NULL;     // data plane (point-to-point, collectives)
   MPI_Comm control_comm_ = MPI_COMM_NULL;  // failure notices only

@@ -2663,7 +2663,8 @@ elif probe == "preempted":  # a preemption handler's sys.exit inside a call
     def preempted(signum, frame):
         raise SystemExit("preempted")
 
-    signal.signal(signal.SIGTERM, preempted)
+    if rank == 0:
+        signal.signal(signal.SIGTERM, preempted)
     model, args, _ = zoo.make("mlp", batch=4, seed=0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     wrapped = rannc.RaNNCModule(model, opt, num_stages=2, num_microbatches=2, comm_timeout=60)
@@ -2671,16 +2672,20 @@ elif probe == "preempted":  # a preemption handler's sys.exit inside a call
     began = time.time()
     try:
         if rank == 1:
-            time.sleep(3)  # rank 0 waits for this rank inside its call when the signal comes
+            time.sleep(6)  # rank 0 waits for this rank inside its call when the signal comes
         else:
             threading.Timer(1, os.kill, (os.getpid(), signal.SIGTERM)).start()
         train(wrapped, opt, args)
         raise AssertionError("the call went through")
-    except SystemExit as e:
+    except SystemExit as e:  # raised while waiting ([Note: signals while waiting])
         assert rank == 0 and str(e) == "preempted", (rank, e)
+        assert time.time() - began < 4, time.time() - began
+        print(f"OK rank {rank}", flush=True)
+        time.sleep(8)  # until rank 1 learnt of it (this rank's exit ends the job)
+        sys.exit(0)
     except rannc.CommError as e:  # told at once, not after comm_timeout
-        assert rank == 1 and "rank 0 | stage 0 stopped inside a training call: SystemExit: " \
-            "preempted" in str(e), e
+        assert rank == 1 and "rank 0 stopped by a signal in " in str(e) and \
+            "SystemExit: preempted" in str(e), e
         assert time.time() - began < 30, time.time() - began
     print(f"OK rank {rank}", flush=True)
 elif probe == "state_before_step":  # [Note: a step is a collective] in optimizer_share.py
