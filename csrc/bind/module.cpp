@@ -219,22 +219,16 @@ PYBIND11_MODULE(_C, m) {
     py::gil_scoped_acquire gil;
     if (PyErr_CheckSignals() != 0) throw py::error_already_set();
   });
-  m.def("get_rank", [] {
-    auto p = comm::World::parent();
-    return p ? p->rank : world().rank();
-  });
-  m.def("get_world_size", [] {
-    auto p = comm::World::parent();
-    return p ? p->size : world().size();
-  });
-  m.def("get_local_rank", [] {
-    auto p = comm::World::parent();
-    return p ? p->local_rank : world().localRank();
-  });
-  m.def("get_local_size", [] {
-    auto p = comm::World::parent();
-    return p ? p->local_size : world().localSize();
-  });
+  auto number = [](int comm::ParentRank::*inherited, int (comm::World::*own)() const) {
+    return [inherited, own] {
+      auto p = comm::World::parent();
+      return p ? (*p).*inherited : (world().*own)();
+    };
+  };
+  m.def("get_rank", number(&comm::ParentRank::rank, &comm::World::rank));
+  m.def("get_world_size", number(&comm::ParentRank::size, &comm::World::size));
+  m.def("get_local_rank", number(&comm::ParentRank::local_rank, &comm::World::localRank));
+  m.def("get_local_size", number(&comm::ParentRank::local_size, &comm::World::localSize));
   m.def("rank_environment", rank_environment,
         "The variables a rank leaves for the processes it starts ([Note: processes a rank starts]).");
   m.def("get_node", [] { return comm::World::get().node(); });

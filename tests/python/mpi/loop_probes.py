@@ -332,6 +332,27 @@ def same_stage_parameters(model, reference, rtol, atol=1e-5, wrapped=None):
                                        msg=lambda m: f"{n}: {m}")
 
 
+def steps_like_pytorch(wrapped, reference, opt, ref_opt, what, steps=3, seed=0):
+    """`steps` SGD steps of `wrapped` on this rank's half of an [8, 8] -> [8, 1] batch and of
+    `reference` on the whole, the losses compared at each."""
+    for step in range(steps):
+        g = torch.Generator().manual_seed(seed + step)
+        x, y = torch.randn(8, 8, generator=g), torch.randn(8, 1, generator=g)
+        mine = slice(4 * rank, 4 * (rank + 1))
+        loss, ref_loss = wrapped(x[mine], y[mine]), reference(x, y)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"rank {rank}: {what} step {step}: {m}")
+        step_both(loss, ref_loss, opt, ref_opt)
+
+
+def same_state(wrapped, reference, what, rtol=1e-5, atol=1e-6):
+    """The gathered state_dict() of `wrapped` equals `reference`'s."""
+    state = wrapped.state_dict()
+    for k, v in reference.state_dict().items():
+        torch.testing.assert_close(state[k].float(), v.float(), rtol=rtol, atol=atol,
+                                   msg=lambda m: f"{what} {k}: {m}")
+
+
 def train(wrapped, opt, args):
     loss = wrapped(*args)
     loss.backward()
@@ -2643,18 +2664,9 @@ elif probe == "complex_values":  # an FFT layer: complex weights, gradients and 
     for options in (dict(num_stages=2, num_microbatches=2), dict(num_stages=1)):
         torch.manual_seed(0)
         reference, opt, ref_opt, wrapped = sgd_pair(Spectral(), **options)
-        for step in range(3):
-            g = torch.Generator().manual_seed(step)
-            x, y = torch.randn(8, 8, generator=g), torch.randn(8, 1, generator=g)
-            mine = slice(4 * rank, 4 * (rank + 1))
-            loss, ref_loss = wrapped(x[mine], y[mine]), reference(x, y)
-            torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"rank {rank}: {options} step {step}: {m}")
-            step_both(loss, ref_loss, opt, ref_opt)
+        steps_like_pytorch(wrapped, reference, opt, ref_opt, options)
         same_stage_parameters(wrapped.module, reference, rtol=1e-4, wrapped=wrapped)
-        state = wrapped.state_dict()  # gathered over MPI: complex tensors move
-        for k, v in reference.state_dict().items():
-            torch.testing.assert_close(state[k], v, rtol=1e-4, atol=1e-5, msg=lambda m: f"{k}: {m}")
+        same_state(wrapped, reference, options, rtol=1e-4, atol=1e-5)  # complex tensors move
     print(f"OK rank {rank}", flush=True)
 elif probe == "preempted":  # a preemption handler's sys.exit inside a call
     import signal
@@ -2726,17 +2738,8 @@ elif probe == "stashed_buffer":  # [Note: buffers a stashed backward reads] in r
         torch.manual_seed(0)
         reference, opt, ref_opt, wrapped = sgd_pair(WeightScaled(), num_stages=2,
                                                     num_microbatches=2, schedule=schedule)
-        for step in range(3):
-            g = torch.Generator().manual_seed(step)
-            x, y = torch.randn(8, 8, generator=g), torch.randn(8, 1, generator=g)
-            mine = slice(4 * rank, 4 * (rank + 1))
-            loss, ref_loss = wrapped(x[mine], y[mine]), reference(x, y)
-            torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"{schedule} step {step}: {m}")
-            step_both(loss, ref_loss, opt, ref_opt)
-        state = wrapped.state_dict()
-        for k, v in reference.state_dict().items():
-            torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{schedule} {k}: {m}")
+        steps_like_pytorch(wrapped, reference, opt, ref_opt, schedule)
+        same_state(wrapped, reference, schedule)
     print(f"OK rank {rank}", flush=True)
 elif probe == "fused_fake_quant":  # quantization-aware training's fused observers
     import torch.ao.quantization as quantization
@@ -2772,18 +2775,8 @@ elif probe == "fused_fake_quant":  # quantization-aware training's fused observe
     for seed, make in ((0, Quantized), (1, Quantized), (2, Quantized), (3, prepared)):
         torch.manual_seed(seed)
         reference, opt, ref_opt, wrapped = sgd_pair(make(), num_stages=2, num_microbatches=1)
-        for step in range(3):
-            g = torch.Generator().manual_seed(10 * seed + step)
-            x, y = torch.randn(8, 8, generator=g), torch.randn(8, 1, generator=g)
-            mine = slice(4 * rank, 4 * (rank + 1))
-            loss, ref_loss = wrapped(x[mine], y[mine]), reference(x, y)
-            torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"seed {seed} step {step}: {m}")
-            step_both(loss, ref_loss, opt, ref_opt)
-        state = wrapped.state_dict()
-        for k, v in reference.state_dict().items():
-            torch.testing.assert_close(state[k].float(), v.float(), rtol=1e-4, atol=1e-5,
-                                       msg=lambda m: f"seed {seed} {k}: {m}")
+        steps_like_pytorch(wrapped, reference, opt, ref_opt, f"seed {seed}", seed=10 * seed)
+        same_state(wrapped, reference, f"seed {seed}", rtol=1e-4, atol=1e-5)
     print(f"OK rank {rank}", flush=True)
 elif probe == "embeds_outside":  # [Note: gradients made outside] in optimizer_share.py
     class Classifier(nn.Module):
