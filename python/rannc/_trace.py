@@ -549,7 +549,14 @@ _KEEP_ATTACHED = {torch.Tensor.requires_grad_, torch.Tensor.detach, torch.Tensor
 # once it holds a batch's range, as after one call of the plain model) is left alone: the
 # forward runs once more, untraced, from the state the trace wrote, and where every such
 # decision comes out the same, the trace holds for every step.
+#
+# A decision on the size of a state tensor that the forward resizes (a per-channel
+# observer's `if min_val.numel() == 0: min_val = aminmax(x) else: min(...)`, which sizes
+# its range at its first call) is fixed the same way: the trace took the first call's
+# branch, and every step set the range anew. It is a TraceError with the same cure.
 _DATA = torch._C.TensorBase.__dict__["data"]
+_SHAPE = torch._C.TensorBase.__dict__["shape"]
+_SIZES = frozenset({"numel", "size", "dim", "__len__"})
 _DERIVED_NUMEL = 4096  # larger values made from state alone (a parametrized weight) are not
 # decided on in Python, and keeping them alive for the trace would hold a model's copy
 
@@ -566,12 +573,15 @@ class _WatchDataWrites(torch.overrides.TorchFunctionMode):
         self.derived = {}  # id of a small value made from state tensors alone -> (it, names)
         self.outcomes = []  # (source line, the Python value) of each such decision
         self.watched = []   # the state tensors the trace ran with
+        self.sized = []     # (name, source line) of each size of a state tensor read
+        self.shapes = {}    # id of a state tensor -> (it, its shape when the trace began)
 
     def watch(self, names: list, tensors) -> None:
         """The state tensors the trace runs with (`fn` calls it first)."""
         self.watched = list(tensors)
         for name, t in zip(names, tensors):
             self.names[id(t)] = name
+            self.shapes.setdefault(id(t), (t, tuple(t.shape)))
             if not t.is_inference():  # under torch.inference_mode() nothing can be written
                 self.versions.setdefault(id(t), (t, t._version))
 
@@ -583,6 +593,8 @@ class _WatchDataWrites(torch.overrides.TorchFunctionMode):
         if state and name.endswith("_"):
             self._keep_original(args[0])  # an in-place write: to put back on an error
         out = func(*args, **(kwargs or {}))
+        if state and (name in _SIZES or (name == "__get__" and getattr(func, "__self__", None) is _SHAPE)):
+            self.sized.append((self.names[first], _caller_line()))
         if name in _TO_PYTHON:
             names = [self.names[first]] if state else self.derived[first][1]
             where = _caller_line()
@@ -630,7 +642,10 @@ class _WatchDataWrites(torch.overrides.TorchFunctionMode):
         """The state tensors as before the trace, which wrote them with its own inputs."""
         with torch.no_grad():
             for owner, original in self.originals.values():
-                _DATA.__get__(owner).copy_(original)
+                data = _DATA.__get__(owner)
+                if data.shape != original.shape:  # resized by the forward
+                    data.resize_(original.shape)
+                data.copy_(original)
 
     def refuse_writes(self, rerun=None) -> None:
         """Raises where the trace wrote through .data or decided on what it writes;
@@ -641,6 +656,17 @@ class _WatchDataWrites(torch.overrides.TorchFunctionMode):
                    if alias._version != version] + self.assigned
         changed = {self.names[i] for i, (t, version) in self.versions.items() if t._version != version}
         decided = [(name, where) for name, where in self.decided if name in changed]
+        resized = {self.names[i] for i, (t, shape) in self.shapes.items() if tuple(t.shape) != shape}
+        sized = [(name, where) for name, where in self.sized if name in resized]
+        if sized:
+            self._put_back()
+            what = failure.some_of(list(dict.fromkeys(f"{name!r} at {where}" for name, where in sized)))
+            raise TraceError(
+                f"the forward reads the size of {what}, which it also resizes (a per-channel "
+                "observer of quantization-aware training sizes its range at its first call): a "
+                "trace fixes what it decided on that size for every step. Run the plain model "
+                "once on a batch before RaNNCModule(model), so that its sizes are set ([Note: "
+                "writes through .data] in _trace.py)")
         if decided and not written and rerun is not None:
             ids = {i for i, (t, version) in self.versions.items() if t._version != version}
             try:  # untraced both: the trace's own conversions add decisions of their own

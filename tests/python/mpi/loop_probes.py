@@ -2765,10 +2765,18 @@ elif probe == "fused_fake_quant":  # quantization-aware training's fused observe
             h = torch.relu(self.b(torch.relu(self.a(self.quant(x)))))
             return nn.functional.mse_loss(self.dequant(self.c(h)), y)
 
-    def prepared():
+    def prepared(first_call=True):
         model = Tutorial()
         model.qconfig = quantization.get_default_qat_qconfig("fbgemm")
-        return quantization.prepare_qat(model.train())
+        model = quantization.prepare_qat(model.train())
+        if first_call:  # its per-channel observers size their ranges at their first call
+            model(torch.randn(4, 8, generator=torch.Generator().manual_seed(7)), torch.zeros(4, 1))
+        return model
+
+    # traced before that first call, the size they decide on is fixed for every step
+    expect_error(lambda: rannc.RaNNCModule(prepared(first_call=False), num_stages=2)(
+        torch.randn(4, 8), torch.randn(4, 1)), "reads the size of", "per-channel observer",
+        kinds=(rannc.TraceError,))
 
     # whether rows read as coupled depended on each rank's data; the tutorial's per-channel
     # weight observers size their buffers at their first call (state_dict() then failed)
