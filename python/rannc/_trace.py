@@ -654,13 +654,14 @@ class _WatchDataWrites(torch.overrides.TorchFunctionMode):
         as it wrote them."""
         written = [(name, where) for alias, version, name, where in self.taken
                    if alias._version != version] + self.assigned
-        changed = {self.names[i] for i, (t, version) in self.versions.items() if t._version != version}
+        ids = {i for i, (t, version) in self.versions.items() if t._version != version}
+        changed = {self.names[i] for i in ids}
         decided = [(name, where) for name, where in self.decided if name in changed]
         resized = {self.names[i] for i, (t, shape) in self.shapes.items() if tuple(t.shape) != shape}
         sized = [(name, where) for name, where in self.sized if name in resized]
         if sized:
             self._put_back()
-            what = failure.some_of(list(dict.fromkeys(f"{name!r} at {where}" for name, where in sized)))
+            what = _places(sized)
             raise TraceError(
                 f"the forward reads the size of {what}, which it also resizes (a per-channel "
                 "observer of quantization-aware training sizes its range at its first call): a "
@@ -668,7 +669,6 @@ class _WatchDataWrites(torch.overrides.TorchFunctionMode):
                 "once on a batch before RaNNCModule(model), so that its sizes are set ([Note: "
                 "writes through .data] in _trace.py)")
         if decided and not written and rerun is not None:
-            ids = {i for i, (t, version) in self.versions.items() if t._version != version}
             try:  # untraced both: the trace's own conversions add decisions of their own
                 before, after = _WatchDataWrites(), _WatchDataWrites()
                 rerun(before, ids, written=False)
@@ -680,8 +680,7 @@ class _WatchDataWrites(torch.overrides.TorchFunctionMode):
         if written or decided:
             self._put_back()
         if written:
-            what = failure.some_of(list(dict.fromkeys(
-                f"{repr(name) if name else 'a tensor'} at {where}" for name, where in written)))
+            what = _places(written)
             raise TraceError(
                 f"the forward writes through .data: {what}. A trace does not record what is "
                 "done to .data, so rannc's steps would never do it. Write it under "
@@ -690,13 +689,19 @@ class _WatchDataWrites(torch.overrides.TorchFunctionMode):
                 "by running the plain model once on a batch before RaNNCModule(model) ([Note: "
                 "writes through .data] in _trace.py)")
         if decided:
-            what = failure.some_of(list(dict.fromkeys(f"{name!r} at {where}" for name, where in decided)))
+            what = _places(decided)
             raise TraceError(
                 f"the forward decides in Python on {what}, which it also writes (as Glow's "
                 "ActNorm initialises itself at the first call): a trace fixes the decision for "
                 "every step. Initialise before wrapping, by running the plain model once on a "
                 "batch before RaNNCModule(model), or decide with tensor ops (torch.where) "
                 "([Note: writes through .data] in _trace.py)")
+
+
+def _places(found: list) -> str:
+    """"'loc' at train.py:42, ..." for (state tensor's name or None, source line) pairs."""
+    return failure.some_of(list(dict.fromkeys(
+        f"{repr(name) if name else 'a tensor'} at {where}" for name, where in found)))
 
 
 def _noting_where(caught: list):
