@@ -503,6 +503,38 @@ def _refuse_grad_in_forward():
         torch.autograd.grad = own
 
 
+# [Note: vmap over the batch] torch.func.vmap runs its function as batched ops, and a trace
+# records them at the traced batch size: vmap's own views (an einsum's) hold it, so the
+# error names a view the user never wrote, and its cure (compute the size from the input)
+# cannot be followed inside vmap. While tracing, the lines that call vmap are noted; an
+# error about the batch size at such a line says so, with the cure: the batched op itself.
+@contextlib.contextmanager
+def _noting_vmap_calls(notes: list):
+    import torch._functorch.apis as apis  # vmap and torch.func.vmap look vmap_impl up here
+    own = apis.vmap_impl
+
+    def noted(*args, **kwargs):
+        notes.append(f"vmap:{_caller_line()}")
+        return own(*args, **kwargs)
+
+    apis.vmap_impl = noted
+    try:
+        yield
+    finally:
+        apis.vmap_impl = own
+
+
+def _vmap_hint(error: str, notes: list) -> str:
+    lines = [n[len("vmap:"):] for n in notes if n.startswith("vmap:")]
+    at = [line for line in dict.fromkeys(lines) if f" at {line} " in error]
+    if not at or "batch size" not in error:
+        return ""
+    return (f"\nThe op runs inside torch.func.vmap (at {at[0]}), whose batched ops a trace "
+            "records at the traced batch size. Write the function over the whole batch "
+            "instead of vmap over its rows (torch.einsum('bi,bi->b', x, x), not "
+            "vmap(lambda a: torch.einsum('i,i->', a, a))(x))")
+
+
 class _RefuseTensorHooks(torch.overrides.TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is torch.Tensor.register_hook and args and args[0].requires_grad:
@@ -1172,6 +1204,7 @@ def _trace_body(model, state: ModelState, state_tensors: list, flat: FlatArgs, t
             with (watch_data,
                   _WatchRandomDecisions() if watch_random else contextlib.nullcontext(),
                   _RefuseTensorHooks(), _refuse_grad_in_forward(), traceable_parts(model),
+                  _noting_vmap_calls(tracer_notes),
                   _DetachUnderNoGrad() if torch.is_grad_enabled() else contextlib.nullcontext()):
                 traced = torch.jit.trace(fn, example, check_trace=False, strict=False)
         watch_data.refuse_writes(rerun)
@@ -1599,7 +1632,11 @@ def _trace_with_layout(model, state, state_tensors, flat: FlatArgs, home, batch:
             _refuse_rows_kept_in_buffers(state, state_tensors, observe1, batch, observe2, batch2)
         except TraceError as e:
             hints = [n for n in notes if "boolean" in n or "Python number" in n or "integer" in n]
-            if hints:
-                raise TraceError(f"{e}\nThe tracer warned at: " + "; ".join(dict.fromkeys(hints))) from None
+            vmap = _vmap_hint(str(e), notes)
+            if vmap:  # vmap's own conversions, not the user's
+                hints = [n for n in hints if f"vmap:{n.split(': ')[0]}" not in notes]
+            if hints or vmap:
+                warned = "\nThe tracer warned at: " + "; ".join(dict.fromkeys(hints)) if hints else ""
+                raise TraceError(f"{e}{vmap}{warned}") from None
             raise
     return traced, out1

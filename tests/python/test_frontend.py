@@ -1614,3 +1614,28 @@ def test_functional_call_inside_forward_is_named():
     with pytest.raises(rannc.TraceError, match=r"calls torch.func.functional_call .* in its forward "
                                                r"\(at .*test_frontend.py:\d+\).*outside the RaNNCModule"):
         rannc.trace(Hyper(), (torch.randn(4, 4),))
+
+
+def test_vmap_over_the_rows_names_vmap_in_its_batch_size_error():
+    """vmap over the batch records its batched ops at the traced batch size (an einsum's
+    view holds it): the error named a view the user never wrote, with a cure that cannot be
+    followed inside vmap. It names vmap, its line and the batched op as the cure; vmap of a
+    module, whose batched op has no size in it, traces equal to the model."""
+    class Norms(torch.nn.Module):
+        def __init__(self, einsum):
+            super().__init__()
+            self.inner = torch.nn.Linear(4, 4)
+            self.einsum = einsum
+
+        def forward(self, x):
+            h = torch.func.vmap(self.inner)(x)
+            if self.einsum:
+                h = torch.func.vmap(lambda a: torch.einsum("i,i->", a, a))(h)[:, None] * h
+            return h
+
+    with pytest.raises(rannc.TraceError, match=r"(?s)baked into a shape.*inside torch.func.vmap "
+                                               r"\(at .*test_frontend.py:\d+\).*whole batch") as e:
+        rannc.trace(Norms(True), (torch.randn(4, 4),))
+    assert "Converting a tensor to a Python boolean" not in str(e.value)
+    model, x = Norms(False), torch.randn(4, 4)
+    torch.testing.assert_close(rannc.trace(model, (x,))(x), model(x))
