@@ -125,7 +125,9 @@ void GradBuckets::finish(std::map<ir::ValueId, at::Tensor>& grads) {
     int64_t offset = 0;
     for (ir::ValueId v : l.bucket->ids) {
       const at::Tensor& p = own_.at(v);
-      grads[v] = l.flat.narrow(0, offset, p.numel()).view(p.sizes());
+      // detached: the bucket's memory, but no view of it, so .grad takes what PyTorch's
+      // takes (detach_(), an in-place op with a tensor that requires grad)
+      grads[v] = l.flat.narrow(0, offset, p.numel()).view(p.sizes()).detach();
       auto sparse = sparse_dims_.find(v);
       if (sparse != sparse_dims_.end()) grads[v] = grads[v].to_sparse(sparse->second);
       offset += p.numel();

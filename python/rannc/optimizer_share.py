@@ -275,6 +275,9 @@ def _before_step(optimizer, args, kwargs):
             module.adopt_optimizer(optimizer)
         if any(o is optimizer for o in share.optimizers) and module._deployed.get(True) is not None:
             average_outside_gradients(module, entered=True)  # [Note: a step is a collective]
+            # the step updates the trainers' values: an eval call since the backward gave
+            # the ranks that only evaluate a tensor the values before it
+            module.placement.trained()
         if share._check_state:  # [Note: state made on freed parameters]
             share._check_state = False
             for o in share.optimizers:

@@ -824,7 +824,7 @@ def test_a_failure_while_tracing_new_shapes_says_so_with_both_shapes():
                                    "add_param_group", "outside_parameter", "table_first",
                                    "shared_module", "skipped_backward", "call_layouts",
                                    "complex_values", "state_before_step", "stashed_buffer",
-                                   "fused_fake_quant"])
+                                   "fused_fake_quant", "eval_before_step", "grad_in_place"])
 def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
     """Ranks with different batch sizes in one call (on every such call), control flow on
     data that differs between ranks, different models, ranks whose batches have their own
@@ -854,6 +854,12 @@ def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
     fused observers read as coupling the rows on one rank's data and not on another's (an
     error blaming control flow on the data); observed with them off ([Note: row-coupling
     flags] in convert.cpp), the ranks agree and train equal to PyTorch.
+    eval_before_step: an eval call between backward and step (evaluation under gradient
+    accumulation) left the ranks that only evaluate a layer with its weights before the
+    step, for the next eval calls and state_dict(): the step now marks them stale.
+    grad_in_place: .grad was a view of the gradient bucket on one stage, so
+    `p.grad.add_(p, alpha=wd)` outside no_grad and `p.grad.detach_()` failed where PyTorch
+    takes them; it is the bucket's memory, detached.
     eval_after_new_length: a training call at a new length between evaluations
     leaves the weights of eval's ranks current (it had marked them so before the step).
     num_items_in_batch: transformers' sum over a count passed in adds up over the shares.

@@ -2718,6 +2718,65 @@ elif probe == "state_before_step":  # [Note: a step is a collective] in optimize
             o.zero_grad()
     same_stage_parameters(model, reference, rtol=1e-5)
     print(f"OK rank {rank}", flush=True)
+elif probe == "eval_before_step":  # eval between backward and step, on another rank's layers
+    torch.manual_seed(0)
+    model = FrozenFirst()
+    model.layers[4:8].requires_grad_(True)  # training's first stage ends at layer 7, eval's at 5
+    reference = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.5)
+                    for m in (model, reference))
+    wrapped = rannc.RaNNCModule(model, opt, num_stages=2, profile_fake_timer=True,
+                                probe_bandwidth=False)
+    rows = slice(16 * rank, 16 * (rank + 1))
+    x_eval = torch.randn(32, 2, 512, generator=torch.Generator().manual_seed(99))
+
+    def same_eval(what):
+        for m in (wrapped, reference):
+            m.eval()
+        with torch.no_grad():
+            torch.testing.assert_close(wrapped(x_eval[rows]), reference(x_eval), rtol=1e-4,
+                                       atol=1e-6, msg=lambda m: f"rank {rank}: {what}: {m}")
+        for m in (wrapped, reference):
+            m.train()
+
+    for step in range(3):
+        x = torch.randn(32, 2, 512, generator=torch.Generator().manual_seed(step))
+        loss, ref_loss = wrapped(x[rows]), reference(x)
+        loss.backward()
+        ref_loss.backward()
+        same_eval(f"before step {step}")  # evaluation under gradient accumulation
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+        same_eval(f"after step {step}")  # it ran on the weights before the step
+        same_state(wrapped, reference, f"state_dict() after step {step}")
+    trained_first = [i for i, users in enumerate(wrapped.placement._users[True]) if 0 in users]
+    evaluated_first = [i for i, users in enumerate(wrapped.placement._users[False]) if 0 in users]
+    assert set(trained_first) > set(evaluated_first), (trained_first, evaluated_first)
+    print(f"OK rank {rank}", flush=True)
+elif probe == "grad_in_place":  # .grad takes what PyTorch's takes
+    torch.manual_seed(0)
+    model = zoo.MLP(dropout=0.0)
+    reference, opt, ref_opt, wrapped = sgd_pair(model, num_stages=1, num_microbatches=2)
+    for step in range(3):
+        (whole, mine) = global_batch("mlp", seed=step)
+        loss, ref_loss = wrapped(*mine), reference(*whole)
+        loss.backward()
+        ref_loss.backward()
+        for m in (model, reference):
+            for p in m.parameters():
+                if p.grad is None:
+                    continue
+                if step == 0:  # weight decay by hand, outside no_grad: .grad gets history
+                    p.grad.add_(p, alpha=0.01)
+                else:  # zero_grad as apex and torch before 1.7 wrote it
+                    p.grad.detach_()
+                    p.grad.mul_(0.5)
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    same_stage_parameters(model, reference, rtol=1e-5)
+    print(f"OK rank {rank}", flush=True)
 elif probe == "stashed_buffer":  # [Note: buffers a stashed backward reads] in runtime/stage.cpp
     class WeightScaled(nn.Module):
         """A buffer written in place in forward, then read by a differentiable op (which
