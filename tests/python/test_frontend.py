@@ -1007,17 +1007,22 @@ class _LossOverRows(torch.nn.Module):
         if self.case == "masked":
             mask = (y != 0).float()
             return (losses * mask).sum() / mask.sum().clamp(min=1)
+        if self.case == "class_balanced":  # the batch's classes counted into its weights
+            weights = 1.0 / torch.bincount(y, minlength=4).clamp(min=1).float()
+            return torch.nn.functional.cross_entropy(logits, y, weight=weights)
         return losses.mean()
 
 
 @pytest.mark.parametrize("case,coupled", [
     ("mean", False), ("batch_norm", False), ("load_balancing", False), ("masked", False),
-    ("new_ones", False), ("centered", True), ("max", True), ("logsumexp", True), ("hardest", True)])
+    ("new_ones", False), ("centered", True), ("max", True), ("logsumexp", True),
+    ("hardest", True), ("class_balanced", True)])
 def test_losses_that_couple_the_rows_are_planned_with_one_micro_batch(case, coupled):
     """[Note: rows coupled] in planning.py: a statistic over the batch that later rows are
     computed from, or a loss that is not a mean or a sum of the rows' terms (a max, a
     logsumexp, the hardest examples), was computed per micro-batch without a word (a max
-    loss read 1.82 for PyTorch's 1.85); such a model is planned with one micro-batch, and a
+    loss read 1.82 for PyTorch's 1.85; class weights counted from the batch's labels, 1.129
+    for 1.454); such a model is planned with one micro-batch, and a
     loss of the rows' terms (a mean, batch norm's, a masked mean, a statistic reaching the
     loss only) still pipelines."""
     from rannc.planning import rows_coupled
