@@ -15,7 +15,7 @@ from ._C import (  # noqa: F401
     get_world_size,
     set_log_level,
 )
-from . import amp, clipping, failure, optimizer_share
+from . import amp, clipping, failure, named_backward, optimizer_share
 from .amp import GradScaler  # noqa: F401
 from .empty_weights import empty_weights  # noqa: F401
 from .handshake import barrier  # noqa: F401
@@ -30,6 +30,7 @@ failure.install()  # [Note: failure notices]
 clipping.install()  # [Note: torch's clip_grad_norm_]
 amp.install()  # [Note: agreed steps]
 optimizer_share.install()  # [Note: optimizers made after wrapping]
+named_backward.install()  # [Note: backward of named parameters]
 
 __all__ = [
     "RaNNCModule", "Options", "option_docs", "GradScaler", "empty_weights", "pad_to_same_length", "init_process_group", "trace", "plan", "Plan", "ProfileCache", "load_ir", "TracedGraph", "SplitGraph", "set_log_level",

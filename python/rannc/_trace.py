@@ -14,6 +14,7 @@ state is restored.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import itertools
 import os
@@ -29,6 +30,10 @@ import torch.utils._pytree as pytree
 from torch.nn.utils.stateless import _reparametrize_module
 
 from . import _C, failure
+
+# rannc's own runs of the user's forward (tracing, its untraced reruns): what they register
+# on the modules is put back after ([Note: tracing changes no attribute])
+RUNNING_FORWARD = contextvars.ContextVar("rannc_running_forward", default=False)
 
 TraceError = _C.TraceError
 
@@ -1154,9 +1159,11 @@ def _trace_once(model, state: ModelState, state_tensors: list, flat: FlatArgs, t
     constant", reported as a batch-size failure. Each trace starts and ends with the
     cache empty."""
     torch.clear_autocast_cache()
+    running = RUNNING_FORWARD.set(True)
     try:
         return _trace_body(model, state, state_tensors, flat, tensors, tracer_notes, watch_random)
     finally:
+        RUNNING_FORWARD.reset(running)
         torch.clear_autocast_cache()
 
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import _C, failure, handshake
+from . import _C, failure, handshake, named_backward
 from .amp import forward_loss_scale
 from .graph import TracedGraph
 from ._trace import autocast_off
@@ -841,6 +841,15 @@ class Deployed:
             # (they are the first training program's: no other runs under no_sync())
             self.owner._deployed[True].last_trained.engine.sync_held_grads()
         self.owner._held_unsynced = not call_sync
+        named = named_backward.NAMED.get()  # [Note: backward of named parameters]
+        if named is not None:
+            if self.routing_key is not None:
+                raise _C.Error(
+                    "backward(inputs=...) naming parameters of the model after a training call "
+                    "with other arguments than the first ([Note: other training arguments] in "
+                    "module.py): call backward() and set the .grad of the others to None")
+            step_grads = step_grads.without([i for i, p in enumerate(self.own_params)
+                                             if id(p) not in named])
         if self.routing_key is not None:  # [Note: other training arguments] in module.py
             self._route_grads(step_grads, None if unit else scale)
             return

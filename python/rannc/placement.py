@@ -38,7 +38,7 @@ import zlib
 import torch
 
 from . import _C, failure
-from ._trace import ModelState, stand_ins, state_for_tracing
+from ._trace import RUNNING_FORWARD, ModelState, stand_ins, state_for_tracing
 from .transport import all_gather_objects, recv_staged, send_staged
 
 # Tag of the point-to-point copies of parameters and buffers between ranks.
@@ -47,6 +47,42 @@ _STATE_TAG = 7
 # rannc's own reads and loads of the module's state, which know what each rank holds
 # ([Note: the module's own state_dict]).
 _OWN_ACCESS = contextvars.ContextVar("rannc_own_state_access", default=False)
+
+
+# [Note: tensors assigned after the first call] The stages run the tensors they were
+# deployed with. A parameter, buffer or submodule assigned to the model after its first
+# call (`model.module.scale = torch.tensor(3.0)`, a head re-made as `m.head = nn.Linear(..)`,
+# register_buffer of a new name, load_state_dict(..., assign=True)) reached no stage: the
+# steps ran the old tensors, and state_dict() returned the new, never-trained ones (loss
+# 1.15 for 5.45 on a probe), without a word. Such an assignment is refused where it is
+# made, before it changes the module, naming the tensor and the cure: write the value in
+# place, or assign before wrapping. rannc's own runs of the forward (tracing, which may
+# build a cache as a buffer, put back after) and its own loads pass.
+_PLACED = weakref.WeakKeyDictionary()  # each submodule of a wrapped model -> its placement
+_assignment_hooks = []
+
+
+def _refuse_assignment(kind: str):
+    def hook(module, name, value):
+        placement = _PLACED.get(module)
+        placement = placement() if placement is not None else None
+        if (placement is None or not placement._users or _OWN_ACCESS.get()
+                or RUNNING_FORWARD.get() or torch.jit.is_tracing()):
+            return None
+        placement.refuse_assignment(module, name, value, kind)
+        return None
+    return hook
+
+
+def _watch_assignments(module: torch.nn.Module, placement) -> None:
+    if not _assignment_hooks:
+        nn_module = torch.nn.modules.module
+        _assignment_hooks.extend([
+            nn_module.register_module_parameter_registration_hook(_refuse_assignment("parameter")),
+            nn_module.register_module_buffer_registration_hook(_refuse_assignment("buffer")),
+            nn_module.register_module_module_registration_hook(_refuse_assignment("submodule"))])
+    for m in module.modules():
+        _PLACED[m] = weakref.ref(placement)
 
 
 @contextlib.contextmanager
@@ -93,6 +129,7 @@ class StatePlacement:
             module.register_state_dict_post_hook(lambda *_: self._check_users_state_dict()),
             module.register_load_state_dict_pre_hook(lambda *_: self._check_users_load()),
             module.register_forward_pre_hook(check_call)]
+        _watch_assignments(module, self)  # [Note: tensors assigned after the first call]
         # a submodule called directly (`model.module.net(x)`, a sampling method of the
         # model): (its name, the handle of its check)
         self._part_hooks = []
@@ -180,6 +217,28 @@ class StatePlacement:
                 f"not hold the current values of {failure.some_of(lacking)}. Call the "
                 "RaNNCModule itself, on every rank (in eval mode for an evaluation), or a copy "
                 "of it (copy.deepcopy(wrapped), [Note: copies of a wrapped model] in copies.py)")
+
+    def refuse_assignment(self, module: torch.nn.Module, name: str, value, kind: str):
+        """[Note: tensors assigned after the first call]"""
+        now = module._parameters.get(name, module._buffers.get(name, module._modules.get(name)))
+        if value is now:
+            return
+        prefix = next((n for n, m in self.module.named_modules() if m is module), None)
+        full = f"{prefix}.{name}" if prefix else name
+        if now is None:
+            what, cure = f"registered as a new {kind}", "register it before wrapping"
+        elif kind == "submodule":
+            what, cure = "assigned a new submodule", (
+                "re-initialise the submodule in place (its reset_parameters(), or copy_ into "
+                "its tensors under torch.no_grad()), or make the change before wrapping")
+        else:
+            what, cure = f"assigned a new {kind}", (
+                "write the new value into the tensor in place (with torch.no_grad(): "
+                f"model.module.{full}.copy_(value)), or assign it before wrapping")
+        raise _C.Error(
+            f"{kind} '{full}' of the model {what} after the RaNNCModule's first call (on rank "
+            f"{_C.get_rank()}): the plan's stages run the tensors they were deployed with, so "
+            f"the steps would not see it and state_dict() would return it untrained; {cure}")
 
     def _check_users_load(self):
         if not _OWN_ACCESS.get() and self._users:

@@ -824,7 +824,8 @@ def test_a_failure_while_tracing_new_shapes_says_so_with_both_shapes():
                                    "add_param_group", "outside_parameter", "table_first",
                                    "shared_module", "skipped_backward", "call_layouts",
                                    "complex_values", "state_before_step", "stashed_buffer",
-                                   "fused_fake_quant", "eval_before_step", "grad_in_place"])
+                                   "fused_fake_quant", "eval_before_step", "grad_in_place",
+                                   "assigned_after_call", "named_backward"])
 def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
     """Ranks with different batch sizes in one call (on every such call), control flow on
     data that differs between ranks, different models, ranks whose batches have their own
@@ -859,7 +860,13 @@ def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
     step, for the next eval calls and state_dict(): the step now marks them stale.
     grad_in_place: .grad was a view of the gradient bucket on one stage, so
     `p.grad.add_(p, alpha=wd)` outside no_grad and `p.grad.detach_()` failed where PyTorch
-    takes them; it is the bucket's memory, detached.
+    takes them; it is the bucket's memory, detached. assigned_after_call: a buffer,
+    parameter or submodule assigned (or a buffer registered) after the first call reached no
+    stage, and state_dict() returned it untrained; it is refused where it is made, the
+    module unchanged ([Note: tensors assigned after the first call] in placement.py).
+    named_backward: loss.backward(inputs=[parameters]) ran nothing for a RaNNCModule's
+    parameters (.grad stayed None); the named ones get the call's gradients ([Note: backward
+    of named parameters] in named_backward.py).
     eval_after_new_length: a training call at a new length between evaluations
     leaves the weights of eval's ranks current (it had marked them so before the step).
     num_items_in_batch: transformers' sum over a count passed in adds up over the shares.

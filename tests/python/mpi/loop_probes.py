@@ -2754,6 +2754,70 @@ elif probe == "eval_before_step":  # eval between backward and step, on another 
     evaluated_first = [i for i, users in enumerate(wrapped.placement._users[False]) if 0 in users]
     assert set(trained_first) > set(evaluated_first), (trained_first, evaluated_first)
     print(f"OK rank {rank}", flush=True)
+elif probe == "assigned_after_call":  # [Note: tensors assigned after the first call] in placement.py
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.head = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 1)
+            self.register_buffer("scale", torch.ones(()))
+
+        def forward(self, x, y):
+            h = torch.tanh(self.b(torch.tanh(self.a(x)))) * self.scale
+            return nn.functional.mse_loss(self.head(h), y)
+
+    torch.manual_seed(0)
+    model = Scaled()
+    reference, opt, ref_opt, wrapped = sgd_pair(model, num_stages=2, num_microbatches=2)
+    steps_like_pytorch(wrapped, reference, opt, ref_opt, "before", steps=1)
+    held = (model.scale, model.head.bias, model.head)
+    attempts = [
+        (lambda: setattr(model, "scale", torch.tensor(3.0)), "buffer 'scale'", "assigned a new buffer"),
+        (lambda: setattr(model.head, "bias", nn.Parameter(torch.zeros(1))),
+         "parameter 'head.bias'", "model.module.head.bias.copy_(value)"),
+        (lambda: setattr(model, "head", nn.Linear(16, 1)), "submodule 'head'", "reset_parameters()"),
+        (lambda: model.b.register_buffer("mask", torch.ones(16)), "buffer 'b.mask'",
+         "registered as a new buffer", "register it before wrapping")]
+    for attempt, *said in attempts:
+        expect_error(attempt, *said, "after the RaNNCModule's first call")
+    assert (model.scale, model.head.bias, model.head) == held and "mask" not in model.b._buffers
+    for m in (model, reference):  # the cure: in place
+        with torch.no_grad():
+            m.scale.fill_(3.0)
+            m.head.reset_parameters() if m is reference else None
+    with torch.no_grad():  # the same re-initialised head on both
+        for p, q in zip(model.head.parameters(), reference.head.parameters()):
+            if p.numel():
+                p.copy_(q)
+    same_state(wrapped, reference, "after the writes in place")
+    steps_like_pytorch(wrapped, reference, opt, ref_opt, "after", steps=2, seed=1)
+    same_state(wrapped, reference, "after training on")
+    print(f"OK rank {rank}", flush=True)
+elif probe == "named_backward":  # [Note: backward of named parameters] in named_backward.py
+    torch.manual_seed(0)
+    model = zoo.MLP(dropout=0.0)
+    reference, opt, ref_opt, wrapped = sgd_pair(model, num_stages=2, num_microbatches=2)
+    first, last = list(model.parameters())[0], list(model.parameters())[-1]
+    ref_first, ref_last = list(reference.parameters())[0], list(reference.parameters())[-1]
+    for step in range(3):
+        (whole, mine) = global_batch("mlp", seed=step)
+        x, ref_x = mine[0].clone().requires_grad_(), whole[0].clone().requires_grad_()
+        loss, ref_loss = wrapped(x, *mine[1:]), reference(ref_x, *whole[1:])
+        # one part trained at a time, and the input's gradient beside it
+        named = [first, last, x] if step % 2 == 0 else [last]
+        loss.backward(inputs=named)
+        ref_loss.backward(inputs=[ref_first, ref_last, ref_x] if step % 2 == 0 else [ref_last])
+        for p, q in zip(model.parameters(), reference.parameters()):
+            if p.numel():
+                assert (p.grad is None) == (q.grad is None), f"rank {rank} step {step}"
+        if step % 2 == 0:
+            # [Note: input gradients]: world times its rows of the global one
+            torch.testing.assert_close(x.grad, 2 * ref_x.grad[4 * rank:4 * (rank + 1)])
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    same_stage_parameters(model, reference, rtol=1e-5)
+    same_state(wrapped, reference, "after steps of named parameters")
+    print(f"OK rank {rank}", flush=True)
 elif probe == "grad_in_place":  # .grad takes what PyTorch's takes
     torch.manual_seed(0)
     model = zoo.MLP(dropout=0.0)
