@@ -72,6 +72,12 @@ class Classifier {
         g_.value(t.inputs[1]).isBatch()) {
       return BatchReduction::Sum;
     }
+    // x.t() @ y of two batch tensors into a value without rows (a confusion count made from
+    // one-hot rows): the batch is the contracted dimension, so a sum over the rows
+    if ((t.op == "aten::mm" || t.op == "aten::matmul") && t.inputs.size() == 2 &&
+        g_.value(t.inputs[0]).isBatch() && g_.value(t.inputs[1]).isBatch() && !v.isBatch()) {
+      return BatchReduction::Sum;
+    }
     if (t.op == "aten::add" || t.op == "aten::sub") {
       BatchReduction r = of(batch_inputs[0], depth + 1);
       for (size_t i = 1; i < batch_inputs.size(); ++i) r = combine(r, of(batch_inputs[i], depth + 1));

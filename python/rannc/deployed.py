@@ -304,12 +304,20 @@ class Deployed:
                                 "(reduction=\"sum\", or a sum divided by a count passed in): its "
                                 "micro-batches and ranks add up, its terms that are means or the "
                                 "same for any rows weighted by their rows (option loss_reduction)")
-                elif (opts.loss_reduction == "auto" and _scalar_over_batch(ir, vid)
+                elif (opts.loss_reduction == "auto" and _combined_over_shares(ir, vid)
                       and ir.output_reduction(vid) == "unknown"):
                     _C.log_info(f"output #{i}{name}: the graph does not show whether it is a mean "
                                 "or a sum over the batch (a max, a norm, exp of a mean): "
                                 "each micro-batch's and rank's value is weighted by its rows, as "
                                 "for a mean (option loss_reduction)")
+                elif ((deployment.micro_batches > 1 or _C.get_world_size() > 1)
+                      and ir.value(vid).batch_dependent and ir.value(vid).batch_dim < 0
+                      and not _combined_over_shares(ir, vid) and ir.value(vid).kind == "Tensor"):
+                    _C.log_warn(f"output #{i}{name} is an integer tensor computed from the batch "
+                                "that holds no dimension of its rows and is no sum over them: it "
+                                "is micro-batch 0's value, not the whole batch's; return what it "
+                                "is made from with the batch's rows, or a count over them "
+                                "([Note: outputs without rows] in deployed.py)")
             for term in self.engine.token_means["unknown_terms"]:
                 # [Note: mixed terms] in csrc/frontend/token_means.h; with several
                 # micro-batches such a term (a mixture of experts' load-balancing loss) is
@@ -811,9 +819,8 @@ class Deployed:
             for vid in whole:
                 if engine.producer_of(vid) not in mine:
                     continue
-                v = engine.value(vid)
                 dtype = engine.output_dtype(m, vid)
-                if _one_value_over_batch(v):
+                if _combined_over_shares(self.graph.ir, vid):  # [Note: outputs without rows]
                     # the output is the row-weighted mean of the shares, or their sum
                     seeds.setdefault(m, {})[vid] = (sums[vid] * engine.share_weight(vid, m)).to(dtype)
                 elif m == 0 and engine.copy == 0 and engine.replica == 0:
@@ -918,13 +925,15 @@ class Deployed:
             v = engine.value(vid)
             if vid in batch_outputs:
                 tensors.append(batch_outputs[vid].to(self.out_device))
-            elif _one_value_over_batch(v):
+            elif _combined_over_shares(ir, vid):  # [Note: outputs without rows]
                 # a mean over the rows of each micro-batch share: weight by rows (a sum:
                 # add up); summed where the stage computed it, then one copy to the host (a
                 # GPU would stall once per micro-batch on a .cpu() each)
-                parts = [outs[vid].detach().double() * engine.share_weight(vid, m)
+                wide = torch.complex128 if v.dtype.startswith("Complex") else torch.float64
+                parts = [outs[vid].detach().to(wide) * engine.share_weight(vid, m)
                          for m, outs in produced.items() if vid in outs]
-                total = torch.stack(parts).sum() if parts else torch.zeros((), dtype=torch.float64)
+                total = (torch.stack(parts).sum(0) if parts
+                         else torch.zeros(list(v.shape), dtype=wide))
                 if comm.size > 1:  # one rank: no copy, so no wait for the GPU's step to end
                     total = total.cpu()
                     comm.all_reduce(total).wait()
@@ -1017,11 +1026,14 @@ def _accumulate_with_hooks(param: torch.Tensor, grad: torch.Tensor) -> None:
 
 
 def _summed(ir, vid: int, loss_reduction: str) -> bool:
-    """Whether scalar output `vid` combines over micro-batches, replicas and ranks as a sum
-    (option loss_reduction; auto: where the graph shows a sum over the batch,
-    csrc/ir/reduction.h) rather than a mean weighted by rows."""
-    if not _scalar_over_batch(ir, vid):
+    """Whether output `vid` combines over micro-batches, replicas and ranks as a sum
+    (a scalar's by option loss_reduction; auto, and any other output without rows: where the
+    graph shows a sum over the batch, csrc/ir/reduction.h) rather than a mean weighted by
+    rows ([Note: outputs without rows])."""
+    if not _combined_over_shares(ir, vid):
         return False
+    if not _scalar_over_batch(ir, vid):
+        return ir.output_reduction(vid) == "sum"
     return loss_reduction == "sum" or (loss_reduction == "auto" and ir.output_reduction(vid) == "sum")
 
 
@@ -1080,6 +1092,24 @@ def _one_value_over_batch(v) -> bool:
     [1] loss was no loss: the call ran fill-drain and returned micro-batch 0's value."""
     return (v.batch_dependent and v.kind == "Tensor" and v.batch_dim < 0
             and all(n == 1 for n in v.shape))
+
+
+# [Note: outputs without rows] An output computed from the batch that holds no dimension of
+# its rows and does not grow with them (a multi-task model's `torch.stack([mse, ce])`, a
+# feature mean `h.mean(0)`, a confusion count) is combined over the micro-batches and
+# replicas as a scalar is, element by element: added where the graph shows a sum over the
+# batch, else weighted by the shares' rows. It came back as micro-batch 0's of the first
+# replica on every rank, neither the global value nor the rank's own, and a backward
+# through it (`out.sum().backward()`) trained on that micro-batch's gradient alone
+# (parameters 0.067 off after 3 steps), without a word. An integer one that is no sum
+# over the rows (the rows' largest label) still is micro-batch 0's: rank 0 says so.
+def _combined_over_shares(ir, vid: int) -> bool:
+    v = ir.value(vid)
+    if not (v.batch_dependent and v.kind == "Tensor" and v.batch_dim < 0):
+        return False
+    if all(n == 1 for n in v.shape) or v.dtype.startswith(("Float", "BFloat", "Complex")):
+        return True
+    return ir.output_reduction(vid) == "sum"  # an integer count over the rows
 
 
 def _shapes_but_batch(tensors_and_batch_dims) -> tuple:

@@ -825,7 +825,7 @@ def test_a_failure_while_tracing_new_shapes_says_so_with_both_shapes():
                                    "shared_module", "skipped_backward", "call_layouts",
                                    "complex_values", "state_before_step", "stashed_buffer",
                                    "fused_fake_quant", "eval_before_step", "grad_in_place",
-                                   "assigned_after_call", "named_backward"])
+                                   "assigned_after_call", "named_backward", "outputs_without_rows"])
 def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
     """Ranks with different batch sizes in one call (on every such call), control flow on
     data that differs between ranks, different models, ranks whose batches have their own
@@ -866,7 +866,10 @@ def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
     module unchanged ([Note: tensors assigned after the first call] in placement.py).
     named_backward: loss.backward(inputs=[parameters]) ran nothing for a RaNNCModule's
     parameters (.grad stayed None); the named ones get the call's gradients ([Note: backward
-    of named parameters] in named_backward.py).
+    of named parameters] in named_backward.py). outputs_without_rows: a multi-task model's
+    stack of losses, a feature mean and a confusion count came back as micro-batch 0's
+    value, and a backward through the stack trained on that micro-batch alone; they are
+    combined over the shares as scalars are ([Note: outputs without rows] in deployed.py).
     eval_after_new_length: a training call at a new length between evaluations
     leaves the weights of eval's ranks current (it had marked them so before the step).
     num_items_in_batch: transformers' sum over a count passed in adds up over the shares.

@@ -94,6 +94,18 @@ TEST(ABatchReduction, FollowsScalarArithmeticAndCasts) {
   EXPECT_EQ(batchReduction(l.g, l.scalar("aten::add", {cast, other, l.constant("1")})), BatchReduction::Mean);
 }
 
+TEST(ABatchReduction, SeesAProductContractingTheRowsAsASum) {
+  // a confusion count, one_hot(y).t() @ one_hot(pred): [C, B] @ [B, C] -> [C, C]
+  LossGraph l;
+  ValueId ht = l.rows("aten::t", {l.h});
+  ValueId counts = tensor(l.g, "counts", ValueRole::Intermediate, {8, 8});
+  l.g.mutableValue(counts).batch_dependent = true;
+  l.g.addTask("aten::mm", {ht, l.h}, {counts});
+  EXPECT_EQ(batchReduction(l.g, counts), BatchReduction::Sum);
+  // h @ h.t() pairs the rows ([Note: rows paired]): no reduction over them
+  EXPECT_EQ(batchReduction(l.g, l.rows("aten::mm", {l.h, ht})), BatchReduction::Unknown);
+}
+
 TEST(ABatchReduction, IsUnknownWhereTermsDisagreeOrAnOpIsNotArithmetic) {
   LossGraph l;
   ValueId mean = l.scalar("aten::mean", {l.h, l.constant("None")});

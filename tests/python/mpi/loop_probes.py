@@ -2818,6 +2818,44 @@ elif probe == "named_backward":  # [Note: backward of named parameters] in named
     same_stage_parameters(model, reference, rtol=1e-5)
     same_state(wrapped, reference, "after steps of named parameters")
     print(f"OK rank {rank}", flush=True)
+elif probe == "outputs_without_rows":  # [Note: outputs without rows] in deployed.py
+    class MultiTask(nn.Module):
+        def __init__(self, only_tasks):
+            super().__init__()
+            self.only_tasks = only_tasks
+            self.l1, self.l2 = nn.Linear(8, 16), nn.Linear(16, 16)
+            self.a, self.b = nn.Linear(16, 1), nn.Linear(16, 3)
+
+        def forward(self, x, y, c):
+            h = torch.tanh(self.l2(torch.tanh(self.l1(x))))
+            logits = self.b(h)
+            tasks = torch.stack([nn.functional.mse_loss(self.a(h).squeeze(1), y),
+                                 nn.functional.cross_entropy(logits, c)])
+            if self.only_tasks:  # the caller sums them: a fill-drain backward through it
+                return tasks
+            confusion = nn.functional.one_hot(c, 3).float().t() @ nn.functional.one_hot(
+                logits.argmax(-1), 3).float()
+            return {"loss": tasks.sum(), "tasks": tasks, "feature_mean": h.mean(0),
+                    "confusion": confusion}
+
+    for only_tasks in (False, True):
+        torch.manual_seed(0)
+        model = MultiTask(only_tasks)
+        reference, opt, ref_opt, wrapped = sgd_pair(model, num_stages=2, num_microbatches=2)
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            x, y, c = torch.randn(8, 8, generator=g), torch.randn(8, generator=g), torch.randint(0, 3, (8,), generator=g)
+            mine = slice(4 * rank, 4 * (rank + 1))
+            out, ref_out = wrapped(x[mine], y[mine], c[mine]), reference(x, y, c)
+            if only_tasks:
+                torch.testing.assert_close(out, ref_out, msg=lambda m: f"rank {rank} step {step}: {m}")
+                step_both(out.sum(), ref_out.sum(), opt, ref_opt)
+                continue
+            for k in ("tasks", "feature_mean", "confusion"):  # the whole batch's, on every rank
+                torch.testing.assert_close(out[k], ref_out[k], msg=lambda m: f"rank {rank} {k}: {m}")
+            step_both(out["loss"], ref_out["loss"], opt, ref_opt)
+        same_state(wrapped, reference, f"only_tasks={only_tasks}")
+    print(f"OK rank {rank}", flush=True)
 elif probe == "grad_in_place":  # .grad takes what PyTorch's takes
     torch.manual_seed(0)
     model = zoo.MLP(dropout=0.0)
