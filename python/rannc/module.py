@@ -64,11 +64,17 @@ def _agree_on_rows(args, kwargs) -> None:
 
 
 def _checkpointing_on(model) -> bool:
-    """Whether a transformers model's activation (gradient) checkpointing is on."""
-    on = getattr(model, "is_activation_checkpointing", None)  # transformers 5
-    if on is None:
-        on = getattr(model, "is_gradient_checkpointing", False)  # older: deprecated in 5
-    return bool(on)
+    """Whether activation (gradient) checkpointing is on in a transformers or diffusers model,
+    the wrapped one or one inside it (a UNet inside the module that computes its loss:
+    only the outer was asked, so the request was lost without a word)."""
+    def on(m) -> bool:
+        flag = getattr(m, "is_activation_checkpointing", None)  # transformers 5
+        if flag is None:
+            flag = getattr(m, "is_gradient_checkpointing", False)  # older, and diffusers
+        return bool(flag)
+    return any(on(m) for m in model.modules()
+               if hasattr(type(m), "is_activation_checkpointing")
+               or hasattr(type(m), "is_gradient_checkpointing"))
 
 
 def _with_forward_signature(cls: type, signature: inspect.Signature, model: str) -> type:

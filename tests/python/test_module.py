@@ -471,7 +471,8 @@ def test_the_class_shows_the_signature_and_checkpointing_requests_recompute():
     """transformers' find_labels reads the class's forward: each RaNNCModule's class shows
     its model's signature, and its name the model's (question answering: the start and
     end positions are labels). A model wrapped with its gradient checkpointing on plans every
-    stage recomputed (traced, the checkpoints were plain ops keeping every activation),
+    stage recomputed (traced, the checkpoints were plain ops keeping every activation), and
+    so does a module that computes its loss around such a model (the request was lost),
     trained equal to PyTorch; an explicit recompute option wins; a request after the first
     training call, which planned the stages, is an error saying when to make it ([Note:
     activation checkpointing])."""
@@ -502,8 +503,18 @@ try:
     late.activation_checkpointing_enable()
 except rannc.Error as e:
     print("late:", e)
+class LossOf(torch.nn.Module):  # the model inside the module that computes the loss
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+    def forward(self, **kw):
+        return self.inner(**kw).loss
+outer = rannc.RaNNCModule(LossOf(copy.deepcopy(model)), torch.optim.SGD(model.parameters(), lr=0.1))
+outer(**kwargs)
+print("nested recompute", [s.recompute for s in outer._deployed[True].deployment.stages])
 """)
     assert res.returncode == 0, res.stdout + res.stderr[-3000:]
+    assert "nested recompute [True]" in res.stdout, res.stdout
     assert "labels ['labels']" in res.stdout, res.stdout
     assert ("qa labels ['start_positions', 'end_positions'] ['start_positions', 'end_positions']"
             in res.stdout), res.stdout
