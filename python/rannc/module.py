@@ -893,7 +893,17 @@ class RaNNCModule(torch.nn.Module):
             state = (self.adapter_state_dict() if trainer_support.is_peft_model(self.module)
                      else self.state_dict())
         kwargs.setdefault("is_main_process", _C.get_rank() == 0)
-        save(save_directory, *args, state_dict=state, **kwargs)
+        if "state_dict" in inspect.signature(save).parameters:
+            save(save_directory, *args, state_dict=state, **kwargs)
+            return
+        # diffusers' ModelMixin.save_pretrained takes no state_dict (its **kwargs swallowed
+        # it) and saves self.state_dict(), which is refused where a rank lacks tensors:
+        # for the call, the module's state_dict() is the gathered one
+        self.module.state_dict = lambda *_, **__: state
+        try:
+            save(save_directory, *args, **kwargs)
+        finally:
+            del self.module.state_dict
 
     def load_adapter(self, model_id, adapter_name: str = "default", **kwargs):
         """PEFT's load_adapter for a wrapped PEFT model: the weights of an adapter the

@@ -913,7 +913,9 @@ def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
     PyTorch's copies of the plain model, where evaluation places
     layers on other ranks than training ([Note: copies of a wrapped model]).
     save_pretrained: transformers' model.save_pretrained(dir) on the wrapper, on every rank
-    or rank 0 alone, writes config.json and the whole weights, loaded equal to PyTorch's.
+    or rank 0 alone, writes config.json and the whole weights, loaded equal to PyTorch's;
+    so does a model's save_pretrained that takes no state_dict and saves its own (diffusers'
+    ModelMixin's: it was refused, pointing back at save_pretrained).
     two_calls: one backward of a loss over two 1F1B calls applies each call's gradients (it
     applied the second's twice), and a GAN trains as PyTorch: the discriminator's calls on
     real and fake rows await one backward under fill-drain (was an error), the generator

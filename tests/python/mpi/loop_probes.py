@@ -647,6 +647,27 @@ elif probe == "save_pretrained":
         expect_error(lambda: model.save_pretrained(directory + "_module"),
                      "Call the RaNNCModule's state_dict(), save_pretrained(dir) or "
                      "save_checkpoint")
+
+    class SavesItsOwnState(zoo.MLP):
+        """diffusers' ModelMixin.save_pretrained: no state_dict argument (its **kwargs
+        swallows one), it saves self.state_dict()"""
+
+        def save_pretrained(self, save_directory, is_main_process=True, **kwargs):
+            if is_main_process:
+                os.makedirs(save_directory, exist_ok=True)
+                torch.save(self.state_dict(), os.path.join(save_directory, "weights.pt"))
+
+    torch.manual_seed(0)
+    model = SavesItsOwnState(dropout=0.0)
+    reference, opt, ref_opt, wrapped = sgd_pair(model, num_stages=2, num_microbatches=2)
+    whole, mine = global_batch("mlp")
+    step_both(wrapped(*mine), reference(*whole), opt, ref_opt)
+    directory = os.path.join(tempfile.gettempdir(), f"save_pretrained_{os.getppid()}_own_state")
+    wrapped.save_pretrained(directory)
+    rannc.barrier()
+    saved = torch.load(os.path.join(directory, "weights.pt"))
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(saved[name], value, msg=lambda m: f"own state, {name}: {m}")
     print(f"OK rank {rank}", flush=True)
 elif probe == "eval_after_new_length":
     import copy
