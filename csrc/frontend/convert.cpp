@@ -718,6 +718,17 @@ std::vector<char> randomValues(const ir::Graph& ir) {
   return random;
 }
 
+// [Note: uninitialised values] torch.empty's memory holds whatever was there (diffusers'
+// classic attention passes one to baddbmm with beta=0, which never reads it). Observed as
+// it came, its rows differed between the runs at two batch sizes by chance, so whether it
+// was glued to its readers depended on the heap: the ranks traced different graphs ("the
+// model's control flow depends on its input data"), and one rank's graphs differed from
+// run to run. The observations fill such values with zeros; the steps run them as traced.
+bool leavesUninitialised(const std::string& op) {
+  return op == "aten::empty" || op == "aten::empty_like" || op == "aten::new_empty" ||
+         op == "aten::empty_strided" || op == "aten::new_empty_strided";
+}
+
 // Runs the graph without gradients and records every value. With `keep`, keeps the tensors;
 // with `kept` (a run at another batch size, the smaller run's inputs the larger's trailing
 // rows: [Note: row positions]), compares the rows both runs share of each value whose
@@ -755,6 +766,10 @@ Observed observe(const TracedModel& model, const std::vector<at::Tensor>& inputs
   torch::NoGradGuard no_grad;
   runGraph(model, ins, [&](ir::ValueId id, const c10::IValue& v) {
     o.seen[id] = 1;
+    if (v.isTensor() && model.graph.value(id).producer != ir::kNoId &&
+        leavesUninitialised(model.graph.task(model.graph.value(id).producer).op)) {
+      v.toTensor().zero_();  // [Note: uninitialised values]
+    }
     low[id] = v.isTensor() && (v.toTensor().scalar_type() == at::kHalf ||
                                v.toTensor().scalar_type() == at::kBFloat16);
     const ir::TaskId producer = model.graph.value(id).producer;

@@ -1644,3 +1644,29 @@ def test_vmap_over_the_rows_names_vmap_in_its_batch_size_error():
     assert "Converting a tensor to a Python boolean" not in str(e.value)
     model, x = Norms(False), torch.randn(4, 4)
     torch.testing.assert_close(rannc.trace(model, (x,))(x), model(x))
+
+
+def test_uninitialised_memory_does_not_decide_the_graph():
+    """[Note: uninitialised values] in convert.cpp: torch.empty passed to baddbmm with beta=0
+    (diffusers' classic attention) held whatever the heap held, which the observations
+    compared between batch sizes: it was glued to its reader by chance, so ranks traced
+    different graphs. It is observed as zeros: its own task, on every trace, and the trace
+    computes what the model does."""
+    class Attention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.v, self.o = (torch.nn.Linear(8, 8) for _ in range(4))
+
+        def forward(self, x):
+            q, k, v = self.q(x), self.k(x), self.v(x)
+            base = torch.empty(x.shape[0], x.shape[1], x.shape[1], dtype=q.dtype)
+            scores = torch.baddbmm(base, q, k.transpose(-1, -2), beta=0, alpha=8 ** -0.5)
+            return self.o(scores.softmax(-1) @ v)
+
+    model, x = Attention(), torch.randn(4, 5, 8)
+    for _ in range(3):
+        junk = [torch.randn(4 * 5 * 5) * 1e30 for _ in range(16)]  # the heap, written
+        del junk
+        traced = rannc.trace(model, (x,))
+        assert [t.op for t in traced.ir.tasks() if "empty" in t.op] == ["aten::empty"]
+        torch.testing.assert_close(traced(x), model(x))
