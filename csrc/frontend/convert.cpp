@@ -1060,8 +1060,12 @@ class IrBuilder {
     std::vector<Node*> nodes;
     for (Node* node : graph_->nodes()) {
       if (!node->blocks().empty()) {
+        // a trace records no control flow but that of code compiled by torch.jit.script
         throw TraceError(describeNodeIn(node, module_classes_) +
-                         " has nested blocks, which a trace should not produce");
+                         " is control flow (an if or a loop) of code compiled by torch.jit.script, "
+                         "which a trace keeps whole: rannc cuts the ops of an eager forward. Call "
+                         "the function or module without torch.jit.script, or write the branch "
+                         "with tensor ops (torch.where)");
       }
       if (node->kind() != c10::prim::Constant) {
         nodes.push_back(node);

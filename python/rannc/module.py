@@ -204,6 +204,18 @@ class RaNNCModule(torch.nn.Module):
                  **options):
         super().__init__()
         refuse_other_launchers()  # [Note: launched by another launcher] in process_group.py
+        scripted = []  # the outermost scripted modules (their submodules are scripted too)
+        for name, m in model.named_modules():
+            if isinstance(m, torch.jit.ScriptModule) and not any(
+                    s == "" or name.startswith(s + ".") for s in scripted):
+                scripted.append(name)
+        if scripted:  # torch's errors named rannc's hooks, or an "active trace"
+            named = [f"submodule '{n}'" if n else "the model" for n in scripted]
+            raise _C.TraceError(
+                f"{failure.some_of(named, shown=2)} is compiled by torch.jit.script: rannc "
+                "traces the eager forward of the model and cuts its ops into stages, and a "
+                "trace cannot call a scripted module. Pass the module before torch.jit.script "
+                "(scripted functions without control flow trace with the rest)")
         self.options = Options.resolve(options)
         if self.options.log_level:
             _C.set_log_level(self.options.log_level)

@@ -134,7 +134,7 @@ class StatePlacement:
         # model): (its name, the handle of its check)
         self._part_hooks = []
         for name, part in module.named_modules():
-            if not name:
+            if not name or isinstance(part, torch.jit.ScriptModule):  # which take no hooks
                 continue
             def check_part(part, *_, name=name):
                 self._check_part_call(name, part)

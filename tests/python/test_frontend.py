@@ -1670,3 +1670,33 @@ def test_uninitialised_memory_does_not_decide_the_graph():
         traced = rannc.trace(model, (x,))
         assert [t.op for t in traced.ir.tasks() if "empty" in t.op] == ["aten::empty"]
         torch.testing.assert_close(traced(x), model(x))
+
+
+def test_control_flow_of_a_scripted_function_is_named_with_its_cure():
+    """A function compiled by torch.jit.script with an if in it traces as a prim::If with
+    blocks, which the message called something "a trace should not produce"; it names
+    torch.jit.script and the cures. Without control flow such a function traces equal."""
+    @torch.jit.script
+    def gate(h):
+        g = torch.sigmoid(h)
+        if bool(g.mean() > 0.5):
+            return h * g
+        return h + g
+
+    @torch.jit.script
+    def plain(h):
+        return h * torch.sigmoid(h)
+
+    class Gated(torch.nn.Module):
+        def __init__(self, f):
+            super().__init__()
+            self.lin, self.f = torch.nn.Linear(4, 4), f
+
+        def forward(self, x):
+            return self.f(self.lin(x))
+
+    with pytest.raises(rannc.TraceError, match=r"control flow .* compiled by torch.jit.script.*"
+                                               r"without torch.jit.script"):
+        rannc.trace(Gated(gate), (torch.randn(4, 4),))
+    model, x = Gated(plain), torch.randn(4, 4)
+    torch.testing.assert_close(rannc.trace(model, (x,))(x), model(x))

@@ -1445,3 +1445,29 @@ opt.step()
 """)
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stderr.count("AdamW steps the parameters of two RaNNCModules") == 1, res.stderr[-3000:]
+
+
+def test_a_scripted_module_is_named_at_wrapping():
+    """A submodule or model compiled by torch.jit.script failed inside RaNNCModule with
+    torch's "register_forward_pre_hook is not supported on ScriptModules" (rannc's own
+    hooks), or later with "not part of the active trace"; the error names the outermost
+    scripted module and the cure."""
+    res = _single_process("""
+import torch, rannc
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(4, 4)
+        self.gate = torch.jit.script(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Sigmoid()))
+    def forward(self, x):
+        return self.gate(self.a(x)).sum()
+for model in (Model(), torch.jit.script(torch.nn.Linear(4, 4))):
+    try:
+        rannc.RaNNCModule(model)
+    except rannc.TraceError as e:
+        print("refused:", e)
+""")
+    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
+    assert "refused: submodule 'gate' is compiled by torch.jit.script" in res.stdout, res.stdout
+    assert "refused: the model is compiled by torch.jit.script" in res.stdout, res.stdout
+    assert "Pass the module before torch.jit.script" in res.stdout, res.stdout
