@@ -85,6 +85,18 @@ torch::jit::Operation termScaled(torch::jit::Operation op, size_t nargs, size_t 
   });
 }
 
+// [Note: shapes read by counts] A count written over a tensor's shape
+// (`(se * mask).sum() / mask.expand_as(se).sum()`, `(mask * torch.ones_like(se)).sum()`:
+// an inpainting loss over the masked pixels of every channel) reads only the shape of what
+// the model computed, not its value. The count's program (run on each rank's arguments
+// before the step) takes a stand-in of that shape instead: before, the count depended on
+// the model's parameters through it, and the loss was weighted by rows (3.1% off).
+bool readsShapeOnly(const std::string& op, size_t input) {
+  if (input == 1) return op == "aten::expand_as" || op == "aten::view_as" || op == "aten::reshape_as";
+  return input == 0 && (op == "aten::ones_like" || op == "aten::zeros_like" || op == "aten::full_like" ||
+                        op == "aten::empty_like" || op == "aten::size");
+}
+
 class Finder {
  public:
   explicit Finder(const TracedModel& model) : model_(model), g_(model.graph) {
@@ -129,6 +141,13 @@ class Finder {
       findSelection(t, out);
     }
     for (size_t i : program) out.program.push_back(model_.order[i]);
+    std::set<ir::ValueId> computed;
+    for (ir::TaskId t : out.program) {
+      for (ir::ValueId o : g_.task(t).outputs) computed.insert(o);
+    }
+    for (ir::ValueId v : shapes_read_) {
+      if (!computed.count(v)) out.shapes_read.push_back(v);  // [Note: shapes read by counts]
+    }
     findMixedTerms(out);
     return out;
   }
@@ -231,6 +250,7 @@ class Finder {
   // write.
   std::string targetProgram(ir::ValueId target, const std::string& noun, std::vector<ir::TaskId>& program) const {
     std::set<size_t> found;
+    std::set<ir::ValueId> shapes;  // [Note: shapes read by counts]
     std::vector<ir::ValueId> todo{target};
     std::set<ir::ValueId> seen{target};
     while (!todo.empty()) {
@@ -244,17 +264,25 @@ class Finder {
         return "its " + noun + " is written in place (" + model_.describeTask(task.id) + ")";
       }
       found.insert(position_.at(task.id));
-      for (ir::ValueId in : task.inputs) {
-        if (seen.insert(in).second) todo.push_back(in);
+      for (size_t i = 0; i < task.inputs.size(); ++i) {
+        const ir::ValueId in = task.inputs[i];
+        const ir::Value& read = g_.value(in);
+        if (readsShapeOnly(task.op, i) && read.isTensor() && read.dtype != ir::DType::Undefined) {
+          shapes.insert(in);
+        } else if (seen.insert(in).second) {
+          todo.push_back(in);
+        }
       }
     }
     for (size_t i : found) program.push_back(model_.order[i]);
+    shapes_read_.insert(shapes.begin(), shapes.end());
     return "";
   }
 
   const TracedModel& model_;
   const ir::Graph& g_;
   std::unordered_map<ir::TaskId, size_t> position_;
+  mutable std::set<ir::ValueId> shapes_read_;
 };
 
 }  // namespace
@@ -290,6 +318,29 @@ at::Tensor localTargetCounts(const TracedModel& model, const TokenMeanLosses& lo
   at::NoGradGuard no_grad;
   std::vector<c10::IValue> env(model.graph.numValues());
   for (const auto& [id, value] : local) env[id] = value;
+  if (!losses.shapes_read.empty()) {  // [Note: shapes read by counts]
+    // the rank's rows and device, from its batch arguments
+    int64_t rows = -1;
+    c10::Device device = c10::kCPU;
+    for (const auto& [id, value] : local) {
+      const ir::Value& v = model.graph.value(id);
+      if (!value.isTensor() || !v.isBatch()) continue;
+      const at::Tensor& t = value.toTensor();
+      rows = t.size(v.batch_dim) / std::max<int64_t>(v.batch_multiple, 1);
+      device = t.device();
+      break;
+    }
+    for (ir::ValueId id : losses.shapes_read) {
+      if (!env[id].isNone()) continue;
+      const ir::Value& v = model.graph.value(id);
+      std::vector<int64_t> shape = v.shape;
+      if (v.isBatch()) {
+        RANNC_CHECK(rows >= 0, "no batch argument gives the rows of " << ir::describe(v));
+        shape[v.batch_dim] = v.batch_multiple * rows;
+      }
+      env[id] = at::zeros({}, at::TensorOptions(toScalarType(v.dtype)).device(device)).expand(shape);
+    }
+  }
   for (ir::TaskId t : losses.program) runTask(model, t, env);
   std::vector<at::Tensor> counts;
   for (const TokenMeanLoss& loss : losses.exact) {

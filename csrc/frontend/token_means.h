@@ -111,6 +111,9 @@ struct TokenMeanLosses {
   // they combine: "term ... of output #0 (loss)".
   std::vector<std::string> unknown_terms;
   std::vector<ir::TaskId> program;  // the tasks that make their targets, in order
+  // Values the program reads only the shape (and dtype) of ([Note: shapes read by counts]):
+  // stand-ins of their shape at the rank's rows take their place.
+  std::vector<ir::ValueId> shapes_read;
   // Mean losses over a count the data decides that stay weighted by rows: "op ... : why".
   std::vector<std::string> row_weighted;
 };

@@ -163,6 +163,9 @@ except RuntimeError as e:
     # a mean written by hand: a sum over a count of the batch ([Note: token-mean losses])
     (4, "masked", 2, 2, ["--opt", "replicas=1,3", "schedule=zb_h1", "recompute=always"]),
     (3, "counted", 3, 3, ["--opt", "schedule=fill_drain"]),
+    # its count over the shape of what the model made ([Note: shapes read by counts])
+    (3, "shaped", 2, 2, ["--opt", "replicas=1,2"]),
+    (2, "shaped_selected", 2, 2, []),
     (2, "fairseq", 2, 2, []),
     (2, "dot", 1, 2, ["--opt", "replicas=2"]),
     # over the tokens a boolean mask selects ([Note: masked losses])
@@ -193,7 +196,9 @@ def test_a_mean_over_the_targets_that_count_equals_pytorch(ranks, case, stages, 
     caller passes, as transformers' num_items_in_batch; a sum the graph does not show, with
     loss_reduction=sum) adds up over the shares. A mean written by hand, a masked sum over
     the mask's sum (clamped) or over the count of kept labels, is exact as well, and so is
-    cross entropy over the tokens a boolean mask selects (logits[mask], labels[mask])."""
+    cross entropy over the tokens a boolean mask selects (logits[mask], labels[mask]), and a
+    count written over the shape of what the model computed (mask.expand_as(se).sum(),
+    (mask * torch.ones_like(se)).sum(); it was weighted by rows, 3.1% off)."""
     res = mpirun("token_mean_check.py", ranks, case, "--stages", stages, "--micro", micro, *extra,
                  timeout=300, env={"RANNC_COMM_TIMEOUT": "60"})
     assert res.returncode == 0, res.stdout[-4000:]

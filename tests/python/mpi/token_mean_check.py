@@ -71,7 +71,7 @@ ap.add_argument("case", choices=["mlm_nsp", "weighted", "nll_nd", "teacher", "it
                                     "selected", "selected_sum", "selected_mean",
                                     "mse_selected", "unread", "aux",
                                     "penalty", "items_aux", "inplace", "forced_mean", "ctc", "ctc_mean",
-                                    "product"])
+                                    "product", "shaped", "shaped_selected"])
 ap.add_argument("--stages", type=int, default=1)
 ap.add_argument("--micro", type=int, default=2)
 ap.add_argument("--steps", type=int, default=3)
@@ -116,6 +116,14 @@ class Model(nn.Module):
         if self.case == "counted":
             return (F.cross_entropy(scores.flatten(0, 1), labels.flatten(), reduction="sum")
                     / (labels != -100).sum())
+        if self.case in ("shaped", "shaped_selected"):  # an inpainting loss over the masked
+            # positions of every channel: counts written over the shape of what the model made
+            mask = (labels >= 0).to(scores.dtype)[..., None]  # [B, T, 1]
+            se = (scores - 0.1 * ids[..., None].to(scores.dtype)) ** 2  # [B, T, V]
+            if self.case == "shaped_selected":
+                return se[mask.expand_as(se).bool()].mean()
+            return ((se * mask).sum() / mask.expand_as(se).sum().clamp(min=1)
+                    + (se * mask).sum() / (mask * torch.ones_like(se)).sum().clamp(min=1))
         if self.case == "dot":
             each = F.cross_entropy(scores.flatten(0, 1), labels.clamp(min=0).flatten(), reduction="none")
             w = ((labels.flatten() >= 0) * (1 + ids.flatten() % 3)).to(each.dtype)
@@ -239,7 +247,7 @@ for step in range(a.steps):
 means = wrapped._deployed[True].engine.token_means
 expected = {"teacher": 0, "mlm_nsp": 2, "aux": 2, "items": 0, "einsum": 0, "selected_sum": 0, "unread": 0,
             "penalty": 0, "items_aux": 0, "inplace": 2, "forced_mean": 0, "ctc": 0, "ctc_mean": 0,
-            "product": 0}.get(a.case, 1)
+            "product": 0, "shaped": 2}.get(a.case, 1)
 assert len(means["exact"]) == expected, means
 # [Note: mixed terms]: the terms scaled by the share's rows (1) or divided by them (-1)
 scaled = {"penalty": [1], "items_aux": [1], "forced_mean": [-1]}.get(a.case, [])
