@@ -308,6 +308,17 @@ def _couplings(graph: TracedGraph) -> tuple[list[str], list[int]]:
         ops = failure.some_of([traced.describe_task(t.id) for t in statistics], shown=2)
         found.append(f"{ops} makes a statistic over the rows of the batch from which later rows "
                      "are computed")
+    # an embedding whose gradient divides each row's by its token's count in the batch
+    # (scale_grad_by_freq=True): a micro-batch counts its own tokens (the gradient 81% off
+    # with 2 micro-batches on 2 replicas)
+    by_frequency = [t for t in tasks if t.op in ("aten::embedding", "aten::embedding_bag")
+                    and len(t.inputs) > 3 and values[t.inputs[3]].constant == "True"
+                    and any(values[i].batch_dim >= 0 for i in t.inputs)]
+    if by_frequency:
+        where += [t.id for t in by_frequency]
+        ops = failure.some_of([traced.describe_task(t.id) for t in by_frequency], shown=2)
+        found.append(f"{ops} scales each token's gradient by its count in the batch "
+                     "(scale_grad_by_freq=True)")
     # the loss, or every output that could be it (a mixture of experts' model returns its
     # load-balancing loss beside the total, a mean: the total is the loss trained)
     losses = [ir.value(vid) for vid in ir.outputs if ir.value(vid).is_loss]

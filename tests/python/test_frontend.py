@@ -1700,3 +1700,27 @@ def test_control_flow_of_a_scripted_function_is_named_with_its_cure():
         rannc.trace(Gated(gate), (torch.randn(4, 4),))
     model, x = Gated(plain), torch.randn(4, 4)
     torch.testing.assert_close(rannc.trace(model, (x,))(x), model(x))
+
+
+@pytest.mark.parametrize("by_frequency", [False, True])
+def test_an_embedding_scaled_by_token_frequency_couples_the_rows(by_frequency):
+    """nn.Embedding(scale_grad_by_freq=True) divides each token's gradient by its count in
+    the batch: each micro-batch counted its own tokens (the gradient 81% off with 2 micro-
+    batches on 2 replicas), without a word. It couples the rows ([Note: rows coupled] in
+    planning.py): named, planned with one micro-batch."""
+    from rannc.planning import rows_coupled
+
+    class Tokens(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(10, 8, scale_grad_by_freq=by_frequency)
+            self.head = torch.nn.Linear(8, 1)
+
+        def forward(self, ids, y):
+            return torch.nn.functional.mse_loss(self.head(self.emb(ids)).mean(1).squeeze(1), y)
+
+    model, args = Tokens(), (torch.randint(0, 10, (16, 4)), torch.randn(16))
+    said = rows_coupled(rannc.trace(model, args))
+    assert bool(said) == by_frequency and all("scale_grad_by_freq=True" in s for s in said), said
+    plan = rannc.plan(model, args, world_size=2, num_stages=2, cost_model="analytic")
+    assert (plan.micro_batches == 1) == by_frequency, plan.micro_batches
