@@ -348,7 +348,7 @@ at::Tensor localTargetCounts(const TracedModel& model, const TokenMeanLosses& lo
     const at::Tensor target = env[loss.target].toTensor();
     if (loss.count) {  // a counted mean's count, before its clamp
       const at::Tensor counted = loss.count->nonzero ? target.ne(0) : target;
-      counts.push_back(counted.sum(at::kDouble).reshape({1}));
+      counts.push_back(counted.sum(at::kDouble).reshape({1}) * loss.count->inner);
       continue;
     }
     const at::Tensor kept = target.ne(loss.ignore_index);
@@ -373,6 +373,7 @@ void setShareScales(const TokenMeanLosses& losses, const at::Tensor* global_coun
     auto c = global_counts->accessor<double, 1>();
     s.global_count = c[pos++];
     if (loss.count && loss.count->clamp_min) s.global_count = std::max(s.global_count, *loss.count->clamp_min);
+    if (loss.count) s.global_count *= loss.count->outer;
     if (loss.classes > 0) {
       // once per step, not once per micro-batch
       s.global_class_counts = global_counts->narrow(0, pos, loss.classes).to(device, /*non_blocking=*/false, /*copy=*/true);

@@ -40,6 +40,23 @@ bool isBatchSize(const Value& v) {
 
 bool isScalarTensor(const Value& v) { return v.isOneElementTensor() && !v.isBatch(); }
 
+// A number that is the same for any rows: a constant, or a size of another dimension than
+// the batch's (the trace's NumToTensor of x.size(1) too); nullopt otherwise.
+std::optional<double> fixedNumber(const Value& v) {
+  if (v.isConstant() && (v.kind == ValueKind::Int || v.kind == ValueKind::Float)) {
+    try {
+      return std::stod(v.constant);
+    } catch (const std::exception&) {
+      return std::nullopt;
+    }
+  }
+  if (!v.batch_dependent && v.int_values.size() == 1 && v.int_batch_multiples.size() == 1 &&
+      v.int_batch_multiples[0] == 0 && !v.isBatch()) {
+    return static_cast<double>(v.int_values[0]);
+  }
+  return std::nullopt;
+}
+
 BatchReduction combine(BatchReduction a, BatchReduction b) { return a == b ? a : BatchReduction::Unknown; }
 
 class Classifier {
@@ -215,6 +232,14 @@ std::optional<BatchCount> batchCount(const Graph& g, ValueId value) {
       return count;
     }
     const bool clamp = t.op == "aten::clamp" || t.op == "aten::clamp_min";
+    if (t.op == "aten::mul" && t.inputs.size() == 2) {  // by a number the same for any rows
+      const std::optional<double> k0 = fixedNumber(g.value(t.inputs[0]));
+      const std::optional<double> k1 = fixedNumber(g.value(t.inputs[1]));
+      if (k0.has_value() == k1.has_value()) return std::nullopt;
+      (count.clamp_min ? count.inner : count.outer) *= k0 ? *k0 : *k1;
+      value = k0 ? t.inputs[1] : t.inputs[0];
+      continue;
+    }
     if (clamp) {
       // clamp(self, min, max=None) or clamp_min(self, min), min a constant number, once
       if (count.clamp_min || t.inputs.size() < 2) return std::nullopt;

@@ -43,14 +43,17 @@ std::vector<OutputTerm> outputTerms(const Graph& g, ValueId output);
 BatchReduction outputReduction(const std::vector<OutputTerm>& terms);
 
 // A scalar that counts over the batch's rows, as the denominator of a mean written by hand
-// (`(loss * mask).sum() / mask.sum().clamp(min=1)`, `/ (labels != -100).sum()`): aten::sum
-// or aten::count_nonzero of a batch tensor down to a scalar, through casts and at most one
-// clamp from below by a constant. Over the global batch it is the sum of its value over
-// the shares, clamped.
+// (`(loss * mask).sum() / mask.sum().clamp(min=1)`, `/ (labels != -100).sum()`,
+// `/ (mask.sum() * channels)`): aten::sum or aten::count_nonzero of a batch tensor down to
+// a scalar, through casts, products with numbers the same for any rows (a constant, a size
+// of another dimension) and at most one clamp from below by a constant. Over the global
+// batch it is outer * max(inner * (the sum of the shares' counts), clamp_min).
 struct BatchCount {
   ValueId counted = kNoId;  // the batch tensor summed (or whose nonzeros are counted)
   bool nonzero = false;     // count_nonzero: its nonzero elements, not its sum
   std::optional<double> clamp_min;
+  double inner = 1.0;  // the factors applied before the clamp
+  double outer = 1.0;  // and after it
 };
 std::optional<BatchCount> batchCount(const Graph& g, ValueId value);
 

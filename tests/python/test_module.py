@@ -166,6 +166,7 @@ except RuntimeError as e:
     # its count over the shape of what the model made ([Note: shapes read by counts])
     (3, "shaped", 2, 2, ["--opt", "replicas=1,2"]),
     (2, "shaped_selected", 2, 2, []),
+    (3, "scaled_count", 2, 3, ["--opt", "schedule=fill_drain"]),
     (2, "fairseq", 2, 2, []),
     (2, "dot", 1, 2, ["--opt", "replicas=2"]),
     # over the tokens a boolean mask selects ([Note: masked losses])
@@ -198,7 +199,8 @@ def test_a_mean_over_the_targets_that_count_equals_pytorch(ranks, case, stages, 
     the mask's sum (clamped) or over the count of kept labels, is exact as well, and so is
     cross entropy over the tokens a boolean mask selects (logits[mask], labels[mask]), and a
     count written over the shape of what the model computed (mask.expand_as(se).sum(),
-    (mask * torch.ones_like(se)).sum(); it was weighted by rows, 3.1% off)."""
+    (mask * torch.ones_like(se)).sum(); it was weighted by rows, 3.1% off), or as a count
+    times numbers the same for any rows (mask.sum() * channels)."""
     res = mpirun("token_mean_check.py", ranks, case, "--stages", stages, "--micro", micro, *extra,
                  timeout=300, env={"RANNC_COMM_TIMEOUT": "60"})
     assert res.returncode == 0, res.stdout[-4000:]

@@ -201,6 +201,25 @@ TEST(ABatchCount, FollowsCastsAndOneClampToASumOverTheRows) {
   EXPECT_FALSE(nonzero->clamp_min.has_value());
 }
 
+TEST(ABatchCount, FollowsProductsWithNumbersTheSameForAnyRows) {
+  // (se * mask).sum() / (mask.sum().clamp(min=1) * channels * 2): channels a size, 2 a constant
+  LossGraph l;
+  ValueId mask = l.rows("aten::gt", {l.x, l.constant("0")});
+  ValueId channels = tensor(l.g, "channels", ValueRole::Intermediate, {});
+  l.g.mutableValue(channels).int_values = {3};
+  l.g.mutableValue(channels).int_batch_multiples = {0};
+  ValueId inside = l.scalar("aten::mul", {l.scalar("aten::sum", {mask, l.none()}), l.constant("4")});
+  ValueId clamped = l.scalar("aten::clamp_min", {inside, l.constant("1")});
+  ValueId count = l.scalar("aten::mul", {l.scalar("aten::mul", {clamped, channels}), l.constant("2")});
+  std::optional<BatchCount> c = batchCount(l.g, count);
+  ASSERT_TRUE(c.has_value());
+  EXPECT_EQ(c->counted, mask);
+  EXPECT_EQ(c->inner, 4.0);
+  EXPECT_EQ(c->outer, 6.0);
+  // by something computed from the rows it is no count
+  EXPECT_FALSE(batchCount(l.g, l.scalar("aten::mul", {inside, l.scalar("aten::sum", {l.h, l.none()})})));
+}
+
 TEST(ABatchCount, IsNoneForScalarsThatAreNotSumsOfTheShares) {
   LossGraph l;
   ValueId count = l.scalar("aten::sum", {l.h, l.none()});

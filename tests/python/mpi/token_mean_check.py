@@ -71,7 +71,7 @@ ap.add_argument("case", choices=["mlm_nsp", "weighted", "nll_nd", "teacher", "it
                                     "selected", "selected_sum", "selected_mean",
                                     "mse_selected", "unread", "aux",
                                     "penalty", "items_aux", "inplace", "forced_mean", "ctc", "ctc_mean",
-                                    "product", "shaped", "shaped_selected"])
+                                    "product", "shaped", "shaped_selected", "scaled_count"])
 ap.add_argument("--stages", type=int, default=1)
 ap.add_argument("--micro", type=int, default=2)
 ap.add_argument("--steps", type=int, default=3)
@@ -116,6 +116,10 @@ class Model(nn.Module):
         if self.case == "counted":
             return (F.cross_entropy(scores.flatten(0, 1), labels.flatten(), reduction="sum")
                     / (labels != -100).sum())
+        if self.case == "scaled_count":  # the mask's count times the channels
+            mask = (labels >= 0).to(scores.dtype)[..., None]
+            se = (scores - 0.1 * ids[..., None].to(scores.dtype)) ** 2
+            return (se * mask).sum() / (mask.sum().clamp(min=1) * se.shape[-1])
         if self.case in ("shaped", "shaped_selected"):  # an inpainting loss over the masked
             # positions of every channel: counts written over the shape of what the model made
             mask = (labels >= 0).to(scores.dtype)[..., None]  # [B, T, 1]
