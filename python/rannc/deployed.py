@@ -263,6 +263,9 @@ class Deployed:
         state = dict(zip(self.state_ids, state_tensors))
         self.engine = Engine(self.graph._trace.traced, deployment, rank, world,
                              self.planned_rows, state, device=owner.device, nccl=owner.nccl)
+        # [Note: outputs without rows] outputs combined over the shares as scalars are, once
+        # per deployment (asked per call, they read the graph's reductions on the hot path)
+        self.combined = frozenset(vid for vid in ir.outputs if _combined_over_shares(ir, vid))
         # scalar outputs that are sums over the batch: added up, not weighted by rows
         self.summed = {vid for vid in ir.outputs if _summed(ir, vid, opts.loss_reduction)}
         self.engine.set_summed_outputs(self.summed)
@@ -304,7 +307,7 @@ class Deployed:
                                 "(reduction=\"sum\", or a sum divided by a count passed in): its "
                                 "micro-batches and ranks add up, its terms that are means or the "
                                 "same for any rows weighted by their rows (option loss_reduction)")
-                elif (opts.loss_reduction == "auto" and _combined_over_shares(ir, vid)
+                elif (opts.loss_reduction == "auto" and vid in self.combined
                       and ir.output_reduction(vid) == "unknown"):
                     _C.log_info(f"output #{i}{name}: the graph does not show whether it is a mean "
                                 "or a sum over the batch (a max, a norm, exp of a mean): "
@@ -312,7 +315,7 @@ class Deployed:
                                 "for a mean (option loss_reduction)")
                 elif ((deployment.micro_batches > 1 or _C.get_world_size() > 1)
                       and ir.value(vid).batch_dependent and ir.value(vid).batch_dim < 0
-                      and not _combined_over_shares(ir, vid) and ir.value(vid).kind == "Tensor"):
+                      and vid not in self.combined and ir.value(vid).kind == "Tensor"):
                     _C.log_warn(f"output #{i}{name} is an integer tensor computed from the batch "
                                 "that holds no dimension of its rows and is no sum over them: it "
                                 "is micro-batch 0's value, not the whole batch's; return what it "
@@ -820,7 +823,7 @@ class Deployed:
                 if engine.producer_of(vid) not in mine:
                     continue
                 dtype = engine.output_dtype(m, vid)
-                if _combined_over_shares(self.graph.ir, vid):  # [Note: outputs without rows]
+                if vid in self.combined:  # [Note: outputs without rows]
                     # the output is the row-weighted mean of the shares, or their sum
                     seeds.setdefault(m, {})[vid] = (sums[vid] * engine.share_weight(vid, m)).to(dtype)
                 elif m == 0 and engine.copy == 0 and engine.replica == 0:
@@ -925,7 +928,7 @@ class Deployed:
             v = engine.value(vid)
             if vid in batch_outputs:
                 tensors.append(batch_outputs[vid].to(self.out_device))
-            elif _combined_over_shares(ir, vid):  # [Note: outputs without rows]
+            elif vid in self.combined:  # [Note: outputs without rows]
                 # a mean over the rows of each micro-batch share: weight by rows (a sum:
                 # add up); summed where the stage computed it, then one copy to the host (a
                 # GPU would stall once per micro-batch on a .cpu() each)
