@@ -733,6 +733,25 @@ bool leavesUninitialised(const std::string& op) {
 // with `kept` (a run at another batch size, the smaller run's inputs the larger's trailing
 // rows: [Note: row positions]), compares the rows both runs share of each value whose
 // shape scales with the batch (but random ones: [Note: random values]).
+// [Note: extremes over the rows] A max or min over the rows (a quantization observer's
+// aminmax of the batch, `logits - logits.max()` for a stable softmax, a max-abs scale) moves
+// only where an extreme row does: whether the rows two observations share agree after it
+// depended on the data, so the ranks glued ops otherwise (non-fused QAT on 2 ranks: "the
+// ranks traced different graphs", blaming control flow). What is computed from it is not
+// compared; its shapes decide, as for a draw ([Note: random values]): such a statistic is
+// each share's own, as batch norm's is and as under DistributedDataParallel.
+bool takesExtremes(const std::string& op) {
+  for (size_t b = 0; b <= op.size();) {  // each op of a glued task
+    const size_t e = std::min(op.find('+', b), op.size());
+    const std::string one = op.substr(b, e - b);
+    for (const char* o : {"aten::aminmax", "aten::amax", "aten::amin", "aten::max", "aten::min"}) {
+      if (one == o) return true;
+    }
+    b = e + 1;
+  }
+  return false;
+}
+
 Observed observe(const TracedModel& model, const std::vector<at::Tensor>& inputs, bool keep,
                  const Observed* kept = nullptr, int64_t batch = 0, int64_t kept_batch = 0) {
   Observed o;
@@ -748,6 +767,18 @@ Observed observe(const TracedModel& model, const std::vector<at::Tensor>& inputs
   if (keep) o.tensors.resize(n);
   std::vector<c10::IValue> ins(inputs.begin(), inputs.end());
   std::vector<char> low(n, 0);  // [Note: rows in low precision]: half, or computed from one
+  std::vector<char> extremes(n, 0);  // [Note: extremes over the rows]: computed from one
+  auto reducesTheRows = [&](ir::ValueId id, const ir::Task& task, const at::Tensor& t) {
+    // its shape is the kept observation's while an input's is not
+    if (kept->tensors.size() <= static_cast<size_t>(id) || !kept->tensors[id].defined() ||
+        kept->tensors[id].sizes() != t.sizes()) {
+      return false;
+    }
+    return std::any_of(task.inputs.begin(), task.inputs.end(), [&](ir::ValueId in) {
+      return o.seen[in] && kept->tensors.size() > static_cast<size_t>(in) &&
+             kept->tensors[in].defined() && kept->tensors[in].sizes().vec() != o.shapes[in];
+    });
+  };
   // A drawn integer or bool made elementwise from values whose rows agreed or were not
   // compared (`torch.where(torch.rand(B) < p, null, labels)`): its rows are its inputs'
   // rows, and comparing them would read the draw ([Note: random values]).
@@ -776,6 +807,13 @@ Observed observe(const TracedModel& model, const std::vector<at::Tensor>& inputs
     if (!low[id] && producer != ir::kNoId) {
       for (ir::ValueId in : model.graph.task(producer).inputs) low[id] = low[id] || low[in];
     }
+    if (kept && producer != ir::kNoId) {
+      const ir::Task& task = model.graph.task(producer);
+      for (ir::ValueId in : task.inputs) extremes[id] = extremes[id] || extremes[in];
+      if (!extremes[id] && v.isTensor() && takesExtremes(task.op)) {
+        extremes[id] = reducesTheRows(id, task, v.toTensor());
+      }
+    }
     if (v.isTensor()) {
       const at::Tensor& t = v.toTensor();
       o.shapes[id] = t.sizes().vec();
@@ -787,7 +825,8 @@ Observed observe(const TracedModel& model, const std::vector<at::Tensor>& inputs
       // agrees only by chance (3 draws in 30 read `(torch.rand(n) * n).long()` as rows):
       // it holds no rows, at every draw
       const bool drawn_apart = kept && random[id] && !drawn;
-      if (kept && !drawn && kept->tensors.size() > static_cast<size_t>(id) && kept->tensors[id].defined()) {
+      if (kept && !drawn && !extremes[id] && kept->tensors.size() > static_cast<size_t>(id) &&
+          kept->tensors[id].defined()) {
         const at::Tensor& other = kept->tensors[id];
         if (other.dim() == t.dim()) {
           int changed = -1, nchanged = 0;

@@ -598,6 +598,14 @@ _DERIVED_NUMEL = 4096  # larger values made from state alone (a parametrized wei
 # decided on in Python, and keeping them alive for the trace would hold a model's copy
 
 
+def _same_size(t: torch.Tensor, args, kwargs) -> bool:
+    """Whether resize_(*args) asks `t` for the sizes it has."""
+    if kwargs and set(kwargs) - {"memory_format"} or (kwargs or {}).get("memory_format"):
+        return False
+    sizes = args[0] if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)) else args
+    return tuple(int(n) for n in sizes) == tuple(t.shape)
+
+
 class _WatchDataWrites(torch.overrides.TorchFunctionMode):
     def __init__(self):
         super().__init__()
@@ -627,6 +635,12 @@ class _WatchDataWrites(torch.overrides.TorchFunctionMode):
         first = id(args[0]) if args else None
         state = first in self.names
         name = getattr(func, "__name__", "") if state or first in self.derived else ""
+        if state and name == "resize_" and _same_size(args[0], args[1:], kwargs):
+            # [Note: resizes to the same size] a no-op (ATen returns at once), which the
+            # tracer cannot represent: the buffer's later uses became constants (a
+            # per-channel observer's range: "uses a constant that was tensor(...) in one
+            # trace and ... in another" at every call)
+            return args[0]
         if state and name.endswith("_"):
             self._keep_original(args[0])  # an in-place write: to put back on an error
         out = func(*args, **(kwargs or {}))

@@ -562,6 +562,8 @@ def _open_pending(wrapped, path, strict: bool, what: str):
 
     def open_and_match():
         opened.append(Source(path))
+        if not wrapped.deployments:
+            _load_into_resizing_modules(wrapped, opened[0])
         return _match(_entries(wrapped), opened[0], strict, type(wrapped.module).__name__)
 
     matched, missing, unexpected = _agree(what, open_and_match,
@@ -580,6 +582,35 @@ def _open_pending(wrapped, path, strict: bool, what: str):
     forget_pending(wrapped)
     _PENDING[wrapped] = pending
     return source, missing, unexpected
+
+
+# [Note: modules that resize their state at a load] Some modules' state has its shape only
+# once it has seen data, and their own _load_from_state_dict resizes it to the checkpoint's:
+# torch.ao.quantization's FakeQuantize (scale and zero_point [1] until a per-channel
+# observer has run) and its observers (min_val, max_val empty). Resuming QAT from a
+# checkpoint before the first call failed with "size mismatch" where PyTorch loads. Before
+# the first call every rank holds the whole module, so such a module (one that overrides
+# _load_from_state_dict, with a tensor whose shape differs from the checkpoint's) loads its
+# own tensors at once, through its own method; the trace then sees the resumed state, and
+# the pending load reads the same values again once the plan says who keeps them.
+def _load_into_resizing_modules(wrapped, source: Source) -> None:
+    keys = set(source.keys())
+    owners = {}  # prefix -> the submodule
+    for e in _entries(wrapped):
+        key = next((n for n in (e.name, *e.aliases) if n in keys), None)
+        if key is None or e.tensor.is_meta or source.shapes[key] == e.tensor.shape:
+            continue
+        prefix = e.name.rpartition(".")[0]
+        owner = wrapped.module.get_submodule(prefix)
+        if type(owner)._load_from_state_dict is not torch.nn.Module._load_from_state_dict:
+            owners[prefix] = owner
+    for prefix, owner in owners.items():
+        dot = prefix + "." if prefix else ""
+        own = {name: t for name, t in [*owner.named_parameters(recurse=False),
+                                       *owner.named_buffers(recurse=False)]
+               if dot + name in keys}
+        state = {name: source.read(dot + name) for name in own}
+        owner.load_state_dict(state, strict=False)
 
 
 def _adopt_optimizer_built_over(wrapped) -> None:

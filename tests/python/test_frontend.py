@@ -5,6 +5,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
 import rannc
@@ -1084,6 +1085,48 @@ def test_spectral_norm_with_several_micro_batches_is_named(style, capfd):
     assert "spectral norm in 0, 2 runs its power iteration once per micro-batch" in err, err[-2000:]
     rannc.plan(model, args, world_size=2, num_stages=2, num_microbatches=1, cost_model="analytic")
     assert "spectral norm" not in capfd.readouterr().err
+
+
+def test_extremes_over_the_rows_trace_alike_for_any_data():
+    """[Note: extremes over the rows] in csrc/frontend/convert.cpp: after a max or min over
+    the rows (a per-channel quantization observer's aminmax, a shift by the batch's max),
+    the rows two observations share agreed or not as the data put the extreme rows, so the
+    ops were glued otherwise for other data (2 ranks: "the ranks traced different graphs").
+    They trace alike for any data."""
+    import torch.ao.quantization as Q
+
+    class PerChannel(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 1)
+            self.q = Q.FakeQuantize(observer=Q.MovingAveragePerChannelMinMaxObserver,
+                                    quant_min=0, quant_max=255, ch_axis=1)
+
+        def forward(self, x, y):
+            return F.mse_loss(self.b(self.q(torch.relu(self.a(x)))), y)
+
+    class Shifted(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 1)
+
+        def forward(self, x, y):
+            h = self.a(x)
+            return F.mse_loss(self.b(torch.tanh(h - h.amax(0))), y)
+
+    for make in (PerChannel, Shifted):
+        torch.manual_seed(0)
+        model = make()
+        model(torch.randn(4, 8), torch.zeros(4, 1))  # the observer sizes its range
+        programs = set()
+        for seed in range(6):
+            g = torch.Generator().manual_seed(seed)
+            args = (torch.randn(8, 8, generator=g), torch.randn(8, 1, generator=g))
+            programs.add(tuple(t.op for t in rannc.trace(model, args).ir.tasks()))
+        assert len(programs) == 1, (make.__name__, programs)
+        # still a statistic that couples the rows ([Note: rows coupled] in planning.py): one
+        # micro-batch per step, each rank's over its own rows, as under DDP
+        assert rannc.plan(model, args, world_size=2, cost_model="analytic").micro_batches == 1
 
 
 def test_an_attribute_forward_sets_before_reading_it_is_neither_watched_nor_named(capfd):

@@ -219,6 +219,8 @@ behaviour and prints "OK rank r", or fails the way the test expects.
     loop_probes.py graphs_part         an LSTM over packed sequences whose lengths add up
                                        differently on the ranks: every rank's error names the
                                        op and the sizes on each rank (it named none)
+    loop_probes.py qat_resume          per-channel fake quantization after a plain call, saved
+                                       and resumed into a model never called: equal to PyTorch
     loop_probes.py edits_after_load    load_checkpoint into a fresh module, then a new head
                                        and a new lr before the first call: both kept, equal
                                        to PyTorch ([Note: edits after a load]; the first call
@@ -2967,6 +2969,50 @@ elif probe == "fused_fake_quant":  # quantization-aware training's fused observe
         reference, opt, ref_opt, wrapped = sgd_pair(make(), num_stages=2, num_microbatches=1)
         steps_like_pytorch(wrapped, reference, opt, ref_opt, f"seed {seed}", seed=10 * seed)
         same_state(wrapped, reference, f"seed {seed}", rtol=1e-4, atol=1e-5)
+    print(f"OK rank {rank}", flush=True)
+elif probe == "qat_resume":  # [Note: modules that resize their state at a load]
+    import shutil
+    import tempfile
+
+    import torch.ao.quantization as quantization
+    from rannc.transport import all_gather_objects
+
+    class PerChannel(nn.Module):  # FakeQuantize over a per-channel moving-average observer
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 1)
+            self.q = quantization.FakeQuantize(
+                observer=quantization.MovingAveragePerChannelMinMaxObserver, quant_min=0,
+                quant_max=255, ch_axis=1)
+
+        def forward(self, x, y):
+            return nn.functional.mse_loss(self.b(self.q(torch.relu(self.a(x)))), y)
+
+    def first_called(model):  # its observer sizes its range at its first call
+        model(torch.randn(4, 8, generator=torch.Generator().manual_seed(7)), torch.zeros(4, 1))
+        return model
+
+    # its resize_ of the range to the size it has was a constant in the trace: a TraceError
+    # at every first call ([Note: resizes to the same size] in _trace.py)
+    torch.manual_seed(0)
+    reference, opt, ref_opt, wrapped = sgd_pair(first_called(PerChannel()), num_stages=2,
+                                                num_microbatches=1)
+    steps_like_pytorch(wrapped, reference, opt, ref_opt, "per-channel QAT")
+    same_state(wrapped, reference, "per-channel QAT", rtol=1e-4, atol=1e-5)
+    directory = all_gather_objects(tempfile.mkdtemp() if rank == 0 else None)[0]
+    wrapped.save_checkpoint(directory)
+    # resumed into a model never called: its scale [1] and empty range take the checkpoint's
+    # sizes, as its own _load_from_state_dict does ("size mismatch" before)
+    torch.manual_seed(1)
+    fresh = PerChannel()
+    assert fresh.q.activation_post_process.min_val.numel() == 0
+    resumed_opt = torch.optim.SGD(fresh.parameters(), lr=0.1)
+    resumed = rannc.RaNNCModule(fresh, resumed_opt, num_stages=2, num_microbatches=1)
+    resumed.load_checkpoint(directory)
+    steps_like_pytorch(resumed, reference, resumed_opt, ref_opt, "resumed QAT", seed=5)
+    same_state(resumed, reference, "resumed QAT", rtol=1e-4, atol=1e-5)
+    if rank == 0:
+        shutil.rmtree(directory)
     print(f"OK rank {rank}", flush=True)
 elif probe == "embeds_outside":  # [Note: gradients made outside] in optimizer_share.py
     class Classifier(nn.Module):
