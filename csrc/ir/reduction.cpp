@@ -75,7 +75,10 @@ class Classifier {
     const bool reduces_a_batch_tensor = g_.value(t.inputs[0]).isBatch();
     auto loss = lossReductionArgument().find(t.op);
     if (loss != lossReductionArgument().end()) {
-      if (t.inputs.size() <= loss->second) return BatchReduction::Unknown;
+      // over a value without rows (sets' rows pooled into one row per set by an index,
+      // a mean of the rows): a function of a statistic, no mean of the rows' terms (a
+      // DeepSets classifier read as a mean: micro-batches each pooled part of a set)
+      if (!reduces_a_batch_tensor || t.inputs.size() <= loss->second) return BatchReduction::Unknown;
       const Value& r = g_.value(t.inputs[loss->second]);
       if (!r.isConstant()) return BatchReduction::Unknown;
       return r.constant == "1" ? BatchReduction::Mean

@@ -567,16 +567,21 @@ class Deployed:
         if not handshake.active():
             return call
         scalars = self._scalar_arguments(local)
+        small = self._small_shared_arguments(local)  # [Note: shared arguments agree]
         mine = torch.tensor([call.rows, zlib.crc32(repr(call.shapes).encode()),
                              zlib.crc32(bytes(call.trainable or ())), flag,
-                             zlib.crc32(repr(scalars).encode())], dtype=torch.float64)
+                             zlib.crc32(repr(scalars).encode()),
+                             _content_crc([t for _, t in small])], dtype=torch.float64)
         everyone = handshake.exchange(what, mine).long()
-        sizes, signatures, flags, raised, values = (everyone[:, i].tolist() for i in range(5))
+        sizes, signatures, flags, raised, values, contents = (everyone[:, i].tolist()
+                                                              for i in range(6))
         call.flagged = any(raised)
         if len(set(signatures)) > 1:
             raise _shapes_differ(signatures, self.graph._trace.inputs, call.shapes)
         if len(set(values)) > 1:
             raise _scalars_differ(values, scalars)
+        if len(set(contents)) > 1:
+            raise _shared_arguments_differ(contents, small, self.graph.batch_size)
         if len(set(flags)) > 1:
             raise failure.agreed(
                 f"the ranks' models differ in which parameters require grad "
@@ -710,6 +715,15 @@ class Deployed:
         tensors = [t for t in local.values() if isinstance(t, torch.Tensor)]
         return tuple((example.paths[slot], t.item()) for slot, t in zip(example.tensor_slots, tensors)
                      if t.dim() == 0)
+
+    def _small_shared_arguments(self, local: dict) -> list[tuple[str, torch.Tensor]]:
+        """(path, tensor) of each tensor argument of a dimension or more that holds no rows
+        of the batch and at most _SHARED_COMPARED values (per-set labels beside a set's
+        rows, a small mask): compared at every call, as 0-dim ones are."""
+        example, ir = self.graph._trace.inputs, self.graph.ir
+        tensors = [(vid, t) for vid, t in local.items() if isinstance(t, torch.Tensor)]
+        return [(example.paths[slot], t) for slot, (vid, t) in zip(example.tensor_slots, tensors)
+                if t.dim() >= 1 and t.numel() <= _SHARED_COMPARED and ir.value(vid).batch_dim < 0]
 
     def _shapes(self, local: dict) -> tuple:
         """[Note: new input shapes] The arguments' dtypes and shapes but the batch dimension
@@ -1183,7 +1197,11 @@ def _shapes_differ(signatures, example, shapes) -> Exception:
 # argument that is not the batch (forward(table, x, y)) made the rows x and y shared
 # tensors, each rank's own, and training went wrong without a word (loss 2.32 for 2.07).
 # Their contents are compared at each deployment (the first call of a program or shape;
-# 0-dim ones at every call): where they differ, an error on every rank names them.
+# 0-dim ones and ones of at most _SHARED_COMPARED values at every call: per-set labels
+# beside the sets' rows were compared at the first call alone, and where they happened to
+# agree there, later calls trained on rank 0's labels without a word, parameters 0.048
+# off): where they differ, an error on every rank names them.
+_SHARED_COMPARED = 4096
 def _content_crc(tensors: list[torch.Tensor]) -> int:
     crc = 0
     for t in tensors:
@@ -1230,7 +1248,9 @@ def _shared_arguments_differ(contents, shared, batch: int) -> Exception:
         f"are not rows of the batch ({batch} rows here: the batch is dimension 0 of the tensor "
         "arguments whose size there matches the first tensor argument's), so the stages that "
         "read them must all see one value. Pass the batch's tensors first, and the same "
-        "shared tensors on every rank ([Note: shared arguments agree] in deployed.py)")
+        "shared tensors on every rank; a rank's own data sized otherwise than its rows (a label "
+        "per set or graph of rows) must be rows itself: pad the sets to [sets, largest set, "
+        "...] with a mask ([Note: shared arguments agree] in deployed.py)")
 
 
 def _scalars_differ(signatures, scalars) -> Exception:

@@ -138,7 +138,7 @@ def gather(what: str, source, part: int = 0) -> None:
 
 # Values a collective may send with its code. Every collective's row has this width, so
 # that ranks in different collectives still exchange messages of one size (and learn so).
-PAYLOAD = 5
+PAYLOAD = 6
 
 
 def exchange(what: str, mine: torch.Tensor) -> torch.Tensor:

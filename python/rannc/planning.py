@@ -382,6 +382,15 @@ def _rows_kept_whole(graph: TracedGraph, opts: Options, popts, world_size: int) 
     if _C.get_rank() != 0:
         return where
     what = "; ".join(coupled)
+    grouping = _groups_rows_by_index(graph) if world_size > 1 else []
+    if grouping:  # [Note: rows grouped by an index]
+        _C.log_warn(f"{failure.some_of(grouping, shown=2)} groups the rows of the batch by the "
+                    "values of an index (one row per group: a set's or a graph's pooling by "
+                    "its `batch` vector, or per-class sums), and the ranks' rows are joined "
+                    "into one global batch: those values must name the same groups on every "
+                    "rank (classes). Groups of a rank's own (set or graph ids counted from 0 on "
+                    "each rank) join other ranks' rows into one group: pad the sets to [sets, "
+                    "largest set, ...] with a mask, so that the rows are the sets")
     if opts.num_microbatches > 1:
         _C.log_warn(f"{what}; and num_microbatches={opts.num_microbatches} cuts the batch: each "
                     "micro-batch computes that over its own rows only, which is not the model's "
@@ -395,6 +404,32 @@ def _rows_kept_whole(graph: TracedGraph, opts: Options, popts, world_size: int) 
                     "pipeline micro-batches, return what the loss is made from and compute it "
                     "outside the module ([Note: rows coupled] in planning.py)")
     return where
+
+
+# [Note: rows grouped by an index] A model that pools the rows into groups by an index
+# (DeepSets or a GNN's readout: index_add_ of the rows by a `batch` vector of set ids; per-
+# class sums by the labels) couples them ([Note: rows coupled]), and the stages from there
+# on compute over the global batch, every rank's rows joined. Class ids mean the same on
+# every rank; set ids counted from 0 on each rank do not, and rank 1's set 0 joined rank 0's
+# (parameters 3.3e-3 off after 3 steps, without a word): the graph cannot tell which, so
+# rank 0 warns, naming the op.
+_GROUPS_BY_INDEX = frozenset({"aten::index_add", "aten::index_add_", "aten::scatter_add",
+                              "aten::scatter_add_", "aten::scatter_reduce", "aten::scatter_reduce_",
+                              "aten::index_reduce", "aten::index_reduce_"})
+
+
+def _groups_rows_by_index(graph: TracedGraph) -> list[str]:
+    ir, traced = graph.ir, graph._trace.traced
+    found = []
+    for t in ir.tasks():
+        if (any(op in _GROUPS_BY_INDEX for op in t.op.split("+"))
+                and any(ir.value(i).batch_dim >= 0 for i in t.inputs)
+                and any(ir.value(o).batch_dependent and ir.value(o).batch_dim < 0
+                        for o in t.outputs)):
+            op = next(op for op in t.op.split("+") if op in _GROUPS_BY_INDEX)
+            where = traced.describe_task(t.id).partition(" in module ")[2]
+            found.append(f"op {op} in module {where}" if where else f"op {op}")
+    return found
 
 
 def _say_rows_split(graph: TracedGraph, deployment, where: list[int]) -> None:

@@ -1129,6 +1129,32 @@ def test_extremes_over_the_rows_trace_alike_for_any_data():
         assert rannc.plan(model, args, world_size=2, cost_model="analytic").micro_batches == 1
 
 
+def test_a_loss_over_rows_pooled_by_an_index_couples_them_and_is_named(capfd):
+    """A DeepSets classifier (the rows pooled into one per set by index_add_ over a `batch`
+    vector, a cross entropy over the sets) read as a mean of the rows: micro-batches each
+    pooled part of a set (parameters 3.9e-3 off, without a word). Its loss is no mean of the
+    rows' terms (ir::batchReduction), so it plans one micro-batch; on several ranks rank 0
+    warns that set ids must name the same sets on every rank ([Note: rows grouped by an
+    index] in planning.py)."""
+    class DeepSets(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.phi, self.rho = torch.nn.Linear(6, 8), torch.nn.Linear(8, 3)
+
+        def forward(self, x, sets, y):
+            pooled = torch.zeros(y.size(0), 8).index_add_(0, sets, torch.relu(self.phi(x)))
+            return F.cross_entropy(self.rho(pooled), y)
+
+    args = (torch.randn(8, 6), torch.tensor([0] * 5 + [1] * 3), torch.tensor([0, 2]))
+    graph = rannc.trace(DeepSets(), args)
+    assert graph.ir.output_reduction(graph.ir.outputs[0]) == "unknown"
+    capfd.readouterr()
+    assert rannc.plan(DeepSets(), args, world_size=2, cost_model="analytic").micro_batches == 1
+    err = capfd.readouterr().err
+    assert "op aten::index_add_ in module '<root>'" in err, err[-2000:]
+    assert "groups the rows of the batch by the values of an index" in err, err[-2000:]
+
+
 def test_an_attribute_forward_sets_before_reading_it_is_neither_watched_nor_named(capfd):
     """[Note: attributes read] in _trace.py: Funnel Transformer sets `self.pooling_mult = 1`
     at each call and doubles it per block; it carries nothing between calls, but was named

@@ -71,6 +71,19 @@ TEST(ABatchReduction, ReadsTheReductionOfALossOp) {
   EXPECT_EQ(batchReduction(l.g, sum), BatchReduction::Sum);
 }
 
+TEST(ABatchReduction, IsUnknownForALossOverAValueWithoutRows) {
+  // DeepSets: the rows pooled into one per set (index_add_ by a set id), then a classifier's
+  // cross entropy over the sets: a function of a statistic over the rows, no mean of theirs
+  LossGraph l;
+  ValueId pooled = tensor(l.g, "pooled", ValueRole::Intermediate, {2, 8});
+  l.g.mutableValue(pooled).batch_dependent = true;
+  l.g.addTask("aten::zeros+aten::index_add_", {l.h}, {pooled});
+  ValueId labels = tensor(l.g, "y", ValueRole::Input, {2});
+  ValueId loss = l.scalar("aten::cross_entropy_loss", {pooled, labels, l.constant("None"), l.constant("1"),
+                                                       l.constant("-100"), l.constant("0.")});
+  EXPECT_EQ(batchReduction(l.g, loss), BatchReduction::Unknown);
+}
+
 TEST(ABatchReduction, SeesASumDividedByACountFromOutsideAsASum) {
   // transformers' num_items_in_batch: loss = cross_entropy(..., reduction="sum") / n
   LossGraph l;

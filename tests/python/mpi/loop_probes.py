@@ -47,6 +47,8 @@ behaviour and prints "OK rank r", or fails the way the test expects.
                                        backward is seeded by its own scaler's scale
     loop_probes.py user_error STAGES   rank 1 raises in the user's loop after step 2: every
                                        rank ends in seconds, rank 0 naming rank 1's error
+    loop_probes.py shared_later        per-set labels (no rows) alike at the first call and a
+                                       rank's own later: an error on each such call
     loop_probes.py mismatched_rows     ranks pass different batch sizes: a clear error on
                                        every such call, and training goes on after
     loop_probes.py data_branch         control flow on data that differs between ranks
@@ -424,6 +426,27 @@ elif probe == "new_length_fails":
     train(wrapped, opt, (torch.randn(4, 8, 8),))  # traced again at the new length: fails
     print(f"rank {rank} finished though tracing failed", flush=True)
 
+elif probe == "shared_later":  # [Note: shared arguments agree] in deployed.py
+    class PerSet(nn.Module):  # DeepSets: a label per set beside the sets' rows
+        def __init__(self):
+            super().__init__()
+            self.phi, self.rho = nn.Linear(6, 8), nn.Linear(8, 3)
+
+        def forward(self, x, sets, y):
+            pooled = torch.zeros(y.size(0), 8).index_add_(0, sets, torch.relu(self.phi(x)))
+            return nn.functional.cross_entropy(self.rho(pooled), y)
+
+    torch.manual_seed(0)
+    model = PerSet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    wrapped = rannc.RaNNCModule(model, opt)
+    x, sets = torch.randn(8, 6), torch.tensor([0] * 5 + [1] * 3)
+    train(wrapped, opt, (x, sets, torch.tensor([0, 1])))  # alike on every rank: compared
+    for _ in range(2):  # later labels of a rank's own were rank 0's, without a word
+        expect_error(lambda: wrapped(x, sets, torch.tensor([rank, 1])),
+                     "the ranks pass different values of args[2] [2]", "pad the sets")
+    train(wrapped, opt, (x, sets, torch.tensor([2, 1])))  # alike again: trains on
+    print(f"OK rank {rank}", flush=True)
 elif probe == "mismatched_rows":
     model, args, _ = zoo.make("mlp", batch=4, seed=rank)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
