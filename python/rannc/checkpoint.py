@@ -598,7 +598,8 @@ def _load_into_resizing_modules(wrapped, source: Source) -> None:
     owners = {}  # prefix -> the submodule
     for e in _entries(wrapped):
         key = next((n for n in (e.name, *e.aliases) if n in keys), None)
-        if key is None or e.tensor.is_meta or source.shapes[key] == e.tensor.shape:
+        # e.shape: the full shape, where a model built with empty weights holds none yet
+        if key is None or not e.here or e.tensor.is_meta or source.shapes[key] == e.shape:
             continue
         prefix = e.name.rpartition(".")[0]
         owner = wrapped.module.get_submodule(prefix)
