@@ -1586,7 +1586,8 @@ def _batch_order_hint(flat: FlatArgs, batch: int) -> str:
             "order given). Or are its rows not the batch's (each row's items concatenated, as "
             "CTC's 1-D targets)? rannc cuts the arguments whose dimension 0 holds the batch's "
             "rows and passes the others whole to every micro-batch: pad it to [batch, ...] "
-            "(CTCLoss takes targets [batch, longest target] with their lengths)")
+            "(CTCLoss takes targets [batch, longest target] with their lengths; EmbeddingBag "
+            "a 2-D input [batch, largest bag] padded with its padding_idx, without offsets)")
 
 
 # [Note: numbers in the outputs] An output that is a Python number computed from tensors

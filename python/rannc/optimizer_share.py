@@ -67,6 +67,37 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from . import _C, failure, handshake, registry
 
 
+# [Note: optimizers rannc cannot share] rannc keeps each parameter's optimizer state on the
+# ranks that keep the parameter, through the optimizer's own hooks and param_groups. Two
+# kinds of optimizer cannot be shared so, and both failed far from their cause:
+# torch.distributed's ZeroRedundancyOptimizer shards the state over the torch.distributed
+# ranks itself (on one stage its consolidated state_dict() lost 4 of 20 entries and mixed up
+# 8, without a word; on two stages its broadcast of parameters a rank does not keep aborted
+# every rank in gloo), and an optimizer subclass that never ran Optimizer.__init__ (a
+# Lookahead wrapper sharing its inner optimizer's param_groups) has none of the hooks
+# (an AttributeError from torch's register_state_dict_post_hook).
+def _refuse_unfit(optimizer) -> None:
+    name = type(optimizer).__name__
+    try:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+    except ImportError:  # torch built without distributed
+        ZeroRedundancyOptimizer = ()
+    if ZeroRedundancyOptimizer and isinstance(optimizer, ZeroRedundancyOptimizer):
+        raise _C.Error(
+            f"{name} shards the optimizer state over the torch.distributed ranks, which rannc "
+            "does itself: each rank keeps the state of the parameters it keeps. Pass the "
+            "optimizer it wraps (ZeroRedundancyOptimizer(params, optimizer_class=AdamW, ...): "
+            "AdamW(params, ...)) ([Note: optimizers rannc cannot share] in optimizer_share.py)")
+    if isinstance(optimizer, torch.optim.Optimizer) and not hasattr(
+            optimizer, "_optimizer_state_dict_post_hooks"):
+        raise _C.Error(
+            f"{name} subclasses torch.optim.Optimizer without running Optimizer.__init__ (a "
+            "wrapper sharing another optimizer's param_groups, as Lookahead implementations "
+            "do): rannc needs the hooks that __init__ makes. Pass the optimizer it wraps to "
+            f"RaNNCModule and step the {name} in the loop, or call super().__init__(params, "
+            "defaults) in it ([Note: optimizers rannc cannot share] in optimizer_share.py)")
+
+
 class OptimizerShare:
     """The module's optimizers (usually one; several where parameters of different kinds
     step differently, as Muon for the matrices and AdamW for the rest: [Note: several
@@ -85,6 +116,7 @@ class OptimizerShare:
     def add(self, optimizer: torch.optim.Optimizer) -> None:
         """Adds `optimizer` (cut by the next cut()). An optimizer it holds every parameter
         of is replaced ([Note: optimizers made anew])."""
+        _refuse_unfit(optimizer)
         held = {id(p) for params, _ in _groups_of(optimizer) for p in params}
         for i in reversed(range(len(self.optimizers))):
             params = [p for g, _ in (self._original[i] if self._original is not None

@@ -1219,6 +1219,48 @@ print("trained")
     assert "the same values on every rank" not in res.stdout + res.stderr, res.stdout[-3000:]
 
 
+def test_optimizers_rannc_cannot_share_are_refused_naming_the_cure():
+    """[Note: optimizers rannc cannot share] in optimizer_share.py: ZeroRedundancyOptimizer
+    (its consolidated state_dict() lost entries on one stage without a word; on two stages
+    gloo aborted every rank) and a Lookahead that never ran Optimizer.__init__ (torch's
+    AttributeError from a hook) are refused at wrapping, naming the cure; the model then
+    trains with the optimizer they wrap."""
+    res = _single_process("""
+import torch, rannc
+from torch.distributed.optim import ZeroRedundancyOptimizer
+rannc.init_process_group()
+m = torch.nn.Linear(4, 1)
+zero = ZeroRedundancyOptimizer(m.parameters(), optimizer_class=torch.optim.AdamW, lr=0.1)
+try:
+    rannc.RaNNCModule(m, zero)
+except rannc.Error as e:
+    print("refused:", e)
+class Lookahead(torch.optim.Optimizer):  # lonePatient/lookahead_pytorch's habit
+    def __init__(self, inner):
+        self.optimizer, self.param_groups, self.state = inner, inner.param_groups, inner.state
+        self.defaults = inner.defaults
+    def step(self, closure=None):
+        return self.optimizer.step(closure)
+inner = torch.optim.Adam(m.parameters(), lr=0.1)
+try:
+    rannc.RaNNCModule(m, Lookahead(inner))
+except rannc.Error as e:
+    print("refused:", e)
+wrapped = rannc.RaNNCModule(m, inner)
+before = m.weight.detach().clone()
+wrapped(torch.randn(4, 4)).pow(2).mean().backward()
+inner.step()
+print("trained:", bool((wrapped.state_dict()["weight"] != before).all()))
+""")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert ("refused: ZeroRedundancyOptimizer shards the optimizer state over the "
+            "torch.distributed ranks" in res.stdout), res.stdout + res.stderr
+    assert "Pass the optimizer it wraps" in res.stdout
+    assert ("refused: Lookahead subclasses torch.optim.Optimizer without running "
+            "Optimizer.__init__" in res.stdout), res.stdout + res.stderr
+    assert "trained: True" in res.stdout, res.stdout + res.stderr
+
+
 def test_quantization_aware_training_observers_train_as_pytorch_once_initialised():
     """[Note: writes through .data] in _trace.py: torch.ao.quantization's moving-average
     observer decides in Python on `min_val == inf`, a value made from the buffers it
