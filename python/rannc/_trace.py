@@ -600,7 +600,7 @@ _DERIVED_NUMEL = 4096  # larger values made from state alone (a parametrized wei
 
 def _same_size(t: torch.Tensor, args, kwargs) -> bool:
     """Whether resize_(*args) asks `t` for the sizes it has."""
-    if kwargs and set(kwargs) - {"memory_format"} or (kwargs or {}).get("memory_format"):
+    if kwargs:  # memory_format: restrides even at the same sizes
         return False
     sizes = args[0] if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)) else args
     return tuple(int(n) for n in sizes) == tuple(t.shape)

@@ -260,6 +260,8 @@ class Deployed:
         n_state = len(state_tensors)
         self.state_ids = list(ir.inputs[:n_state])
         self.input_ids = list(ir.inputs[n_state:])
+        # [Note: shared arguments agree] the arguments without rows, once (not per call)
+        self.rowless_inputs = frozenset(vid for vid in self.input_ids if ir.value(vid).batch_dim < 0)
         state = dict(zip(self.state_ids, state_tensors))
         self.engine = Engine(self.graph._trace.traced, deployment, rank, world,
                              self.planned_rows, state, device=owner.device, nccl=owner.nccl)
@@ -720,10 +722,10 @@ class Deployed:
         """(path, tensor) of each tensor argument of a dimension or more that holds no rows
         of the batch and at most _SHARED_COMPARED values (per-set labels beside a set's
         rows, a small mask): compared at every call, as 0-dim ones are."""
-        example, ir = self.graph._trace.inputs, self.graph.ir
+        example = self.graph._trace.inputs
         tensors = [(vid, t) for vid, t in local.items() if isinstance(t, torch.Tensor)]
         return [(example.paths[slot], t) for slot, (vid, t) in zip(example.tensor_slots, tensors)
-                if t.dim() >= 1 and t.numel() <= _SHARED_COMPARED and ir.value(vid).batch_dim < 0]
+                if vid in self.rowless_inputs and t.dim() >= 1 and t.numel() <= _SHARED_COMPARED]
 
     def _shapes(self, local: dict) -> tuple:
         """[Note: new input shapes] The arguments' dtypes and shapes but the batch dimension

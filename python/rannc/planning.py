@@ -422,11 +422,10 @@ def _groups_rows_by_index(graph: TracedGraph) -> list[str]:
     ir, traced = graph.ir, graph._trace.traced
     found = []
     for t in ir.tasks():
-        if (any(op in _GROUPS_BY_INDEX for op in t.op.split("+"))
-                and any(ir.value(i).batch_dim >= 0 for i in t.inputs)
+        op = next((op for op in t.op.split("+") if op in _GROUPS_BY_INDEX), None)
+        if (op is not None and any(ir.value(i).batch_dim >= 0 for i in t.inputs)
                 and any(ir.value(o).batch_dependent and ir.value(o).batch_dim < 0
                         for o in t.outputs)):
-            op = next(op for op in t.op.split("+") if op in _GROUPS_BY_INDEX)
             where = traced.describe_task(t.id).partition(" in module ")[2]
             found.append(f"op {op} in module {where}" if where else f"op {op}")
     return found
