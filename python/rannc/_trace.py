@@ -88,6 +88,12 @@ def flatten_args(args: tuple, kwargs: dict) -> FlatArgs:
     leaves, paths, tensors, slots = [], [], [], []
     for i, (path, leaf) in enumerate(with_paths):
         name = _path_name(path)
+        if isinstance(leaf, torch.Tensor) and leaf.is_nested:
+            raise TraceError(
+                f"argument {name} is a nested tensor (torch.nested): rannc traces dense tensors "
+                "and cuts the batch along their dimension 0, and a nested tensor's rows have "
+                "sizes of their own. Pass it padded with its mask: "
+                f"{name}.to_padded_tensor(0.0) and a [batch, longest] mask of the real items")
         if isinstance(leaf, torch.Tensor):
             tensors.append(leaf)
             slots.append(i)
@@ -1563,6 +1569,31 @@ def _batch_order_hint(flat: FlatArgs, batch: int) -> str:
     if not flat.tensors:
         return ""
     first = flat.paths[flat.tensor_slots[0]]
+    per_row = _list_per_row(flat, batch)
+    if per_row:
+        return (f" Or is {per_row} a list with one entry per row of the batch ({batch} entries: "
+                "per-image targets)? rannc cuts tensors along dimension 0 into micro-batches "
+                "and replicas, and passes lists whole to each of them, so its entries no longer "
+                "match the rows. Pass such values as tensors whose dimension 0 is the batch: "
+                "padded to [batch, most items, ...] with a count or mask of the real items")
+    concatenated = _concatenated_items(flat, batch)
+    if concatenated:
+        items, lengths, total = concatenated
+        return (f" Or does {items} hold each row's items concatenated ({total} items, that "
+                f"{lengths} splits among the {batch} rows: its values sum to {total}, as CTC's "
+                "1-D targets and their lengths)? rannc cuts the arguments whose dimension 0 "
+                "holds the batch's rows, and concatenated items are no rows: pad them to "
+                "[batch, longest] (CTCLoss takes targets [batch, longest target] with their "
+                "lengths)")
+    flattened = _indices_of_flattened_rows(flat, batch)
+    if flattened:
+        name, rows, of = flattened
+        return (f" Or does {name} hold positions in the batch flattened ({of} reshaped to "
+                f"[{rows}, ...], positions as b * {rows // batch} + t)? rannc cuts the rows "
+                "into micro-batches and replicas, and positions counted over the whole batch "
+                "point past the rows of a micro-batch. Give each row its own positions: "
+                "[batch, k] indices into its own items, gathered per row (torch.gather or "
+                f"h[torch.arange(batch)[:, None], pos])")
     # integers that point at rows (a graph's edge_index over its nodes) in an argument
     # that is not cut: rows that refer to each other
     indexing = [flat.paths[slot] for t, slot in zip(flat.tensors, flat.tensor_slots)
@@ -1588,6 +1619,60 @@ def _batch_order_hint(flat: FlatArgs, batch: int) -> str:
             "rows and passes the others whole to every micro-batch: pad it to [batch, ...] "
             "(CTCLoss takes targets [batch, longest target] with their lengths; EmbeddingBag "
             "a 2-D input [batch, largest bag] padded with its padding_idx, without offsets)")
+
+
+def _list_per_row(flat: FlatArgs, batch: int):
+    """The path of a list or tuple argument (or one inside an argument) of `batch` entries
+    that are tensors or containers of them (a detection model's per-image targets), if any."""
+    args, kwargs = flat.rebuild(flat.tensors)
+
+    def walk(x, name):
+        if isinstance(x, (list, tuple)):
+            if len(x) == batch and batch > 1 and all(
+                    isinstance(e, (torch.Tensor, dict, list, tuple)) for e in x):
+                return name
+            return next((w for w in (walk(e, f"{name}[{i}]") for i, e in enumerate(x)) if w), None)
+        if isinstance(x, dict):
+            return next((w for w in (walk(v, f"{name}[{k!r}]") for k, v in x.items()) if w), None)
+        return None
+
+    return (next((w for w in (walk(a, f"args[{i}]") for i, a in enumerate(args)) if w), None)
+            or next((w for w in (walk(v, f"kwargs[{k!r}]") for k, v in kwargs.items()) if w), None))
+
+
+def _integers(t: torch.Tensor) -> bool:
+    return not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool
+
+
+def _concatenated_items(flat: FlatArgs, batch: int):
+    """(items, lengths, total) where a 1-D integer argument `lengths` of `batch` values sums
+    to the length of another 1-D argument `items` (CTC's targets and target lengths)."""
+    named = list(zip(flat.tensors, (flat.paths[s] for s in flat.tensor_slots)))
+    for lengths, lname in named:
+        if lengths.dim() != 1 or lengths.shape[0] != batch or not _integers(lengths):
+            continue
+        total = int(lengths.sum())
+        for items, iname in named:
+            if items is not lengths and items.dim() == 1 and items.shape[0] == total > 0:
+                return iname, lname, total
+    return None
+
+
+def _indices_of_flattened_rows(flat: FlatArgs, batch: int):
+    """(name, rows, of) where an integer argument without the batch's rows holds positions
+    up to `rows` = batch x dimension 1 of argument `of` (`h.reshape(-1, d)[pos]` with
+    pos = b * T + t), past the batch itself."""
+    named = list(zip(flat.tensors, (flat.paths[s] for s in flat.tensor_slots)))
+    for t, name in named:
+        if not t.dim() or t.shape[0] == batch or not t.numel() or not _integers(t):
+            continue
+        low, high = int(t.min()), int(t.max())
+        for shaped, of in named:
+            if shaped.dim() >= 2 and shaped.shape[0] == batch:
+                rows = batch * shaped.shape[1]
+                if 0 <= low and max(batch, rows // 2) <= high < rows:
+                    return name, rows, of
+    return None
 
 
 # [Note: numbers in the outputs] An output that is a Python number computed from tensors

@@ -1085,7 +1085,8 @@ class RaNNCModule(torch.nn.Module):
     # embeddings (NEFTune's noise is a forward hook on them, registered before training
     # starts, so the training trace holds it). The wrapped model's, so that Trainer does
     # what it does for the model in one process.
-    _MODEL_ATTRIBUTES = frozenset({"config", "generation_config", "loss_type",
+    # dtype and device: what diffusers' pipelines and transformers' users read of a model
+    _MODEL_ATTRIBUTES = frozenset({"config", "generation_config", "loss_type", "dtype", "device",
                                    "get_input_embeddings", "get_output_embeddings"})
 
     def _get_name(self) -> str:

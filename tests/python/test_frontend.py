@@ -1441,6 +1441,65 @@ def test_rows_that_index_each_other_are_named():
         rannc.trace(Gnn(), (torch.randn(8, 6), edges, torch.randn(8)))
 
 
+class PerImageTargets(torch.nn.Module):
+    """A detection model's loss over a list of per-image dicts (torchvision's convention)."""
+
+    def __init__(self):
+        super().__init__()
+        self.box, self.cls = torch.nn.Linear(6, 4), torch.nn.Linear(6, 3)
+
+    def forward(self, images, targets):
+        loss = images.new_zeros(())
+        for i, t in enumerate(targets):
+            n = len(t["labels"])
+            loss = loss + (self.box(images[i]) - t["boxes"].mean(0)).pow(2).sum()
+            loss = loss + torch.nn.functional.cross_entropy(self.cls(images[i]).expand(n, 3), t["labels"])
+        return loss / len(targets)
+
+
+class ConcatenatedCtcTargets(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(6, 5)
+
+    def forward(self, x, targets, input_lengths, target_lengths):
+        log_probs = self.proj(x).log_softmax(-1).transpose(0, 1)
+        return torch.nn.functional.ctc_loss(log_probs, targets, input_lengths, target_lengths)
+
+
+class FlattenedPositions(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = torch.nn.Embedding(10, 8), torch.nn.Linear(8, 1)
+
+    def forward(self, ids, pos):
+        return self.head(self.embed(ids).reshape(-1, 8)[pos]).mean()
+
+
+def test_arguments_whose_rows_are_not_the_batchs_are_named():
+    """Arguments laid out otherwise than [batch, ...] fail in the trace at fewer rows; the
+    error named a graph's edge_index (per-image targets whose labels are small integers),
+    nothing (CTC targets concatenated to the batch size), or advice about CTC (positions
+    into the flattened batch), and a nested tensor was torch's internal error. Each names
+    its layout and the cure."""
+    targets = [{"boxes": torch.rand(n, 4), "labels": torch.randint(0, 3, (n,))} for n in (2, 3, 1, 2)]
+    with pytest.raises(rannc.TraceError, match=r"Or is args\[1\] a list with one entry per row "
+                                               r"of the batch \(4 entries"):
+        rannc.trace(PerImageTargets(), (torch.randn(4, 6), targets))
+    lengths = torch.tensor([2, 1, 1, 0])
+    with pytest.raises(rannc.TraceError, match=r"Or does args\[1\] hold each row's items "
+                                               r"concatenated \(4 items, that args\[3\] splits"):
+        rannc.trace(ConcatenatedCtcTargets(), (torch.randn(4, 10, 6), torch.randint(1, 5, (4,)),
+                                               torch.full((4,), 10), lengths))
+    pos = torch.tensor([b * 6 + t for t in (2, 4) for b in range(4)])
+    with pytest.raises(rannc.TraceError, match=r"Or does args\[1\] hold positions in the batch "
+                                               r"flattened \(args\[0\] reshaped to \[24"):
+        rannc.trace(FlattenedPositions(), (torch.randint(0, 10, (4, 6)), pos))
+    nested = torch.nested.nested_tensor([torch.randn(3, 6), torch.randn(5, 6)])
+    with pytest.raises(rannc.TraceError, match=r"args\[0\] is a nested tensor.*to_padded_tensor"):
+        rannc.trace(torch.nn.Linear(6, 2), (nested,))
+
+
 class ShapeReadingLayerNorm(torch.nn.Module):
     """nanoGPT's LayerNorm: its normalized shape is read from its own weight."""
 

@@ -49,6 +49,8 @@ with torch.no_grad():
     ref_loss = sum(reference(**{k: v[r * B:(r + 1) * B] for k, v in batch.items()}).loss
                    for r in range(world)) / world
 torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+# what a user (and diffusers' pipelines) read of a model: its dtype and device, trained
+assert (wrapped.dtype, wrapped.device) == (reference.dtype, reference.device), (wrapped.dtype, wrapped.device)
 wrapped.train()  # generate() runs in eval mode and returns the module to training mode
 for sample in (False, True):
     new = (16 if rank % 2 else 5) if sample else 12  # sampled: each rank to its own length
