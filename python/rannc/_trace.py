@@ -17,7 +17,9 @@ import contextlib
 import contextvars
 import dataclasses
 import itertools
+import linecache
 import os
+import re
 import sys
 import traceback
 import types
@@ -1231,7 +1233,7 @@ def _trace_body(model, state: ModelState, state_tensors: list, flat: FlatArgs, t
             with (watch_data,
                   _WatchRandomDecisions() if watch_random else contextlib.nullcontext(),
                   _RefuseTensorHooks(), _refuse_grad_in_forward(), traceable_parts(model),
-                  _noting_vmap_calls(tracer_notes),
+                  _noting_vmap_calls(tracer_notes), _NotingDataDecisions(tracer_notes),
                   _DetachUnderNoGrad() if torch.is_grad_enabled() else contextlib.nullcontext()):
                 traced = torch.jit.trace(fn, example, check_trace=False, strict=False)
         watch_data.refuse_writes(rerun)
@@ -1675,6 +1677,70 @@ def _indices_of_flattened_rows(flat: FlatArgs, batch: int):
     return None
 
 
+# [Note: checks of the data] A forward that checks its batch in Python (`assert (y >= 0).all()`,
+# wav2vec2's `if labels.max() >= vocab_size: raise`) runs the check at tracing only: a trace
+# records the ops, and the condition is a Python bool the tracer fixed, so the steps never
+# run it and a batch the check would refuse (a NaN, a label out of range) trains on without
+# a word, where PyTorch raises. While tracing, each bool taken of a tensor is followed back
+# through the trace's graph: where it comes from an input (the data or the state) other than
+# through sizes (a shape check: each new shape is traced anew), and the line it is taken at
+# (or the two after it) asserts or raises, rank 0 says so, once per line.
+_CHECKS_SAID: set = set()
+_CHECK_SOURCE = re.compile(r"\bassert\b|\braise\b|\b_assert\(")
+
+
+def _reads_values(value) -> bool:
+    """Whether a traced graph value depends on an input's values, not only on its sizes."""
+    seen, stack = {value.unique()}, [value]
+    while stack:
+        node = stack.pop().node()
+        if node.kind() == "prim::Param":
+            return True
+        if node.kind() in ("aten::size", "aten::dim", "aten::numel"):
+            continue
+        for v in node.inputs():
+            if v.unique() not in seen:
+                seen.add(v.unique())
+                stack.append(v)
+    return False
+
+
+class _NotingDataDecisions(torch.overrides.TorchFunctionMode):
+    """Notes "decision:<file:line>" for each bool taken of a tensor computed from the data."""
+
+    def __init__(self, notes: list):
+        super().__init__()
+        self.notes = notes
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.__bool__ and torch._C._get_tracing_state() is not None:
+            try:
+                traced = torch._C._get_value_trace(args[0])
+            except RuntimeError:  # a tensor the trace has no value for: a constant
+                traced = None
+            if traced is not None and _reads_values(traced):
+                self.notes.append(f"decision:{_caller_line()}")
+        return func(*args, **(kwargs or {}))
+
+
+def _warn_of_checks_on_the_data(notes: list) -> None:
+    checks = []
+    for where in dict.fromkeys(n[len("decision:"):] for n in notes if n.startswith("decision:")):
+        file, _, line = where.rpartition(":")
+        if not line.isdigit() or where in _CHECKS_SAID:
+            continue
+        source = "".join(linecache.getline(file, int(line) + i) for i in range(3))
+        if _CHECK_SOURCE.search(source):
+            _CHECKS_SAID.add(where)
+            checks.append(f"{where} ({linecache.getline(file, int(line)).strip()})")
+    if checks and _C.get_rank() == 0:
+        _C.log_warn(
+            f"the forward checks tensor values in Python at {'; '.join(checks)}: a trace "
+            "records the ops, not the check, so rannc's steps never run it, and a batch it "
+            "would refuse (a NaN, a label out of range) trains on without a word. Check the "
+            "batch before the call ([Note: checks of the data] in _trace.py)")
+
+
 # [Note: numbers in the outputs] An output that is a Python number computed from tensors
 # (`return loss, loss.item()`, an accuracy's `.item()`) is no op of the trace: every call
 # returned the number the trace computed, frozen (each rank its own shard's), without a
@@ -1719,6 +1785,7 @@ def _trace_with_layout(model, state, state_tensors, flat: FlatArgs, home, batch:
             raise TraceError("the structure of the model's output differs between batch sizes "
                              f"{batch} and {batch2}: {out1['spec']} vs {out2['spec']}")
         _refuse_numbers_of_data(out1, out2, notes)
+        _warn_of_checks_on_the_data(notes)
         out1["resized"] = {i for i, (a, b) in enumerate(zip(out1["leaves"], out2["leaves"]))
                            if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
                            and a.shape != b.shape}

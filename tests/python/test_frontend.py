@@ -1500,6 +1500,38 @@ def test_arguments_whose_rows_are_not_the_batchs_are_named():
         rannc.trace(torch.nn.Linear(6, 2), (nested,))
 
 
+class CheckedRegression(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 1)
+
+    def forward(self, x, y):
+        if x.shape[1] != 4:  # a check of a size: each new shape is traced anew
+            raise ValueError("4 features")
+        if not torch.isfinite(x).all():
+            raise ValueError("a non-finite input")
+        assert (y >= 0).all(), "negative targets"
+        return (self.lin(x).squeeze(-1) - y).pow(2).mean()
+
+
+def test_checks_of_the_data_in_forward_are_named(capfd):
+    """[Note: checks of the data]: a check in Python on the batch's values runs at tracing
+    only, so a NaN batch trained on without a word; rank 0 names each such line (not the
+    check of a size, and not twice)."""
+    rannc._trace._CHECKS_SAID.clear()
+    model, x, y = CheckedRegression(), torch.randn(4, 4), torch.rand(4)
+    graph = rannc.trace(model, (x, y))
+    err = capfd.readouterr().err
+    line = CheckedRegression.forward.__code__.co_firstlineno
+    assert f"checks tensor values in Python at {__file__}:{line + 3} (if not torch.isfinite" in err, err
+    assert f"{__file__}:{line + 5} (assert (y >= 0).all()" in err, err
+    assert f"{__file__}:{line + 1}" not in err, err
+    x[0, 0] = float("nan")
+    assert torch.isnan(graph(x, y))  # what the note is about: the steps run no check
+    rannc.trace(model, (x[1:], y[1:]))
+    assert "checks tensor values" not in capfd.readouterr().err
+
+
 class ShapeReadingLayerNorm(torch.nn.Module):
     """nanoGPT's LayerNorm: its normalized shape is read from its own weight."""
 
