@@ -892,6 +892,64 @@ bool readsOnlyTheTypeOfSelf(const std::string& op) {
          op == "aten::new_full" || op == "aten::new_empty_strided";
 }
 
+// [Note: rows that agree by chance] A value is a batch value where the rows two observations
+// share agree. A value whose rows are not the batch's can agree there by chance where its
+// data repeat: masks and lengths of padded sequences (a reward model's
+// `cat([mask_chosen, mask_rejected]).sum(-1)` agreed where two rows had the same lengths),
+// so whether it was glued into its readers depended on each rank's data, and the ranks
+// traced different graphs, blamed on control flow (a DPO loop on 2 ranks). Two rules make
+// such values interleaved whatever the data: a cat, repeat or tile along the batch
+// dimension (more rows per batch row than any of its batch inputs: the rows of one input
+// follow those of another, never a row's own), and a value of coarse data (integers and
+// bools, and what is computed from them alone, as their embeddings) whose inputs that
+// change with the batch are all interleaved. What floats compute from real-valued data is
+// left to the observations: their rows agree only where the rows are the batch's.
+void demoteChanceAgreements(ir::Graph& ir, std::vector<ir::ValueId>* interleaved) {
+  const int n = ir.numValues();
+  std::vector<char> inter(n, 0), coarse(n, 0);
+  for (ir::ValueId id : *interleaved) inter[id] = 1;
+  for (ir::ValueId id : ir.inputs()) {
+    const ir::Value& v = ir.value(id);
+    coarse[id] = v.isTensor() && !ir::isDifferentiable(v.dtype);
+  }
+  auto stacks = [](const std::string& op) {
+    return op.find("aten::cat") != std::string::npos || op.find("aten::repeat") != std::string::npos ||
+           op.find("aten::tile") != std::string::npos;
+  };
+  for (ir::TaskId t : ir.topologicalOrder()) {
+    const ir::Task& task = ir.task(t);
+    bool all_coarse = true, all_inter = true, any = false;
+    for (ir::ValueId in : task.inputs) {
+      const ir::Value& v = ir.value(in);
+      if (!v.isTensor() || !v.batch_dependent || !(v.isBatch() || inter[in])) continue;
+      any = true;
+      all_coarse = all_coarse && coarse[in];
+      all_inter = all_inter && inter[in];
+    }
+    for (ir::ValueId out : task.outputs) {
+      ir::Value& v = ir.mutableValue(out);
+      if (!v.isTensor()) continue;
+      coarse[out] = !ir::isDifferentiable(v.dtype) || (any && all_coarse);
+      if (inter[out] || !v.isBatch()) continue;
+      int64_t most = 0;  // rows per batch row of the inputs cut along the same dimension
+      for (ir::ValueId in : task.inputs) {
+        const ir::Value& u = ir.value(in);
+        if (u.isBatch() && !inter[in] && u.batch_dim == v.batch_dim) most = std::max(most, u.batch_multiple);
+      }
+      const bool stacked = stacks(task.op) && most > 0 && v.batch_multiple > most;
+      if (!stacked && !(any && all_inter && coarse[out])) continue;
+      v.batch_dim = -1;
+      v.batch_multiple = 0;
+      inter[out] = 1;
+      if (v.role == ir::ValueRole::Intermediate) interleaved->push_back(out);
+      if (logEnabled(LogLevel::Debug)) {
+        logDebug("value " + ir::describe(v) + (stacked ? " stacks rows of the batch" : " agrees by chance") +
+                 " ([Note: rows that agree by chance])");
+      }
+    }
+  }
+}
+
 std::vector<ir::ValueId> findBatchValues(ir::Graph& ir, const Observed& at1, const Observed& at2,
                                          int64_t b1, int64_t b2,
                                          std::vector<ir::ValueId>* paired = nullptr) {
@@ -956,6 +1014,7 @@ std::vector<ir::ValueId> findBatchValues(ir::Graph& ir, const Observed& at1, con
       }
     }
   }
+  demoteChanceAgreements(ir, &interleaved);
   return interleaved;
 }
 

@@ -1532,6 +1532,42 @@ def test_checks_of_the_data_in_forward_are_named(capfd):
     assert "checks tensor values" not in capfd.readouterr().err
 
 
+class PairScorer(torch.nn.Module):
+    """Scores two halves of a batch concatenated in forward (a reward model's chosen and
+    rejected), each at its last real token."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.v = torch.nn.Embedding(32, 16), torch.nn.Linear(16, 1)
+
+    def forward(self, ids_c, mask_c, ids_r, mask_r):
+        ids, mask = torch.cat([ids_c, ids_r]), torch.cat([mask_c, mask_r])
+        r = self.v(self.emb(ids)[torch.arange(ids.size(0)), mask.sum(-1) - 1]).squeeze(-1)
+        return -torch.nn.functional.logsigmoid(r[:ids_c.size(0)] - r[ids_c.size(0):]).mean()
+
+
+def test_rows_that_agree_by_chance_make_the_same_graph():
+    """[Note: rows that agree by chance] in csrc/frontend/convert.cpp: the concatenated masks'
+    rows are not the batch's, but agreed between the observations where two rows had the
+    same lengths, so the graph (13 tasks or 10) depended on the data and two ranks traced
+    different ones. Any lengths now give one graph, the concatenation glued to its readers."""
+    def masks(lengths):
+        return (torch.arange(8)[None, :] < torch.tensor(lengths)[:, None]).long()
+
+    model, ids = PairScorer(), torch.randint(1, 32, (8, 8))
+    hashes = set()
+    for lc, lr in [([4, 7, 8, 7], [8, 7, 5, 6]), ([8, 8, 4, 4], [3, 8, 5, 7]), ([5] * 4, [5] * 4)]:
+        args = (ids[:4], masks(lc), ids[4:], masks(lr))
+        graph = rannc.trace(model, args)
+        torch.testing.assert_close(graph(*args), model(*args))
+        hashes.add(graph.ir.content_hash())
+        cats = [t for t in graph.ir.tasks() if "aten::cat" in t.op]
+        outs = [graph.ir.value(v) for t in cats for v in t.outputs]
+        assert cats and not any(v.batch_dim >= 0 and v.batch_multiple > 1 for v in outs), \
+            [(t.op, v.batch_dim) for t, v in zip(cats, outs)]
+    assert len(hashes) == 1, hashes
+
+
 class ShapeReadingLayerNorm(torch.nn.Module):
     """nanoGPT's LayerNorm: its normalized shape is read from its own weight."""
 

@@ -843,7 +843,8 @@ def test_a_failure_while_tracing_new_shapes_says_so_with_both_shapes():
                                    "shared_module", "skipped_backward", "call_layouts",
                                    "complex_values", "state_before_step", "stashed_buffer",
                                    "fused_fake_quant", "qat_resume", "shared_later", "eval_before_step", "grad_in_place",
-                                   "assigned_after_call", "named_backward", "outputs_without_rows"])
+                                   "assigned_after_call", "named_backward", "outputs_without_rows",
+                                   "pairs_in_forward"])
 def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
     """Ranks with different batch sizes in one call (on every such call), control flow on
     data that differs between ranks, different models, ranks whose batches have their own
@@ -873,6 +874,10 @@ def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
     fused observers read as coupling the rows on one rank's data and not on another's (an
     error blaming control flow on the data); observed with them off ([Note: row-coupling
     flags] in convert.cpp), the ranks agree and train equal to PyTorch.
+    pairs_in_forward: a reward model scoring chosen and rejected concatenated in forward
+    trains as PyTorch on 1 and 2 stages; the rows of the concatenated masks agreed by chance
+    on one rank's lengths and not on the other's, so the ranks traced different graphs,
+    blamed on control flow ([Note: rows that agree by chance] in csrc/frontend/convert.cpp).
     shared_later: small tensor arguments without rows (a label per set beside the sets'
     rows) are compared at every call, not at the first alone (where they happened to agree
     there, later calls trained on rank 0's labels without a word: parameters 0.048 off).

@@ -447,6 +447,41 @@ elif probe == "shared_later":  # [Note: shared arguments agree] in deployed.py
                      "the ranks pass different values of args[2] [2]", "pad the sets")
     train(wrapped, opt, (x, sets, torch.tensor([2, 1])))  # alike again: trains on
     print(f"OK rank {rank}", flush=True)
+elif probe == "pairs_in_forward":  # [Note: rows that agree by chance] in convert.cpp
+    class Reward(nn.Module):  # a reward model that scores chosen and rejected in one pass
+        def __init__(self):
+            super().__init__()
+            self.emb, self.v = nn.Embedding(32, 16), nn.Linear(16, 1)
+
+        def forward(self, ids_c, mask_c, ids_r, mask_r):
+            ids, mask = torch.cat([ids_c, ids_r]), torch.cat([mask_c, mask_r])
+            h = torch.tanh(self.emb(ids))
+            r = self.v(h[torch.arange(ids.size(0)), mask.sum(-1) - 1]).squeeze(-1)
+            n = ids_c.size(0)
+            return -nn.functional.logsigmoid(r[:n] - r[n:]).mean()
+
+    def masks(lengths):
+        return (torch.arange(8)[None, :] < torch.tensor(lengths)[:, None]).long()
+
+    # rank 0's lengths agree on the rows two observations share, rank 1's do not: the
+    # ranks traced different graphs, blamed on control flow
+    lengths = [([4, 7, 8, 7, 8, 8, 4, 4], [8, 7, 5, 6, 3, 8, 5, 7]),
+               ([5, 6, 7, 8, 8, 8, 4, 4], [8, 8, 8, 8, 3, 8, 5, 7])]
+    for stages in (1, 2):
+        torch.manual_seed(0)
+        model = Reward()
+        reference, opt, ref_opt, wrapped = sgd_pair(model, num_stages=stages)
+        for step, (lc, lr) in enumerate(lengths):
+            ids = torch.randint(1, 32, (16, 8), generator=torch.Generator().manual_seed(step))
+            args = (ids[:8], masks(lc), ids[8:], masks(lr))
+            mine = slice(4 * rank, 4 * (rank + 1))
+            loss = wrapped(*(a[mine] for a in args))
+            ref_loss = reference(*args)
+            torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"rank {rank}: {stages} stages, step {step}: {m}")
+            step_both(loss, ref_loss, opt, ref_opt)
+        same_state(wrapped, reference, f"{stages} stages")
+    print(f"OK rank {rank}", flush=True)
 elif probe == "mismatched_rows":
     model, args, _ = zoo.make("mlp", batch=4, seed=rank)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
