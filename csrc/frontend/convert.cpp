@@ -113,6 +113,18 @@ std::string printConstant(const c10::IValue& v) {
   return os.str();
 }
 
+// A constant as an error names it: a small tensor by its values (`tensor(4)`, the tracer's
+// 0-dim tensor of a Python int), else as printConstant does.
+std::string readableConstant(const c10::IValue& v) {
+  if (!v.isTensor() || v.toTensor().numel() > 8) return printConstant(v);
+  const at::Tensor t = v.toTensor().detach().cpu().flatten();
+  std::ostringstream os;
+  os << "tensor(" << (v.toTensor().dim() == 0 ? "" : "[");
+  for (int64_t i = 0; i < t.numel(); ++i) os << (i ? ", " : "") << t[i].item();
+  os << (v.toTensor().dim() == 0 ? "" : "]") << ")";
+  return os.str();
+}
+
 bool sameConstant(const c10::IValue& a, const c10::IValue& b) {
   if (a.isTensor() && b.isTensor()) {
     const at::Tensor &x = a.toTensor(), &y = b.toTensor();
@@ -198,16 +210,16 @@ void checkSameProgram(const TraceExample& a, const TraceExample& b,
         std::ostringstream os;
         if (looksLikeBatchSize(cx, cy, a.batch_size, b.batch_size)) {
           os << "the batch size is baked into a shape, or a number made from it: "
-             << describeNodeIn(user, classes) << " uses the constant " << printConstant(cx)
-             << " when traced at batch size " << a.batch_size << " and " << printConstant(cy)
+             << describeNodeIn(user, classes) << " uses the constant " << readableConstant(cx)
+             << " when traced at batch size " << a.batch_size << " and " << readableConstant(cy)
              << " at batch size " << b.batch_size
              << ". Compute it from the input with tensor ops (x.size(0), or -1 in view/reshape; "
                 "not len(x) or int(...) of it, which a trace fixes: a capacity of experts as "
                 "int(f * tokens / experts) is one) so that micro-batches of any size work.";
         } else {
           os << "the traced program depends on the input values: " << describeNodeIn(user, classes)
-             << " uses a constant that was " << printConstant(cx) << " in one trace and "
-             << printConstant(cy) << " in another (a tensor turned into a Python number, "
+             << " uses a constant that was " << readableConstant(cx) << " in one trace and "
+             << readableConstant(cy) << " in another (a tensor turned into a Python number, "
              << "control flow on tensor data, or a tensor made outside torch's ops, such as a "
              << "mask drawn with numpy's random numbers?).";
         }

@@ -1258,6 +1258,16 @@ def _trace_body(model, state: ModelState, state_tensors: list, flat: FlatArgs, t
             "(a torch.autograd.Function is recorded too), or hook the parameters outside "
             "the model ([Note: hooks] in _trace.py)") from None
     except RuntimeError as e:
+        if any(f.filename.endswith(os.path.join("attention", "flex_attention.py"))
+               for f in traceback.extract_tb(e.__traceback__)):
+            # torch.jit.trace cannot follow flex_attention's vmap over score_mod (torch's
+            # own "Unsupported value kind: Tensor", which named nothing)
+            raise TraceError(
+                f"the model calls torch.nn.attention.flex_attention (at {_user_frame(e)}), "
+                "which torch.jit.trace cannot trace: its score_mod and block mask run through "
+                f"torch.vmap ({type(e).__name__}: {e}). Write the attention with "
+                "torch.nn.functional.scaled_dot_product_attention and a mask built from the "
+                "same rule (attn_mask=q_idx[:, None] >= kv_idx[None, :] for a causal one)") from None
         if "stateless API can't be used with Jitted modules" not in str(e):
             raise
         # torch.func.functional_call (per-sample gradients, a hypernetwork's weights) calls

@@ -1046,8 +1046,32 @@ def test_a_loss_divided_by_len_of_the_batch_names_the_batch_size():
         def forward(self, x, y):
             return torch.nn.functional.cross_entropy(self.lin(x), y, reduction="sum") / len(x)
 
-    with pytest.raises(rannc.TraceError, match=r"the batch size is baked into a shape.*not len\(x\)"):
+    # the tracer's 0-dim tensor of the Python int is named by its value (a hash before)
+    with pytest.raises(rannc.TraceError, match=r"the batch size is baked into a shape.* uses the "
+                                               r"constant tensor\(6\) when traced at batch size 6 "
+                                               r"and tensor\(3\).*not len\(x\)"):
         rannc.trace(DividedByLen(), (torch.randn(6, 4), torch.randint(0, 3, (6,))))
+
+
+def test_flex_attention_is_named_with_its_cure():
+    """torch.jit.trace cannot follow flex_attention's vmap over its score_mod: torch's
+    "Unsupported value kind: Tensor" named nothing; the error names the call and SDPA."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    class Flex(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = torch.nn.Linear(8, 24)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).view(x.size(0), x.size(1), 3, 2, 4).permute(2, 0, 3, 1, 4)
+            causal = lambda score, b, h, qi, ki: torch.where(qi >= ki, score, -float("inf"))  # noqa: E731
+            return flex_attention(q, k, v, score_mod=causal).pow(2).mean()
+
+    with torch.no_grad(), pytest.raises(rannc.TraceError, match=r"calls torch.nn.attention.flex_attention "
+                                                                r"\(at .*test_frontend.py:\d+\).*"
+                                                                r"scaled_dot_product_attention"):
+        rannc.trace(Flex().eval(), (torch.randn(4, 6, 8),))
 
 
 def test_a_trace_at_one_row_that_differs_names_the_single_row_path():
