@@ -1605,7 +1605,7 @@ def _batch_order_hint(flat: FlatArgs, batch: int) -> str:
                 "into micro-batches and replicas, and positions counted over the whole batch "
                 "point past the rows of a micro-batch. Give each row its own positions: "
                 "[batch, k] indices into its own items, gathered per row (torch.gather or "
-                f"h[torch.arange(batch)[:, None], pos])")
+                "h[torch.arange(batch)[:, None], pos])")
     # integers that point at rows (a graph's edge_index over its nodes) in an argument
     # that is not cut: rows that refer to each other
     indexing = [flat.paths[slot] for t, slot in zip(flat.tensors, flat.tensor_slots)
