@@ -13,6 +13,7 @@ state is restored.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
 import dataclasses
@@ -301,6 +302,9 @@ class Trace:
     # outputs that grow with the batch but are not cut into rows ([Note: outputs not cut
     # into rows] in planning.py), by their paths
     outputs_not_cut: list = dataclasses.field(default_factory=list)
+    # arguments without rows whose values chose the program, by their positions in
+    # inputs.tensors ([Note: tensors that choose the program])
+    choosing: list = dataclasses.field(default_factory=list)
 
 
 def _second_batch(flat: FlatArgs, batch: int, dims: list, mirror: bool = True
@@ -1549,7 +1553,8 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
     not_cut = [out1["paths"][slot] for vid, slot in zip(ir.outputs, slots)
                if slot in out1["resized"] and ir.value(vid).batch_dim < 0]
     return Trace(traced, state, state_tensors, home, flat, out1["spec"], leaves, slots, batch,
-                 attributes=reads.watched(), outputs_not_cut=not_cut)
+                 attributes=reads.watched(), outputs_not_cut=not_cut,
+                 choosing=out1.get("choosing", []))
 
 
 def _traced_in_another_layout(model, state, state_tensors, flat, home, reads, layouts: list,
@@ -1597,6 +1602,16 @@ def _batch_order_hint(flat: FlatArgs, batch: int) -> str:
                 "holds the batch's rows, and concatenated items are no rows: pad them to "
                 "[batch, longest] (CTCLoss takes targets [batch, longest target] with their "
                 "lengths)")
+    others = collections.Counter(t.shape[0] for t in flat.tensors[1:] if t.dim())
+    rows, count = others.most_common(1)[0] if others else (batch, 0)
+    if count >= 2 and rows != batch:
+        named = [flat.paths[slot] for t, slot in zip(flat.tensors[1:], flat.tensor_slots[1:])
+                 if t.dim() and t.shape[0] == rows]
+        return (f" Or is {first} not the batch? rannc takes the batch size from the first "
+                f"tensor argument ({first}, shape {list(flat.tensors[0].shape)}), but "
+                f"{failure.some_of(named)} have {rows} rows: pass the batch's tensors first "
+                "(keyword arguments count in the order given), and keep a tensor of the "
+                "model's own sizes (class weights) in the model (register_buffer)")
     flattened = _indices_of_flattened_rows(flat, batch)
     if flattened:
         name, rows, of = flattened
@@ -1620,6 +1635,14 @@ def _batch_order_hint(flat: FlatArgs, batch: int) -> str:
                 "their adjacency [graphs, nodes, nodes])")
     more = [(flat.paths[slot], t.shape[0]) for t, slot in zip(flat.tensors, flat.tensor_slots)
             if t.dim() and t.shape[0] > batch]
+    same = [flat.paths[slot] for t, slot in zip(flat.tensors[1:], flat.tensor_slots[1:])
+            if t.dim() == 1 and t.shape[0] == batch and t.is_floating_point()]
+    if not more and same:
+        return (f" Or is {failure.some_of(same)} of a size of the model's own that equals the "
+                f"batch size here ({batch}: class weights over {batch} classes)? rannc takes "
+                "dimension 0 of every tensor argument as long as the first one's as the batch "
+                "and cuts it into micro-batches: keep such a tensor in the model "
+                "(register_buffer) and set it in place")
     if not more:
         return ""
     name, rows = more[0]
@@ -1665,7 +1688,8 @@ def _concatenated_items(flat: FlatArgs, batch: int):
             continue
         total = int(lengths.sum())
         for items, iname in named:
-            if items is not lengths and items.dim() == 1 and items.shape[0] == total > 0:
+            if (items is not lengths and items.dim() == 1 and items.shape[0] == total > 0
+                    and _integers(items)):
                 return iname, lname, total
     return None
 
@@ -1699,38 +1723,74 @@ _CHECKS_SAID: set = set()
 _CHECK_SOURCE = re.compile(r"\bassert\b|\braise\b|\b_assert\(")
 
 
-def _reads_values(value) -> bool:
-    """Whether a traced graph value depends on an input's values, not only on its sizes."""
-    seen, stack = {value.unique()}, [value]
+def _inputs_read(value) -> set:
+    """The positions of the traced graph's inputs whose values (not only sizes) `value`
+    depends on."""
+    seen, stack, found = {value.unique()}, [value], set()
     while stack:
-        node = stack.pop().node()
+        v = stack.pop()
+        node = v.node()
         if node.kind() == "prim::Param":
-            return True
+            found.add(v.offset())
+            continue
         if node.kind() in ("aten::size", "aten::dim", "aten::numel"):
             continue
-        for v in node.inputs():
-            if v.unique() not in seen:
-                seen.add(v.unique())
-                stack.append(v)
-    return False
+        for u in node.inputs():
+            if u.unique() not in seen:
+                seen.add(u.unique())
+                stack.append(u)
+    return found
+
+
+# a tensor turned into a Python value: `if t`, `int(t)`, `heads[t]`, `t.item()`
+_DECISIONS = (torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__index__,
+              torch.Tensor.__float__, torch.Tensor.item, torch.Tensor.tolist)
 
 
 class _NotingDataDecisions(torch.overrides.TorchFunctionMode):
-    """Notes "decision:<file:line>" for each bool taken of a tensor computed from the data."""
+    """Notes "decision:<file:line>" for each bool taken of a tensor computed from the data
+    ([Note: checks of the data]), and "decided-by:<input>" for each graph input that a
+    tensor turned into a Python value reads ([Note: tensors that choose the program])."""
 
     def __init__(self, notes: list):
         super().__init__()
         self.notes = notes
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is torch.Tensor.__bool__ and torch._C._get_tracing_state() is not None:
+        if func in _DECISIONS and torch._C._get_tracing_state() is not None:
             try:
                 traced = torch._C._get_value_trace(args[0])
             except RuntimeError:  # a tensor the trace has no value for: a constant
                 traced = None
-            if traced is not None and _reads_values(traced):
+            read = _inputs_read(traced) if traced is not None else set()
+            if read and func is torch.Tensor.__bool__:
                 self.notes.append(f"decision:{_caller_line()}")
+            self.notes.extend(f"decided-by:{i}" for i in sorted(read))
         return func(*args, **(kwargs or {}))
+
+
+# [Note: tensors that choose the program] A tensor argument without rows that the forward
+# turns into a Python value (a task id from the collate function: `self.heads[int(task)]`,
+# `if task == 0`) chooses the traced program: the second trace changes the rows' values
+# to expose decisions on the data, not a tensor without rows, so the trace fixed the first
+# call's branch and every later call ran it (a multi-task model trained the first task's
+# head on every task without a word: parameters 0.167 off after 4 steps). Such an argument
+# of at most _CHOOSING_VALUES values is part of what names a program, as a Python number
+# is: a call with other values runs (or traces) the program of those values.
+_CHOOSING_VALUES = 64
+
+
+def choosing_inputs(notes: list, n_state: int, flat: FlatArgs, dims: list) -> list[int]:
+    """The positions in flat.tensors of the arguments without rows that chose the program."""
+    read = {int(n[len("decided-by:"):]) - n_state for n in notes if n.startswith("decided-by:")}
+    return [i for i in sorted(read) if 0 <= i < len(flat.tensors) and dims[i] is None
+            and flat.tensors[i].numel() <= _CHOOSING_VALUES]
+
+
+def chosen_by(flat: FlatArgs, inputs: list[int]) -> tuple:
+    """The values of the arguments at `inputs` of flat.tensors, as a program's key."""
+    return tuple((flat.paths[flat.tensor_slots[i]], tuple(flat.tensors[i].detach().cpu().reshape(-1).tolist()))
+                 for i in inputs)
 
 
 def _warn_of_checks_on_the_data(notes: list) -> None:
@@ -1796,6 +1856,7 @@ def _trace_with_layout(model, state, state_tensors, flat: FlatArgs, home, batch:
                              f"{batch} and {batch2}: {out1['spec']} vs {out2['spec']}")
         _refuse_numbers_of_data(out1, out2, notes)
         _warn_of_checks_on_the_data(notes)
+        out1["choosing"] = choosing_inputs(notes, len(state.names), flat, dims)
         out1["resized"] = {i for i, (a, b) in enumerate(zip(out1["leaves"], out2["leaves"]))
                            if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
                            and a.shape != b.shape}

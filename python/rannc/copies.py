@@ -119,8 +119,24 @@ class PlanSharingCopy(torch.nn.Module):
         self._write_back()
         mode = self.module.training
         self._check_traced_attributes()
+        self._say_forward_only(mode)
         with _modes_from(self._module_pairs):
             return self._source._call(mode, _COPY_CALL, args, kwargs, copy=self)
+
+    def _say_forward_only(self, mode: bool) -> None:
+        """A copy trained as a second model (its loss's backward) met torch's "element 0 of
+        tensors does not require grad" without a word of why: rank 0 says so once, where a
+        copy with trainable parameters is called in training mode with gradients on."""
+        if (self.__dict__.get("_said_forward_only") or not mode or not torch.is_grad_enabled()
+                or not any(p.requires_grad for p in self.module.parameters())):
+            return
+        self.__dict__["_said_forward_only"] = True
+        if _C.get_rank() == 0:
+            _C.log_warn("a copy of a RaNNCModule (copy.deepcopy) runs forward only: its outputs "
+                        "carry no gradient, so a backward through them trains nothing. To train "
+                        "a second model, wrap a fresh one in a RaNNCModule of its own; call a "
+                        "reference or teacher copy under torch.no_grad() ([Note: copies of a "
+                        "wrapped model] in copies.py)")
 
     def _check_traced_attributes(self):
         """The copy runs the model's traces, which baked in its modules' attributes: a

@@ -372,7 +372,7 @@ class Deployed:
         self.held_bytes = max(held)  # [Note: memory the programs before hold]
         if len(set(batches)) > 1:
             raise failure.agreed(f"local batches must have the same size on every rank; got "
-                                 f"{dict(enumerate(batches))} (rank: rows)")
+                                 f"{dict(enumerate(batches))} (rank: rows){failure.UNEQUAL_CURE}")
         if len(set(arguments)) > 1:
             raise _shapes_differ(arguments, self.graph._trace.inputs, self.shapes)
         if len(set(contents)) > 1:
@@ -591,7 +591,8 @@ class Deployed:
                 "parameters on every rank alike")
         if len(set(sizes)) > 1:
             raise failure.agreed(f"local batches must have the same size on every rank in "
-                                 f"each call; got {dict(enumerate(sizes))} (rank: rows)")
+                                 f"each call; got {dict(enumerate(sizes))} (rank: rows)"
+                                 f"{failure.UNEQUAL_CURE}")
         return call
 
     def run(self, call: _Call, args, kwargs):

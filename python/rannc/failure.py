@@ -72,3 +72,9 @@ def install() -> None:
         return
     _installed = True
     sys.excepthook = _hook(sys.excepthook)
+
+
+# what to do about local batches of other sizes on the ranks (a DDP loop's last batch)
+UNEQUAL_CURE = ("; the last batch of an epoch is the usual cause: drop it (DataLoader(..., "
+                "drop_last=True)) or give every rank as many rows (DistributedSampler pads "
+                "the dataset to a multiple of the ranks)")

@@ -108,22 +108,30 @@ def load_state_dict(wrapped, state_dict, strict: bool = True, assign: bool = Fal
         raise _C.Error("load_state_dict(assign=True) would replace the tensors the deployed "
                        "stages run with; load with assign=False (the default)")
     freed_here = wrapped.placement.freed()
-    if not freed_here:
-        result = wrapped.placement.module_load_state_dict(state_dict, strict=strict, assign=assign)
-        wrapped.placement.loaded(_loaded(wrapped, state_dict))
-        return result
     tensors = wrapped.placement.tensors()
     freed = {id(tensors[i]): shape for i, shape in freed_here.items()}
     own = wrapped.placement.module_state_dict(keep_vars=True)
     shapes = {k: freed[id(v)] for k, v in own.items()
               if isinstance(v, torch.Tensor) and id(v) in freed}  # the freed tensors' keys
+    # [Note: a load that fails changes nothing] The shapes of every key are checked before
+    # any is copied, the kept tensors' too (but where a module loads its own way, as an
+    # observer that resizes its range): torch copies the keys that fit and raises after,
+    # and here each rank copied its own stages' keys, so a load caught and gone on from
+    # left the model half-loaded, another half on each rank.
+    plain = _loads_plainly(wrapped.module)
+    whole = {k: shapes.get(k, v.shape) for k, v in own.items()
+             if isinstance(v, torch.Tensor) and (k in shapes or k.rpartition(".")[0] in plain)}
     errors = [f"size mismatch for {k}: copying a param with shape {state_dict[k].shape} from "
-              f"checkpoint, the shape in current model is {shapes[k]}."
-              for k in shapes if k in state_dict and isinstance(state_dict[k], torch.Tensor)
-              and state_dict[k].shape != shapes[k]]
+              f"checkpoint, the shape in current model is {whole[k]}."
+              for k in whole if k in state_dict and isinstance(state_dict[k], torch.Tensor)
+              and state_dict[k].shape != whole[k]]
     if errors:
         raise RuntimeError(f"Error(s) in loading state_dict for {type(wrapped.module).__name__}:"
                            "\n\t" + "\n\t".join(errors))
+    if not freed_here:
+        result = wrapped.placement.module_load_state_dict(state_dict, strict=strict, assign=assign)
+        wrapped.placement.loaded(_loaded(wrapped, state_dict))
+        return result
     kept = collections.OrderedDict((k, v) for k, v in state_dict.items() if k not in shapes)
     if getattr(state_dict, "_metadata", None) is not None:
         kept._metadata = state_dict._metadata
@@ -142,6 +150,14 @@ def load_state_dict(wrapped, state_dict, strict: bool = True, assign: bool = Fal
         raise RuntimeError(f"Error(s) in loading state_dict for {type(wrapped.module).__name__}:"
                            "\n\t" + "\n\t".join(errors))
     return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+
+def _loads_plainly(model: torch.nn.Module) -> set[str]:
+    """The names of the modules that load their tensors as nn.Module does (no
+    _load_from_state_dict of their own)."""
+    default = torch.nn.Module._load_from_state_dict
+    return {name for name, m in model.named_modules()
+            if type(m)._load_from_state_dict is default}
 
 
 def _loaded(wrapped, state_dict) -> list[torch.Tensor]:

@@ -26,7 +26,8 @@ from torch.utils.hooks import RemovableHandle
 from . import _C, clipping, failure, full_state, handshake, registry, trainer_support
 from .deployed import autocast_off, Deployed, module_modes, reads_every_gradient, traced_shapes
 from .graph import TracedGraph
-from ._trace import attribute_values, autocast_dtype, module_hooks, traced_differently
+from ._trace import (attribute_values, autocast_dtype, chosen_by, module_hooks,
+                     traced_differently)
 from ._trace import flatten_args as _trace_flat
 from .options import PRECISIONS, Options
 from .call_layout import CallLayouts
@@ -60,7 +61,7 @@ def _agree_on_rows(args, kwargs) -> None:
     if len(set(rows)) > 1:
         raise failure.agreed(f"local batches must have the same size on every rank; got "
                              f"{dict(enumerate(rows))} (rank: rows of dimension 0 of the first "
-                             "tensor argument)")
+                             f"tensor argument){failure.UNEQUAL_CURE}")
 
 
 def _checkpointing_on(model) -> bool:
@@ -376,6 +377,12 @@ class RaNNCModule(torch.nn.Module):
         if deployed is not None and modes != deployed.modes:
             # [Note: modules' modes] in deployed.py: another program, as other arguments are
             arguments = (arguments, "modules' modes", modes)
+        if deployed is not None and arguments is None and deployed.graph._trace.choosing:
+            # [Note: tensors that choose the program] in _trace.py
+            trace = deployed.graph._trace
+            values = chosen_by(_trace_flat(args, kwargs), trace.choosing)
+            if values != chosen_by(trace.inputs, trace.choosing):
+                arguments = (None, "arguments' values", values)
         if deployed is not None and deployed.attributes:
             values = attribute_values(deployed.attributes)
             if values != deployed.attribute_values:  # [Note: attributes read] in _trace.py
@@ -507,8 +514,13 @@ class RaNNCModule(torch.nn.Module):
             changed = (f"with {base._modes_changed(arguments[2])}"
                        if len(arguments) == 3 and arguments[1] == "modules' modes"
                        else f"with {base._attributes_changed(arguments[2])}" if attributes
+                       else f"with other values of {failure.some_of([p for p, _ in arguments[2]])} "
+                            "than the first, which chose the traced program ([Note: tensors "
+                            "that choose the program] in _trace.py)"
+                       if len(arguments) == 3 and arguments[1] == "arguments' values"
                        else f"with other arguments than the first ({differs()})")
-            plain = not attributes and not (len(arguments) == 3 and arguments[1] == "modules' modes")
+            plain = not attributes and not (len(arguments) == 3 and arguments[1] in
+                                            ("modules' modes", "arguments' values"))
             # a third program of the same structure as one before but other constants: most
             # likely a number that changes every step (mixup's lam), each value traced and
             # planned again
@@ -835,7 +847,8 @@ class RaNNCModule(torch.nn.Module):
     def to(self, *args, **kwargs):
         """[Note: moving a wrapped model]"""
         device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
-        if dtype is not None or memory_format is not None:
+        if memory_format is not None or (dtype is not None and self._converts(
+                lambda t: t.to(dtype) if t.is_floating_point() or t.is_complex() else t)):
             self._before_first_call(f"converting its tensors to {dtype or memory_format}")
             self.module.to(dtype=dtype, non_blocking=non_blocking, memory_format=memory_format)
         if device is not None:
@@ -854,8 +867,19 @@ class RaNNCModule(torch.nn.Module):
 
     def _apply(self, fn, recurse=True):
         # .half(), .float(), .bfloat16(), .type(), share_memory(): nn.Module's conversions
+        if self._deployed and not self._converts(fn):
+            return self  # a model already so (`.float()` of an fp32 model): nothing to do
         self._before_first_call("converting its tensors (.half(), .float(), .type()...)")
         return super()._apply(fn, recurse)
+
+    def _converts(self, fn) -> bool:
+        """Whether `fn` (a conversion of nn.Module._apply) changes the dtype or device of
+        any of the model's tensors; stops at the first that it changes."""
+        for t in itertools.chain(self.module.parameters(), self.module.buffers()):
+            out = fn(t)
+            if out is not t and (out.dtype != t.dtype or out.device != t.device):
+                return True
+        return False
 
     def _before_first_call(self, what: str) -> None:
         if self._deployed:

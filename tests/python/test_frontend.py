@@ -1519,6 +1519,26 @@ def test_arguments_whose_rows_are_not_the_batchs_are_named():
     with pytest.raises(rannc.TraceError, match=r"Or does args\[1\] hold positions in the batch "
                                                r"flattened \(args\[0\] reshaped to \[24"):
         rannc.trace(FlattenedPositions(), (torch.randint(0, 10, (4, 6)), pos))
+    class Weighted(torch.nn.Module):  # class weights passed beside the batch
+        def __init__(self, classes):
+            super().__init__()
+            self.lin = torch.nn.Linear(6, classes)
+
+        def forward(self, x, y, weight):
+            return torch.nn.functional.cross_entropy(self.lin(x), y, weight=weight)
+
+    x, y = torch.randn(4, 6), torch.tensor([0, 1, 2, 3])
+    with pytest.raises(rannc.TraceError, match=r"Or is args\[2\] of a size of the model's own that "
+                                               r"equals the batch size here \(4: class weights"):
+        rannc.trace(Weighted(4), (x, y, torch.rand(4)))
+
+    class WeightsFirst(Weighted):
+        def forward(self, weight, x, y):
+            return super().forward(x, y, weight)
+
+    with pytest.raises(rannc.TraceError, match=r"Or is args\[0\] not the batch\? .* args\[1\], "
+                                               r"args\[2\] have 4 rows: pass the batch's tensors first"):
+        rannc.trace(WeightsFirst(5), (torch.rand(5), x, y))
     nested = torch.nested.nested_tensor([torch.randn(3, 6), torch.randn(5, 6)])
     with pytest.raises(rannc.TraceError, match=r"args\[0\] is a nested tensor.*to_padded_tensor"):
         rannc.trace(torch.nn.Linear(6, 2), (nested,))

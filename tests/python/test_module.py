@@ -844,7 +844,7 @@ def test_a_failure_while_tracing_new_shapes_says_so_with_both_shapes():
                                    "complex_values", "state_before_step", "stashed_buffer",
                                    "fused_fake_quant", "qat_resume", "shared_later", "eval_before_step", "grad_in_place",
                                    "assigned_after_call", "named_backward", "outputs_without_rows",
-                                   "pairs_in_forward"])
+                                   "pairs_in_forward", "task_tensor", "failed_load"])
 def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
     """Ranks with different batch sizes in one call (on every such call), control flow on
     data that differs between ranks, different models, ranks whose batches have their own
@@ -874,6 +874,11 @@ def test_errors_every_rank_agrees_on_name_their_cause_and_end_nothing(probe):
     fused observers read as coupling the rows on one rank's data and not on another's (an
     error blaming control flow on the data); observed with them off ([Note: row-coupling
     flags] in convert.cpp), the ranks agree and train equal to PyTorch.
+    failed_load: a load_state_dict with a wrong shape on either stage raises on every rank
+    and changes nothing (each rank had copied its own stages' keys: half-loaded).
+    task_tensor: a multi-task model whose head a 0-dim task id tensor chooses (int(task),
+    `if task == 0`) trains each task's head as PyTorch: the trace fixed the first call's
+    branch for every later task, without a word ([Note: tensors that choose the program]).
     pairs_in_forward: a reward model scoring chosen and rejected concatenated in forward
     trains as PyTorch on 1 and 2 stages; the rows of the concatenated masks agreed by chance
     on one rank's lengths and not on the other's, so the ranks traced different graphs,
@@ -1346,6 +1351,22 @@ for micro in (2, 1):
     # [Note: batch norm per micro-batch] in planning.py: said with 2, not with 1
     assert res.stderr.count("batch norm in bn normalises each micro-batch by its own "
                             "statistics: with 2 micro-batches") == 1, res.stderr[-3000:]
+
+
+def test_what_users_do_after_training_is_said_or_done():
+    """A CNN with batch norm on 2 replicas: rank 0 says each replica's share has its own
+    statistics (as DDP's ranks; without a word before); `.float()` of an fp32 model after
+    the first call is a no-op (refused before) while a real conversion stays refused; a
+    copy called in training mode says it runs forward only (torch's "does not require grad"
+    at backward was all) (mpi/loop_probes.py after_training)."""
+    res = mpirun("loop_probes.py", 2, "after_training", timeout=300, env={"RANNC_COMM_TIMEOUT": "60"})
+    assert res.returncode == 0, res.stdout[-4000:]
+    for r in range(2):
+        assert f"OK rank {r}" in res.stdout, res.stdout[-4000:]
+    assert res.stdout.count("batch norm in 1 normalises each replica's share of the rows") == 1, \
+        res.stdout[-4000:]
+    assert res.stdout.count("a copy of a RaNNCModule (copy.deepcopy) runs forward only") == 1, \
+        res.stdout[-4000:]
 
 
 def test_evaluation_under_inference_mode_traces_new_programs():

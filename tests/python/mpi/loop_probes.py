@@ -482,6 +482,74 @@ elif probe == "pairs_in_forward":  # [Note: rows that agree by chance] in conver
             step_both(loss, ref_loss, opt, ref_opt)
         same_state(wrapped, reference, f"{stages} stages")
     print(f"OK rank {rank}", flush=True)
+elif probe == "task_tensor":  # [Note: tensors that choose the program] in _trace.py
+    class MultiTask(nn.Module):  # the task id comes from the collate function, a 0-dim tensor
+        def __init__(self, by_if):
+            super().__init__()
+            self.by_if = by_if
+            self.trunk = nn.Linear(16, 32)
+            self.heads = nn.ModuleList([nn.Linear(32, 5), nn.Linear(32, 5)])
+
+        def forward(self, x, y, task):
+            h = torch.relu(self.trunk(x))
+            if self.by_if:
+                out = self.heads[0](h) if task == 0 else self.heads[1](h)
+            else:
+                out = self.heads[int(task)](h)
+            return nn.functional.cross_entropy(out, y)
+
+    for by_if, stages in ((False, 1), (True, 2)):
+        torch.manual_seed(0)
+        model = MultiTask(by_if)
+        reference, opt, ref_opt, wrapped = sgd_pair(model, num_stages=stages)
+        for step, task in enumerate((0, 1, 1, 0)):
+            gen = torch.Generator().manual_seed(step)
+            x, y = torch.randn(8, 16, generator=gen), torch.randint(0, 5, (8,), generator=gen)
+            mine = slice(4 * rank, 4 * (rank + 1))
+            loss = wrapped(x[mine], y[mine], torch.tensor(task))
+            ref_loss = reference(x, y, torch.tensor(task))
+            torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"rank {rank}: if={by_if}, step {step}: {m}")
+            step_both(loss, ref_loss, opt, ref_opt)
+        same_state(wrapped, reference, f"if={by_if}")
+    print(f"OK rank {rank}", flush=True)
+elif probe == "failed_load":  # [Note: a load that fails changes nothing] in full_state.py
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    wrapped = rannc.RaNNCModule(model, opt, num_stages=2)
+    wrapped(torch.randn(4, 16)).sum().backward()
+    opt.step()
+    before = wrapped.state_dict()
+    bad = {k: torch.full_like(v, 7.0) for k, v in before.items()}
+    for key in ("0.weight", "4.bias"):  # one on each stage
+        wrong = dict(bad, **{key: torch.zeros(3, 3)})
+        expect_error(lambda: wrapped.load_state_dict(wrong), f"size mismatch for {key}",
+                     kinds=(RuntimeError,))
+        after = wrapped.state_dict()
+        for k in before:  # nothing loaded, on any rank (a stage's keys were before)
+            assert torch.equal(after[k], before[k]), (key, k)
+    wrapped.load_state_dict(bad)
+    assert all(torch.equal(v, torch.full_like(v, 7.0)) for v in wrapped.state_dict().values())
+    print(f"OK rank {rank}", flush=True)
+elif probe == "after_training":  # what users do with a model once it trained
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(4 * 6 * 6, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    wrapped = rannc.RaNNCModule(model, opt, num_stages=1)  # 2 replicas: rank 0 says of BN
+    x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 3, (4,))
+    nn.functional.cross_entropy(wrapped(x), y).backward()
+    opt.step()
+    # conversions to what the model already is change nothing (they were refused)
+    assert wrapped.float() is wrapped and wrapped.to(torch.float32) is wrapped
+    expect_error(lambda: wrapped.half(), "after a RaNNCModule's first call")
+    expect_error(lambda: wrapped.to(torch.float64), "after a RaNNCModule's first call")
+    # a copy trained as a second model: rank 0 says it runs forward only (torch's error was all)
+    copied = copy.deepcopy(wrapped)
+    loss = nn.functional.cross_entropy(copied(x), y)
+    assert not loss.requires_grad
+    print(f"OK rank {rank}", flush=True)
 elif probe == "mismatched_rows":
     model, args, _ = zoo.make("mlp", batch=4, seed=rank)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
